@@ -1,0 +1,222 @@
+"""Timing that owns synchronisation, warm-up and repeats.
+
+GPU work is asynchronous: a CUDA kernel launch returns to Python long before the kernel
+finishes, so ``time.perf_counter()`` around a GPU call measures the launch, not the work
+(PyTorch "CUDA semantics: asynchronous execution"). Every timer here therefore
+synchronises the device before it reads the clock, and on CUDA it times with CUDA events,
+which are recorded in the stream and so bracket exactly the queued work.
+
+The first calls of anything are slow (allocator growth, kernel selection, lazy
+initialisation), so :func:`benchmark` runs warm-up calls that it does not count and
+reports the median and spread of the repeats that follow, with the device and versions it
+ran on and the method it used.
+"""
+
+from __future__ import annotations
+
+import html
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+def as_device(device: torch.device | str) -> torch.device:
+    return device if isinstance(device, torch.device) else torch.device(device)
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait until all work queued on ``device`` has finished (a no-op on CPU).
+
+    CPU operators in PyTorch run synchronously in the calling thread, so there is nothing
+    to wait for; on CUDA this blocks until the device's streams are idle.
+    """
+    device = as_device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":  # pragma: no cover - no Apple GPU in CI
+        torch.mps.synchronize()
+
+
+def versions() -> dict[str, str]:
+    """Software versions a timing depends on."""
+    v = {"python": platform.python_version(), "torch": torch.__version__}
+    if torch.version.cuda:
+        v["cuda"] = torch.version.cuda
+    return v
+
+
+@dataclass(frozen=True)
+class TimingResult:
+    """Seconds per call of one timed function. ``samples_s`` are the counted repeats."""
+
+    name: str
+    samples_s: tuple[float, ...]
+    device: str
+    method: str
+    warmup: int
+    versions: dict[str, str] = field(default_factory=versions)
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.samples_s)
+
+    @property
+    def min_s(self) -> float:
+        return min(self.samples_s)
+
+    @property
+    def max_s(self) -> float:
+        return max(self.samples_s)
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median: how much the repeats disagree, as a fraction."""
+        return (self.max_s - self.min_s) / self.median_s if self.median_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name, "median_s": self.median_s, "min_s": self.min_s,
+            "max_s": self.max_s, "repeats": len(self.samples_s), "warmup": self.warmup,
+            "device": self.device, "method": self.method, "versions": self.versions,
+        }
+
+    def __str__(self) -> str:
+        return (f"{self.name}: median {format_seconds(self.median_s)} "
+                f"(min {format_seconds(self.min_s)}, max {format_seconds(self.max_s)}, "
+                f"n={len(self.samples_s)}) on {self.device}, {self.method}")
+
+    def _repr_html_(self) -> str:
+        return table([self])._repr_html_()
+
+
+def format_seconds(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3f} ms"
+    return f"{s * 1e6:.1f} µs"
+
+
+@dataclass(frozen=True)
+class Table:
+    """Timing results side by side; renders as an HTML table in a notebook."""
+
+    results: Sequence[TimingResult]
+
+    def _rows(self) -> list[list[str]]:
+        return [[r.name, format_seconds(r.median_s), f"{100 * r.spread:.1f}%",
+                 str(len(r.samples_s)), r.device, r.method] for r in self.results]
+
+    _HEAD = ("what", "median", "spread", "repeats", "device", "method")
+
+    def __str__(self) -> str:
+        rows = [list(self._HEAD), *self._rows()]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(self._HEAD))]
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))
+                         for row in rows)
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{h}</th>" for h in self._HEAD)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
+                       for row in self._rows())
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def table(results: Sequence[TimingResult]) -> Table:
+    return Table(tuple(results))
+
+
+class Timer:
+    """Times one region on ``device``, synchronising so the region's device work is counted.
+
+        with Timer("cuda") as t:
+            y = model(x)
+        t.elapsed_s
+
+    On CUDA it records CUDA events around the region; elsewhere it reads ``clock``
+    (``time.perf_counter`` unless a test injects another) after synchronising.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", *,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.device = as_device(device)
+        self.clock = clock
+        self.elapsed_s = float("nan")
+        self._use_events = self.device.type == "cuda"
+
+    @property
+    def method(self) -> str:
+        return "CUDA events" if self._use_events else "perf_counter after synchronize"
+
+    def __enter__(self) -> Timer:
+        if self._use_events:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._end = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            synchronize(self.device)
+            self._t0 = self.clock()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._use_events:
+            self._end.record()
+            self._end.synchronize()
+            self.elapsed_s = self._start.elapsed_time(self._end) / 1e3  # ms -> s
+        else:
+            synchronize(self.device)
+            self.elapsed_s = self.clock() - self._t0
+
+
+def benchmark(
+    fn: Callable[[], object],
+    *,
+    device: torch.device | str = "cpu",
+    warmup: int = 2,
+    repeats: int = 5,
+    name: str | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> TimingResult:
+    """Call ``fn`` ``warmup`` times uncounted, then time ``repeats`` calls one by one."""
+    if warmup < 0:
+        raise ValueError(f"warmup={warmup!r} is not allowed: zero or more")
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats!r} is not allowed: one or more")
+    device = as_device(device)
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    samples = []
+    timer = Timer(device, clock=clock)
+    for _ in range(repeats):
+        with timer:
+            fn()
+        samples.append(timer.elapsed_s)
+    return TimingResult(
+        name=name or getattr(fn, "__name__", "fn"), samples_s=tuple(samples),
+        device=str(device), method=timer.method, warmup=warmup,
+    )
+
+
+def unsynchronized(fn: Callable[[], object], *, device: torch.device | str = "cpu",
+                   repeats: int = 5,
+                   clock: Callable[[], float] = time.perf_counter) -> TimingResult:
+    """The wrong way, kept for teaching: clock reads with no synchronisation.
+
+    On a GPU this measures how long it takes to *queue* the work. Notebook 01 shows it
+    side by side with :func:`benchmark` to make asynchronous execution visible.
+    """
+    samples = []
+    for _ in range(repeats):
+        t0 = clock()
+        fn()
+        samples.append(clock() - t0)
+    return TimingResult(name=getattr(fn, "__name__", "fn") + " (no sync)",
+                        samples_s=tuple(samples), device=str(as_device(device)),
+                        method="perf_counter, no synchronize", warmup=0)

@@ -1,0 +1,231 @@
+"""The one training step every lab uses, and a short loop around it.
+
+:func:`train_step` is deliberately the only place where forward, backward and optimiser
+step meet. Labs change *how* it runs through its arguments (device, autocast dtype,
+gradient accumulation, a ``no_sync``-style context for data parallelism) and never copy
+it, so a number measured in one notebook is comparable with one measured in another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from labkit.config import RunConfig, TrainConfig
+from labkit.timing import Timer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """'auto' means the first CUDA GPU if there is one, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device={device!r} is not allowed here: this machine has no CUDA GPU "
+            "(or this torch is a CPU build); use device='cpu' or 'auto'"
+        )
+    return resolved
+
+
+def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:
+    """Autocast to ``dtype`` on ``device``; float32 means autocast off.
+
+    Autocast runs matmuls and convolutions in the low-precision dtype while keeping
+    reductions such as softmax and the loss in float32 (PyTorch AMP op lists).
+    """
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=DTYPES[dtype])
+
+
+def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (biases and LayerNorm gains are exempt)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+
+
+def make_scaler(device: torch.device, dtype: str) -> torch.amp.GradScaler | None:
+    """A loss scaler for float16 only: bfloat16 has float32's exponent range and needs none."""
+    return torch.amp.GradScaler(device.type) if dtype == "float16" else None
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one optimiser step did, as measured on this rank."""
+
+    loss: float
+    """Mean training loss over the step's micro-batches."""
+    seconds: float
+    """Wall time of the whole step, device synchronised at both ends."""
+    tokens: int
+    """Tokens this rank processed in the step (micro-batches x batch x seq_len)."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else math.nan
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Sequence[Batch],
+    *,
+    device: torch.device,
+    dtype: str = "float32",
+    scaler: torch.amp.GradScaler | None = None,
+    grad_clip: float | None = None,
+    no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+) -> StepStats:
+    """One optimiser step over ``batches`` (one micro-batch each: gradient accumulation).
+
+    Each micro-batch loss is divided by the number of micro-batches, so the accumulated
+    gradient equals the gradient of the mean loss over all of them: k accumulated
+    micro-batches of size b give the same update as one batch of size k*b.
+
+    ``no_sync``, if given, is entered for every micro-batch but the last (as DDP's
+    ``model.no_sync``): gradients then stay local until the final backward, which
+    communicates once per step instead of once per micro-batch.
+    """
+    if not batches:
+        raise ValueError("batches is empty: pass one (x, y) pair per micro-batch")
+    n = len(batches)
+    total = 0.0
+    tokens = 0
+    with Timer(device) as timer:
+        for i, (x, y) in enumerate(batches):
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            sync_ctx = no_sync() if (no_sync is not None and i < n - 1) else contextlib.nullcontext()
+            with sync_ctx:
+                with autocast(device, dtype):
+                    _, loss = model(x, y)
+                loss = loss / n
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+            total += loss.detach()
+            tokens += x.numel()
+        if grad_clip is not None:
+            if scaler is not None:
+                scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+            nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = float(total)  # one host sync per step, inside the timed region
+    return StepStats(loss=loss_value, seconds=timer.elapsed_s, tokens=tokens)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: Sequence[Batch], *, device: torch.device,
+             dtype: str = "float32") -> float:
+    """Mean loss over ``batches`` with the model in eval mode (restored afterwards)."""
+    was_training = model.training
+    model.eval()
+    losses = []
+    for x, y in batches:
+        with autocast(device, dtype):
+            _, loss = model(x.to(device), y.to(device))
+        losses.append(float(loss))
+    model.train(was_training)
+    return sum(losses) / len(losses)
+
+
+@dataclass
+class History:
+    """Per-step measurements of a run, ready for plots and tables."""
+
+    steps: list[int] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    val_steps: list[int] = field(default_factory=list)
+    val_loss: list[float] = field(default_factory=list)
+
+    def record(self, step: int, stats: StepStats) -> None:
+        self.steps.append(step)
+        self.loss.append(stats.loss)
+        self.seconds.append(stats.seconds)
+        self.tokens.append(stats.tokens)
+
+    def tokens_per_s(self, skip: int = 1) -> float:
+        """Steady-state throughput: total tokens / total time, skipping warm-up steps."""
+        skip = min(skip, max(len(self.steps) - 1, 0))
+        secs = sum(self.seconds[skip:])
+        return sum(self.tokens[skip:]) / secs if secs > 0 else math.nan
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def batch_stream(data: torch.Tensor, cfg: RunConfig, generator: torch.Generator,
+                 get_batch: Callable[..., Batch]) -> Iterator[list[Batch]]:
+    """Endless lists of ``grad_accum`` micro-batches drawn from ``data``."""
+    while True:
+        yield [get_batch(data, cfg.train.micro_batch, cfg.model.seq_len, generator)
+               for _ in range(cfg.train.grad_accum)]
+
+
+def train(
+    model: nn.Module,
+    cfg: RunConfig,
+    train_data: torch.Tensor,
+    *,
+    val_data: torch.Tensor | None = None,
+    device: torch.device | None = None,
+    on_step: Callable[[int, StepStats], None] | None = None,
+    no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+) -> History:
+    """Train ``model`` for ``cfg.train.steps`` steps on random windows of ``train_data``."""
+    from labkit.data import get_batch  # data depends on nothing here; import where used
+
+    t = cfg.train
+    device = device or resolve_device(t.device)
+    model.to(device).train()
+    optimizer = make_optimizer(model, t)
+    scaler = make_scaler(device, t.dtype)
+    gen = torch.Generator().manual_seed(t.seed)
+    val_gen = torch.Generator().manual_seed(t.seed + 1)
+    history = History()
+    stream = batch_stream(train_data, cfg, gen, get_batch)
+    for step in range(1, t.steps + 1):
+        stats = train_step(model, optimizer, next(stream), device=device, dtype=t.dtype,
+                           scaler=scaler, grad_clip=t.grad_clip, no_sync=no_sync)
+        history.record(step, stats)
+        if val_data is not None and t.eval_every and (step % t.eval_every == 0 or step == t.steps):
+            val_batches = [get_batch(val_data, t.micro_batch, cfg.model.seq_len, val_gen)
+                           for _ in range(4)]
+            history.val_steps.append(step)
+            history.val_loss.append(evaluate(model, val_batches, device=device, dtype=t.dtype))
+        if on_step is not None:
+            on_step(step, stats)
+    return history
+
+
+class Progress:
+    """Prints a progress line every ``every`` steps: enough to see a long run move,
+    few enough lines to keep a notebook's output short."""
+
+    def __init__(self, total: int, *, lines: int = 10, print_fn: Callable[[str], None] = print):
+        self.total = total
+        self.every = max(1, total // lines)
+        self.print = print_fn
+
+    def __call__(self, step: int, stats: StepStats) -> None:
+        if step % self.every == 0 or step == self.total:
+            self.print(f"step {step:>5}/{self.total}  loss {stats.loss:.3f}  "
+                       f"{stats.tokens_per_s:,.0f} tok/s  {stats.seconds * 1e3:.1f} ms/step")

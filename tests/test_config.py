@@ -1,0 +1,61 @@
+import pytest
+
+from labkit import config
+
+
+@pytest.mark.parametrize("size", config.SIZES)
+def test_presets_build_and_round_trip(size):
+    cfg = config.preset(size)
+    assert config.RunConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_presets_grow_from_smoke_to_gpu():
+    sizes = [config.preset(s).model for s in ("smoke", "lab", "gpu")]
+    widths = [m.d_model * m.n_layer for m in sizes]
+    assert widths == sorted(widths) and len(set(widths)) == 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "allowed"),
+    [
+        ({"n_head": 3}, "n_head", "divisor of d_model=128"),
+        ({"d_model": 0}, "d_model", "positive integer"),
+        ({"dropout": 1.0}, "dropout", "[0, 1)"),
+    ],
+)
+def test_bad_model_values_name_field_value_and_rule(kwargs, field, allowed):
+    with pytest.raises(ValueError) as err:
+        config.ModelConfig(**kwargs)
+    msg = str(err.value)
+    assert msg.startswith(f"{field}={next(iter(kwargs.values()))!r}")
+    assert allowed in msg
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"micro_batch": 0}, "micro_batch"),
+        ({"grad_accum": 1.5}, "grad_accum"),
+        ({"dtype": "fp8"}, "dtype"),
+        ({"device": "tpu"}, "device"),
+        ({"lr": -1.0}, "lr"),
+        ({"grad_clip": 0.0}, "grad_clip"),
+    ],
+)
+def test_bad_train_values_raise(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field}="):
+        config.TrainConfig(**kwargs)
+
+
+def test_unknown_preset_lists_the_allowed_sizes():
+    with pytest.raises(ValueError, match="one of \\('smoke', 'lab', 'gpu'\\)"):
+        config.preset("huge")
+
+
+def test_replace_routes_fields_and_rejects_unknown_names():
+    cfg = config.preset("smoke").replace(steps=7, n_layer=3)
+    assert (cfg.train.steps, cfg.model.n_layer) == (7, 3)
+    with pytest.raises(ValueError, match="unknown config field"):
+        config.preset("smoke").replace(stepz=7)
+    with pytest.raises(ValueError, match="^n_head="):
+        config.preset("smoke").replace(n_head=5)

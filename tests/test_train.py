@@ -1,0 +1,102 @@
+import copy
+
+import pytest
+import torch
+
+from labkit import train
+from labkit.config import ModelConfig, TrainConfig
+from labkit.model import GPT
+
+CFG = ModelConfig(seq_len=16, n_layer=2, n_head=2, d_model=32)
+CPU = torch.device("cpu")
+
+
+def batches(n, b, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, CFG.vocab_size, (b, CFG.seq_len), generator=g)
+        out.append((x, torch.roll(x, -1, dims=1)))
+    return out
+
+
+def fresh(seed=0):
+    torch.manual_seed(seed)
+    model = GPT(CFG)
+    return model, train.make_optimizer(model, TrainConfig(lr=1e-2))
+
+
+def test_gradient_accumulation_equals_one_large_batch():
+    """k micro-batches of b accumulate the same gradient as one batch of k·b."""
+    micro = batches(4, 2)
+    big = [(torch.cat([x for x, _ in micro]), torch.cat([y for _, y in micro]))]
+    m1, o1 = fresh()
+    m2 = copy.deepcopy(m1)
+    o2 = train.make_optimizer(m2, TrainConfig(lr=1e-2))
+    s1 = train.train_step(m1, o1, micro, device=CPU)
+    s2 = train.train_step(m2, o2, big, device=CPU)
+    assert s1.loss == pytest.approx(s2.loss, rel=1e-5)
+    assert s1.tokens == s2.tokens == 4 * 2 * CFG.seq_len
+    for p1, p2 in zip(m1.parameters(), m2.parameters(), strict=True):
+        # Adam divides by sqrt(v): float rounding in tiny gradients shows at ~1e-5.
+        torch.testing.assert_close(p1, p2, rtol=1e-4, atol=2e-5)
+
+
+def test_no_sync_is_entered_for_all_but_the_last_micro_batch():
+    entered = []
+
+    class Spy:
+        def __enter__(self):
+            entered.append(True)
+
+        def __exit__(self, *exc):
+            return False
+
+    model, opt = fresh()
+    train.train_step(model, opt, batches(3, 2), device=CPU, no_sync=Spy)
+    assert len(entered) == 2
+
+
+def test_repeated_steps_reduce_the_loss():
+    model, opt = fresh()
+    fixed = batches(1, 4)
+    first = train.train_step(model, opt, fixed, device=CPU).loss
+    for _ in range(20):
+        last = train.train_step(model, opt, fixed, device=CPU)
+    assert last.loss < 0.8 * first
+    assert last.seconds > 0 and last.tokens_per_s > 0
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_steps_run_on_cpu_autocast(dtype):
+    model, opt = fresh()
+    scaler = train.make_scaler(CPU, dtype)
+    assert (scaler is not None) == (dtype == "float16")
+    stats = train.train_step(model, opt, batches(2, 2), device=CPU, dtype=dtype, scaler=scaler,
+                             grad_clip=1.0)
+    assert torch.isfinite(torch.tensor(stats.loss))
+
+
+def test_weight_decay_only_on_matrices():
+    model, opt = fresh()
+    decay, no_decay = opt.param_groups
+    assert all(p.dim() >= 2 for p in decay["params"]) and decay["weight_decay"] > 0
+    assert all(p.dim() < 2 for p in no_decay["params"]) and no_decay["weight_decay"] == 0
+
+
+def test_empty_batches_and_missing_gpu_are_clear_errors():
+    model, opt = fresh()
+    with pytest.raises(ValueError, match="batches is empty"):
+        train.train_step(model, opt, [], device=CPU)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU"):
+            train.resolve_device("cuda")
+
+
+def test_progress_prints_a_bounded_number_of_lines():
+    lines = []
+    progress = train.Progress(100, lines=5, print_fn=lines.append)
+    stats = train.StepStats(loss=1.0, seconds=0.01, tokens=100)
+    for step in range(1, 101):
+        progress(step, stats)
+    assert len(lines) == 5 and lines[-1].startswith("step   100/100")
