@@ -1,0 +1,744 @@
+"""Closed-form estimates the course predicts before it measures.
+
+Every number a notebook prints as "predicted" or "modelled" comes from a function in this file,
+so each one states its formula, its units, the convention it follows and where the formula comes
+from. Where the literature uses more than one convention (bytes per parameter, pipeline bubble),
+each convention gets its own name and none is "the" answer.
+
+Pure Python: no torch, no I/O, no state. Units are in the names or the docstrings: bytes, FLOPs
+(floating-point operations, a count), FLOP/s (a rate), seconds.
+
+Notation (as in /work/shared/facts.md):
+    N  parameters           L  layers              h  hidden size (d_model)
+    a  attention heads      s  sequence length     b  micro-batch size (sequences)
+    V  vocabulary size      p  pipeline stages     m  micro-batches per step
+    v  interleaved chunks   n  ranks               C  peak FLOP/s     W  link bandwidth (bytes/s)
+
+Sources cited below:
+    [nanoGPT]      karpathy/nanoGPT, model.py (GPT.get_num_params, GPT.estimate_mfu) and
+                   transformer_sizing.ipynb.
+    [PaLM]         Chowdhery et al. 2022, "PaLM", arXiv 2204.02311, Appendix B (model FLOPs, MFU).
+    [llm.c]        karpathy/llm.c, train_gpt2.cu (FLOPs per token counting the causal half).
+    [Kaplan]       Kaplan et al. 2020, "Scaling Laws for Neural Language Models", arXiv 2001.08361.
+    [Playbook]     Hugging Face, "The Ultra-Scale Playbook" (memory section; appendix A3).
+    [ZeRO]         Rajbhandari et al. 2019, arXiv 1910.02054 (section 3, Figure 1).
+    [ml-eng]       stas00/ml-engineering, training/performance/README.md
+                   ("Anatomy of Model's Memory Usage").
+    [scaling-book] jax-ml/scaling-book, training.md (section 5) and gpus.md, roofline.md.
+    [Korthikanti]  Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+                   Models", arXiv 2205.05198, section 4.1.
+    [NCCL-tests]   NVIDIA/nccl-tests, doc/PERFORMANCE.md.
+    [GPipe]        Huang et al. 2019, arXiv 1811.06965, section 2.3.
+    [Narayanan]    Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
+                   Clusters Using Megatron-LM", arXiv 2104.04473, section 2.2.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from numbers import Integral, Real
+from typing import Any
+
+# ----------------------------------------------------------------------------------------------
+# Input validation. Errors name the argument, the value received and what is allowed.
+
+
+def _positive_int(name: str, value: Any) -> int:
+    # bool is an int subclass; True as a layer count is a bug, not a 1
+    if isinstance(value, bool) or not isinstance(value, Integral) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _positive_number(name: str, value: Any) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, Real)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    return value
+
+
+def _non_negative_number(name: str, value: Any) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, Real)
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ValueError(f"{name} must be a non-negative finite number, got {value!r}")
+    return value
+
+
+def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+    return value
+
+
+# ----------------------------------------------------------------------------------------------
+# Storage size of a dtype.
+
+# Bytes per element of the storage dtypes this course uses. tf32 is missing on purpose: it is a
+# tensor-core compute mode for float32 tensors, which are still stored in 4 bytes.
+DTYPE_BYTES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+
+_DTYPE_ALIASES: dict[str, str] = {
+    "fp64": "float64",
+    "double": "float64",
+    "fp32": "float32",
+    "float": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp8": "float8_e4m3fn",
+}
+
+
+def dtype_name(dtype: Any) -> str:
+    """Canonical name of a dtype given as a string ("bf16", "float32") or a ``torch.dtype``.
+
+    ``torch.float32`` prints as "torch.float32", so this works without importing torch.
+    """
+    name = str(dtype).removeprefix("torch.").lower()
+    name = _DTYPE_ALIASES.get(name, name)
+    if name not in DTYPE_BYTES:
+        hint = ""
+        if name in ("tf32", "tfloat32"):
+            hint = (
+                " (tf32 is a compute mode for float32 tensors, stored in 4 bytes: pass 'float32')"
+            )
+        raise ValueError(
+            f"dtype must be one of {', '.join(sorted(DTYPE_BYTES))} (or an alias such as "
+            f"'bf16', 'fp16', 'fp32'); got {dtype!r}{hint}"
+        )
+    return name
+
+
+def dtype_bytes(dtype: Any) -> int:
+    """Bytes one element of ``dtype`` occupies in memory (float32: 4, bfloat16: 2, ...)."""
+    return DTYPE_BYTES[dtype_name(dtype)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Model-state memory: parameters, gradients, optimizer state.
+
+
+@dataclass(frozen=True)
+class BytesPerParamConvention:
+    """One published way of counting training memory per parameter (activations excluded)."""
+
+    name: str
+    bytes_per_param: int
+    parts: tuple[tuple[str, int], ...]  # (what is counted, bytes per parameter)
+    source: str
+
+
+# The same training setup is counted differently in different sources; each gets its own name.
+BYTES_PER_PARAM_CONVENTIONS: dict[str, BytesPerParamConvention] = {
+    c.name: c
+    for c in (
+        BytesPerParamConvention(
+            "fp32_adam",
+            16,
+            (("fp32 parameters", 4), ("fp32 gradients", 4), ("Adam m and v in fp32", 8)),
+            "Playbook, memory section: full fp32 training with Adam",
+        ),
+        BytesPerParamConvention(
+            "mixed_adam_zero",
+            16,
+            (
+                ("16-bit parameters", 2),
+                ("16-bit gradients", 2),
+                ("K = 12: fp32 master parameters, Adam m and v", 12),
+            ),
+            "ZeRO paper (arXiv 1910.02054) section 3.1: 2Ψ + 2Ψ + KΨ with K = 12",
+        ),
+        BytesPerParamConvention(
+            "mixed_adam_fp32_grad_accum",
+            20,
+            (
+                ("16-bit parameters", 2),
+                ("16-bit gradients", 2),
+                ("fp32 master parameters, Adam m and v", 12),
+                ("fp32 gradient accumulation buffer", 4),
+            ),
+            "Playbook, memory section: mixed precision with fp32 gradient accumulation",
+        ),
+        BytesPerParamConvention(
+            "ml_engineering",
+            18,
+            (
+                ("fp32 and 16-bit copies of the weights", 6),
+                ("AdamW states", 8),
+                ("fp32 gradients", 4),
+            ),
+            "stas00/ml-engineering, training/performance/README.md: 'mixed precision with "
+            "AdamW requires 18 bytes per model parameter'",
+        ),
+        BytesPerParamConvention(
+            "scaling_book",
+            10,
+            (("bf16 parameters", 2), ("Adam moments in fp32", 8)),
+            "jax-ml/scaling-book, training.md section 5: bf16 parameters + fp32 Adam moments; "
+            "gradients not counted",
+        ),
+    )
+}
+
+
+def bytes_per_param(convention: str) -> int:
+    """Training-state bytes per parameter under a named convention (activations excluded).
+
+    ==============================  =====  ==========================================================
+    convention                      bytes  what is counted
+    ==============================  =====  ==========================================================
+    ``fp32_adam``                   16     4 params + 4 grads + 8 Adam (m, v) — Playbook
+    ``mixed_adam_zero``             16     2 params + 2 grads + 12 (fp32 master, m, v) — ZeRO, K=12
+    ``mixed_adam_fp32_grad_accum``  20     the above + 4 for an fp32 gradient buffer — Playbook
+    ``ml_engineering``              18     6 weights (fp32 + 16-bit) + 8 AdamW + 4 fp32 grads
+    ``scaling_book``                10     2 bf16 params + 8 fp32 Adam moments; no gradients
+    ==============================  =====  ==========================================================
+
+    The details and the source of each are in ``BYTES_PER_PARAM_CONVENTIONS``.
+    """
+    _choice("convention", convention, tuple(BYTES_PER_PARAM_CONVENTIONS))
+    return BYTES_PER_PARAM_CONVENTIONS[convention].bytes_per_param
+
+
+def model_state_bytes(n_params: float, convention: str) -> float:
+    """Bytes of parameters + gradients + optimizer state: ``n_params × bytes_per_param(convention)``."""
+    _positive_number("n_params", n_params)
+    return n_params * bytes_per_param(convention)
+
+
+# Number of per-parameter state tensors each optimizer keeps (PyTorch's implementations).
+OPTIMIZER_STATES: dict[str, int] = {
+    "adamw": 2,  # exp_avg (m) and exp_avg_sq (v)
+    "adam": 2,
+    "sgd": 0,  # plain SGD keeps nothing
+    "sgd_momentum": 1,  # momentum_buffer
+}
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Predicted model-state memory in bytes, split the way ``torch.cuda.memory`` tools show it."""
+
+    n_params: float
+    parameters: float
+    gradients: float
+    optimizer_state: float
+    master_weights: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer_state + self.master_weights
+
+    @property
+    def bytes_per_param(self) -> float:
+        return self.total / self.n_params
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "parameters": self.parameters,
+            "gradients": self.gradients,
+            "optimizer_state": self.optimizer_state,
+            "master_weights": self.master_weights,
+            "total": self.total,
+        }
+
+
+def memory_breakdown(
+    n_params: float,
+    *,
+    param_dtype: Any = "float32",
+    grad_dtype: Any = None,
+    optimizer: str = "adamw",
+    optimizer_state_dtype: Any = None,
+    master_weights_dtype: Any = None,
+) -> MemoryBreakdown:
+    """Bytes of parameters, gradients and optimizer state for ``n_params`` parameters.
+
+    Defaults follow PyTorch: gradients have the parameter's dtype, and ``torch.optim.AdamW``
+    creates its two moments with ``zeros_like(param)``, i.e. in the parameter's dtype. So the
+    default (fp32 params, AdamW) is 4 + 4 + 8 = 16 bytes/param, the Playbook's fp32 figure.
+
+    Mixed precision with fp32 master weights (ZeRO's setup) is
+    ``param_dtype="bf16", master_weights_dtype="float32", optimizer_state_dtype="float32"``:
+    2 + 2 + 4 + 8 = 16 bytes/param.
+
+    Not counted: activations (see ``activation_bytes``), AdamW's per-tensor ``step`` scalars,
+    allocator caching and fragmentation, CUDA context. The optimizer state only exists after the
+    first ``optimizer.step()`` (PyTorch allocates it lazily), so measure after step 1.
+
+    Args:
+        n_params: number of trainable parameters.
+        param_dtype: dtype of the parameters the model computes with.
+        grad_dtype: dtype of ``param.grad``; default the parameter's dtype.
+        optimizer: "adamw" | "adam" (2 states) | "sgd_momentum" (1) | "sgd" (0).
+        optimizer_state_dtype: dtype of each state; default the parameter's dtype.
+        master_weights_dtype: dtype of a separate master copy of the weights, or None for none.
+    """
+    _positive_number("n_params", n_params)
+    _choice("optimizer", optimizer, tuple(OPTIMIZER_STATES))
+    p_bytes = dtype_bytes(param_dtype)
+    g_bytes = dtype_bytes(grad_dtype) if grad_dtype is not None else p_bytes
+    s_bytes = dtype_bytes(optimizer_state_dtype) if optimizer_state_dtype is not None else p_bytes
+    m_bytes = dtype_bytes(master_weights_dtype) if master_weights_dtype is not None else 0
+    return MemoryBreakdown(
+        n_params=n_params,
+        parameters=n_params * p_bytes,
+        gradients=n_params * g_bytes,
+        optimizer_state=n_params * s_bytes * OPTIMIZER_STATES[optimizer],
+        master_weights=n_params * m_bytes,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Activation memory.
+
+ATTENTION_KINDS = ("materialized", "flash")
+
+
+def activation_bytes_per_layer(
+    seq_len: int,
+    micro_batch: int,
+    d_model: int,
+    n_head: int,
+    *,
+    bytes_per_element: int = 2,
+    dropout: bool = True,
+    dropout_mask_bytes: int = 1,
+    attention: str = "materialized",
+) -> float:
+    """Bytes one transformer layer keeps for the backward pass (no recomputation).
+
+    With the defaults this is Korthikanti et al. 2022 (arXiv 2205.05198, section 4.1)::
+
+        s·b·h·(34 + 5·a·s/h)  bytes  =  34·s·b·h  +  5·a·s²·b
+
+    for 16-bit activations (2 bytes), 1-byte dropout masks and a GPT block with a 4h MLP.
+    Where the numbers come from, with e = bytes_per_element and k = dropout_mask_bytes
+    (the paper's e = 2, k = 1)::
+
+        attention   e·sbh   input of the q/k/v projections (shared by all three)
+                  3·e·sbh   Q, K and V (kept for QKᵀ and for softmax·V)
+                    e·sbh   input of the output projection
+                    k·sbh   dropout mask after the output projection
+                    e·as²b  softmax output                     ┐
+                    k·as²b  attention-dropout mask             ├ the "5·as²b" term
+                    e·as²b  attention-dropout output           ┘
+        MLP         e·sbh   input of the first linear
+                  4·e·sbh   GeLU input (the 4h-wide first-linear output)
+                  4·e·sbh   GeLU output, input of the second linear
+                    k·sbh   dropout mask
+        LayerNorm 2·e·sbh   the inputs of the two LayerNorms
+
+    Generalised: ``s·b·h·(16e + 2k) + a·s²·b·(2e + k)``; without dropout ``s·b·h·16e + a·s²·b·e``.
+
+    ``attention="flash"`` models a fused kernel (FlashAttention, PyTorch's flash SDPA on CUDA and
+    on CPU) that never stores the s×s matrix: the quadratic term becomes the per-row softmax
+    statistic it keeps instead, ``4·a·s·b`` bytes (float32 log-sum-exp). Fused kernels also
+    regenerate attention dropout instead of storing a mask.
+
+    What it does not count: the embedding and position lookups, the final LayerNorm, the logits
+    (b·s·V elements, often the largest single tensor for a small model), the loss, LayerNorm's
+    per-token mean and rstd (2 × 2 × 4·s·b bytes per layer in PyTorch), temporaries that live
+    only inside one op, and allocator overhead. Note also that PyTorch's CPU dropout keeps its
+    mask in the activation dtype (k = e), while the fused CUDA dropout keeps 1 byte (k = 1); with
+    ``p = 0`` PyTorch stores no mask at all (pass ``dropout=False``).
+
+    Cross-checked with ``torch.autograd.graph.saved_tensors_hooks`` on a GPT-2-style block
+    (separate q/k/v Linear, SDPA, GELU; torch 2.13, CPU, fp32): the bytes autograd saved were
+    this formula plus the LayerNorm statistics, exactly, for flash and math SDPA, with dropout
+    off and on (CPU mask k = 4).
+
+    Args:
+        seq_len: s, tokens per sequence.
+        micro_batch: b, sequences per micro-batch.
+        d_model: h, hidden size.
+        n_head: a, attention heads.
+        bytes_per_element: e, bytes per stored activation (2 for bf16/fp16, 4 for fp32).
+        dropout: whether dropout layers are active (p > 0 in training mode).
+        dropout_mask_bytes: k, bytes per dropout-mask element (1 for a bool mask).
+        attention: "materialized" (the paper's count) or "flash".
+    """
+    s = _positive_int("seq_len", seq_len)
+    b = _positive_int("micro_batch", micro_batch)
+    h = _positive_int("d_model", d_model)
+    a = _positive_int("n_head", n_head)
+    e = _positive_int("bytes_per_element", bytes_per_element)
+    k = _positive_int("dropout_mask_bytes", dropout_mask_bytes) if dropout else 0
+    _choice("attention", attention, ATTENTION_KINDS)
+
+    linear = s * b * h * (16 * e + 2 * k)  # (B, T, C)-shaped tensors and their masks
+    if attention == "materialized":
+        # (B, nh, T, T): softmax output, and with dropout its mask and its dropped-out copy
+        quadratic = a * s * s * b * (2 * e + k if dropout else e)
+    else:
+        quadratic = 4 * a * s * b  # float32 log-sum-exp per (B, nh, T) row
+    return linear + quadratic
+
+
+def activation_bytes(
+    n_layer: int,
+    seq_len: int,
+    micro_batch: int,
+    d_model: int,
+    n_head: int,
+    **kwargs: Any,
+) -> float:
+    """Activation bytes of ``n_layer`` identical layers: L × ``activation_bytes_per_layer(...)``.
+
+    Same conventions and the same omissions (embeddings, logits, loss) as the per-layer
+    function; keyword arguments are passed through to it.
+    """
+    n = _positive_int("n_layer", n_layer)
+    return n * activation_bytes_per_layer(seq_len, micro_batch, d_model, n_head, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Parameter and FLOP counts.
+
+
+def gpt_params(
+    vocab_size: int,
+    d_model: int,
+    n_layer: int,
+    seq_len: int | None = None,
+    *,
+    tied: bool = True,
+    bias: bool = True,
+) -> int:
+    """Exact parameter count of a GPT-2-style decoder (MLP width 4h, no GLU).
+
+    Per layer (bias=True): LayerNorm 2h, q/k/v 3h² + 3h (fused or separate: same count),
+    output projection h² + h, MLP 4h² + 4h and 4h² + h, LayerNorm 2h: 12h² + 13h. Hence the
+    Playbook's formula (memory section) for a tied model without position embeddings::
+
+        h·V + L·(12h² + 13h) + 2h              (2h: the final LayerNorm)
+
+    plus ``s·h`` for learned position embeddings (pass ``seq_len``) and plus ``V·h`` for an
+    untied lm_head (no bias). With ``bias=False`` (nanoGPT's default) the Linear biases and
+    LayerNorm biases disappear: 12h² + 2h per layer and h for the final LayerNorm.
+
+    labkit.model (biases on, learned positions, tied head) has exactly
+    ``V·h + s·h + L·(12h² + 13h) + 2h`` parameters: ``gpt_params(V, h, L, seq_len=s)``.
+    """
+    V = _positive_int("vocab_size", vocab_size)
+    h = _positive_int("d_model", d_model)
+    L = _positive_int("n_layer", n_layer)
+    per_layer = 12 * h * h + (13 * h if bias else 2 * h)
+    final_norm = 2 * h if bias else h
+    total = V * h + L * per_layer + final_norm
+    if seq_len is not None:
+        total += _positive_int("seq_len", seq_len) * h
+    if not tied:
+        total += V * h
+    return total
+
+
+FLOP_ATTENTION_CONVENTIONS = ("full", "causal", "none")
+
+
+def flops_per_token(
+    n_params: float,
+    n_layer: int,
+    d_model: int,
+    seq_len: int,
+    attention: str = "full",
+) -> float:
+    """Training FLOPs (forward + backward) per token.
+
+    Each parameter costs 2 FLOPs per token forward (one multiply-add) and 4 backward (gradients
+    with respect to inputs and to weights): 6N. Attention's QKᵀ and softmax·V add FLOPs that no
+    parameter accounts for; the conventions differ on how to count them::
+
+        "full"    6N + 12·L·h·s   nanoGPT estimate_mfu (12·L·H·Q·T with H·Q = h); PaLM App. B
+        "causal"  6N +  6·L·h·s   llm.c: a causal mask needs only half of the s×s scores
+        "none"    6N              the attention term ignored (Kaplan et al. 2020's C ≈ 6N)
+
+    Which N? nanoGPT passes ``get_num_params()``, which subtracts the position embeddings (a
+    lookup, no FLOPs) but keeps the token embedding, because with tied weights it is also the
+    lm_head matmul. State which N you use when you print an MFU.
+    """
+    N = _positive_number("n_params", n_params)
+    L = _positive_int("n_layer", n_layer)
+    h = _positive_int("d_model", d_model)
+    s = _positive_int("seq_len", seq_len)
+    _choice("attention", attention, FLOP_ATTENTION_CONVENTIONS)
+    attention_flops = {"full": 12 * L * h * s, "causal": 6 * L * h * s, "none": 0}[attention]
+    return 6 * N + attention_flops
+
+
+def training_flops(n_params: float, tokens: float) -> float:
+    """Total training compute C ≈ 6·N·D FLOPs for D tokens (Kaplan et al. 2020, section 2.1).
+
+    Ignores the attention term of ``flops_per_token``; fine when h ≫ s.
+    """
+    return 6 * _positive_number("n_params", n_params) * _positive_number("tokens", tokens)
+
+
+def mfu(
+    tokens_per_s: float,
+    flops_per_token: float,
+    peak_flops_per_s: float | None,
+    n_devices: int = 1,
+) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s ÷ (n_devices × peak FLOP/s).
+
+    ``tokens_per_s`` is the throughput of the whole job (all devices, after gradient
+    accumulation), so its model FLOP/s are shared by ``n_devices`` devices. Miscounting
+    accumulation steps or world size, or dividing by the wrong peak, are the MFU bugs learners
+    hit (nanoGPT #182, #464, #619; nanochat #147).
+
+    MFU counts only the FLOPs the model needs (PaLM App. B); hardware FLOPs utilisation (HFU)
+    also counts recomputed work, so with activation checkpointing HFU > MFU. Use the peak of
+    the dtype the matmuls really run in (bf16, or tf32 when enabled, else fp32).
+
+    Raises:
+        ValueError: if ``peak_flops_per_s`` is None or not positive. An unknown device has no
+            peak, and then there is no MFU: report tokens/s instead of guessing.
+    """
+    if peak_flops_per_s is None:
+        raise ValueError(
+            "peak_flops_per_s is None: no published peak is known for this device and dtype, "
+            "so MFU cannot be computed; report tokens/s (or pass a sourced peak)"
+        )
+    _positive_number("peak_flops_per_s", peak_flops_per_s)
+    _non_negative_number("tokens_per_s", tokens_per_s)
+    _positive_number("flops_per_token", flops_per_token)
+    n = _positive_int("n_devices", n_devices)
+    return tokens_per_s * flops_per_token / (n * peak_flops_per_s)
+
+
+# ----------------------------------------------------------------------------------------------
+# Collective communication (NCCL-tests conventions: S = message size in bytes).
+
+# busbw = algbw × factor; the factor makes a measurement comparable with the link's bandwidth
+# whatever the number of ranks (NCCL-tests doc/PERFORMANCE.md, "Summary").
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce")
+
+
+def bus_bandwidth_factor(collective: str, n_ranks: int) -> float:
+    """NCCL-tests' algbw → busbw correction factor.
+
+    all_reduce 2(n−1)/n; all_gather, reduce_scatter, all_to_all (n−1)/n; broadcast, reduce 1.
+    For all_gather and reduce_scatter, S is the size of the *full* array (n × the per-rank
+    piece), as in NCCL-tests.
+    """
+    _choice("collective", collective, COLLECTIVES)
+    n = _positive_int("n_ranks", n_ranks)
+    if collective == "all_reduce":
+        return 2 * (n - 1) / n
+    if collective in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n
+    return 1.0
+
+
+def algbw(message_bytes: float, seconds: float) -> float:
+    """Algorithm bandwidth in bytes/s: S / t (NCCL-tests)."""
+    return _non_negative_number("message_bytes", message_bytes) / _positive_number(
+        "seconds", seconds
+    )
+
+
+def busbw(message_bytes: float, seconds: float, collective: str, n_ranks: int) -> float:
+    """Bus bandwidth in bytes/s: algbw × ``bus_bandwidth_factor(collective, n_ranks)``."""
+    return algbw(message_bytes, seconds) * bus_bandwidth_factor(collective, n_ranks)
+
+
+def ring_allreduce_bytes_per_rank(message_bytes: float, n_ranks: int) -> float:
+    """Bytes each rank sends (and receives) in a ring all-reduce of S bytes: 2(n−1)/n × S.
+
+    A reduce-scatter ((n−1)/n × S) followed by an all-gather ((n−1)/n × S). NCCL-tests
+    PERFORMANCE.md derives the same 2(n−1)/n for any point-to-point algorithm. 0 when n = 1.
+    """
+    S = _non_negative_number("message_bytes", message_bytes)
+    n = _positive_int("n_ranks", n_ranks)
+    return 2 * (n - 1) / n * S
+
+
+def allgather_bytes_per_rank(total_bytes: float, n_ranks: int) -> float:
+    """Bytes each rank receives in an all-gather whose *gathered* result is S bytes: (n−1)/n × S."""
+    S = _non_negative_number("total_bytes", total_bytes)
+    n = _positive_int("n_ranks", n_ranks)
+    return (n - 1) / n * S
+
+
+def reduce_scatter_bytes_per_rank(total_bytes: float, n_ranks: int) -> float:
+    """Bytes each rank sends in a reduce-scatter of an S-byte input: (n−1)/n × S."""
+    S = _non_negative_number("total_bytes", total_bytes)
+    n = _positive_int("n_ranks", n_ranks)
+    return (n - 1) / n * S
+
+
+# ----------------------------------------------------------------------------------------------
+# Pipeline bubble. Two conventions are in use; both are provided, under different names.
+
+
+def bubble_fraction(p: int, m: int, v: int = 1) -> float:
+    """Fraction of a pipeline step that a stage sits idle: (p−1) / (v·m + p−1).
+
+    GPipe's convention (arXiv 1811.06965, section 2.3): the bubble as a share of the whole
+    step, ideal work plus bubble. With v = 1 it is (p−1)/(m+p−1); for p = 4, m = 8: 3/11.
+    Interleaving v model chunks per stage (Narayanan et al. 2021) shrinks the bubble v times.
+    Same value for GPipe and 1F1B schedules, which differ in memory, not in bubble.
+    """
+    p = _positive_int("p", p)
+    m = _positive_int("m", m)
+    v = _positive_int("v", v)
+    return (p - 1) / (v * m + p - 1)
+
+
+def bubble_overhead(p: int, m: int, v: int = 1) -> float:
+    """Pipeline bubble time relative to the ideal (bubble-free) step time: (p−1) / (v·m).
+
+    Narayanan et al. 2021 (arXiv 2104.04473, section 2.2) call this the "bubble time
+    fraction"; the Playbook uses it too. (p−1)/m for GPipe and 1F1B; (p−1)/(v·m) for the
+    interleaved schedule with v chunks per stage. For p = 4, m = 8: 3/8, i.e. the step takes
+    1.375× the ideal time. Compare ``bubble_fraction``, the share of the actual step.
+    """
+    p = _positive_int("p", p)
+    m = _positive_int("m", m)
+    v = _positive_int("v", v)
+    return (p - 1) / (v * m)
+
+
+# ----------------------------------------------------------------------------------------------
+# ZeRO.
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def zero_memory_per_rank(
+    n_params: float,
+    stage: int,
+    n_ranks: int,
+    *,
+    k: float = 12,
+    param_bytes: float = 2,
+    grad_bytes: float = 2,
+) -> float:
+    """Model-state bytes per data-parallel rank under ZeRO stage 0-3 (ZeRO paper, sections 5.1-5.3).
+
+    With Ψ = n_params, N_d = n_ranks, K = optimizer bytes per parameter (12 for mixed-precision
+    Adam: fp32 master weights, m and v)::
+
+        stage 0 (plain DP)      (2 + 2 + K)·Ψ
+        stage 1 (P_os)          2Ψ + 2Ψ + K·Ψ/N_d
+        stage 2 (P_os+g)        2Ψ + (2 + K)·Ψ/N_d
+        stage 3 (P_os+g+p)      (2 + 2 + K)·Ψ/N_d
+
+    (the 2s are ``param_bytes`` and ``grad_bytes``). Activations, temporary buffers and the
+    parameters a stage-3 rank gathers for the layer it is computing are not included.
+    ZeRO's Figure 1 (Ψ = 7.5B, N_d = 64, K = 12): 120 GB, 31.4 GB, 16.6 GB, 1.9 GB.
+    """
+    psi = _positive_number("n_params", n_params)
+    if isinstance(stage, bool) or stage not in ZERO_STAGES:
+        raise ValueError(f"stage must be one of 0, 1, 2, 3; got {stage!r}")
+    n = _positive_int("n_ranks", n_ranks)
+    k = _non_negative_number("k", k)
+    pb = _non_negative_number("param_bytes", param_bytes)
+    gb = _non_negative_number("grad_bytes", grad_bytes)
+    if stage == 0:
+        return (pb + gb + k) * psi
+    if stage == 1:
+        return (pb + gb) * psi + k * psi / n
+    if stage == 2:
+        return pb * psi + (gb + k) * psi / n
+    return (pb + gb + k) * psi / n
+
+
+# ----------------------------------------------------------------------------------------------
+# Can data-parallel communication hide behind the backward pass?
+
+
+def dp_overlap_ratio(
+    tokens_per_rank: float,
+    n_ranks: int,
+    peak_flops_per_s: float,
+    bandwidth_bytes_per_s: float,
+    *,
+    grad_bytes: float = 2,
+) -> float:
+    """t_comm / t_compute for data parallelism; ≤ 1 means the all-reduce can hide behind compute.
+
+    Backward compute on one rank: 4·N FLOPs per token (the backward share of 6N), so
+    ``t_compute = 4·N·tokens_per_rank / C``. Ring all-reduce of the gradients
+    (``grad_bytes``·N bytes): ``t_comm = 2·(n−1)/n · grad_bytes·N / W``. N cancels::
+
+        t_comm / t_compute = (grad_bytes / (2·tokens_per_rank)) · ((n−1)/n) · (C/W)
+
+    With bf16 gradients (grad_bytes = 2) the condition is tokens_per_rank ≥ ((n−1)/n)·C/W: the
+    scaling-book's "per-GPU token batch > C/W", about 2,200 tokens in an H100 node
+    (990e12 / 450e9; gpus.md, "Data Parallelism").
+
+    The Playbook (appendix A3) prints the ratio as (N / (2·tokens))·((n−1)/n)·(C/W). That
+    expression is not dimensionless (N/tokens is a pure number but C/W is FLOPs per byte); its
+    own derivation divides one bucket's all-reduce time by the whole model's backward time.
+    Counting all N gradients, N cancels as above. Assumes perfect overlap, peak FLOP/s and peak
+    bandwidth; real overlap is worse.
+    """
+    tokens = _positive_number("tokens_per_rank", tokens_per_rank)
+    n = _positive_int("n_ranks", n_ranks)
+    C = _positive_number("peak_flops_per_s", peak_flops_per_s)
+    W = _positive_number("bandwidth_bytes_per_s", bandwidth_bytes_per_s)
+    gb = _positive_number("grad_bytes", grad_bytes)
+    return (gb / (2 * tokens)) * ((n - 1) / n) * (C / W)
+
+
+def dp_min_tokens_per_rank(
+    n_ranks: int,
+    peak_flops_per_s: float,
+    bandwidth_bytes_per_s: float,
+    *,
+    grad_bytes: float = 2,
+) -> float:
+    """Smallest tokens per rank per step for which ``dp_overlap_ratio`` ≤ 1.
+
+    ``(grad_bytes/2) · ((n−1)/n) · C/W``; 0 for a single rank (nothing to communicate).
+    """
+    n = _positive_int("n_ranks", n_ranks)
+    C = _positive_number("peak_flops_per_s", peak_flops_per_s)
+    W = _positive_number("bandwidth_bytes_per_s", bandwidth_bytes_per_s)
+    gb = _positive_number("grad_bytes", grad_bytes)
+    return (gb / 2) * ((n - 1) / n) * (C / W)
+
+
+# ----------------------------------------------------------------------------------------------
+# Roofline (scaling-book roofline.md).
+
+
+def critical_intensity(peak_flops_per_s: float, bandwidth_bytes_per_s: float) -> float:
+    """Arithmetic intensity (FLOPs per byte moved) where a kernel stops being memory-bound: C/BW.
+
+    H100 SXM: 989e12 / 3.35e12 ≈ 295 FLOPs/byte; H200: 989e12 / 4.8e12 ≈ 206.
+    """
+    return _positive_number("peak_flops_per_s", peak_flops_per_s) / _positive_number(
+        "bandwidth_bytes_per_s", bandwidth_bytes_per_s
+    )
+
+
+def roofline_attainable_flops(
+    intensity: float, peak_flops_per_s: float, bandwidth_bytes_per_s: float
+) -> float:
+    """Roofline bound in FLOP/s for a kernel of arithmetic intensity I: min(C, I·BW)."""
+    i = _non_negative_number("intensity", intensity)
+    C = _positive_number("peak_flops_per_s", peak_flops_per_s)
+    BW = _positive_number("bandwidth_bytes_per_s", bandwidth_bytes_per_s)
+    return min(C, i * BW)

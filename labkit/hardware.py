@@ -1,0 +1,702 @@
+"""What hardware is this, what can it show truthfully, and what is its peak?
+
+Three jobs, kept apart:
+
+1. Detection (``cpu_info``, ``gpu_info``, ``nvml_status``, ``tier``): explicit function calls.
+   Importing this module touches no GPU, starts no thread and writes no file.
+2. A sourced table of published peaks (``PEAK_TABLE``, ``MEMORY_TABLE``) and a conservative
+   lookup (``peak_flops``): a device name that is not recognised exactly gets *no* peak, with the
+   reason, never a guess. (torchtitan's ``get_peak_flops`` falls back to the A100 figure for an
+   unknown GPU, and nanoGPT hard-codes it: an H100 then shows an MFU above 100%.)
+3. A measured ceiling (``measured_matmul_flops``): what ``torch.matmul`` reaches on this device,
+   labelled as measured. On a CPU this is the only honest "peak" the course has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import html
+import os
+import platform
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from labkit import timing
+
+# ----------------------------------------------------------------------------------------------
+# CPU
+
+
+# Flags worth reporting for training on a CPU: bf16 is only fast with AVX512-BF16 or AMX.
+CPU_FLAGS_OF_INTEREST = (
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+    "amx_fp16",
+)
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    """The host CPU. Core counts are None where they cannot be read (N/A, not 0)."""
+
+    model_name: str
+    architecture: str  # platform.machine(): "x86_64", "aarch64", ...
+    logical_cores: int | None  # os.cpu_count(): hardware threads in the machine
+    physical_cores: int | None  # psutil.cpu_count(logical=False)
+    usable_cores: int | None  # CPUs this process may run on (containers often restrict it)
+    flags: tuple[str, ...]  # the CPU_FLAGS_OF_INTEREST this CPU has (Linux only)
+
+    def has(self, flag: str) -> bool:
+        return flag in self.flags
+
+    def __str__(self) -> str:
+        flags = ", ".join(self.flags) if self.flags else "none of interest reported"
+        return (
+            f"{self.model_name} ({self.architecture}): {self.usable_cores} usable of "
+            f"{self.logical_cores} logical cores, {self.physical_cores} physical; flags: {flags}"
+        )
+
+
+def _parse_cpuinfo(text: str) -> tuple[str | None, set[str]]:
+    """Model name and flag set from the text of /proc/cpuinfo (first processor wins)."""
+    model, flags = None, set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and model is None:
+            model = value.strip()
+        elif key in ("flags", "Features") and not flags:  # "Features" on Arm
+            flags = set(value.split())
+    return model, flags
+
+
+def cpu_info(cpuinfo_path: str = "/proc/cpuinfo") -> CpuInfo:
+    """Describe the host CPU (reads ``cpuinfo_path`` on Linux; falls back to ``platform``)."""
+    model, flags = None, set()
+    try:
+        with open(cpuinfo_path, encoding="utf-8", errors="replace") as f:
+            model, flags = _parse_cpuinfo(f.read())
+    except OSError:
+        pass  # not Linux, or no procfs: keep the fallbacks below
+    model = model or platform.processor() or platform.machine() or "unknown CPU"
+
+    physical = None
+    try:
+        import psutil
+
+        physical = psutil.cpu_count(logical=False)
+    except ImportError:
+        pass
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return CpuInfo(
+        model_name=model,
+        architecture=platform.machine() or "unknown",
+        logical_cores=os.cpu_count(),
+        physical_cores=physical,
+        usable_cores=usable,
+        flags=tuple(f for f in CPU_FLAGS_OF_INTEREST if f in flags),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# NVML (nvidia-ml-py, imported as ``pynvml``)
+
+
+def _load_nvml() -> Any | None:
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    return pynvml
+
+
+# What each NVML error usually means for a learner, and what to do about it.
+_NVML_ERROR_HINTS = {
+    "NVMLError_LibraryNotFound": "NVML library not found: no NVIDIA driver on this machine "
+    "(libnvidia-ml.so is missing), so there is no GPU to measure",
+    "NVMLError_DriverNotLoaded": "NVIDIA driver not loaded: the kernel module is not running "
+    "(check `nvidia-smi`; a reboot or `modprobe nvidia` may be needed)",
+    "NVMLError_LibRmVersionMismatch": "NVML library and kernel driver versions differ: the "
+    "driver was upgraded without a reboot; reboot or reload the nvidia module",
+    "NVMLError_NoPermission": "no permission to talk to the NVIDIA driver (check the "
+    "permissions of /dev/nvidia*)",
+    "NVMLError_FunctionNotFound": "this NVML library lacks a function labkit needs: the "
+    "driver is older than nvidia-ml-py expects",
+}
+
+
+class NvmlStatus(NamedTuple):
+    """Whether NVML (GPU telemetry) works here, and why not when it does not."""
+
+    ok: bool
+    message: str
+
+
+def nvml_status(nvml: Any | None = None) -> NvmlStatus:
+    """Try ``nvmlInit()`` and say what happened, in words a learner can act on.
+
+    Args:
+        nvml: an NVML module for tests; default ``pynvml`` from nvidia-ml-py.
+    """
+    nvml = _load_nvml() if nvml is None else nvml
+    if nvml is None:
+        return NvmlStatus(
+            False, "nvidia-ml-py is not installed (pip install nvidia-ml-py): no GPU telemetry"
+        )
+    try:
+        nvml.nvmlInit()
+    except Exception as e:  # NVML raises one subclass of NVMLError per error code
+        hint = _NVML_ERROR_HINTS.get(type(e).__name__)
+        return NvmlStatus(False, hint or f"nvmlInit failed: {type(e).__name__}: {e}")
+    try:
+        count = nvml.nvmlDeviceGetCount()
+        driver = _nvml_str(nvml.nvmlSystemGetDriverVersion())
+        return NvmlStatus(True, f"NVML works: driver {driver}, {count} GPU(s) visible to NVML")
+    except Exception as e:
+        return NvmlStatus(False, f"NVML initialised but a query failed: {type(e).__name__}: {e}")
+    finally:
+        _nvml_shutdown(nvml)
+
+
+def _nvml_str(value: Any) -> str:
+    # older nvidia-ml-py versions return bytes
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _nvml_shutdown(nvml: Any) -> None:
+    # shutting down is best effort; the query result is what matters
+    with contextlib.suppress(Exception):
+        nvml.nvmlShutdown()
+
+
+def _nvml_field(query: Callable[[], Any]) -> Any | None:
+    """One NVML query; any NVML failure becomes None (shown as N/A, never as 0)."""
+    try:
+        return query()
+    except Exception:
+        return None
+
+
+# ----------------------------------------------------------------------------------------------
+# GPUs
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One GPU. Fields an API could not report are None."""
+
+    index: int  # torch's index when source == "torch.cuda", NVML's when source == "nvml"
+    name: str  # as the driver reports it, e.g. "NVIDIA H100 80GB HBM3"
+    memory_bytes: int | None
+    compute_capability: tuple[int, int] | None
+    uuid: str | None  # "GPU-…" as nvidia-smi prints it: the stable key across APIs
+    source: str  # "torch.cuda" or "nvml"
+
+    def __str__(self) -> str:
+        mem = f"{self.memory_bytes / 2**30:.1f} GiB" if self.memory_bytes else "memory N/A"
+        cc = self.compute_capability
+        cc = f"compute capability {cc[0]}.{cc[1]}" if cc else "compute capability N/A"
+        return f"GPU {self.index}: {self.name}, {mem}, {cc} (via {self.source})"
+
+
+def _normalise_uuid(uuid: Any) -> str | None:
+    if uuid is None:
+        return None
+    text = _nvml_str(uuid)
+    # torch prints the bare UUID; NVML and nvidia-smi prefix it with "GPU-" (or "MIG-")
+    return text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"
+
+
+def _gpus_from_torch(cuda: Any) -> list[GpuInfo]:
+    gpus = []
+    for i in range(cuda.device_count()):
+        props = cuda.get_device_properties(i)
+        gpus.append(
+            GpuInfo(
+                index=i,
+                name=str(props.name),
+                memory_bytes=int(props.total_memory),
+                compute_capability=(int(props.major), int(props.minor)),
+                uuid=_normalise_uuid(getattr(props, "uuid", None)),
+                source="torch.cuda",
+            )
+        )
+    return gpus
+
+
+def _gpus_from_nvml(nvml: Any | None) -> list[GpuInfo]:
+    if nvml is None:
+        return []
+    try:
+        nvml.nvmlInit()
+    except Exception:
+        return []  # no driver: no GPUs; nvml_status() explains why
+    try:
+        gpus = []
+        for i in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(i)
+            memory = _nvml_field(lambda h=handle: nvml.nvmlDeviceGetMemoryInfo(h).total)
+            cc = _nvml_field(lambda h=handle: nvml.nvmlDeviceGetCudaComputeCapability(h))
+            gpus.append(
+                GpuInfo(
+                    index=i,
+                    name=_nvml_str(nvml.nvmlDeviceGetName(handle)),
+                    memory_bytes=int(memory) if memory is not None else None,
+                    compute_capability=(int(cc[0]), int(cc[1])) if cc is not None else None,
+                    uuid=_normalise_uuid(_nvml_field(lambda h=handle: nvml.nvmlDeviceGetUUID(h))),
+                    source="nvml",
+                )
+            )
+        return gpus
+    except Exception:
+        return []
+    finally:
+        _nvml_shutdown(nvml)
+
+
+def gpu_info(*, cuda: Any | None = None, nvml: Any | None = None) -> list[GpuInfo]:
+    """The GPUs this process can see; [] on a machine without any.
+
+    Uses ``torch.cuda`` when it is available, so indices match ``torch.device("cuda", i)``
+    (and respect ``CUDA_VISIBLE_DEVICES``). This initialises CUDA in the calling process.
+    Otherwise asks NVML, which also sees GPUs a CPU-only torch build cannot use; NVML indices
+    ignore ``CUDA_VISIBLE_DEVICES``, so match devices across the two by ``uuid``, not index.
+
+    Args:
+        cuda: a stand-in for ``torch.cuda`` (tests).
+        nvml: a stand-in for the ``pynvml`` module (tests).
+    """
+    cuda = torch.cuda if cuda is None else cuda
+    if cuda.is_available():
+        return _gpus_from_torch(cuda)
+    return _gpus_from_nvml(_load_nvml() if nvml is None else nvml)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tiers: what this machine can show truthfully (course-design.md, "The three tiers").
+
+TIERS = ("cpu", "single-gpu", "multi-gpu")
+
+_TIER_CAN = {
+    "cpu": (
+        "correctness: every parallel strategy checked against a single-process reference",
+        "communication volume (bytes per rank) and schedules (pipeline timelines)",
+        "memory accounting: parameters, gradients, optimizer state, activations",
+        "relative costs on this host: CPU timings, CPU autocast (bf16/fp16), process metrics",
+    ),
+    "single-gpu": (
+        "real GPU speed, memory and utilisation (NVML)",
+        "precision effects on tensor cores: fp32, tf32, bf16, fp16",
+        "profiling with torch.profiler, NVTX and Nsight",
+        "multi-process correctness over gloo, as on the CPU tier",
+    ),
+    "multi-gpu": (
+        "real scaling across GPUs: one process per GPU over NCCL",
+        "real communication cost and interconnect effects (NVLink, PCIe)",
+        "everything the single-GPU tier shows",
+    ),
+}
+
+_TIER_CANNOT = {
+    "cpu": (
+        "GPU speed, GPU memory or utilisation: on this tier they are modelled from the facts "
+        "table, never measured",
+        "MFU against a GPU peak (CPUs have no published peak in labkit's table)",
+        "NCCL or interconnect behaviour: gloo over loopback is not representative",
+    ),
+    "single-gpu": ("multi-GPU scaling and communication cost: NCCL needs one GPU per rank",),
+    "multi-gpu": ("multi-node effects: every rank runs on this one host",),
+}
+
+
+@dataclass(frozen=True)
+class TierInfo:
+    """The tier this machine runs the course in, for printing at the top of each notebook."""
+
+    tier: str
+    gpus: tuple[GpuInfo, ...]
+    can_show: tuple[str, ...]
+    cannot_show: tuple[str, ...]
+    notes: tuple[str, ...] = field(default=())
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    def __str__(self) -> str:
+        lines = [f"Tier: {self.tier}"]
+        lines += [f"  {g}" for g in self.gpus]
+        lines.append("Can show truthfully:")
+        lines += [f"  - {s}" for s in self.can_show]
+        lines.append("Cannot show here:")
+        lines += [f"  - {s}" for s in self.cannot_show]
+        lines += [f"Note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        def items(xs: tuple[Any, ...]) -> str:
+            return "".join(f"<li>{html.escape(str(x))}</li>" for x in xs)
+
+        parts = [f"<p><b>Tier: {html.escape(self.tier)}</b></p>"]
+        if self.gpus:
+            parts.append(f"<ul>{items(self.gpus)}</ul>")
+        parts.append(f"<p>Can show truthfully:</p><ul>{items(self.can_show)}</ul>")
+        parts.append(f"<p>Cannot show here:</p><ul>{items(self.cannot_show)}</ul>")
+        if self.notes:
+            parts.append(f"<p>Notes:</p><ul>{items(self.notes)}</ul>")
+        return "<div class='labkit-tier'>" + "".join(parts) + "</div>"
+
+
+def tier(*, cuda: Any | None = None) -> str:
+    """ "cpu", "single-gpu" or "multi-gpu": how many CUDA GPUs torch can use in this process."""
+    cuda = torch.cuda if cuda is None else cuda
+    n = cuda.device_count() if cuda.is_available() else 0
+    return TIERS[min(n, 2)]
+
+
+def describe_tier(*, cuda: Any | None = None, nvml: Any | None = None) -> TierInfo:
+    """The tier with what it can and cannot show, plus notes on anything surprising."""
+    cuda = torch.cuda if cuda is None else cuda
+    name = tier(cuda=cuda)
+    gpus = tuple(gpu_info(cuda=cuda, nvml=nvml))
+    notes = []
+    if name == "cpu" and gpus:
+        # NVML sees GPUs that torch cannot use: almost always a CPU-only torch build
+        notes.append(
+            f"NVML sees {len(gpus)} GPU(s) but torch {torch.__version__} cannot use them: "
+            "install a CUDA build of torch to run the GPU tiers"
+        )
+    return TierInfo(
+        tier=name,
+        gpus=gpus,
+        can_show=_TIER_CAN[name],
+        cannot_show=_TIER_CANNOT[name],
+        notes=tuple(notes),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Published peaks.
+#
+# Dense numbers (no 2:4 structured sparsity). NVIDIA's datasheets print tensor-core figures
+# "with sparsity"; a footnote says dense is half of that. Values are per GPU, at boost clock:
+# sustained matmuls reach less, which is why MFU rarely passes ~60%.
+
+_A100_SOURCE = (
+    "NVIDIA A100 Tensor Core GPU datasheet (same rates for SXM4 and PCIe, 40 GB and 80 GB); "
+    "bf16 also torchtitan tools/utils.py get_peak_flops, nanoGPT estimate_mfu"
+)
+_H100_SOURCE = (
+    "NVIDIA H100 Tensor Core GPU datasheet (tensor-core figures printed with sparsity, halved "
+    "here); bf16 also torchtitan tools/utils.py get_peak_flops"
+)
+_H100_NVL_SOURCE = "torchtitan tools/utils.py get_peak_flops (H100 NVL, from NVIDIA's H100 page)"
+_H200_SOURCE = (
+    "torchtitan tools/utils.py get_peak_flops (from NVIDIA's H200 page: 1,979 TFLOP/s with "
+    "sparsity); same GH100 chip and clocks as H100 SXM"
+)
+
+
+@dataclass(frozen=True)
+class PeakRow:
+    """One published dense peak: ``device`` (as labkit names it) × ``dtype``."""
+
+    device: str
+    dtype: str  # "bfloat16", "float16", "tfloat32" (tensor cores on fp32 data), "float32"
+    flops_per_s: float
+    source: str
+
+
+PEAK_TABLE: tuple[PeakRow, ...] = (
+    PeakRow("A100", "bfloat16", 312e12, _A100_SOURCE),
+    PeakRow("A100", "float16", 312e12, _A100_SOURCE),
+    PeakRow("A100", "tfloat32", 156e12, _A100_SOURCE + "; llm.c llmc/mfu.h TF_32"),
+    PeakRow("A100", "float32", 19.5e12, _A100_SOURCE + " (non-tensor-core)"),
+    PeakRow("H100 SXM", "bfloat16", 989e12, _H100_SOURCE),
+    PeakRow("H100 SXM", "float16", 989e12, _H100_SOURCE),
+    PeakRow("H100 SXM", "tfloat32", 494.5e12, _H100_SOURCE + " (989 with sparsity)"),
+    PeakRow("H100 SXM", "float32", 67e12, _H100_SOURCE + " (non-tensor-core)"),
+    PeakRow("H100 PCIe", "bfloat16", 756e12, _H100_SOURCE),
+    PeakRow("H100 PCIe", "float16", 756e12, _H100_SOURCE),
+    PeakRow("H100 PCIe", "tfloat32", 378e12, _H100_SOURCE + " (756 with sparsity)"),
+    PeakRow("H100 PCIe", "float32", 51e12, _H100_SOURCE + " (non-tensor-core)"),
+    PeakRow("H100 NVL", "bfloat16", 835e12, _H100_NVL_SOURCE),
+    PeakRow("H100 NVL", "float16", 835e12, _H100_NVL_SOURCE),
+    PeakRow("H200 SXM", "bfloat16", 989e12, _H200_SOURCE),
+    PeakRow("H200 SXM", "float16", 989e12, _H200_SOURCE),
+    # Not listed, because not verified from a source here: H100 NVL and H200 fp32/tf32, and any
+    # consumer or workstation GPU. A missing row means "no MFU", which is the honest answer.
+)
+
+
+@dataclass(frozen=True)
+class MemoryRow:
+    """Published memory size and bandwidth of one board."""
+
+    device: str
+    memory_gb: float  # as marketed (decimal GB); the driver reports a little less, in bytes
+    bandwidth_bytes_per_s: float
+    source: str
+
+
+MEMORY_TABLE: tuple[MemoryRow, ...] = (
+    MemoryRow("A100 SXM4 40GB", 40, 1555e9, "NVIDIA A100 datasheet"),
+    MemoryRow("A100 PCIe 40GB", 40, 1555e9, "NVIDIA A100 datasheet"),
+    MemoryRow("A100 SXM4 80GB", 80, 2039e9, "NVIDIA A100 datasheet"),
+    MemoryRow("A100 PCIe 80GB", 80, 1935e9, "NVIDIA A100 datasheet"),
+    MemoryRow("H100 SXM 80GB", 80, 3.35e12, "NVIDIA H100 datasheet"),
+    MemoryRow("H100 PCIe 80GB", 80, 2.0e12, "NVIDIA H100 datasheet"),
+    MemoryRow("H200 SXM 141GB", 141, 4.8e12, "NVIDIA H200 product page"),
+)
+
+# Tensor-core "dtype" names for lookups. tf32 is not a storage dtype: it is how tensor cores
+# multiply float32 data when torch.backends.cuda.matmul.allow_tf32 (or
+# torch.set_float32_matmul_precision("high")) allows it. PyTorch's default since 1.12 is off,
+# so a plain fp32 model on an A100 should be compared with the "float32" row.
+_PEAK_DTYPE_ALIASES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "float16": "float16",
+    "tf32": "tfloat32",
+    "tfloat32": "tfloat32",
+    "fp32": "float32",
+    "float": "float32",
+    "float32": "float32",
+}
+
+
+def _peak_dtype(dtype: Any) -> str:
+    if not isinstance(dtype, (str, torch.dtype)):
+        raise ValueError(
+            f"dtype must be a torch.dtype or a string such as 'bf16' or 'tf32'; got {dtype!r}"
+        )
+    name = str(dtype).removeprefix("torch.").lower()
+    return _PEAK_DTYPE_ALIASES.get(name, name)
+
+
+class DeviceMatch(NamedTuple):
+    """How a reported device name maps onto the tables: a ``family`` (PEAK_TABLE) and a
+    ``board`` (MEMORY_TABLE), each None when not identified, with the ``reason``."""
+
+    family: str | None
+    board: str | None
+    reason: str | None
+
+
+_CPU_NAME = re.compile(r"\b(cpu|xeon|epyc|ryzen|opteron|processor|graviton|neoverse)\b", re.I)
+_MIG_PROFILE = re.compile(r"^\d+G\.\d+GB$")  # e.g. "1g.10gb" in a MIG device name
+
+# Tokens each model may carry. Anything else in the name means a variant this table does not
+# know (A100X, H100 NVL in an H200 name, …), and then no peak is assumed.
+_ALLOWED_TOKENS = {
+    "A100": {"A100", "SXM", "SXM4", "PCIE", "40GB", "80GB"},
+    "H100": {"H100", "SXM", "SXM5", "HBM3", "PCIE", "NVL", "80GB"},
+    "H200": {"H200", "SXM", "SXM5", "HBM3E", "141GB"},
+}
+
+
+def match_device(device_name: str) -> DeviceMatch:
+    """Map a torch/NVML device name to a row of the tables, conservatively.
+
+    Names as drivers report them (llm.c llmc/mfu.h lists several): "NVIDIA A100-SXM4-80GB",
+    "NVIDIA A100-PCIE-40GB", "NVIDIA H100 80GB HBM3" (the SXM5 board), "NVIDIA H100 PCIe",
+    "NVIDIA H100 NVL", "NVIDIA H200".
+
+    The name is split into tokens ("NVIDIA A100-SXM4-80GB" → A100, SXM4, 80GB). Exactly one
+    known model token must be present and every other token must be one that model is known to
+    carry; the form factor must be unambiguous where it changes the peak (H100 SXM 989, PCIe 756,
+    NVL 835 TFLOP/s). So "NVIDIA A10" and "NVIDIA A100X" match nothing, "NVIDIA H100" alone is
+    ambiguous, and a MIG slice (a fraction of the GPU's SMs) has no peak.
+    """
+    if not isinstance(device_name, str) or not device_name.strip():
+        raise ValueError(f"device_name must be a non-empty string; got {device_name!r}")
+    name = device_name.strip()
+    if name.lower() == "cpu" or _CPU_NAME.search(name):
+        return DeviceMatch(
+            None,
+            None,
+            f"no published peak for CPUs in this table ({name!r}): MFU is not "
+            "computed; measured_matmul_flops() gives a measured ceiling instead",
+        )
+    tokens = [t for t in re.split(r"[\s\-_]+", name.upper()) if t and t not in ("NVIDIA", "TESLA")]
+    if "MIG" in tokens or any(_MIG_PROFILE.match(t) for t in tokens):
+        return DeviceMatch(
+            None,
+            None,
+            f"{name!r} is a MIG slice with a fraction of the GPU's SMs: no published "
+            "peak, MFU is not computed",
+        )
+    models = [t for t in tokens if t in _ALLOWED_TOKENS]
+
+    def no_peak(why: str = "") -> DeviceMatch:
+        return DeviceMatch(None, None, f"no peak known for {name!r}{why}: MFU is not computed")
+
+    if len(models) != 1:
+        return no_peak()
+    model = models[0]
+    extra = [t for t in tokens if t not in _ALLOWED_TOKENS[model]]
+    if extra:
+        return no_peak(f" (unrecognised variant {' '.join(extra)!r} of the {model})")
+    toks = set(tokens)
+
+    if model == "A100":
+        # Same compute rates for every A100 board; memory differs by form factor and size.
+        form = "PCIe" if "PCIE" in toks else ("SXM4" if toks & {"SXM", "SXM4"} else None)
+        size = "80GB" if "80GB" in toks else ("40GB" if "40GB" in toks else None)
+        board = f"A100 {form} {size}" if form and size else None
+        return DeviceMatch("A100", board, None)
+
+    if model == "H100":
+        forms = {
+            f
+            for f, marks in (("SXM", {"SXM", "SXM5", "HBM3"}), ("PCIe", {"PCIE"}), ("NVL", {"NVL"}))
+            if toks & marks
+        }
+        if len(forms) != 1:
+            return no_peak(
+                " (the name does not tell H100 SXM, 989 TFLOP/s bf16, from PCIe, 756, or NVL, 835)"
+            )
+        form = forms.pop()
+        board = None
+        if form == "SXM" and "80GB" in toks:  # "NVIDIA H100 80GB HBM3" is the SXM5 board
+            board = "H100 SXM 80GB"
+        elif form == "PCIe":  # the datasheet's only H100 PCIe has 80 GB
+            board = "H100 PCIe 80GB"
+        return DeviceMatch(f"H100 {form}", board, None)
+
+    # H200: torch and NVML name the SXM part plain "NVIDIA H200"; "H200 NVL" (lower clocks)
+    # carries NVL and is rejected above as an unrecognised variant.
+    return DeviceMatch("H200 SXM", "H200 SXM 141GB", None)
+
+
+@dataclass(frozen=True)
+class Peak:
+    """Result of a peak lookup: a sourced value, or None and the reason there is none."""
+
+    device_name: str  # the name asked about
+    dtype: str
+    flops_per_s: float | None
+    source: str | None
+    matched: str | None  # the PEAK_TABLE device it matched
+    reason: str | None  # why flops_per_s is None
+
+    @property
+    def known(self) -> bool:
+        return self.flops_per_s is not None
+
+    def __str__(self) -> str:
+        if self.flops_per_s is None:
+            return f"peak {self.dtype}: N/A ({self.reason})"
+        return (
+            f"peak {self.dtype} on {self.matched}: {self.flops_per_s / 1e12:g} TFLOP/s "
+            f"(published, dense; {self.source})"
+        )
+
+
+def peak_flops(device_name: str, dtype: Any = torch.bfloat16) -> Peak:
+    """Published dense peak FLOP/s of ``device_name`` in ``dtype``, or None with the reason.
+
+    ``device_name`` is what ``torch.cuda.get_device_name()`` or NVML reports ("NVIDIA H100 80GB
+    HBM3", "NVIDIA A100-SXM4-80GB", …); see ``match_device`` for the matching rules. ``dtype`` is
+    a torch dtype or "bf16" / "fp16" / "tf32" / "fp32": the precision the matmuls run in (fp32
+    data on tensor cores is "tf32" only when TF32 is enabled).
+    """
+    dt = _peak_dtype(dtype)
+    match = match_device(device_name)
+    if match.family is None:
+        return Peak(device_name, dt, None, None, None, match.reason)
+    for row in PEAK_TABLE:
+        if row.device == match.family and row.dtype == dt:
+            return Peak(device_name, dt, row.flops_per_s, row.source, row.device, None)
+    return Peak(
+        device_name,
+        dt,
+        None,
+        None,
+        match.family,
+        f"no published {dt} peak for {match.family} in this table: MFU is not computed",
+    )
+
+
+def memory_spec(device_name: str) -> MemoryRow | None:
+    """Published memory size and bandwidth for ``device_name``, or None when not identified."""
+    board = match_device(device_name).board
+    return next((row for row in MEMORY_TABLE if row.device == board), None)
+
+
+# ----------------------------------------------------------------------------------------------
+# Measured ceiling
+
+
+@dataclass(frozen=True)
+class MeasuredFlops:
+    """A FLOP/s figure measured on this machine (not a published peak)."""
+
+    value: float  # FLOP/s: 2·n³ / median seconds per matmul
+    dtype: str
+    n: int
+    device: str
+    repeats: int
+    median_s: float
+    threads: int  # torch.get_num_threads() during the measurement
+    method: str
+
+    def __str__(self) -> str:
+        return f"{self.value / 1e9:.1f} GFLOP/s ({self.method}, {self.dtype}, {self.device})"
+
+
+def measured_matmul_flops(
+    dtype: torch.dtype = torch.float32,
+    n: int = 1024,
+    device: str | torch.device = "cpu",
+    repeats: int = 10,
+    warmup: int = 2,
+) -> MeasuredFlops:
+    """Measure what ``torch.matmul`` of two n×n matrices reaches here, in FLOP/s.
+
+    One n×n by n×n matmul is 2·n³ FLOPs (n³ multiply-adds). Runs ``warmup`` untimed matmuls,
+    then times ``repeats`` one by one and reports the median, which ignores a stray slow run.
+    On CUDA each timing is bracketed by ``torch.cuda.synchronize``, since kernels launch
+    asynchronously. The result is a *measured* ceiling for this shape on this machine (a CPU has
+    no published peak in PEAK_TABLE); real training kernels are smaller and reach less.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        raise ValueError(f"n must be a positive integer, got {n!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats <= 0:
+        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be a non-negative integer, got {warmup!r}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    dev = torch.device(device)
+
+    # A private generator leaves the global RNG (and so the learner's seeds) untouched.
+    gen = torch.Generator(device=dev).manual_seed(0)
+    a = torch.randn(n, n, generator=gen, device=dev, dtype=torch.float32).to(dtype)
+    b = torch.randn(n, n, generator=gen, device=dev, dtype=torch.float32).to(dtype)
+    result = timing.benchmark(lambda: torch.matmul(a, b), device=dev, warmup=warmup,
+                              repeats=repeats, name=f"matmul {n}x{n}")
+    median = result.median_s
+    if median <= 0:
+        raise RuntimeError(f"matmul of n={n} timed as {median} s: the timer is too coarse; raise n")
+    return MeasuredFlops(
+        value=2 * n**3 / median,
+        dtype=str(dtype).removeprefix("torch."),
+        n=n,
+        device=str(dev),
+        repeats=repeats,
+        median_s=median,
+        threads=torch.get_num_threads(),
+        method=f"measured: torch.matmul {n}×{n}, median of {repeats} after {warmup} warm-up",
+    )

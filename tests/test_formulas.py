@@ -1,0 +1,332 @@
+"""labkit.formulas against published worked examples. Each test names where its numbers come from."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from labkit import formulas as f
+
+# GPT-2 small as nanoGPT loads it (model.py GPT.from_pretrained: vocab_size=50257,
+# block_size=1024, bias=True; n_layer=12, n_head=12, n_embd=768).
+V, S, L, H, A = 50257, 1024, 12, 768, 12
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameter counts
+
+
+def test_gpt2_params_match_nanogpt_with_bias():
+    # nanoGPT `python sample.py --init_from=gpt2` prints "number of parameters: 123.65M", which is
+    # get_num_params() = all parameters minus the 1024×768 position embedding. configure_optimizers
+    # prints "num decayed parameter tensors: 50, with 124,318,464 parameters" and
+    # "num non-decayed parameter tensors: 98, with 121,344 parameters": 124,439,808 in total.
+    total = f.gpt_params(V, H, L, seq_len=S)
+    assert total == 124_318_464 + 121_344 == 124_439_808
+    non_embedding = total - S * H
+    assert non_embedding == 123_653_376
+    assert round(non_embedding / 1e6, 2) == 123.65
+
+
+def test_gpt2_params_match_transformer_sizing_notebook_without_bias():
+    # nanoGPT transformer_sizing.ipynb (bias=False): "we see: 124337664, expected: 124337664".
+    assert f.gpt_params(V, H, L, seq_len=S, bias=False) == 124_337_664
+
+
+def test_gpt_params_playbook_formula_and_variants():
+    # Playbook: h·V + L·(12h² + 13h) + 2h, tied, no position embedding.
+    h, v, n = 64, 256, 3
+    assert f.gpt_params(v, h, n) == h * v + n * (12 * h * h + 13 * h) + 2 * h
+    assert f.gpt_params(v, h, n, seq_len=32) == f.gpt_params(v, h, n) + 32 * h
+    assert f.gpt_params(v, h, n, tied=False) == f.gpt_params(v, h, n) + v * h
+
+
+def test_gpt_params_equals_a_real_module_count():
+    # The docstring's per-layer breakdown, checked against torch's own count of a GPT-2 block
+    # with separate q/k/v projections (the layout labkit.model uses).
+    torch = pytest.importorskip("torch")
+    nn = torch.nn
+    h, v, n, s = 32, 50, 2, 16
+    attention = [
+        nn.LayerNorm(h),
+        nn.Linear(h, h),
+        nn.Linear(h, h),
+        nn.Linear(h, h),
+        nn.Linear(h, h),
+    ]
+    mlp = [nn.LayerNorm(h), nn.Linear(h, 4 * h), nn.Linear(4 * h, h)]
+    block = nn.ModuleList([*attention, *mlp])
+    per_block = sum(p.numel() for p in block.parameters())
+    embeddings = v * h + s * h  # tied lm_head adds nothing
+    final_norm = 2 * h
+    assert f.gpt_params(v, h, n, seq_len=s) == embeddings + n * per_block + final_norm
+
+
+# ---------------------------------------------------------------------------------------------
+# FLOPs and MFU
+
+
+def test_flops_per_token_nanogpt_estimate_mfu():
+    # nanoGPT model.py estimate_mfu: N = get_num_params(); flops_per_token = 6*N + 12*L*H*Q*T.
+    N = 123_653_376
+    expected = 6 * N + 12 * L * A * (H // A) * S
+    assert f.flops_per_token(N, L, H, S) == expected == 855_166_464
+
+
+def test_flops_per_sequence_matches_transformer_sizing_palm_flops():
+    # transformer_sizing.ipynb prints "palm_flops: 879894724608" for one 1024-token sequence,
+    # with N = params()['total'] = 124,337,664 (bias=False, position embeddings included).
+    assert f.flops_per_token(124_337_664, L, H, S) * S == 879_894_724_608
+
+
+def test_flops_conventions_causal_and_none():
+    N = 1e6
+    full = f.flops_per_token(N, L, H, S, "full")
+    causal = f.flops_per_token(N, L, H, S, "causal")
+    assert f.flops_per_token(N, L, H, S, "none") == 6 * N
+    assert full - 6 * N == 2 * (causal - 6 * N) == 12 * L * H * S
+
+
+def test_mfu_reproduces_nanogpt_37_percent():
+    # transformer_sizing.ipynb: forward+backward 874,944,921,600 FLOPs per 1024-token sequence,
+    # 100 sequences per iteration in 0.755 s on one A100 at 312 TFLOP/s: "fraction of A100 used:
+    # 37.14%".
+    tokens_per_s = 100 * S / 0.755
+    value = f.mfu(tokens_per_s, 874_944_921_600 / S, 312e12)
+    assert round(value * 100, 2) == 37.14
+
+
+def test_mfu_divides_by_every_device():
+    one = f.mfu(1000.0, 6e9, 1e15)
+    assert f.mfu(8000.0, 6e9, 1e15, n_devices=8) == pytest.approx(one)
+    assert f.mfu(8000.0, 6e9, 1e15, n_devices=1) == pytest.approx(8 * one)
+
+
+def test_training_flops_6nd_reproduces_nanogpt_3_46_days():
+    # transformer_sizing.ipynb: 6·N·D with N = 124,337,664 and D = 300e9 tokens, on 8 A100s at
+    # 312 TFLOP/s and an assumed 30% MFU: "time needed to train the model: 3.46 days".
+    flops = f.training_flops(124_337_664, 300e9)
+    assert flops == 6 * 124_337_664 * 300e9
+    days = flops / (312e12 * 8 * 0.3) / 3600 / 24
+    assert round(days, 2) == 3.46
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory
+
+
+def test_bytes_per_param_conventions():
+    # facts.md "Memory" and the sources in BYTES_PER_PARAM_CONVENTIONS.
+    assert f.bytes_per_param("fp32_adam") == 16
+    assert f.bytes_per_param("mixed_adam_zero") == 16
+    assert f.bytes_per_param("mixed_adam_fp32_grad_accum") == 20
+    assert f.bytes_per_param("ml_engineering") == 18
+    assert f.bytes_per_param("scaling_book") == 10
+    for convention in f.BYTES_PER_PARAM_CONVENTIONS.values():
+        assert sum(b for _, b in convention.parts) == convention.bytes_per_param
+        assert convention.source
+    assert f.model_state_bytes(1e9, "fp32_adam") == 16e9
+
+
+def test_memory_breakdown_fp32_adamw_is_4_4_8():
+    # Playbook: fp32 training with Adam keeps 4 + 4 + 8 bytes per parameter.
+    m = f.memory_breakdown(1000)
+    assert (m.parameters, m.gradients, m.optimizer_state, m.master_weights) == (4000, 4000, 8000, 0)
+    assert m.total == 16_000 and m.bytes_per_param == 16
+
+
+def test_memory_breakdown_mixed_precision_equals_zero_convention():
+    m = f.memory_breakdown(
+        1000, param_dtype="bf16", master_weights_dtype="float32", optimizer_state_dtype="fp32"
+    )
+    assert m.bytes_per_param == f.bytes_per_param("mixed_adam_zero")
+
+
+def test_memory_breakdown_optimizers():
+    assert f.memory_breakdown(10, optimizer="sgd").optimizer_state == 0
+    assert f.memory_breakdown(10, optimizer="sgd_momentum").optimizer_state == 40
+    assert f.memory_breakdown(10, param_dtype="bfloat16").total == 10 * (2 + 2 + 4)
+
+
+def test_memory_breakdown_measured_against_torch_adamw():
+    # PyTorch allocates AdamW's two moments at the first step(), in the parameter's dtype.
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Linear(64, 32)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    n = sum(p.numel() for p in model.parameters())
+    state = sum(
+        t.numel() * t.element_size()
+        for s in opt.state.values()
+        for k, t in s.items()
+        if k in ("exp_avg", "exp_avg_sq")
+    )
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+    predicted = f.memory_breakdown(n)
+    assert state == predicted.optimizer_state
+    assert grads == predicted.gradients
+
+
+def test_zero_figure_1():
+    # ZeRO paper (arXiv 1910.02054) Figure 1: Ψ = 7.5B, N_d = 64, K = 12:
+    # baseline 120 GB, P_os 31.4 GB, P_os+g 16.6 GB, P_os+g+p 1.9 GB.
+    gb = [f.zero_memory_per_rank(7.5e9, stage, 64) / 1e9 for stage in (0, 1, 2, 3)]
+    assert [round(x, 1) for x in gb] == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_zero_single_rank_is_plain_data_parallel():
+    assert {f.zero_memory_per_rank(1e6, stage, 1) for stage in (0, 1, 2, 3)} == {16e6}
+
+
+def test_korthikanti_gpt3_example():
+    # Korthikanti et al. 2022: per layer s·b·h·(34 + 5·a·s/h); for GPT-3 175B (a = 96, s = 2048,
+    # h = 12288) the quadratic coefficient 5·a·s/h is 80, so 114·s·b·h bytes per layer.
+    s, b, h, a = 2048, 1, 12288, 96
+    per_layer = f.activation_bytes_per_layer(s, b, h, a)
+    assert per_layer == s * b * h * (34 + 5 * a * s / h) == 114 * s * b * h
+    assert f.activation_bytes(96, s, b, h, a) == 96 * per_layer
+
+
+def test_activation_variants():
+    s, b, h, a = 128, 2, 64, 4
+    sbh = s * b * h
+    # selective recomputation / flash: the 34·sbh part stays, the s² part becomes O(s)
+    flash = f.activation_bytes_per_layer(s, b, h, a, attention="flash")
+    assert flash == 34 * sbh + 4 * a * s * b
+    # fp32 without dropout (what a CPU run with dropout=0 stores): 16·4 bytes linear, 4·as²b
+    fp32 = f.activation_bytes_per_layer(s, b, h, a, bytes_per_element=4, dropout=False)
+    assert fp32 == 64 * sbh + 4 * a * s * s * b
+    # doubling s doubles the linear part and quadruples the quadratic part
+    s2 = f.activation_bytes_per_layer(2 * s, b, h, a)
+    assert s2 == 2 * 34 * sbh + 4 * 5 * a * s * s * b
+
+
+# ---------------------------------------------------------------------------------------------
+# Communication
+
+
+def test_bus_bandwidth_factors_nccl_tests():
+    # NCCL-tests doc/PERFORMANCE.md "Summary": all_reduce 2(n−1)/n; reduce_scatter, all_gather,
+    # all_to_all (n−1)/n; broadcast, reduce 1.
+    assert f.bus_bandwidth_factor("all_reduce", 8) == 1.75
+    for c in ("all_gather", "reduce_scatter", "all_to_all"):
+        assert f.bus_bandwidth_factor(c, 8) == 0.875
+    assert f.bus_bandwidth_factor("broadcast", 8) == f.bus_bandwidth_factor("reduce", 8) == 1.0
+    assert f.bus_bandwidth_factor("all_reduce", 1) == 0.0
+
+
+def test_algbw_and_busbw():
+    # 1 GB all-reduced in 0.1 s on 8 ranks: algbw 10 GB/s, busbw 17.5 GB/s
+    assert f.algbw(1e9, 0.1) == pytest.approx(10e9)
+    assert f.busbw(1e9, 0.1, "all_reduce", 8) == pytest.approx(17.5e9)
+
+
+def test_ring_volumes():
+    assert f.ring_allreduce_bytes_per_rank(1000, 4) == 1500
+    assert f.ring_allreduce_bytes_per_rank(1000, 1) == 0
+    # all-reduce = reduce-scatter + all-gather
+    assert f.ring_allreduce_bytes_per_rank(1000, 4) == f.reduce_scatter_bytes_per_rank(
+        1000, 4
+    ) + f.allgather_bytes_per_rank(1000, 4)
+
+
+def test_dp_overlap_matches_scaling_book_2200_tokens():
+    # scaling-book gpus.md, "Data Parallelism": within an H100 node the per-GPU token batch must
+    # exceed 990e12 / 450e9 = 2200 (many ranks, bf16 gradients).
+    assert f.dp_min_tokens_per_rank(10**9, 990e12, 450e9) == pytest.approx(2200, rel=1e-6)
+    assert f.dp_overlap_ratio(2200, 10**9, 990e12, 450e9) == pytest.approx(1.0, rel=1e-6)
+    # twice the tokens, half the ratio; two ranks halve the (n−1)/n factor's 1 to 1/2
+    assert f.dp_overlap_ratio(4400, 10**9, 990e12, 450e9) == pytest.approx(0.5, rel=1e-6)
+    assert f.dp_min_tokens_per_rank(2, 990e12, 450e9) == pytest.approx(1100)
+    assert f.dp_min_tokens_per_rank(1, 990e12, 450e9) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Pipeline bubble
+
+
+def test_bubble_conventions():
+    # GPipe: idle share of the step (p−1)/(m+p−1); Narayanan et al. 2021: (p−1)/m, and
+    # (p−1)/(v·m) with v interleaved chunks.
+    assert f.bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    assert f.bubble_overhead(4, 8) == pytest.approx(3 / 8)
+    assert f.bubble_overhead(4, 8, v=2) == pytest.approx(3 / 16)
+    assert f.bubble_fraction(4, 8, v=2) == pytest.approx(3 / 19)
+    assert f.bubble_fraction(1, 8) == 0 == f.bubble_overhead(1, 8)
+
+
+def test_bubble_conventions_describe_the_same_schedule():
+    # fraction = overhead / (1 + overhead): bubble / (ideal + bubble)
+    for p, m, v in [(2, 1, 1), (4, 8, 1), (8, 32, 4)]:
+        o = f.bubble_overhead(p, m, v)
+        assert f.bubble_fraction(p, m, v) == pytest.approx(o / (1 + o))
+
+
+# ---------------------------------------------------------------------------------------------
+# Roofline
+
+
+def test_roofline_critical_intensities():
+    # facts.md / scaling-book roofline.md: H100 ≈ 295 FLOPs/byte; H200 ≈ 206.
+    assert round(f.critical_intensity(989e12, 3.35e12)) == 295
+    assert round(f.critical_intensity(989e12, 4.8e12)) == 206
+
+
+def test_roofline_attainable():
+    C, BW = 100.0, 10.0
+    assert f.roofline_attainable_flops(2, C, BW) == 20  # memory-bound
+    assert f.roofline_attainable_flops(50, C, BW) == C  # compute-bound
+    assert f.roofline_attainable_flops(f.critical_intensity(C, BW), C, BW) == C
+
+
+# ---------------------------------------------------------------------------------------------
+# Invalid input: a ValueError that names the argument
+
+
+@pytest.mark.parametrize(
+    ("call", "argument"),
+    [
+        (lambda: f.gpt_params(0, 64, 2), "vocab_size"),
+        (lambda: f.gpt_params(256, 64.0, 2), "d_model"),
+        (lambda: f.gpt_params(256, 64, True), "n_layer"),
+        (lambda: f.flops_per_token(-1, 2, 64, 32), "n_params"),
+        (lambda: f.flops_per_token(1e6, 2, 64, 32, attention="sparse"), "attention"),
+        (lambda: f.training_flops(1e6, math.inf), "tokens"),
+        (lambda: f.mfu(1000, 6e9, None), "peak_flops_per_s"),
+        (lambda: f.mfu(1000, 6e9, 0), "peak_flops_per_s"),
+        (lambda: f.mfu(1000, 6e9, 1e12, n_devices=0), "n_devices"),
+        (lambda: f.bytes_per_param("fp8_adam"), "convention"),
+        (lambda: f.memory_breakdown(10, optimizer="lion"), "optimizer"),
+        (lambda: f.memory_breakdown(10, param_dtype="tf32"), "dtype"),
+        (lambda: f.activation_bytes_per_layer(0, 1, 64, 4), "seq_len"),
+        (lambda: f.activation_bytes_per_layer(8, 1, 64, 4, attention="sdpa"), "attention"),
+        (lambda: f.bus_bandwidth_factor("allreduce", 8), "collective"),
+        (lambda: f.bus_bandwidth_factor("all_reduce", 0), "n_ranks"),
+        (lambda: f.algbw(1e6, 0), "seconds"),
+        (lambda: f.bubble_fraction(0, 8), "p"),
+        (lambda: f.bubble_overhead(4, 0), "m"),
+        (lambda: f.bubble_overhead(4, 8, v=0), "v"),
+        (lambda: f.zero_memory_per_rank(1e9, 4, 8), "stage"),
+        (lambda: f.zero_memory_per_rank(1e9, 1, 0), "n_ranks"),
+        (lambda: f.dp_overlap_ratio(0, 8, 1e15, 1e11), "tokens_per_rank"),
+        (lambda: f.critical_intensity(1e15, 0), "bandwidth_bytes_per_s"),
+    ],
+)
+def test_invalid_input_names_the_argument(call, argument):
+    with pytest.raises(ValueError, match=argument):
+        call()
+
+
+def test_mfu_without_peak_says_why():
+    with pytest.raises(ValueError, match="no published peak"):
+        f.mfu(1000, 6e9, None)
+
+
+def test_dtype_names():
+    torch = pytest.importorskip("torch")
+    assert f.dtype_bytes(torch.bfloat16) == f.dtype_bytes("bf16") == 2
+    assert f.dtype_bytes(torch.float32) == f.dtype_bytes("fp32") == 4
+    with pytest.raises(ValueError, match="float32"):
+        f.dtype_bytes("tf32")

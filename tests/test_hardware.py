@@ -1,0 +1,291 @@
+"""labkit.hardware: detection on this machine, the GPU branch through fakes, the peak table."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from labkit import hardware as hw
+
+HAS_CUDA = torch.cuda.is_available()
+HAS_NVIDIA_DRIVER = os.path.exists("/proc/driver/nvidia/version")
+
+
+# ---------------------------------------------------------------------------------------------
+# Fakes for torch.cuda and NVML, so the GPU branch is tested on CPU machines.
+
+
+class FakeCuda:
+    def __init__(self, names: list[str]):
+        self.names = names
+
+    def is_available(self) -> bool:
+        return bool(self.names)
+
+    def device_count(self) -> int:
+        return len(self.names)
+
+    def get_device_properties(self, i: int) -> SimpleNamespace:
+        return SimpleNamespace(
+            name=self.names[i],
+            total_memory=80 * 2**30,
+            major=9,
+            minor=0,
+            uuid=f"0000000{i}-aaaa-bbbb-cccc-dddddddddddd",
+        )
+
+
+def make_nvml(names: list[str], init_error: str | None = None, broken_field: bool = False):
+    """A stand-in for the pynvml module. NVML raises one NVMLError subclass per error code;
+    labkit recognises them by class name, so the fake only has to name them the same way."""
+    errors = {n: type(n, (Exception,), {}) for n in ("NVMLError_LibraryNotFound", "NVMLError")}
+    calls = []
+
+    def init():
+        calls.append("init")
+        if init_error:
+            raise errors.get(init_error, type(init_error, (Exception,), {}))("fake failure")
+
+    def memory(handle):
+        if broken_field:
+            raise errors["NVMLError"]("Not Supported")
+        return SimpleNamespace(total=141 * 10**9)
+
+    return SimpleNamespace(
+        calls=calls,
+        nvmlInit=init,
+        nvmlShutdown=lambda: calls.append("shutdown"),
+        nvmlDeviceGetCount=lambda: len(names),
+        nvmlSystemGetDriverVersion=lambda: b"550.54.15",
+        nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetName=lambda h: names[h],
+        nvmlDeviceGetMemoryInfo=memory,
+        nvmlDeviceGetCudaComputeCapability=lambda h: (9, 0),
+        nvmlDeviceGetUUID=lambda h: f"GPU-{h:08d}-0000-0000-0000-000000000000",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# This machine
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="this machine has a CUDA GPU")
+def test_cpu_machine_is_cpu_tier():
+    assert hw.tier() == "cpu"
+    info = hw.describe_tier()
+    assert info.tier == "cpu"
+    assert "modelled" in str(info) and "never measured" in str(info)
+    assert "<b>Tier: cpu</b>" in info._repr_html_()
+
+
+@pytest.mark.skipif(HAS_CUDA or HAS_NVIDIA_DRIVER, reason="this machine has an NVIDIA driver")
+def test_cpu_machine_has_no_gpus_and_nvml_says_why():
+    assert hw.gpu_info() == []
+    ok, message = hw.nvml_status()
+    assert not ok
+    assert "NVML" in message or "nvidia-ml-py" in message
+
+
+def test_cpu_info():
+    info = hw.cpu_info()
+    assert info.model_name
+    assert info.logical_cores is None or info.logical_cores >= 1
+    assert info.usable_cores is None or info.usable_cores >= 1
+    assert set(info.flags) <= set(hw.CPU_FLAGS_OF_INTEREST)
+
+
+def test_cpu_info_parses_cpuinfo(tmp_path):
+    fake = tmp_path / "cpuinfo"
+    fake.write_text(
+        "processor\t: 0\nmodel name\t: Example CPU 9000\nflags\t\t: fpu avx2 amx_bf16 amx_tile\n\n"
+        "processor\t: 1\nmodel name\t: Example CPU 9000\nflags\t\t: fpu\n"
+    )
+    info = hw.cpu_info(str(fake))
+    assert info.model_name == "Example CPU 9000"
+    assert info.flags == ("avx2", "amx_tile", "amx_bf16")
+    assert info.has("amx_bf16") and not info.has("avx512_bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_real_gpu_is_detected():
+    gpus = hw.gpu_info()
+    assert len(gpus) == torch.cuda.device_count() >= 1
+    assert hw.tier() in ("single-gpu", "multi-gpu")
+    assert gpus[0].memory_bytes and gpus[0].memory_bytes > 0
+    peak = hw.peak_flops(gpus[0].name, torch.bfloat16)
+    assert peak.known or peak.reason  # a value with a source, or a reason: never silent
+
+
+# ---------------------------------------------------------------------------------------------
+# The GPU branch, through fakes
+
+
+def test_gpu_info_from_torch_cuda():
+    gpus = hw.gpu_info(cuda=FakeCuda(["NVIDIA H100 80GB HBM3", "NVIDIA H100 80GB HBM3"]))
+    assert [g.index for g in gpus] == [0, 1]
+    assert gpus[0].name == "NVIDIA H100 80GB HBM3"
+    assert gpus[0].compute_capability == (9, 0)
+    assert gpus[0].memory_bytes == 80 * 2**30
+    assert gpus[1].uuid.startswith("GPU-")  # same form as NVML and nvidia-smi
+    assert {g.source for g in gpus} == {"torch.cuda"}
+
+
+def test_gpu_info_falls_back_to_nvml_and_shuts_it_down():
+    nvml = make_nvml(["NVIDIA H200"])
+    gpus = hw.gpu_info(cuda=FakeCuda([]), nvml=nvml)
+    assert len(gpus) == 1 and gpus[0].source == "nvml"
+    assert gpus[0].name == "NVIDIA H200" and gpus[0].memory_bytes == 141 * 10**9
+    assert nvml.calls == ["init", "shutdown"]
+
+
+def test_nvml_field_failure_is_none_not_zero():
+    gpus = hw.gpu_info(cuda=FakeCuda([]), nvml=make_nvml(["NVIDIA H200"], broken_field=True))
+    assert gpus[0].memory_bytes is None
+    assert "N/A" in str(gpus[0])
+
+
+def test_gpu_info_without_driver_is_empty():
+    nvml = make_nvml(["x"], init_error="NVMLError_LibraryNotFound")
+    assert hw.gpu_info(cuda=FakeCuda([]), nvml=nvml) == []
+
+
+def test_nvml_status_messages():
+    ok, message = hw.nvml_status(make_nvml(["NVIDIA H200"]))
+    assert ok and "550.54.15" in message and "1 GPU" in message
+    ok, message = hw.nvml_status(make_nvml([], init_error="NVMLError_LibraryNotFound"))
+    assert not ok and "no NVIDIA driver" in message
+    ok, message = hw.nvml_status(make_nvml([], init_error="NVMLError_DriverNotLoaded"))
+    assert not ok and "driver not loaded" in message
+
+
+def test_tiers_from_fake_gpu_counts():
+    assert hw.tier(cuda=FakeCuda([])) == "cpu"
+    assert hw.tier(cuda=FakeCuda(["NVIDIA H200"])) == "single-gpu"
+    assert hw.tier(cuda=FakeCuda(["NVIDIA H200"] * 8)) == "multi-gpu"
+    single = hw.describe_tier(cuda=FakeCuda(["NVIDIA H200"]))
+    assert any("NCCL" in s for s in single.cannot_show)
+
+
+def test_cpu_torch_with_visible_gpus_gets_a_note():
+    info = hw.describe_tier(cuda=FakeCuda([]), nvml=make_nvml(["NVIDIA H200"]))
+    assert info.tier == "cpu"
+    assert any("CUDA build of torch" in n for n in info.notes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Peak table and matching
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "tflops"),
+    [
+        ("NVIDIA A100-SXM4-80GB", torch.bfloat16, 312),
+        ("NVIDIA A100-SXM4-40GB", "fp16", 312),
+        ("NVIDIA A100-PCIE-40GB", "tf32", 156),
+        ("NVIDIA A100 80GB PCIe", torch.float32, 19.5),
+        ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989),
+        ("NVIDIA H100 80GB HBM3", "fp32", 67),
+        ("NVIDIA H100 PCIe", "bf16", 756),
+        ("NVIDIA H100 NVL", "bf16", 835),
+        ("NVIDIA H200", torch.bfloat16, 989),
+    ],
+)
+def test_known_devices_get_their_sourced_peak(name, dtype, tflops):
+    peak = hw.peak_flops(name, dtype)
+    assert peak.known and peak.flops_per_s == pytest.approx(tflops * 1e12)
+    assert peak.source and peak.reason is None
+
+
+def test_h100_pcie_is_not_sxm():
+    sxm = hw.peak_flops("NVIDIA H100 80GB HBM3", "bf16")
+    pcie = hw.peak_flops("NVIDIA H100 PCIe", "bf16")
+    assert (sxm.matched, pcie.matched) == ("H100 SXM", "H100 PCIe")
+    assert pcie.flops_per_s < sxm.flops_per_s
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "NVIDIA A10",  # must not borrow the A100's peak
+        "NVIDIA A100X",
+        "NVIDIA GeForce RTX 4090",
+        "NVIDIA GH200 480GB",
+        "NVIDIA H100",  # form factor unknown: SXM and PCIe differ by 30%
+        "NVIDIA H200 NVL",
+        "NVIDIA A100-SXM4-40GB MIG 1g.5gb",
+    ],
+)
+def test_unknown_devices_get_no_peak_and_a_reason(name):
+    peak = hw.peak_flops(name, torch.bfloat16)
+    assert peak.flops_per_s is None and peak.source is None
+    assert name in peak.reason and "MFU is not computed" in peak.reason
+    assert "N/A" in str(peak)
+
+
+def test_cpus_get_no_peak():
+    for name in ("cpu", hw.cpu_info().model_name, "Intel(R) Xeon(R) Platinum 8480+"):
+        peak = hw.peak_flops(name, torch.float32)
+        assert peak.flops_per_s is None
+        assert "no published peak for CPUs" in peak.reason
+
+
+def test_missing_dtype_row_gives_reason():
+    peak = hw.peak_flops("NVIDIA H200", torch.float32)  # not verified, so not in the table
+    assert peak.flops_per_s is None and peak.matched == "H200 SXM"
+    assert "float32" in peak.reason
+
+
+def test_every_row_is_sourced_and_unique():
+    keys = [(r.device, r.dtype) for r in hw.PEAK_TABLE]
+    assert len(keys) == len(set(keys))
+    for row in hw.PEAK_TABLE:
+        assert row.source.strip() and row.flops_per_s > 0
+    for row in hw.MEMORY_TABLE:
+        assert row.source.strip() and row.bandwidth_bytes_per_s > 0 and row.memory_gb > 0
+
+
+def test_memory_spec():
+    assert hw.memory_spec("NVIDIA H200").bandwidth_bytes_per_s == 4.8e12
+    assert hw.memory_spec("NVIDIA H100 80GB HBM3").bandwidth_bytes_per_s == 3.35e12
+    assert hw.memory_spec("NVIDIA A100-SXM4-80GB").device == "A100 SXM4 80GB"
+    assert hw.memory_spec("NVIDIA A10") is None
+
+
+def test_peak_lookup_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="device_name"):
+        hw.peak_flops("", torch.bfloat16)
+    with pytest.raises(ValueError, match="dtype"):
+        hw.peak_flops("NVIDIA H200", 16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Measured ceiling
+
+
+def test_measured_matmul_flops_is_positive_and_labelled():
+    result = hw.measured_matmul_flops(n=64, repeats=3, warmup=1)
+    assert result.value > 0
+    assert result.method.startswith("measured")
+    assert (result.n, result.repeats, result.device, result.dtype) == (64, 3, "cpu", "float32")
+    assert result.value == pytest.approx(2 * 64**3 / result.median_s)
+
+
+def test_measured_matmul_flops_leaves_global_rng_alone():
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    hw.measured_matmul_flops(n=16, repeats=1, warmup=0)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_measured_matmul_flops_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="n must"):
+        hw.measured_matmul_flops(n=0)
+    with pytest.raises(ValueError, match="repeats"):
+        hw.measured_matmul_flops(n=8, repeats=0)
+    with pytest.raises(ValueError, match="dtype"):
+        hw.measured_matmul_flops(dtype=torch.int32, n=8)
