@@ -1,0 +1,454 @@
+"""Self-checks for the exercises in the notebooks.
+
+A learner finishes an exercise, then runs its check::
+
+    from labkit import exercises as ex
+    ex.check("01.param_count", count_params)
+    # ✓ 01.param_count: count_params(cfg) equals the parameters of labkit.model.GPT(cfg) ...
+
+A check either prints one ``✓`` line or raises:
+
+- :class:`ExerciseIncomplete` (a ``NotImplementedError``) while the learner's code is still the
+  stub that :mod:`labkit.nbgen` generated: the message names the exercise and gives a hint;
+- :class:`ExerciseFailed` (an ``AssertionError``) for a wrong answer: the message says what was
+  expected, what came back, and what the usual mistake behind that value is.
+
+The registry is data: each exercise is an :class:`Exercise` (id, title, hint, and a ``verify``
+function that takes the learner's object and returns a sentence saying what it verified).
+A notebook's exercises are registered with the :func:`exercise` decorator below, under a
+heading per notebook. ``verify`` functions are plain callables that raise, so the same checks
+can run inside worker processes (:func:`verify` prints nothing).
+
+Checks import the modules they compare against (``labkit.model``, ``labkit.timing``) only when
+they run: importing this module stays cheap and side-effect free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+import numbers
+import threading
+import time
+import timeit
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from labkit.config import ModelConfig
+
+# --------------------------------------------------------------------------- framework
+
+
+class ExerciseError(Exception):
+    """Base of the two ways a check can end without a ✓."""
+
+    exercise_id: str | None = None
+
+
+class ExerciseIncomplete(ExerciseError, NotImplementedError):
+    """The learner's code still raises ``NotImplementedError`` (the generated stub)."""
+
+
+class ExerciseFailed(ExerciseError, AssertionError):
+    """The learner's code ran and gave a wrong answer; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """One exercise: what it is, a hint for the stub, and how to verify an answer."""
+
+    id: str
+    """``"NN.name"``: NN is the notebook (``"01"``), name says what is built."""
+    title: str
+    """Short description, e.g. "Count a GPT's parameters by formula"."""
+    hint: str
+    """Shown while the exercise is not done yet."""
+    verify: Callable[[Any], str]
+    """Takes the learner's object; raises :class:`ExerciseFailed` or returns what it verified."""
+
+    @property
+    def notebook(self) -> str:
+        return self.id.split(".", 1)[0]
+
+
+_REGISTRY: dict[str, Exercise] = {}
+
+
+def exercise(id: str, title: str, hint: str) -> Callable[[Callable[[Any], str]], Callable]:
+    """Register the decorated function as the ``verify`` of exercise ``id``."""
+    notebook, _, name = id.partition(".")
+    if not (len(notebook) == 2 and notebook.isdigit() and name.isidentifier()):
+        raise ValueError(f"exercise id={id!r} is not allowed: use 'NN.name', e.g. '01.param_count'")
+    if id in _REGISTRY:
+        raise ValueError(f"exercise id={id!r} is already registered")
+
+    def register(fn: Callable[[Any], str]) -> Callable[[Any], str]:
+        _REGISTRY[id] = Exercise(id=id, title=title, hint=hint, verify=fn)
+        return fn
+
+    return register
+
+
+def get(exercise_id: str) -> Exercise:
+    """The registered exercise called ``exercise_id``."""
+    try:
+        return _REGISTRY[exercise_id]
+    except KeyError:
+        raise ValueError(
+            f"exercise_id={exercise_id!r} is not registered; known: {sorted(_REGISTRY)}"
+        ) from None
+
+
+def catalogue(notebook: str | None = None) -> list[Exercise]:
+    """All exercises (of one notebook, e.g. ``"01"``), in id order."""
+    return [e for _, e in sorted(_REGISTRY.items()) if notebook in (None, e.notebook)]
+
+
+def verify(exercise_id: str, answer: Any) -> str:
+    """Run the check; return what was verified, or raise (never prints; usable in workers)."""
+    __tracebackhide__ = True  # pytest and IPython hide this frame: the message is the point
+    ex = get(exercise_id)
+    try:
+        return ex.verify(answer)
+    except ExerciseFailed as err:
+        if err.exercise_id is None:
+            err.exercise_id = ex.id
+            err.args = (f"Exercise {ex.id} ({ex.title}) failed: {err.args[0] if err.args else ''}",)
+        raise
+    except ExerciseIncomplete:
+        raise
+    except NotImplementedError:
+        err = ExerciseIncomplete(f"Exercise {ex.id} is not done yet: {ex.hint}")
+        err.exercise_id = ex.id
+        raise err from None
+
+
+def check(exercise_id: str, answer: Any) -> None:
+    """Verify ``answer`` and print ``✓ <id>: <what was verified>``; raise if it is wrong."""
+    __tracebackhide__ = True
+    print(f"✓ {exercise_id}: {verify(exercise_id, answer)}")
+
+
+def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call the learner's ``fn``; any error but the stub's becomes an :class:`ExerciseFailed`.
+
+    ``NotImplementedError`` passes through, so :func:`verify` reports the exercise as not done.
+    """
+    __tracebackhide__ = True
+    try:
+        return fn(*args, **kwargs)
+    except NotImplementedError:
+        raise
+    except Exception as err:
+        shown = ", ".join([*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())])
+        raise ExerciseFailed(
+            f"{_name(fn)}({shown}) raised {type(err).__name__}: {err} (traceback above)"
+        ) from err
+
+
+def _name(fn: object) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def _require_callable(answer: object, signature: str) -> Callable[..., Any]:
+    if not callable(answer):
+        raise ExerciseFailed(
+            f"expected the function {signature}, got {type(answer).__name__} "
+            f"{answer!r}; pass the function itself, without calling it"
+        )
+    return answer
+
+
+def _require_int(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ExerciseFailed(
+            f"{what} returned {type(value).__name__} {value!r}; return an int (counts are whole "
+            "numbers: use // instead of /, and int(...) on tensors)"
+        )
+    return int(value)
+
+
+# --------------------------------------------------------------------------- 01 single GPU
+
+# Three shapes that differ in every dimension (and with vocab_size != seq_len, so the two
+# embedding tables cannot be confused). Small: building them takes milliseconds.
+PARAM_COUNT_CONFIGS = (
+    ModelConfig(vocab_size=256, seq_len=64, n_layer=2, n_head=2, d_model=64),
+    ModelConfig(vocab_size=100, seq_len=32, n_layer=3, n_head=4, d_model=48),
+    ModelConfig(vocab_size=512, seq_len=128, n_layer=1, n_head=1, d_model=32),
+)
+
+
+def _gpt_breakdown(cfg: ModelConfig) -> dict[str, int]:
+    """Count labkit.model.GPT(cfg)'s parameters, in total and by kind (for diagnosing errors).
+
+    ``model.parameters()`` yields a shared tensor once, so the tied lm_head is counted once.
+    """
+    import torch.nn as nn
+
+    from labkit.model import GPT  # lazy: only this check needs a model
+
+    model = GPT(cfg)
+    kinds = {"total": 0, "linear_bias": 0, "layernorm": 0, "position": 0, "token": 0}
+    seen: set[int] = set()
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            kinds["total"] += p.numel()
+            if isinstance(module, nn.LayerNorm):
+                kinds["layernorm"] += p.numel()
+            elif isinstance(module, nn.Embedding) and module.num_embeddings == cfg.seq_len:
+                kinds["position"] += p.numel()
+            elif isinstance(module, nn.Embedding):
+                kinds["token"] += p.numel()
+            elif name == "bias":
+                kinds["linear_bias"] += p.numel()
+    assert kinds["total"] == sum(p.numel() for p in model.parameters())
+    return kinds
+
+
+def _param_count_diagnosis(cfg: ModelConfig, kinds: dict[str, int], got: int) -> str:
+    """Name the usual mistake that gives exactly ``got``, if one does."""
+    h, L, V = cfg.d_model, cfg.n_layer, cfg.vocab_size
+    expected = kinds["total"]
+    mistakes = [
+        (
+            V * h,
+            "you counted the output head separately, but lm_head.weight is tied to the "
+            "token embedding (one tensor, counted once)",
+        ),
+        (
+            -kinds["linear_bias"],
+            "you left out the biases of the Linear layers (h per output "
+            "feature: 3h + h in attention, 4h + h in the MLP)",
+        ),
+        (-kinds["linear_bias"] - kinds["layernorm"], "you left out all biases and LayerNorms"),
+        (
+            -kinds["layernorm"],
+            "you left out the LayerNorms (weight and bias, 2h each: two per block and one final)",
+        ),
+        (-2 * h, "you left out the final LayerNorm (2h)"),
+        (-kinds["position"], "you left out the learned position embedding (seq_len × d_model)"),
+        (-kinds["token"], "you left out the token embedding (vocab_size × d_model)"),
+        (
+            -13 * h * L,
+            "per block you counted the 12h² weights but not the 13h biases and "
+            "LayerNorm parameters",
+        ),
+    ]
+    for delta, why in mistakes:
+        if delta and got == expected + delta:
+            return why
+    return "compare your terms with the model's modules: print(model) lists every layer"
+
+
+@exercise(
+    "01.param_count",
+    "Count a GPT's parameters by formula",
+    "write count_params(cfg) -> int from cfg.vocab_size, cfg.seq_len, cfg.n_layer and "
+    "cfg.d_model: token and position embeddings, L blocks (attention, MLP, two LayerNorms), "
+    "the final LayerNorm; the output head is tied to the token embedding",
+)
+def _verify_param_count(count_params: Any) -> str:
+    fn = _require_callable(count_params, "count_params(cfg: ModelConfig) -> int")
+    for cfg in PARAM_COUNT_CONFIGS:
+        got = _require_int(call(fn, cfg), f"{_name(fn)}(cfg)")
+        kinds = _gpt_breakdown(cfg)
+        if got != kinds["total"]:
+            raise ExerciseFailed(
+                f"for {cfg} expected {kinds['total']:,} parameters (sum of p.numel() over "
+                f"labkit.model.GPT(cfg).parameters()), got {got:,} "
+                f"(off by {got - kinds['total']:+,}). Likely: "
+                + _param_count_diagnosis(cfg, kinds, got)
+            )
+    return (
+        f"count_params(cfg) equals the parameters of labkit.model.GPT(cfg) for "
+        f"{len(PARAM_COUNT_CONFIGS)} configurations (tied head counted once)"
+    )
+
+
+class _FakeAccelerator:
+    """A device that runs work asynchronously on a virtual clock (no sleeping, deterministic).
+
+    ``launch(seconds)`` returns at once, as a CUDA kernel launch does; the work finishes
+    ``seconds`` later on the device's queue. ``synchronize()`` makes the host wait until the
+    queue is empty: only then does the clock show the work as done.
+    """
+
+    LAUNCH_S = 1e-6  # host-side cost of a launch
+
+    def __init__(self) -> None:
+        self.now = 1000.0  # perf_counter's origin is arbitrary; start away from zero
+        self.busy_until = self.now
+        self.events: list[str] = []
+        self.sync_devices: list[object] = []
+        self._owner = threading.get_ident()
+
+    def launch(self, seconds: float) -> None:
+        self.events.append("fn")
+        self.now += self.LAUNCH_S
+        self.busy_until = max(self.busy_until, self.now) + seconds
+
+    def synchronize(self, device: object = None) -> None:
+        self.events.append("sync")
+        self.sync_devices.append(device)
+        self.now = max(self.now, self.busy_until)
+
+    def clock(self, real: Callable[[], float], scale: float = 1.0) -> Callable[[], float]:
+        """A stand-in for the clock ``real``; other threads keep the real one."""
+
+        def read() -> Any:
+            if threading.get_ident() != self._owner:
+                return real()
+            self.events.append("clock")
+            value = self.now * scale
+            return int(value) if scale != 1.0 else value
+
+        return read
+
+
+_CLOCKS = ("perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns", "time", "time_ns")
+
+
+@contextlib.contextmanager
+def _patched(fake: _FakeAccelerator, learner_globals: dict[str, Any]) -> Iterator[None]:
+    """Route clocks and synchronize() (every name the learner may call) to ``fake``."""
+    import torch
+
+    timing = importlib.import_module("labkit.timing")
+    swaps: dict[int, Any] = {}  # id(real object) -> replacement
+    targets: list[tuple[Any, str]] = []
+    for name in _CLOCKS:
+        real = getattr(time, name)
+        swaps[id(real)] = fake.clock(real, 1e9 if name.endswith("_ns") else 1.0)
+        targets.append((time, name))
+    swaps[id(timeit.default_timer)] = swaps[id(time.perf_counter)]
+    targets.append((timeit, "default_timer"))
+    for module in (timing, torch.cuda):
+        swaps[id(module.synchronize)] = fake.synchronize
+        targets.append((module, "synchronize"))
+    # `from time import perf_counter` or `from labkit.timing import synchronize` in a notebook
+    # binds the real function to a global name: swap those names too.
+    originals = [(obj, name, getattr(obj, name)) for obj, name in targets]
+    global_swaps = {k: v for k, v in learner_globals.items() if id(v) in swaps}
+    try:
+        for obj, name, real in originals:
+            setattr(obj, name, swaps[id(real)])
+        for name, real in global_swaps.items():
+            learner_globals[name] = swaps[id(real)]
+        yield
+    finally:
+        for obj, name, real in originals:
+            setattr(obj, name, real)
+        learner_globals.update(global_swaps)
+
+
+TIMED_WORK_S = 0.005  # virtual duration of the operation being timed
+TIMED_EARLIER_S = 0.020  # work already queued when timed() is called (from earlier cells)
+
+
+@exercise(
+    "01.timed",
+    "Time an asynchronous operation correctly",
+    "write timed(fn, device) -> float: call labkit.timing.synchronize(device), read "
+    "time.perf_counter(), call fn(), synchronize again, read the clock, return the difference "
+    "in seconds",
+)
+def _verify_timed(timed: Any) -> str:
+    import torch
+
+    fn = _require_callable(timed, "timed(fn, device) -> float")
+    fake = _FakeAccelerator()
+    device = torch.device("cuda", 0)  # a device object only: nothing touches CUDA
+    fake.launch(TIMED_EARLIER_S)  # a previous cell's work, still running
+    fake.events.clear()
+    with _patched(fake, getattr(fn, "__globals__", {})):
+        result = call(fn, lambda: fake.launch(TIMED_WORK_S), device)
+
+    events = fake.events
+    work_ms, earlier_ms = TIMED_WORK_S * 1e3, TIMED_EARLIER_S * 1e3
+    if "fn" not in events:
+        raise ExerciseFailed("timed() never called fn(); call it once between the clock reads")
+    if events.count("clock") < 2:
+        raise ExerciseFailed(
+            "the check saw fewer than two clock reads, so it cannot tell what you timed; read "
+            "time.perf_counter() before and after the operation (torch.cuda.Event timing works "
+            "on a real GPU, but this check simulates the device through the clock)"
+        )
+    if isinstance(result, bool) or not isinstance(result, numbers.Real):
+        raise ExerciseFailed(
+            f"timed() returned {type(result).__name__} {result!r}; return the "
+            "elapsed time in seconds as a float"
+        )
+    result = float(result)
+    last_fn = len(events) - 1 - events[::-1].index("fn")
+    last_clock = len(events) - 1 - events[::-1].index("clock")
+    if "sync" not in events[last_fn:last_clock]:
+        raise ExerciseFailed(
+            f"timed() returned {result * 1e3:.3f} ms, but the operation takes {work_ms:g} ms on "
+            "the device: you read the clock when fn() returned, which is when the work was "
+            "*queued*, not when it finished (GPU execution is asynchronous). Call "
+            "labkit.timing.synchronize(device) after fn() and before reading the end time"
+        )
+    if any(d is not None and str(d) != str(device) for d in fake.sync_devices):
+        raise ExerciseFailed(
+            f"synchronize() was called with {fake.sync_devices}; pass it the "
+            f"device you were given ({device})"
+        )
+    if math.isclose(result, TIMED_WORK_S, rel_tol=0.01):
+        return (
+            f"timed() waits for the device before reading the clock (measured the "
+            f"{work_ms:g} ms of simulated device work, not the launch)"
+        )
+    if "sync" not in events[: events.index("clock")]:
+        raise ExerciseFailed(
+            f"timed() returned {result * 1e3:.3f} ms for {work_ms:g} ms of work: it also counted "
+            f"{earlier_ms:g} ms of work queued before it started. Call "
+            "labkit.timing.synchronize(device) before reading the start time too"
+        )
+    raise ExerciseFailed(
+        f"timed() returned {result:.6g} s but the operation took {TIMED_WORK_S:g} s; return "
+        "end - start in seconds (perf_counter() is in seconds; divide by the number of calls "
+        "if you call fn() more than once)"
+    )
+
+
+ADAM_BYTES_CASES = (1, 3, 124_000_000, 7_000_000_000)
+
+# Bytes per parameter that the usual mistakes give, and what each one left out or added.
+_ADAM_MISTAKES = {
+    4: "that is the fp32 weights alone; add their gradients and Adam's two moments",
+    8: "two of the four fp32 tensors; AdamW keeps weights, gradients, exp_avg and exp_avg_sq",
+    12: "one of the four fp32 tensors is missing (weights, gradients, exp_avg, exp_avg_sq)",
+    2: "that is 16-bit weights; this exercise is fp32 training (4 bytes per number)",
+    128: "that is bits; divide by 8 for bytes",
+}
+
+
+@exercise(
+    "01.adam_bytes",
+    "Bytes of model state for fp32 AdamW training",
+    "write adamw_state_bytes(n_params) -> int: fp32 weights, fp32 gradients and AdamW's two "
+    "fp32 moments, 4 bytes per number",
+)
+def _verify_adam_bytes(adamw_state_bytes: Any) -> str:
+    fn = _require_callable(adamw_state_bytes, "adamw_state_bytes(n_params: int) -> int")
+    for n in ADAM_BYTES_CASES:
+        got = _require_int(call(fn, n), f"{_name(fn)}({n})")
+        expected = 16 * n  # 4 (weights) + 4 (grads) + 4 + 4 (exp_avg, exp_avg_sq): Playbook
+        if got != expected:
+            per_param = got / n
+            why = _ADAM_MISTAKES.get(round(per_param)) if per_param == round(per_param) else None
+            raise ExerciseFailed(
+                f"for n_params={n:,} expected {expected:,} bytes (16 per parameter: 4 weights + "
+                f"4 gradients + 8 for the two Adam moments), got {got:,} "
+                f"({per_param:g} per parameter)" + (f": {why}" if why else "")
+            )
+    return (
+        "adamw_state_bytes(n) = 16·n bytes (fp32 weights, gradients, exp_avg, exp_avg_sq) "
+        f"for {len(ADAM_BYTES_CASES)} sizes up to {max(ADAM_BYTES_CASES):,} parameters"
+    )
