@@ -1,0 +1,287 @@
+"""Worker side of a labkit job: process-group setup, heartbeats and results.
+
+A worker is an importable module that torchrun runs on every rank:
+
+    from labkit import dist
+
+    @dist.entrypoint
+    def main(ctx: dist.Context) -> None:
+        x = torch.ones(4, device=ctx.device) * (ctx.rank + 1)
+        with ctx.phase("all_reduce"):            # "waiting in a collective", for hang reports
+            torch.distributed.all_reduce(x)
+        ctx.write_result({"value": x[0].item()})
+
+    if __name__ == "__main__":
+        main()
+
+``labkit.launch.run("my.module", nproc=2, config={...})`` starts it. Collectives, barriers and
+the rest are plain ``torch.distributed``: this module only does what every worker needs
+around them.
+
+The launcher and the workers talk through files in the job directory (path in the
+``LABKIT_JOB_DIR`` environment variable); this module owns that layout:
+
+    job.json                 the job spec the launcher wrote: config, backend, timeouts
+    rank{r}.json             what rank r passed to ``ctx.write_result``
+    heartbeat/rank{r}.json   rank r's latest heartbeat: pid, step, phase, in a collective or not
+
+Files, not sockets: they survive a crash, need no port, and a human can read them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from labkit._spawn import AGENT_PID_ENV, set_parent_death_signal
+
+JOB_DIR_ENV = "LABKIT_JOB_DIR"
+SPEC_FILE = "job.json"
+# torch's defaults are 10 min (NCCL) and 30 min (gloo) (torch.distributed.constants): a hung
+# collective would stall a notebook cell that long. One minute is ample for lab-sized jobs.
+DEFAULT_PG_TIMEOUT_S = 60.0
+
+
+# --- the on-disk protocol (shared with labkit.launch) ---------------------------------------
+
+
+def result_path(job_dir: Path, rank: int) -> Path:
+    return Path(job_dir) / f"rank{rank}.json"
+
+
+def heartbeat_path(job_dir: Path, rank: int) -> Path:
+    return Path(job_dir) / "heartbeat" / f"rank{rank}.json"
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON so a concurrent reader sees the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, allow_nan=True))
+    os.replace(tmp, path)  # atomic on POSIX
+
+
+def read_json(path: Path) -> dict | None:
+    """The JSON object in ``path``, or None if it is missing or unreadable."""
+    try:
+        obj = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def read_heartbeats(job_dir: Path, nproc: int) -> dict[int, dict]:
+    """Latest heartbeat of each rank that has written one: {rank: heartbeat dict}."""
+    beats = {}
+    for rank in range(nproc):
+        beat = read_json(heartbeat_path(job_dir, rank))
+        if beat is not None:
+            beats[rank] = beat
+    return beats
+
+
+# --- the context a worker function receives -------------------------------------------------
+
+
+@dataclass
+class Context:
+    """What a worker needs to know about its place in the job.
+
+    Attributes:
+        rank: global rank, 0..world_size-1.
+        local_rank: rank on this machine; on one machine equal to ``rank``.
+        world_size: number of processes in the job.
+        backend: "nccl" (one GPU per rank) or "gloo" (CPU).
+        device: ``cuda:<local_rank>`` for nccl, ``cpu`` for gloo.
+        config: the dict passed to ``labkit.launch.run(config=...)``.
+        job_dir: the job directory, or None when run without the launcher.
+    """
+
+    rank: int
+    local_rank: int
+    world_size: int
+    backend: str
+    device: torch.device
+    config: dict[str, Any] = field(default_factory=dict)
+    job_dir: Path | None = None
+    _beat: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def print0(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on rank 0 only (the launcher prefixes each line with its rank anyway)."""
+        if self.rank == 0:
+            print(*args, flush=True, **kwargs)
+
+    def heartbeat(
+        self, step: int | None = None, total: int | None = None, phase: str | None = None
+    ) -> None:
+        """Tell the launcher this rank is alive and how far it got.
+
+        Call it once per training step (``ctx.heartbeat(step=i, total=steps)``): the launcher
+        shows progress from it and, when a job hangs, names the rank that fell behind.
+        Arguments left as None keep their previous value. Costs one small file write (~0.1 ms).
+        """
+        if step is not None:
+            self._beat["step"] = int(step)
+        if total is not None:
+            self._beat["total"] = int(total)
+        if phase is not None:
+            self._beat["phase"] = phase
+            self._beat["in_collective"] = False
+        self._write_heartbeat()
+
+    @contextlib.contextmanager
+    def phase(self, name: str, collective: bool = True) -> Iterator[None]:
+        """Mark a region, by default as "waiting in a collective".
+
+        A rank blocked in ``all_reduce`` is usually a *victim*: it waits for a rank that never
+        arrives. Marking collectives lets the launcher tell the two apart (torchrun's own
+        "Root Cause" names the victim, whose collective timed out first).
+        """
+        before = (self._beat.get("phase"), self._beat.get("in_collective", False))
+        self._beat["phase"], self._beat["in_collective"] = name, collective
+        self._write_heartbeat()
+        # No try/finally: if the collective raises, the last heartbeat must still say where.
+        yield
+        self._beat["phase"], self._beat["in_collective"] = before
+        self._write_heartbeat()
+
+    def write_result(self, result: dict[str, Any]) -> None:
+        """Save this rank's result; the launcher returns it in ``JobResult.ranks[rank]``.
+
+        ``result`` must be JSON-serialisable (numbers, strings, lists, dicts): convert tensors
+        with ``.item()`` or ``.tolist()`` first. Calling it again replaces the earlier result.
+        """
+        try:
+            json.dumps(result)
+        except (TypeError, ValueError) as e:
+            raise TypeError(
+                f"write_result needs a JSON-serialisable dict ({e}); convert tensors with "
+                ".item() or .tolist()"
+            ) from None
+        if self.job_dir is None:  # run without the launcher: the log is the only place
+            print(f"[labkit result rank {self.rank}] {json.dumps(result)}", flush=True)
+            return
+        write_json_atomic(result_path(self.job_dir, self.rank), result)
+
+    def _write_heartbeat(self) -> None:
+        if self.job_dir is None:
+            return
+        beat = self._beat
+        beat["seq"] = beat.get("seq", 0) + 1  # the launcher watches this to see progress
+        beat["time"] = time.time()
+        write_json_atomic(heartbeat_path(self.job_dir, self.rank), beat)
+
+
+# --- setup and teardown ----------------------------------------------------------------------
+
+
+def entrypoint(fn: Callable[[Context], dict[str, Any] | None]) -> Callable[[], None]:
+    """Turn ``fn(ctx)`` into a worker ``main()`` that sets up and tears down the process group.
+
+    Setup: parent-death signal, ``init_process_group`` with a short timeout, the GPU for nccl.
+    If ``fn`` returns a dict it is saved as this rank's result (same as ``ctx.write_result``).
+    Errors propagate through torch's ``@record``, which writes an error file the launcher
+    reads to report the failing rank's exception and traceback.
+    """
+
+    @record  # without it torchrun reports "error_file: <N/A>" and no traceback
+    @functools.wraps(fn)
+    def main() -> None:
+        _run(fn)
+
+    return main
+
+
+def _run(fn: Callable[[Context], dict[str, Any] | None]) -> None:
+    _arm_parent_death_signal()
+    _fill_single_process_env()
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    job_dir = Path(os.environ[JOB_DIR_ENV]) if os.environ.get(JOB_DIR_ENV) else None
+    spec = (read_json(job_dir / SPEC_FILE) or {}) if job_dir else {}
+    backend = spec.get("backend") or _default_backend(world_size)
+    device = torch.device(f"cuda:{local_rank}" if backend == "nccl" else "cpu")
+
+    ctx = Context(rank, local_rank, world_size, backend, device, spec.get("config", {}), job_dir)
+    ctx._beat.update(
+        rank=rank,
+        pid=os.getpid(),
+        host=socket.gethostname(),
+        step=None,
+        total=None,
+        phase="setup",
+        in_collective=False,
+    )
+    ctx._write_heartbeat()  # first beat: the launcher records our PID from it
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=float(spec.get("pg_timeout_s", DEFAULT_PG_TIMEOUT_S)))
+    # device_id binds the NCCL communicator to our GPU at once (no "guessing device" warning).
+    extra = {"device_id": device} if device.type == "cuda" else {}
+    tdist.init_process_group(backend, timeout=timeout, **extra)
+    ctx.heartbeat(phase="run")
+    try:
+        result = fn(ctx)
+        if result is not None:
+            ctx.write_result(result)
+    except BaseException:
+        ctx._beat["failed"] = True  # keep phase/in_collective: where it failed matters
+        ctx._write_heartbeat()
+        raise
+    ctx.heartbeat(phase="done")
+    tdist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # gloo sometimes aborts a rank ("terminate called without an active exception") while
+    # the interpreter shuts down after destroy_process_group, and torchrun then reports a
+    # finished job as failed. Our results are on disk: skip interpreter teardown.
+    os._exit(0)
+
+
+def _arm_parent_death_signal() -> None:
+    """Die with the torchrun agent: SIGKILL to the agent leaves its workers running otherwise."""
+    set_parent_death_signal(signal.SIGKILL)
+    agent = os.environ.get(AGENT_PID_ENV)
+    # Importing torch took seconds; if the agent died meanwhile no signal will come.
+    if agent and os.getppid() != int(agent):
+        print(f"labkit.dist: torchrun agent {agent} is gone; exiting", file=sys.stderr)
+        os._exit(1)
+
+
+def _fill_single_process_env() -> None:
+    """Let ``python -m some.worker`` run as a 1-process job without torchrun (for debugging)."""
+    if "RANK" in os.environ:
+        return
+    with socket.socket() as s:  # ask the OS for a free port: never hard-code one
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+
+
+def _default_backend(world_size: int) -> str:
+    """Without a job spec: NCCL when every local rank can have its own GPU, else gloo."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= local else "gloo"

@@ -1,0 +1,1065 @@
+"""Run a multi-process job from a notebook cell, and never leave a process behind.
+
+    from labkit import launch
+    res = launch.run("labkit.workers.allreduce", nproc=2, config={"numel": 2**20})
+    res.ranks          # [rank 0's result dict, rank 1's result dict]
+
+``run`` starts ``python -m torch.distributed.run`` (torchrun) as a subprocess on an importable
+worker module (see ``labkit.dist``) and supervises it from the calling thread:
+
+- bad input fails before anything starts (unknown module, more ranks than GPUs, ...);
+- each rank's output appears under the cell with a "[rank0]" prefix, bounded to ``tail_lines``
+  lines; full per-rank logs stay in the job directory;
+- per-rank results come back as dicts (``JobResult.ranks``);
+- a failure raises ``JobFailed`` naming the rank, its exception and traceback;
+- a hang raises ``JobTimeout`` naming the rank that fell behind, from per-rank heartbeats
+  (torchrun's own report names the *victim*, the rank whose collective timed out first);
+- on error, timeout or interrupt the whole process tree is ended, SIGTERM then SIGKILL;
+- a kernel killed outright (Jupyter restart) still takes its job down: the agent and the
+  workers carry a parent-death signal, and a registry of job PIDs lets the next ``run`` (or
+  ``cleanup()``) end whatever survived.
+
+Why a subprocess and not ``mp.spawn`` or an in-process launcher: functions defined in a
+notebook cannot be pickled into spawned workers (pytorch #20375), fork breaks once the kernel
+touched CUDA (accelerate #908), and torch's in-process ``elastic_launch`` leaves its signal
+handlers installed in the kernel. A subprocess keeps the kernel clean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import html
+import importlib.util
+import json
+import os
+import re
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from labkit import dist
+
+TICK_S = 0.25  # supervision period: heartbeats, timeouts, observers' on_tick
+TREE_SCAN_S = 1.0  # how often to record the agent's descendants (a /proc walk)
+GRACE_S = 2.0  # after SIGTERM, how long processes get before SIGKILL
+# Passed to torchrun as TORCH_ELASTIC_SHUTDOWN_TIMEOUT: how long the agent itself waits for
+# workers after SIGTERM before SIGKILL (default 30 s). Matters when our process is gone and the
+# agent got its parent-death SIGTERM.
+AGENT_SHUTDOWN_S = 3
+RANK_PREFIX = "[rank${rank}] "  # torchrun substitutes ${rank}
+_RANK_LINE = re.compile(r"^\[rank(\d+)\] ?")
+_AGENT_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+DEVICES = ("auto", "cpu", "cuda")
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+# --- results and errors -----------------------------------------------------------------------
+
+
+@dataclass
+class JobResult:
+    """What a job left behind.
+
+    Attributes:
+        ranks: per-rank result dicts, ordered by rank ({} for a rank that wrote none).
+        wall_s: seconds from start to the end of the last process.
+        log_dir: the job directory: job.json, rank{r}.json, agent.log, torchrun/ (per-rank logs).
+        status: "ok", "failed", "timeout" or "interrupted".
+        returncode: torchrun's exit status (negative: killed by that signal).
+        agent_pid, worker_pids: the processes the job ran (all ended by now).
+    """
+
+    module: str
+    job_id: str
+    nproc: int
+    backend: str
+    device: str
+    ranks: list[dict[str, Any]]
+    wall_s: float
+    log_dir: Path
+    status: str
+    returncode: int | None
+    config: dict[str, Any] = field(default_factory=dict)
+    agent_pid: int | None = None
+    worker_pids: list[int] = field(default_factory=list)
+
+    def rank(self, r: int) -> dict[str, Any]:
+        """Rank ``r``'s result dict."""
+        if not 0 <= r < self.nproc:
+            raise IndexError(f"rank {r} out of range: this job had ranks 0..{self.nproc - 1}")
+        return self.ranks[r]
+
+    @property
+    def result(self) -> dict[str, Any]:
+        """Rank 0's result, for jobs where every rank reports the same thing."""
+        return self.rank(0)
+
+    def log(self, r: int, stream: str = "stdout") -> str:
+        """Full text of rank ``r``'s stdout (or ``stream="stderr"``) log, "" if none."""
+        path = rank_log_path(self.log_dir, r, stream)
+        return path.read_text(errors="replace") if path else ""
+
+    def _summary(self) -> str:
+        return (
+            f"{self.module}: {self.status}, {self.nproc} ranks, {self.backend}/{self.device},"
+            f" {self.wall_s:.1f} s, logs in {self.log_dir}"
+        )
+
+    def _split_keys(self) -> tuple[dict[str, Any], list[str]]:
+        """Scalar keys whose value every rank shares (shown once), and the per-rank ones."""
+        keys: list[str] = []
+        for res in self.ranks:
+            keys += [k for k, v in res.items() if k not in keys and k != "rank" and _is_scalar(v)]
+        common: dict[str, Any] = {}
+        if self.nproc > 1 and all(self.ranks):
+            for k in keys:
+                values = [res.get(k) for res in self.ranks]
+                if all(
+                    k in res and v == values[0] for res, v in zip(self.ranks, values, strict=True)
+                ):
+                    common[k] = values[0]
+        return common, [k for k in keys if k not in common][:12]  # a table, not a dump
+
+    def __repr__(self) -> str:
+        common, cols = self._split_keys()
+        rows = [["rank", *cols]]
+        rows += [[str(r), *(_fmt(res.get(c)) for c in cols)] for r, res in enumerate(self.ranks)]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        table = "\n".join(
+            "  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in rows
+        )
+        shared = ", ".join(f"{k}={_fmt(v)}" for k, v in common.items())
+        return (
+            f"JobResult({self._summary()})\n" + (f"all ranks: {shared}\n" if shared else "") + table
+        )
+
+    def _repr_html_(self) -> str:
+        common, cols = self._split_keys()
+        esc = html.escape
+        head = "".join(f"<th>{esc(c)}</th>" for c in ["rank", *cols])
+        body = "".join(
+            "<tr>"
+            + f"<td>{r}</td>"
+            + "".join(f"<td>{esc(_fmt(res.get(c)))}</td>" for c in cols)
+            + "</tr>"
+            for r, res in enumerate(self.ranks)
+        )
+        shared = ", ".join(f"{esc(k)}={esc(_fmt(v))}" for k, v in common.items())
+        return (
+            f"<div><b>{esc(self.module)}</b> {esc(self._summary().split(': ', 1)[1])}"
+            + (f"<br>all ranks: {shared}" if shared else "")
+            + f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
+        )
+
+
+def _is_scalar(v: Any) -> bool:
+    return isinstance(v, (int, float, str, bool)) or v is None
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "" if v is None else str(v)
+
+
+class JobError(RuntimeError):
+    """A job that did not finish cleanly; ``.result`` holds what it left behind."""
+
+    def __init__(self, message: str, *, result: JobResult) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+class JobFailed(JobError):
+    """A rank raised or died. ``.rank`` is the root cause (None if it cannot be told)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        result: JobResult,
+        rank: int | None,
+        exc_type: str = "",
+        exc_message: str = "",
+        traceback: str = "",
+        hung_ranks: Sequence[int] = (),
+    ) -> None:
+        super().__init__(message, result=result)
+        self.rank, self.exc_type, self.exc_message = rank, exc_type, exc_message
+        self.traceback, self.hung_ranks = traceback, list(hung_ranks)
+
+
+class JobTimeout(JobError):
+    """The job ran out of time. ``.ranks``: the ranks that fell behind (likely hung)."""
+
+    def __init__(
+        self, message: str, *, result: JobResult, ranks: Sequence[int], heartbeats: dict[int, dict]
+    ) -> None:
+        super().__init__(message, result=result)
+        self.ranks = list(ranks)
+        self.rank = self.ranks[0] if self.ranks else None
+        self.heartbeats = heartbeats
+
+
+# --- the running job, as observers see it ---------------------------------------------------
+
+
+@dataclass
+class Job:
+    """A running job. Observers get it in ``on_start(job)``, ``on_tick(job)`` and
+    ``on_end(job, result)`` (each method optional); ``on_tick`` comes every ~0.25 s from the
+    launcher's own loop, so a live plot can redraw there while the cell blocks."""
+
+    job_id: str
+    module: str
+    nproc: int
+    backend: str
+    device: str
+    config: dict[str, Any]
+    job_dir: Path
+    started: float = field(default_factory=time.monotonic)  # time.monotonic() at start
+    agent_pid: int | None = None
+    heartbeats: dict[int, dict] = field(default_factory=dict)  # latest, by rank
+    checked_at: float | None = None  # time.time() of the last supervision tick
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.started
+
+    def progress(self) -> tuple[int | None, int | None]:
+        """(step of the slowest rank, total steps) from heartbeats; None where not reported."""
+        steps = [b.get("step") for b in self.heartbeats.values()]
+        totals = [b["total"] for b in self.heartbeats.values() if b.get("total")]
+        if len(steps) < self.nproc or any(s is None for s in steps):
+            return None, (max(totals) if totals else None)
+        return min(steps), (max(totals) if totals else None)  # type: ignore[type-var]
+
+
+def _notify(observers: list[Any], method: str, *args: Any) -> None:
+    """Call ``method`` on each observer that has it; a broken observer is dropped, not fatal."""
+    for obs in list(observers):
+        fn = getattr(obs, method, None)
+        if fn is None:
+            continue
+        try:
+            fn(*args)
+        except Exception as e:  # a plot bug must not leave a job running unsupervised
+            print(f"labkit: observer {type(obs).__name__}.{method} raised {e!r}; dropped")
+            observers.remove(obs)
+
+
+# --- input checks (nothing is started before these pass) --------------------------------------
+
+
+def visible_gpu_count() -> int:
+    """CUDA GPUs this process may use (honours CUDA_VISIBLE_DEVICES), without creating a
+    CUDA context in the kernel: ``torch.cuda.device_count`` asks NVML when it can."""
+    return torch.cuda.device_count()
+
+
+def resolve_backend(
+    nproc: int, device: str = "auto", backend: str = "auto", *, gpu_count: int
+) -> tuple[str, str]:
+    """Pick (backend, device type) for ``nproc`` ranks on a machine with ``gpu_count`` GPUs.
+
+    NCCL needs one GPU per rank; ranks without their own GPU use gloo on the CPU. Raises
+    ValueError for a combination the machine cannot run.
+    """
+    if device not in DEVICES:
+        raise ValueError(f"device={device!r}: use one of {DEVICES}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: use one of {BACKENDS}")
+    if device == "cpu":
+        if backend == "nccl":
+            raise ValueError("backend='nccl' needs GPUs, but device='cpu': use backend='gloo'")
+        return "gloo", "cpu"
+    if gpu_count == 0:
+        if device == "cuda" or backend == "nccl":
+            what = "device='cuda'" if device == "cuda" else "backend='nccl'"
+            raise ValueError(f"{what} but no CUDA GPU is visible: use device='cpu' (gloo)")
+        return "gloo", "cpu"
+    if nproc > gpu_count:
+        raise ValueError(
+            f"more ranks ({nproc}) than GPUs ({gpu_count}): use nproc<={gpu_count}"
+            " or device='cpu' (gloo)"
+        )
+    return ("gloo" if backend == "gloo" else "nccl"), "cuda"
+
+
+def _module_roots(module: str) -> list[str]:
+    """Check workers can import ``module``; return sys.path entries they need for it.
+
+    The kernel may import it thanks to a ``sys.path`` edit (``sys.path.insert(0, "..")``) that
+    a fresh process would not repeat, so the roots go into the workers' PYTHONPATH.
+    """
+    if not isinstance(module, str) or not re.fullmatch(r"[A-Za-z_][\w.]*", module):
+        raise ValueError(
+            f"module={module!r}: pass a dotted module name like 'labkit.workers.allreduce'"
+        )
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or module == "__main__":
+        raise ValueError(
+            f"no module named {module!r}: workers must be importable modules (a "
+            "function defined in a notebook cannot be imported by worker processes);"
+            " put it in a .py file on sys.path and pass its dotted name"
+        )
+    roots = []
+    for name in (module.partition(".")[0], __name__.partition(".")[0]):
+        top = importlib.util.find_spec(name)
+        locations = list(top.submodule_search_locations or []) if top else []
+        if top and not locations and top.origin:
+            locations = [top.origin]
+        for loc in locations:
+            root = str(Path(loc).resolve().parent)
+            # site-packages is on every interpreter's path already; putting it on PYTHONPATH
+            # would move it ahead of the standard library.
+            if root not in roots and not root.endswith(("site-packages", "dist-packages")):
+                roots.append(root)
+    return roots
+
+
+def _check_inputs(
+    nproc: int,
+    config: Any,
+    timeout_s: float,
+    tail_lines: int | None,
+    env: Any,
+    heartbeat_timeout_s: float | None,
+    pg_timeout_s: float,
+) -> str:
+    """Validate run()'s arguments; return the config as JSON."""
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc={nproc!r}: need an integer >= 1 (processes to start)")
+    if not isinstance(config, dict):
+        raise ValueError(f"config must be a dict or None, got {type(config).__name__}")
+    try:
+        config_json = json.dumps(config)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"config is not JSON-serialisable ({e}): workers get it as JSON, so "
+            "use numbers, strings, bools, None, lists and dicts"
+        ) from None
+    for name, value in (
+        ("timeout_s", timeout_s),
+        ("pg_timeout_s", pg_timeout_s),
+        ("heartbeat_timeout_s", heartbeat_timeout_s),
+    ):
+        if value is not None and not (isinstance(value, (int, float)) and value > 0):
+            raise ValueError(f"{name}={value!r}: need a number of seconds > 0")
+    if tail_lines is not None and (not isinstance(tail_lines, int) or tail_lines < 0):
+        raise ValueError(f"tail_lines={tail_lines!r}: need an integer >= 0, or None for all")
+    if env is not None and not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in dict(env).items()
+    ):
+        raise ValueError("env must map str to str (environment variables are strings)")
+    return config_json
+
+
+# --- the launcher -------------------------------------------------------------------------------
+
+
+def run(
+    module: str,
+    *,
+    nproc: int = 2,
+    config: dict[str, Any] | None = None,
+    timeout_s: float = 300,
+    device: str = "auto",
+    backend: str = "auto",
+    log_dir: str | Path | None = None,
+    stream: bool = True,
+    tail_lines: int | None = 30,
+    env: dict[str, str] | None = None,
+    heartbeat_timeout_s: float | None = None,
+    pg_timeout_s: float = dist.DEFAULT_PG_TIMEOUT_S,
+    observers: Sequence[Any] = (),
+) -> JobResult:
+    """Run worker ``module`` on ``nproc`` processes and return their results.
+
+    Args:
+        module: dotted name of an importable worker module (see ``labkit.dist``).
+        nproc: number of processes (ranks).
+        config: JSON-serialisable dict handed to every rank as ``ctx.config``.
+        timeout_s: wall-clock limit for the whole job, seconds.
+        device: "auto" (CUDA if every rank can have its own GPU, else CPU), "cpu" or "cuda".
+        backend: "auto" (nccl on CUDA, gloo on CPU), "gloo" or "nccl".
+        log_dir: parent folder for the job directory (default: ``labkit_home()/runs``).
+        stream: print rank-prefixed output while the job runs.
+        tail_lines: at most this many lines are printed live, and the last lines of the rest
+            at the end (None: print all). The logs on disk are always complete.
+        env: extra environment variables for the workers.
+        heartbeat_timeout_s: end the job when no rank's heartbeat changed for this long,
+            counted once every rank has started (None: only ``timeout_s`` applies).
+        pg_timeout_s: process-group timeout inside the workers, seconds: a collective that
+            waits longer raises there.
+        observers: objects with optional ``on_start(job)``, ``on_tick(job)``,
+            ``on_end(job, result)`` methods (live plots).
+
+    Raises:
+        ValueError: bad arguments; nothing was started.
+        JobFailed: a rank raised or died; names the rank, the exception and the logs.
+        JobTimeout: out of time; names the rank(s) that fell behind.
+        KeyboardInterrupt: re-raised after every process of the job has been ended.
+    """
+    config = {} if config is None else config
+    config_json = _check_inputs(
+        nproc, config, timeout_s, tail_lines, env, heartbeat_timeout_s, pg_timeout_s
+    )
+    backend, device = resolve_backend(nproc, device, backend, gpu_count=visible_gpu_count())
+    roots = _module_roots(module)
+
+    for ended in cleanup():
+        print(
+            f"labkit: ended {len(ended['pids'])} leftover process(es) of job {ended['job_id']}"
+            " (the process that launched it had died)"
+        )
+
+    job_id = f"{module.rsplit('.', 1)[-1]}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    job_dir = Path(log_dir or labkit_home() / "runs").resolve() / job_id
+    (job_dir / "tmp").mkdir(parents=True)
+    dist.write_json_atomic(
+        job_dir / dist.SPEC_FILE,
+        {
+            "job_id": job_id,
+            "module": module,
+            "nproc": nproc,
+            "backend": backend,
+            "device": device,
+            "pg_timeout_s": float(pg_timeout_s),
+            "config": json.loads(config_json),
+        },
+    )
+    job = Job(job_id, module, nproc, backend, device, config, job_dir)
+    sup = _Supervisor(
+        job,
+        roots,
+        env or {},
+        observers=list(observers),
+        echo=_Echo(tail_lines if stream else 0, job_dir, quiet=not stream),
+    )
+    try:
+        sup.start()
+        sup.wait(timeout_s, heartbeat_timeout_s)
+    except KeyboardInterrupt:
+        sup.status = "interrupted"
+        raise
+    finally:
+        ended = sup.stop()
+        if sup.status == "interrupted":
+            print(f"labkit: interrupted; ended {len(ended)} process(es) of job {job_id}")
+        result = sup.result()
+        _notify(sup.observers, "on_end", job, result)
+    if sup.status == "timeout":
+        raise _timeout_error(job, result, sup.timeout_reason)
+    if sup.status == "failed":
+        raise _failure_error(job, result)
+    return result
+
+
+class _Echo:
+    """Print rank lines as they come, at most ``limit`` of them live; at the end, the last
+    lines of those held back. Uses ``print``: under nbval and papermill only what the kernel
+    itself prints is kept (raw writes to its file descriptors are lost)."""
+
+    def __init__(
+        self,
+        limit: int | None,
+        job_dir: Path,
+        quiet: bool = False,
+        write: Callable[[str], None] = print,
+    ) -> None:
+        self.limit, self.job_dir, self.quiet, self.write = limit, job_dir, quiet, write
+        self.shown = 0
+        self.held = 0
+        self.tail: deque[str] = deque(maxlen=max(limit or 0, 1))
+
+    def line(self, text: str) -> None:
+        if self.quiet:
+            return
+        if self.limit is None or self.shown < self.limit:
+            self.write(text)
+            self.shown += 1
+            return
+        if self.held == 0:
+            self.write(f"… more output in {self.job_dir}")
+        self.held += 1
+        self.tail.append(text)
+
+    def finish(self) -> None:
+        if self.quiet or self.held == 0:
+            return
+        skipped = self.held - len(self.tail)
+        if skipped:
+            self.write(
+                f"… {skipped} lines skipped (all in {self.job_dir}); the last {len(self.tail)}:"
+            )
+        for text in self.tail:
+            self.write(text)
+
+
+class _Supervisor:
+    """Starts torchrun, pumps its output, watches heartbeats and ends the process tree."""
+
+    def __init__(
+        self,
+        job: Job,
+        roots: list[str],
+        extra_env: dict[str, str],
+        *,
+        observers: list[Any],
+        echo: _Echo,
+    ) -> None:
+        self.job, self.roots, self.extra_env = job, roots, extra_env
+        self.observers, self.echo = observers, echo
+        self.proc: subprocess.Popen | None = None
+        self.agent: psutil.Process | None = None
+        self.workers: dict[int, psutil.Process] = {}  # pid -> process (create time checked)
+        self.status = "running"
+        self.timeout_reason = ""
+        self.returncode: int | None = None
+        self.ended_at: float | None = None
+        self._seqs: dict[int, Any] = {}
+        self._last_progress = time.monotonic()
+        self._last_scan = 0.0
+        self._milestone = 0
+        self._log = None
+        self._exit_seen: float | None = None
+
+    # -- start ---------------------------------------------------------------------------
+
+    def _command(self) -> list[str]:
+        job = self.job
+        torchrun = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            # c10d rendezvous on port 0: the OS picks a free port, so jobs never collide
+            # (torchrun's default static port 29500 does: pytorch #73320).
+            "--rdzv-backend=c10d",
+            "--rdzv-endpoint=localhost:0",
+            f"--rdzv-id={job.job_id}",
+            "--nnodes=1",
+            f"--nproc-per-node={job.nproc}",
+            "--max-restarts=0",  # restarts of a broken rank can hang (pytorch #135712)
+            "--monitor-interval=0.1",
+            f"--log-dir={job.job_dir / 'torchrun'}",
+            "--tee=3",  # each rank's stdout+stderr to its own file *and* to us, whole lines
+            "-m",
+            job.module,
+        ]
+        # The exec wrapper arms the agent's parent-death signal (see labkit/_spawn.py).
+        return [sys.executable, "-m", "labkit._spawn", "SIGTERM", str(os.getpid()), "--", *torchrun]
+
+    def _env(self) -> dict[str, str]:
+        job = self.job
+        env = dict(os.environ)
+        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(key, None)  # a launcher inside a worker must not leak its own rank
+        env.update(self.extra_env)
+        env.update(
+            {
+                dist.JOB_DIR_ENV: str(job.job_dir),
+                "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": RANK_PREFIX,
+                "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(AGENT_SHUTDOWN_S),
+                "PYTHONUNBUFFERED": "1",  # the agent's lines reach us as they happen
+                # torchrun leaves a folder in the temp dir per launch: keep it in the job dir.
+                "TMPDIR": str(job.job_dir / "tmp"),
+            }
+        )
+        # ...but torch.compile's cache would then be lost with each job: give it a home.
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(labkit_home() / "inductor"))
+        if job.backend == "gloo" and "lo" in {name for _, name in _interfaces()}:
+            # gloo binds to the address the hostname resolves to; one machine needs loopback.
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        env["PYTHONPATH"] = os.pathsep.join([*self.roots, *filter(None, [env.get("PYTHONPATH")])])
+        return env
+
+    def start(self) -> None:
+        self._log = open(self.job.job_dir / "agent.log", "w")  # noqa: SIM115 (closed in stop)
+        # Popen from this (the calling) thread: the parent-death signal is tied to the thread
+        # that forked, and this one lives until the job is over.
+        self.proc = subprocess.Popen(
+            self._command(),
+            env=self._env(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            # Own session: Jupyter's interrupt (SIGINT to the kernel's process group) reaches
+            # only the kernel, whose KeyboardInterrupt handler ends the job in order.
+            start_new_session=True,
+        )
+        self.job.started = time.monotonic()
+        self.job.agent_pid = self.proc.pid
+        with contextlib.suppress(psutil.NoSuchProcess):
+            self.agent = psutil.Process(self.proc.pid)
+        self._save_record()
+        _notify(self.observers, "on_start", self.job)
+
+    # -- supervise -----------------------------------------------------------------------
+
+    def wait(self, timeout_s: float, heartbeat_timeout_s: float | None) -> None:
+        """Pump output until torchrun exits or time runs out; sets ``status``."""
+        assert self.proc is not None and self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        pending, eof, next_tick = b"", False, 0.0
+        while True:
+            if not eof:
+                ready, _, _ = select.select([fd], [], [], TICK_S)
+                if ready:
+                    chunk = os.read(fd, 1 << 16)
+                    eof = not chunk
+                    *lines, pending = (pending + chunk).split(b"\n")
+                    for raw in lines:
+                        self._on_line(raw.decode(errors="replace"))
+            else:
+                time.sleep(TICK_S)
+            if self.proc.poll() is not None and (eof or self._drained()):
+                if pending:
+                    self._on_line(pending.decode(errors="replace"))
+                self.returncode = self.proc.returncode
+                self.status = "ok" if self.returncode == 0 else "failed"
+                return
+            now = time.monotonic()
+            if now >= next_tick:
+                next_tick = now + TICK_S
+                if self._tick(now, timeout_s, heartbeat_timeout_s):
+                    self.status = "timeout"
+                    return
+
+    def _drained(self) -> bool:
+        # torchrun exited but something still holds the pipe: give it a second, not forever.
+        if self._exit_seen is None:
+            self._exit_seen = time.monotonic()
+        return time.monotonic() - self._exit_seen > 1.0
+
+    def _on_line(self, text: str) -> None:
+        assert self._log is not None
+        self._log.write(text + "\n")
+        # Only rank lines go under the cell; the agent's own chatter (banners, its failure
+        # traceback) stays in agent.log: JobFailed reports the root cause more clearly.
+        m = _RANK_LINE.match(text)
+        if m:
+            # torch's excepthook already prefixes tracebacks with "[rankN]:"; once is enough.
+            rest = text[m.end() :]
+            dup = f"[rank{m.group(1)}]:"
+            self.echo.line(
+                text[: m.end()] + rest[len(dup) :].lstrip() if rest.startswith(dup) else text
+            )
+
+    def _tick(self, now: float, timeout_s: float, heartbeat_timeout_s: float | None) -> bool:
+        """One supervision step; True when the job must be ended for time."""
+        job = self.job
+        job.heartbeats = dist.read_heartbeats(job.job_dir, job.nproc)
+        for rank, beat in job.heartbeats.items():
+            if self._seqs.get(rank) != beat.get("seq"):
+                self._seqs[rank] = beat.get("seq")
+                self._last_progress = now
+            self._record_worker(beat.get("pid"))
+        if now - self._last_scan >= TREE_SCAN_S:
+            self._last_scan = now
+            self._scan_tree()
+        self._show_progress()
+        _notify(self.observers, "on_tick", job)
+
+        job.checked_at = time.time()
+        if now - job.started >= timeout_s:
+            self.timeout_reason = (
+                f"timed out after {now - job.started:.1f} s (timeout_s={timeout_s})"
+            )
+            return True
+        running = [b for b in job.heartbeats.values() if b.get("phase") != "done"]
+        if (
+            heartbeat_timeout_s is not None
+            and len(job.heartbeats) == job.nproc
+            and running
+            and now - self._last_progress >= heartbeat_timeout_s
+        ):
+            self.timeout_reason = (
+                f"no heartbeat changed for {now - self._last_progress:.1f} s "
+                f"(heartbeat_timeout_s={heartbeat_timeout_s})"
+            )
+            return True
+        return False
+
+    def _show_progress(self) -> None:
+        """A line at each quarter of the slowest rank's steps: sparse enough for saved output."""
+        step, total = self.job.progress()
+        if self.echo.quiet or step is None or not total:
+            return
+        quarter = min(4, 4 * step // total)
+        if quarter > self._milestone:
+            self._milestone = quarter
+            print(f"[progress] step {step}/{total} (slowest rank), {self.job.elapsed_s:.1f} s")
+
+    # -- process bookkeeping -----------------------------------------------------------------
+
+    def _record_worker(self, pid: Any) -> None:
+        if not isinstance(pid, int) or pid in self.workers:
+            return
+        with contextlib.suppress(psutil.Error):
+            self.workers[pid] = psutil.Process(pid)
+            self._save_record()
+
+    def _scan_tree(self) -> None:
+        if self.agent is None:
+            return
+        with contextlib.suppress(psutil.Error):
+            new = [p for p in self.agent.children(recursive=True) if p.pid not in self.workers]
+            if new:
+                self.workers.update({p.pid: p for p in new})
+                self._save_record()
+
+    def _save_record(self) -> None:
+        procs = [self.agent, *self.workers.values()] if self.agent else []
+        dist.write_json_atomic(
+            _registry_dir() / f"{self.job.job_id}.json",
+            {
+                "job_id": self.job.job_id,
+                "module": self.job.module,
+                "job_dir": str(self.job.job_dir),
+                "owner": _proc_record(psutil.Process()),
+                "agent": _proc_record(self.agent) if self.agent else None,
+                "workers": [_proc_record(p) for p in procs[1:]],
+            },
+        )
+
+    def stop(self) -> list[int]:
+        """End every process of the job still alive; idempotent. Returns the PIDs it ended."""
+        ended: list[int] = []
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self._scan_tree()
+            ended = _end_processes([p for p in [self.agent, *self.workers.values()] if p])
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=5)  # reap the agent: no zombie left in the kernel
+            if self.returncode is None:
+                self.returncode = self.proc.returncode
+            if self.proc.stdout:
+                self.proc.stdout.close()
+        if self.ended_at is None:
+            self.ended_at = time.monotonic()
+            self.echo.finish()
+        if self._log:
+            self._log.close()
+        (_registry_dir() / f"{self.job.job_id}.json").unlink(missing_ok=True)
+        shutil.rmtree(self.job.job_dir / "tmp", ignore_errors=True)
+        return ended
+
+    def result(self) -> JobResult:
+        job = self.job
+        ranks = [dist.read_json(dist.result_path(job.job_dir, r)) or {} for r in range(job.nproc)]
+        return JobResult(
+            module=job.module,
+            job_id=job.job_id,
+            nproc=job.nproc,
+            backend=job.backend,
+            device=job.device,
+            ranks=ranks,
+            wall_s=(self.ended_at or time.monotonic()) - job.started,
+            log_dir=job.job_dir,
+            status=self.status,
+            returncode=self.returncode,
+            config=job.config,
+            agent_pid=job.agent_pid,
+            worker_pids=sorted(self.workers),
+        )
+
+
+def _interfaces() -> list[tuple[int, str]]:
+    try:
+        return socket.if_nameindex()
+    except (OSError, AttributeError):
+        return []
+
+
+# --- telling what went wrong ------------------------------------------------------------------
+
+
+def rank_log_path(job_dir: Path, rank: int, stream: str = "stdout") -> Path | None:
+    """Rank ``rank``'s log file written by torchrun (``--log-dir``), or None."""
+    if stream not in ("stdout", "stderr"):
+        raise ValueError(f"stream={stream!r}: use 'stdout' or 'stderr'")
+    found = sorted(Path(job_dir).glob(f"torchrun/*/attempt_*/{rank}/{stream}.log"))
+    return found[-1] if found else None
+
+
+def _ago(beat: dict, now: float) -> str:
+    t = beat.get("time")
+    return f"{now - t:.1f} s ago" if isinstance(t, (int, float)) else "at an unknown time"
+
+
+def _where(beat: dict) -> str:
+    step, total = beat.get("step"), beat.get("total")
+    at = (
+        "before its first step"
+        if step is None
+        else f"at step {step}" + (f"/{total}" if total else "")
+    )
+    return at
+
+
+def diagnose_hang(
+    heartbeats: dict[int, dict], nproc: int, now: float | None = None
+) -> tuple[list[int], list[str]]:
+    """Name the ranks that most likely hold a stalled job up, from their last heartbeats.
+
+    A rank waiting in a collective is a victim: it waits for a peer. So a rank that is *not*
+    in a collective while others are is the likely culprit; among several, the one with the
+    lowest step. Ranks that never wrote a heartbeat (stuck importing or before setup) come
+    first. ``now`` (``time.time()`` by default) dates the heartbeats. Returns (likely hung
+    ranks, one explanatory line per rank).
+    """
+    now = time.time() if now is None else now
+    lines = []
+    for r in range(nproc):
+        beat = heartbeats.get(r)
+        if beat is None:
+            lines.append(f"rank {r}: no heartbeat (never reached setup: slow or stuck start)")
+        elif beat.get("phase") == "done":
+            lines.append(f"rank {r}: finished")
+        elif beat.get("in_collective"):
+            lines.append(
+                f"rank {r}: waiting in collective '{beat.get('phase')}' {_where(beat)} "
+                f"(last heartbeat {_ago(beat, now)})"
+            )
+        else:
+            lines.append(
+                f"rank {r}: {_where(beat)} in phase '{beat.get('phase')}', not in a "
+                f"collective (last heartbeat {_ago(beat, now)})"
+            )
+    missing = [r for r in range(nproc) if r not in heartbeats]
+    if missing:
+        return missing, lines
+    active = {r: b for r, b in heartbeats.items() if b.get("phase") != "done"}
+    outside = {r: b for r, b in active.items() if not b.get("in_collective")}
+    # Some ranks wait in a collective for the others: those others are the suspects.
+    pool = outside if outside and len(outside) < len(active) else active
+    if not pool:
+        return [], lines
+
+    def step_of(r: int) -> int:
+        s = pool[r].get("step")
+        return -1 if s is None else int(s)
+
+    lowest = min(step_of(r) for r in pool)
+    behind = sorted(r for r in pool if step_of(r) == lowest)
+    if pool is active and len(behind) == len(active) == len(heartbeats):
+        return [], lines  # nobody is behind anybody: no rank to blame
+    return behind, lines
+
+
+def _timeout_error(job: Job, result: JobResult, reason: str) -> JobTimeout:
+    """The error for a job ended for time; diagnosed from the heartbeats at that moment."""
+    beats = job.heartbeats
+    hung, lines = diagnose_hang(beats, job.nproc, now=job.checked_at)
+    if hung:
+        verdict = f"likely hung: rank {', '.join(map(str, hung))}"
+    else:
+        verdict = "no single rank is behind (every rank at the same point)"
+    msg = "\n".join(
+        [
+            f"{job.module} {reason}; {verdict}",
+            *(f"  {s}" for s in lines),
+            f"job ended; logs in {job.job_dir}",
+        ]
+    )
+    return JobTimeout(msg, result=result, ranks=hung, heartbeats=beats)
+
+
+def _signal_name(code: int) -> str:
+    with contextlib.suppress(ValueError):
+        return signal.Signals(-code).name
+    return f"signal {-code}"
+
+
+def _root_cause(
+    job: Job, beats: dict[int, dict], returncode: int | None
+) -> tuple[int | None, str, str, str]:
+    """(rank, exception type, message, traceback) of the failure that started it all.
+
+    torch's ``@record`` leaves one error.json per failed rank. When several ranks failed, a
+    rank that failed *inside* a collective is usually reacting to another's death, so those
+    rank last; then the earliest file wins.
+    """
+    found = []
+    for r in range(job.nproc):
+        for path in job.job_dir.glob(f"torchrun/*/attempt_*/{r}/error.json"):
+            err = (dist.read_json(path) or {}).get("message", {})
+            if isinstance(err, str):  # older torch wrote a plain string
+                err = {"message": err, "extraInfo": {}}
+            victim = bool(beats.get(r, {}).get("in_collective"))
+            found.append((victim, path.stat().st_mtime_ns, r, err))
+    if found:
+        _, _, rank, err = min(found, key=lambda t: t[:3])
+        text = str(err.get("message", ""))
+        exc_type, _, exc_msg = text.partition(": ")
+        if not re.fullmatch(r"[\w.]+", exc_type):
+            exc_type, exc_msg = "", text
+        tb = str(err.get("extraInfo", {}).get("py_callstack", ""))
+        return rank, exc_type, exc_msg, tb
+    # No error file: the rank died without a Python exception (a signal, os._exit).
+    agent_log = (job.job_dir / "agent.log").read_text(errors="replace")
+    m = _AGENT_FAILED.search(agent_log)
+    if not m:
+        banner = ("*****", "Setting OMP_NUM_THREADS")  # torchrun's standard chatter
+        lines = [s for s in agent_log.strip().splitlines() if not s.startswith(banner)]
+        how = (
+            f"was killed by {_signal_name(returncode)}"
+            if returncode is not None and returncode < 0
+            else f"exited with code {returncode}"
+        )
+        return (
+            None,
+            "",
+            f"the torchrun agent {how} before any rank reported an error",
+            "\n".join(lines[-15:]),
+        )
+    code, rank = int(m.group(1)), int(m.group(2))
+    how = f"killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
+    log = rank_log_path(job.job_dir, rank, "stderr")
+    tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:]) if log else ""
+    return rank, "", f"process {how} without a Python exception", tail
+
+
+def _failure_error(job: Job, result: JobResult) -> JobFailed:
+    beats = dist.read_heartbeats(job.job_dir, job.nproc)
+    rank, exc_type, exc_msg, tb = _root_cause(job, beats, result.returncode)
+    what = f"{exc_type}: {exc_msg}" if exc_type else exc_msg
+    parts = [
+        f"{job.module} failed" + (f" on rank {rank}" if rank is not None else "") + f": {what}"
+    ]
+    hung: list[int] = []
+    if rank is not None and beats.get(rank, {}).get("in_collective"):
+        # The root cause failed waiting in a collective (e.g. its process-group timeout): it is
+        # a victim, and the rank that kept it waiting is the real suspect.
+        hung = [r for r in diagnose_hang(beats, job.nproc)[0] if r != rank]
+        if hung:
+            parts.append(
+                f"rank {rank} failed waiting in collective '{beats[rank].get('phase')}'; "
+                f"likely hung: rank {', '.join(map(str, hung))} (not in a collective)"
+            )
+    if tb:
+        parts.append("  " + "\n  ".join(tb.rstrip().splitlines()[-8:]))
+    parts.append(f"logs in {job.job_dir}")
+    return JobFailed(
+        "\n".join(parts),
+        result=result,
+        rank=rank,
+        exc_type=exc_type,
+        exc_message=exc_msg,
+        traceback=tb,
+        hung_ranks=hung,
+    )
+
+
+# --- process tree and job registry ---------------------------------------------------------
+
+
+def labkit_home() -> Path:
+    """labkit's cache folder: $LABKIT_HOME, else $XDG_CACHE_HOME/labkit or ~/.cache/labkit."""
+    if os.environ.get("LABKIT_HOME"):
+        return Path(os.environ["LABKIT_HOME"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "labkit"
+
+
+def _registry_dir() -> Path:
+    return labkit_home() / "jobs"
+
+
+def _proc_record(p: psutil.Process) -> dict[str, Any]:
+    return {"pid": p.pid, "create_time": p.create_time()}
+
+
+def _find_process(rec: dict[str, Any] | None) -> psutil.Process | None:
+    """The live process a record names; None if it is gone or its PID now names another one."""
+    if not rec:
+        return None
+    try:
+        p = psutil.Process(int(rec["pid"]))
+        # A PID is reused after its process dies; the start time tells them apart.
+        if abs(p.create_time() - float(rec["create_time"])) > 0.01:
+            return None
+        return p if _alive(p) else None
+    except (psutil.Error, KeyError, ValueError, TypeError):
+        return None
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _end_processes(procs: Iterable[psutil.Process], grace_s: float = GRACE_S) -> list[int]:
+    """SIGTERM ``procs`` and all their descendants, then SIGKILL what is left after ``grace_s``.
+
+    SIGTERM first because torchrun stops its workers on it in well under a second; SIGKILL
+    because a worker may ignore SIGTERM (the agent would wait 30 s for it).
+    """
+
+    def live_tree(roots: Iterable[psutil.Process]) -> dict[int, psutil.Process]:
+        found: dict[int, psutil.Process] = {}
+        for p in roots:
+            if _alive(p):
+                found[p.pid] = p
+                with contextlib.suppress(psutil.Error):
+                    found.update({c.pid: c for c in p.children(recursive=True) if _alive(c)})
+        return found
+
+    targets = live_tree(procs)
+    ended = sorted(targets)
+    for p in targets.values():
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_alive(p) for p in targets.values()):
+        time.sleep(0.05)
+    # Children may have been born during the grace period: walk the tree again.
+    survivors = live_tree(targets.values())
+    for p in survivors.values():
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and any(_alive(p) for p in survivors.values()):
+        time.sleep(0.05)
+    return sorted(set(ended) | set(survivors))
+
+
+def cleanup() -> list[dict[str, Any]]:
+    """End the processes of jobs whose launching process has died; return what was ended.
+
+    Each ``run`` registers its job (owner, agent and worker PIDs with their start times) in
+    ``labkit_home()/jobs`` and removes the record when done. A record left behind means the
+    launcher was killed (e.g. a Jupyter kernel restart); the parent-death signals usually
+    took the job down already, this catches the rest. ``run`` calls it before each job.
+
+    Returns one dict per job with processes ended: {"job_id", "module", "pids"}.
+    """
+    report = []
+    for path in sorted(_registry_dir().glob("*.json")):
+        rec = dist.read_json(path)
+        if rec is None or _find_process(rec.get("owner")) is not None:
+            continue  # unreadable, or its launcher is alive and in charge
+        procs = [p for p in map(_find_process, [rec.get("agent"), *rec.get("workers", [])]) if p]
+        pids = _end_processes(procs) if procs else []
+        path.unlink(missing_ok=True)
+        if pids:
+            report.append({"job_id": rec.get("job_id"), "module": rec.get("module"), "pids": pids})
+    return report

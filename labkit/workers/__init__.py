@@ -1,0 +1,8 @@
+"""Worker modules: each runs on every rank of a job started by ``labkit.launch.run``.
+
+Workers must be importable modules (not functions in a notebook): torchrun starts fresh
+Python processes, which can import a module but cannot reach into the notebook's memory.
+
+    allreduce   the first 2-process job: one all-reduce, checked, then timed (notebook 00)
+    _faults     misbehaving workers for the launcher's tests (raise, hang, ignore SIGTERM)
+"""

@@ -1,0 +1,69 @@
+"""Misbehaving workers for the launcher's tests (not course material).
+
+Config ``mode`` picks the behaviour:
+    "ok"     every rank heartbeats ``steps`` steps, prints ``lines`` lines, writes a result
+    "raise"  rank ``fail_rank`` raises ValueError; the others wait in an all_reduce
+    "hang"   rank ``hang_rank`` sleeps forever outside any collective after step 1; the others
+             reach step 2 and wait in an all_reduce for it (a hung rank and its victims)
+Options for "hang": ``ignore_sigterm`` (every rank ignores SIGTERM, so only SIGKILL ends it),
+``spawn_child`` (rank 0 starts a sleeping child process, to check the whole tree is ended).
+Every rank writes its result (rank, pid, child_pid) *before* misbehaving, so a test can find
+the processes it must check.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as tdist
+
+from labkit import dist
+
+_FOREVER_S = 3600.0
+
+
+@dist.entrypoint
+def main(ctx: dist.Context) -> None:
+    cfg = ctx.config
+    mode = cfg.get("mode", "ok")
+    result = {"rank": ctx.rank, "pid": os.getpid(), "world_size": ctx.world_size, "mode": mode}
+    if cfg.get("ignore_sigterm"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if cfg.get("spawn_child") and ctx.rank == 0:
+        child = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({_FOREVER_S})"])
+        result["child_pid"] = child.pid
+    ctx.write_result(result)
+
+    if mode == "ok":
+        steps = int(cfg.get("steps", 3))
+        for i in range(steps):
+            ctx.heartbeat(step=i + 1, total=steps)
+        for i in range(int(cfg.get("lines", 1))):
+            print(f"line {i} from rank {ctx.rank}", flush=True)
+        x = torch.ones(1)
+        with ctx.phase("all_reduce"):
+            tdist.all_reduce(x)
+        ctx.write_result({**result, "sum": x.item()})
+    elif mode == "raise":
+        if ctx.rank == int(cfg.get("fail_rank", 1)):
+            raise ValueError(f"injected failure on rank {ctx.rank}")
+        with ctx.phase("all_reduce"):
+            tdist.all_reduce(torch.ones(1))  # waits for the failed rank until killed
+    elif mode == "hang":
+        ctx.heartbeat(step=1, total=3, phase="compute")
+        if ctx.rank == int(cfg.get("hang_rank", 1)):
+            time.sleep(_FOREVER_S)  # hung outside any collective
+        ctx.heartbeat(step=2)
+        with ctx.phase("all_reduce"):
+            tdist.all_reduce(torch.ones(1))  # the victim: waits for the hung rank
+    else:
+        raise ValueError(f"unknown mode {mode!r}: use 'ok', 'raise' or 'hang'")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,505 @@
+"""labkit.launch: real torchrun jobs on CPU/gloo, including the ways they go wrong.
+
+Every multi-process test checks that no process of its job survives. Processes are found by
+their environment (LABKIT_JOB_DIR names the job), which catches workers the launcher never
+recorded and a worker's own children too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from labkit import _spawn, dist, launch
+
+REPO = Path(__file__).resolve().parents[1]
+FAULTS = "labkit.workers._faults"
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+
+def job_processes(job_dir: Path | str) -> list[psutil.Process]:
+    """Live (non-zombie) processes started for the job in ``job_dir``."""
+    found = []
+    for p in psutil.process_iter(["environ", "status"]):
+        try:
+            env = p.info["environ"] or {}
+        except (psutil.Error, OSError):
+            continue
+        if env.get(dist.JOB_DIR_ENV) == str(job_dir) and p.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(p)
+    return found
+
+
+def assert_no_survivors(job_dir: Path | str, pids: list[int] = (), wait_s: float = 0.0) -> None:
+    deadline = time.monotonic() + wait_s
+    while True:
+        alive = [p.pid for p in job_processes(job_dir)]
+        alive += [pid for pid in pids if pid not in alive and _alive(pid)]
+        if not alive or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    assert not alive, f"processes of job {job_dir} still running: {alive}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """A private LABKIT_HOME: job dirs and the registry of this test only. Afterwards, any
+    process still running with it is killed, and the test fails."""
+    path = tmp_path / "home"
+    monkeypatch.setenv("LABKIT_HOME", str(path))
+    yield path
+    strays = []
+    for p in psutil.process_iter(["environ"]):
+        with contextlib.suppress(psutil.Error, OSError):
+            env = p.info["environ"] or {}
+            if env.get("LABKIT_HOME") == str(path) and p.pid != os.getpid() and _alive(p.pid):
+                strays.append(p)
+                p.kill()
+    assert not strays, f"test left processes running: {[p.pid for p in strays]}"
+
+
+class Recorder:
+    """An observer that remembers what it was told."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.end_result = None
+        self.max_step = None
+
+    def on_start(self, job):
+        self.calls.append("start")
+
+    def on_tick(self, job):
+        self.calls.append("tick")
+        step, _ = job.progress()
+        if step is not None:
+            self.max_step = step
+
+    def on_end(self, job, result):
+        self.calls.append("end")
+        self.end_result = result
+
+
+class Broken:
+    def on_tick(self, job):
+        raise RuntimeError("plot bug")
+
+
+# --- bad input fails before anything starts ------------------------------------------------------
+
+
+@pytest.fixture
+def no_spawn(home, monkeypatch):
+    def refuse(self):
+        raise AssertionError("run() started a job for bad input")
+
+    monkeypatch.setattr(launch._Supervisor, "start", refuse)
+    return home
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            {"module": "labkit.workers.no_such_worker"},
+            "no module named 'labkit.workers.no_such_worker'.*importable",
+        ),
+        ({"module": "no_such_package.worker"}, "no module named 'no_such_package.worker'"),
+        ({"module": "labkit.workers.allreduce", "nproc": 0}, "nproc=0"),
+        ({"module": "labkit.workers.allreduce", "config": {"t": object()}}, "JSON-serialisable"),
+        ({"module": "labkit.workers.allreduce", "config": [1]}, "config must be a dict"),
+        ({"module": "labkit.workers.allreduce", "timeout_s": 0}, "timeout_s=0"),
+        ({"module": "labkit.workers.allreduce", "device": "tpu"}, "device='tpu'"),
+        ({"module": "labkit.workers.allreduce", "env": {"X": 1}}, "env must map str to str"),
+    ],
+)
+def test_bad_input_fails_before_spawning(no_spawn, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        launch.run(**kwargs)
+    assert not (no_spawn / "runs").exists(), "no job directory may be created for bad input"
+
+
+def test_gpu_checks_use_the_visible_gpu_count(no_spawn, monkeypatch):
+    monkeypatch.setattr(launch, "visible_gpu_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"more ranks \(2\) than GPUs \(1\).*device='cpu'"):
+        launch.run("labkit.workers.allreduce", nproc=2)
+    monkeypatch.setattr(launch, "visible_gpu_count", lambda: 0)
+    with pytest.raises(ValueError, match="device='cuda' but no CUDA GPU"):
+        launch.run("labkit.workers.allreduce", nproc=1, device="cuda")
+    with pytest.raises(ValueError, match="backend='nccl' but no CUDA GPU"):
+        launch.run("labkit.workers.allreduce", nproc=1, backend="nccl")
+
+
+def test_resolve_backend():
+    assert launch.resolve_backend(2, gpu_count=0) == ("gloo", "cpu")
+    assert launch.resolve_backend(2, gpu_count=2) == ("nccl", "cuda")
+    assert launch.resolve_backend(2, "cpu", gpu_count=8) == ("gloo", "cpu")
+    assert launch.resolve_backend(1, "cuda", "gloo", gpu_count=1) == ("gloo", "cuda")
+    with pytest.raises(ValueError, match=r"more ranks \(4\) than GPUs \(2\)"):
+        launch.resolve_backend(4, "cuda", gpu_count=2)
+    with pytest.raises(ValueError, match="backend='nccl' needs GPUs"):
+        launch.resolve_backend(2, "cpu", "nccl", gpu_count=2)
+
+
+# --- pure pieces: hang diagnosis, bounded output -------------------------------------------------
+
+
+def beat(step, phase="train", in_collective=False, t=100.0):
+    return {"step": step, "total": 10, "phase": phase, "in_collective": in_collective, "time": t}
+
+
+def test_diagnose_blames_the_rank_outside_the_collective_not_the_victim():
+    # Same step everywhere: only "in a collective or not" tells the culprit from its victims.
+    beats = {
+        0: beat(5, "all_reduce", True, t=90.0),
+        1: beat(5, "compute", t=91.0),
+        2: beat(5, "all_reduce", True, t=90.0),
+    }
+    hung, lines = launch.diagnose_hang(beats, 3, now=100.0)
+    assert hung == [1]
+    assert (
+        "rank 0: waiting in collective 'all_reduce' at step 5/10 (last heartbeat 10.0 s ago)"
+        in lines
+    )
+    assert "not in a collective" in lines[1]
+
+
+def test_diagnose_other_cases():
+    # A rank that never wrote a heartbeat is named first.
+    assert launch.diagnose_hang({0: beat(1)}, 2, now=100.0)[0] == [1]
+    # Nobody in a collective: the lowest step is behind.
+    assert launch.diagnose_hang({0: beat(7), 1: beat(3), 2: beat(3)}, 3, now=100.0)[0] == [1, 2]
+    # Everyone at the same point: no rank to blame, rather than a guess.
+    assert (
+        launch.diagnose_hang({0: beat(3, "a", True), 1: beat(3, "a", True)}, 2, now=100.0)[0] == []
+    )
+    # A finished rank is never blamed.
+    assert launch.diagnose_hang({0: beat(9, "done"), 1: beat(2)}, 2, now=100.0)[0] == [1]
+
+
+def test_echo_bounds_live_output_and_shows_the_tail(tmp_path):
+    out: list[str] = []
+    echo = launch._Echo(3, tmp_path, write=out.append)
+    for i in range(10):
+        echo.line(f"l{i}")
+    echo.finish()
+    assert out[:3] == ["l0", "l1", "l2"]
+    assert out[3] == f"… more output in {tmp_path}"
+    assert "4 lines skipped" in out[4]
+    assert out[5:] == ["l7", "l8", "l9"]
+    out.clear()
+    quiet = launch._Echo(3, tmp_path, quiet=True, write=out.append)
+    quiet.line("x")
+    quiet.finish()
+    assert out == []
+
+
+# --- the exec wrapper ------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_spawn_wrapper_arms_the_parent_death_signal_and_keeps_its_pid():
+    probe = (
+        "import os; from labkit import _spawn; "
+        "print(_spawn.get_parent_death_signal(), os.environ['LABKIT_AGENT_PID'] == str(os.getpid()))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [
+        sys.executable,
+        "-m",
+        "labkit._spawn",
+        "SIGTERM",
+        str(os.getpid()),
+        "--",
+        sys.executable,
+        "-c",
+        probe,
+    ]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(int(signal.SIGTERM)), "True"]
+    assert _spawn.get_parent_death_signal() == 0, "the wrapper must not arm the test process"
+
+
+def test_spawn_wrapper_refuses_when_its_parent_is_already_gone(tmp_path):
+    marker = tmp_path / "ran"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [
+        sys.executable,
+        "-m",
+        "labkit._spawn",
+        "SIGTERM",
+        "1",
+        "--",  # 1 is not our parent
+        sys.executable,
+        "-c",
+        f"open({str(marker)!r}, 'w')",
+    ]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "exited before the job started" in out.stderr
+    assert not marker.exists()
+
+
+# --- the registry ----------------------------------------------------------------------------------
+
+
+def test_cleanup_ends_jobs_whose_owner_died_and_spares_live_ones(home):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    spared = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        rec = launch._proc_record
+        reg = home / "jobs"
+        me = psutil.Process()
+        # Owner "dead": our PID with another start time, as if the PID had been recycled.
+        dead_owner = {"pid": me.pid, "create_time": me.create_time() - 1000.0}
+        dist.write_json_atomic(
+            reg / "dead.json",
+            {
+                "job_id": "dead",
+                "module": "m",
+                "owner": dead_owner,
+                "agent": rec(psutil.Process(sleeper.pid)),
+                "workers": [],
+            },
+        )
+        dist.write_json_atomic(
+            reg / "live.json",
+            {
+                "job_id": "live",
+                "module": "m",
+                "owner": rec(me),
+                "agent": None,
+                "workers": [rec(psutil.Process(spared.pid))],
+            },
+        )
+        report = launch.cleanup()
+        assert report == [{"job_id": "dead", "module": "m", "pids": [sleeper.pid]}]
+        assert sleeper.wait(timeout=10) == -signal.SIGTERM
+        assert spared.poll() is None, "a job whose launcher is alive must be left alone"
+        assert not (reg / "dead.json").exists() and (reg / "live.json").exists()
+    finally:
+        for p in (sleeper, spared):
+            p.kill()
+            p.wait()
+
+
+# --- real jobs ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_allreduce_job_returns_per_rank_results_and_logs(home, capsys):
+    rec = Recorder()
+    res = launch.run(
+        "labkit.workers.allreduce",
+        nproc=2,
+        config={"numel": 1000, "repeats": 3},
+        observers=[rec, Broken()],
+        timeout_s=120,
+    )
+    out = capsys.readouterr().out
+
+    assert (res.status, res.returncode, res.backend, res.device, res.nproc) == (
+        "ok",
+        0,
+        "gloo",
+        "cpu",
+        2,
+    )
+    assert [r["rank"] for r in res.ranks] == [0, 1]
+    for r in res.ranks:
+        assert r["value"] == 3.0 and r["world_size"] == 2 and r["message_bytes"] == 4000
+        assert r["median_s"] > 0 and r["busbw_GBps"] == pytest.approx(
+            r["algbw_GBps"]
+        )  # 2(n-1)/n = 1
+    assert res.result is res.ranks[0] and res.rank(1) is res.ranks[1]
+    # Rank-prefixed live output, and full logs per rank on disk.
+    assert "[rank0] all-reduce of 2 ranks: every element = 3" in out
+    assert "all-reduce of 2 ranks" in res.log(0) and "[rank" not in res.log(0)
+    assert launch.rank_log_path(res.log_dir, 1, "stderr") is not None
+    assert "JobResult(labkit.workers.allreduce: ok" in repr(res) and "<table>" in res._repr_html_()
+    # Observers: start, ticks, end with the result; a broken one is dropped, not fatal.
+    assert rec.calls[0] == "start" and "tick" in rec.calls and rec.calls[-1] == "end"
+    assert rec.end_result is res and rec.max_step is not None
+    assert "Broken.on_tick raised RuntimeError('plot bug'); dropped" in out
+    # Bookkeeping: registry record removed, torchrun's temp folder gone, no process left.
+    assert not list((home / "jobs").glob("*.json"))
+    assert not (res.log_dir / "tmp").exists()
+    assert len(res.worker_pids) == 2
+    assert_no_survivors(res.log_dir, [res.agent_pid, *res.worker_pids])
+
+
+@pytest.mark.slow
+def test_failing_rank_is_named_with_its_exception(home):
+    with pytest.raises(launch.JobFailed) as info:
+        launch.run(
+            FAULTS, nproc=2, config={"mode": "raise", "fail_rank": 1}, stream=False, timeout_s=120
+        )
+    err = info.value
+    assert isinstance(err, RuntimeError)
+    assert (err.rank, err.exc_type, err.exc_message) == (
+        1,
+        "ValueError",
+        "injected failure on rank 1",
+    )
+    msg = str(err)
+    assert "failed on rank 1: ValueError: injected failure on rank 1" in msg
+    assert 'raise ValueError(f"injected failure' in msg, (
+        "the traceback's last lines belong in the message"
+    )
+    assert str(err.result.log_dir) in msg
+    assert err.result.status == "failed" and err.result.ranks[1]["rank"] == 1  # partial results
+    assert_no_survivors(err.result.log_dir, [err.result.agent_pid, *err.result.worker_pids])
+
+
+@pytest.mark.slow
+def test_hung_rank_is_named_not_its_victim(home):
+    """Rank 1 sleeps outside any collective; rank 0 waits in all_reduce. torchrun would blame
+    rank 0 (its collective times out first); the heartbeats must blame rank 1."""
+    with pytest.raises(launch.JobTimeout) as info:
+        launch.run(
+            FAULTS,
+            nproc=2,
+            config={"mode": "hang", "hang_rank": 1, "spawn_child": True},
+            heartbeat_timeout_s=2,
+            timeout_s=120,
+            stream=False,
+        )
+    err = info.value
+    assert err.ranks == [1] and err.rank == 1
+    msg = str(err)
+    assert "heartbeat_timeout_s=2" in msg and "likely hung: rank 1" in msg
+    assert "rank 0: waiting in collective 'all_reduce' at step 2/3" in msg
+    assert "rank 1: at step 1/3 in phase 'compute', not in a collective" in msg
+    child = err.result.ranks[0]["child_pid"]  # a worker's own child must be ended too
+    assert_no_survivors(err.result.log_dir, [err.result.agent_pid, *err.result.worker_pids, child])
+
+
+@pytest.mark.slow
+def test_collective_timeout_blames_the_hung_rank_too(home):
+    """With a short process-group timeout, rank 0's all_reduce raises first: the root cause is
+    rank 0 (what torchrun reports), but the message must point at rank 1, which hung."""
+    with pytest.raises(launch.JobFailed) as info:
+        launch.run(
+            FAULTS, nproc=2, config={"mode": "hang"}, pg_timeout_s=2, timeout_s=120, stream=False
+        )
+    err = info.value
+    assert err.rank == 0 and err.hung_ranks == [1]
+    assert "rank 0 failed waiting in collective 'all_reduce'; likely hung: rank 1" in str(err)
+    assert_no_survivors(err.result.log_dir, [err.result.agent_pid, *err.result.worker_pids])
+
+
+@pytest.mark.slow
+def test_outer_timeout_kills_workers_that_ignore_sigterm(home):
+    t0 = time.monotonic()
+    with pytest.raises(launch.JobTimeout, match=r"timed out after .* \(timeout_s=8\)") as info:
+        launch.run(
+            FAULTS,
+            nproc=2,
+            config={"mode": "hang", "ignore_sigterm": True},
+            timeout_s=8,
+            stream=False,
+        )
+    res = info.value.result
+    assert res.status == "timeout"
+    # SIGTERM is ignored; SIGKILL after the grace period must still end everything promptly
+    # (torchrun alone would wait 30 s). Generous bound: this is not a speed test.
+    assert time.monotonic() - t0 < 8 + 25
+    assert_no_survivors(res.log_dir, [res.agent_pid, *res.worker_pids])
+
+
+@pytest.mark.slow
+def test_keyboard_interrupt_ends_the_job_and_is_reraised(home, capsys):
+    class Interrupter:
+        def on_tick(self, job):
+            if len(job.heartbeats) == job.nproc:
+                raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        launch.run(
+            FAULTS, nproc=2, config={"mode": "hang"}, observers=[Interrupter()], timeout_s=120
+        )
+    out = capsys.readouterr().out
+    assert "labkit: interrupted; ended" in out
+    (job_dir,) = (home / "runs").iterdir()
+    assert_no_survivors(job_dir)
+    assert not list((home / "jobs").glob("*.json"))
+
+
+@pytest.mark.slow
+def test_killed_launcher_leaves_no_orphans(home):
+    """SIGKILL to the launching process (a Jupyter kernel restart) must take the job down:
+    the agent's and the workers' parent-death signals do it, without any cleanup code."""
+    code = (
+        f"from labkit import launch; launch.run({FAULTS!r}, nproc=2, "
+        "config={'mode': 'hang'}, timeout_s=300)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "LABKIT_HOME": str(home)}
+    owner = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        record = None
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:  # wait until both workers are registered
+            found = list((home / "jobs").glob("*.json"))
+            record = json.loads(found[0].read_text()) if found else None
+            if record and len(record["workers"]) >= 2:
+                break
+            time.sleep(0.2)
+        assert record and len(record["workers"]) >= 2, "the job never got going"
+        pids = [record["agent"]["pid"], *(w["pid"] for w in record["workers"])]
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait(timeout=10)
+        assert_no_survivors(record["job_dir"], pids, wait_s=15)
+    except BaseException:
+        owner.kill()
+        owner.wait()
+        launch.cleanup()  # the owner is dead: end whatever the failure left running
+        raise
+    # The stale record is the registry's job: cleanup() finds nothing left to end and drops it.
+    assert launch.cleanup() == []
+    assert not list((home / "jobs").glob("*.json"))
+
+
+@pytest.mark.slow
+def test_two_jobs_at_once_do_not_collide(home):
+    """No fixed port: two concurrent jobs each get their own rendezvous port."""
+    results: dict[int, object] = {}
+
+    def job(i: int) -> None:
+        try:
+            results[i] = launch.run(
+                FAULTS, nproc=2, config={"mode": "ok"}, stream=False, timeout_s=120
+            )
+        except Exception as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=job, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    for i in range(2):
+        res = results[i]
+        assert isinstance(res, launch.JobResult), res
+        assert [r["sum"] for r in res.ranks] == [2.0, 2.0]
+    assert results[0].log_dir != results[1].log_dir
