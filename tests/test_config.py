@@ -48,7 +48,7 @@ def test_bad_train_values_raise(kwargs, field):
 
 
 def test_unknown_preset_lists_the_allowed_sizes():
-    with pytest.raises(ValueError, match="one of \\('smoke', 'lab', 'gpu'\\)"):
+    with pytest.raises(ValueError, match=r"one of \('smoke', 'lab', 'gpu'\)"):
         config.preset("huge")
 
 
@@ -57,5 +57,5 @@ def test_replace_routes_fields_and_rejects_unknown_names():
     assert (cfg.train.steps, cfg.model.n_layer) == (7, 3)
     with pytest.raises(ValueError, match="unknown config field"):
         config.preset("smoke").replace(stepz=7)
-    with pytest.raises(ValueError, match="^n_head="):
+    with pytest.raises(ValueError, match=r"^n_head="):
         config.preset("smoke").replace(n_head=5)

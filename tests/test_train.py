@@ -78,7 +78,7 @@ def test_low_precision_steps_run_on_cpu_autocast(dtype):
 
 
 def test_weight_decay_only_on_matrices():
-    model, opt = fresh()
+    _, opt = fresh()
     decay, no_decay = opt.param_groups
     assert all(p.dim() >= 2 for p in decay["params"]) and decay["weight_decay"] > 0
     assert all(p.dim() < 2 for p in no_decay["params"]) and no_decay["weight_decay"] == 0

@@ -1,0 +1,86 @@
+"""The setup promises in README.md hold: pins agree, CI runs the README command, imports are inert."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+ROOT = Path(__file__).resolve().parents[1]
+CONDA_NAMES = {"pytorch": "torch"}  # conda-forge name -> PyPI name
+
+
+def pins_from_requirements() -> dict[str, str]:
+    pins = {}
+    for line in (ROOT / "requirements.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, version = line.split("==")
+            pins[name.lower()] = version
+    return pins
+
+
+def pins_from_environment_yml() -> dict[str, str]:
+    pins = {}
+    for line in (ROOT / "environment.yml").read_text().splitlines():
+        m = re.fullmatch(r"\s+- ([A-Za-z0-9_.-]+)==([^\s]+)\s*", line)
+        if m:
+            pins[CONDA_NAMES.get(m[1], m[1]).lower()] = m[2]
+    return pins
+
+
+def test_conda_and_pip_routes_pin_the_same_packages_and_versions():
+    pip_pins = pins_from_requirements()
+    assert "torch" in pip_pins and pip_pins["torch"] == "2.13.0"
+    assert pins_from_environment_yml() == pip_pins
+
+
+def test_tested_pins_satisfy_the_package_ranges():
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from 3.11")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = pins_from_requirements()
+    ranges = project["dependencies"] + project["optional-dependencies"]["test"]
+    for spec in map(Requirement, ranges):
+        name = spec.name.lower()
+        assert name in pins, f"{name} is a dependency in pyproject.toml but not pinned"
+        assert spec.specifier.contains(pins[name]), f"{name}=={pins[name]} is outside {spec}"
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    readme = (ROOT / "README.md").read_text()
+    commands = re.findall(r"^\s*(\./course test)\s*$", readme, flags=re.M)
+    assert commands, "README.md must show the test command './course test' on a line of its own"
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert commands[0] in [line.strip() for line in ci]
+
+
+def test_importing_labkit_starts_nothing():
+    """No threads, no CUDA context, no child processes, no files written at import."""
+    modules = sorted(
+        "labkit." + p.stem if p.name != "__init__.py" else "labkit"
+        for p in (ROOT / "labkit").glob("*.py")
+        if p.stem != "__main__"
+    )
+    code = (
+        "import os, sys, threading, psutil, torch\n"
+        f"for m in {modules!r}: __import__(m)\n"
+        "assert threading.active_count() == 1, threading.enumerate()\n"
+        "assert not torch.cuda.is_initialized()\n"
+        "assert not psutil.Process().children(), 'a child process was started'\n"
+        "print('ok', len(sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ok")
+
+
+def test_ruff_is_clean():
+    out = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "labkit", "tests",
+                          "benchmarks", "scripts", "solutions", "notebooks"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
