@@ -197,15 +197,24 @@ def notebook_text(nb: nbformat.NotebookNode) -> str:
     return text if text.endswith("\n") else text + "\n"
 
 
+CHECKED_OUTPUT_MARKER = "# NBVAL_CHECK_OUTPUT"
+"""A code cell carrying this comment keeps its stored output: nbval compares it with the
+output of a fresh run. Use it only where the output is deterministic on every machine."""
+
+
 def strip_outputs(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
-    """A copy with outputs, execution counts and run bookkeeping removed; all else kept."""
+    """A copy with outputs, execution counts and run bookkeeping removed; all else kept.
+
+    Cells marked with :data:`CHECKED_OUTPUT_MARKER` keep their outputs and execution count
+    (nbval treats a cell with outputs but no count as never run).
+    """
     nb = copy.deepcopy(nb)
     for key in RUN_NOTEBOOK_METADATA:
         nb.metadata.pop(key, None)
     for cell in nb.cells:
         for key in RUN_CELL_METADATA:
             cell.metadata.pop(key, None)
-        if cell.cell_type == "code":
+        if cell.cell_type == "code" and CHECKED_OUTPUT_MARKER not in cell.source:
             cell.outputs = []
             cell.execution_count = None
     return nb
