@@ -1,0 +1,57 @@
+"""Live hardware metrics for a running job: collection only (plots live elsewhere).
+
+    from labkit.metrics import Sampler, auto_backend
+    backend = auto_backend(pids_fn)          # NVML if a GPU is there, else CPU (says why)
+    with Sampler(backend, period_s=1.0) as sampler:
+        ...                                  # run the job
+    sampler.series("gpu0", "power_w")        # (times, watts), None where N/A
+
+Backends (``base.Backend``): ``NvmlBackend`` (per-GPU readings from the NVIDIA driver),
+``CpuBackend`` (per-rank process trees and the host, from psutil) and ``ReplayBackend``
+(a recording made on real hardware by ``Recorder``, labelled as such). Every metric, with
+its unit, meaning, window and nvidia-smi equivalent, is in ``METRICS`` (``metric_table()``
+prints it). Importing this package starts nothing and loads no driver library.
+"""
+
+from labkit.metrics.base import (
+    METRICS,
+    NA,
+    Backend,
+    BackendUnavailable,
+    Metric,
+    Sample,
+    metric_table,
+)
+from labkit.metrics.cpu import CpuBackend
+from labkit.metrics.nvml import NvmlBackend, parse_visible_devices
+from labkit.metrics.replay import Recorder, ReplayBackend, Trace, TraceError, load_trace
+from labkit.metrics.sampler import (
+    DEFAULT_PERIOD_S,
+    MIN_PERIOD_S,
+    Sampler,
+    auto_backend,
+    clamp_period,
+)
+
+__all__ = [
+    "DEFAULT_PERIOD_S",
+    "METRICS",
+    "MIN_PERIOD_S",
+    "NA",
+    "Backend",
+    "BackendUnavailable",
+    "CpuBackend",
+    "Metric",
+    "NvmlBackend",
+    "Recorder",
+    "ReplayBackend",
+    "Sample",
+    "Sampler",
+    "Trace",
+    "TraceError",
+    "auto_backend",
+    "clamp_period",
+    "load_trace",
+    "metric_table",
+    "parse_visible_devices",
+]

@@ -1,0 +1,304 @@
+"""Recordings of real GPU runs, and their replay on machines without a GPU.
+
+A learner on a laptop should still see what a GPU does during training, but never numbers
+made up to look like a GPU. So the only GPU data shown without a GPU is a *recording* made on
+real hardware by ``Recorder`` from the NVML backend, and every replayed sample (and the
+backend's ``describe()``) says "recording of <hardware> on <date>".
+
+Trace format: JSON Lines, UTF-8. The first line is the header, every later line one sample::
+
+    {"format": "labkit-metrics-trace", "version": 1, "metadata": {
+        "hardware": "1× NVIDIA H200", "driver": "570.86.15", "cuda": "12.8",
+        "torch": "2.13.0+cu128", "date": "2026-01-31T14:02:11+00:00",
+        "recorded_by": "...", "period_s": 1.0, "notes": "...", "gpus": [...]}}
+    {"t": 0.0, "source": "gpu0", "values": {"gpu_util_pct": 98.0, "power_w": 612.5}, "status": "ok"}
+
+``t`` is seconds since the first sample; ``values`` use the names and units of
+``labkit.metrics.base.METRICS`` and ``null`` for N/A. ``hardware``, ``driver`` and ``date``
+are required: a trace without them is rejected, so a hand-made file cannot pass as a
+recording by accident. Recording:
+
+    nv = NvmlBackend()
+    with Recorder("h200-train.jsonl", nv, notes="labkit.workers.train, preset gpu") as rec, \\
+         Sampler(nv, period_s=1.0, on_sample=rec.write):
+        launch.run(...)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from labkit.metrics.base import METRICS, Backend, Clock, Sample
+
+FORMAT = "labkit-metrics-trace"
+VERSION = 1
+REQUIRED = ("hardware", "driver", "date")  # what makes a trace a recording of real hardware
+OPTIONAL = ("cuda", "torch", "recorded_by", "period_s", "notes", "gpus", "describe")
+
+
+class TraceError(ValueError):
+    """A trace file that is not a valid recording; the message names the file and line."""
+
+
+@dataclass
+class Trace:
+    """A loaded recording: its metadata and its samples (``time_s`` = seconds since start)."""
+
+    metadata: dict[str, Any]
+    samples: list[Sample] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        """The words "recording of <hardware> on <date>", shown beside every replayed number."""
+        date = str(self.metadata["date"])[:10]  # the day is what a reader needs
+        return f"recording of {self.metadata['hardware']} on {date}"
+
+    @property
+    def duration_s(self) -> float:
+        return self.samples[-1].time_s if self.samples else 0.0
+
+
+def check_metadata(meta: Any, where: str = "trace") -> dict[str, Any]:
+    """Validate a trace header's metadata; raise TraceError naming what is missing."""
+    if not isinstance(meta, dict):
+        raise TraceError(f"{where}: metadata must be a JSON object, got {type(meta).__name__}")
+    missing = [k for k in REQUIRED if not (isinstance(meta.get(k), str) and meta[k].strip())]
+    if missing:
+        raise TraceError(f"{where}: metadata lacks {', '.join(missing)}: a trace must say on "
+                         "which hardware, with which driver and on which date it was recorded "
+                         "(write traces with labkit.metrics.Recorder on a real GPU)")  # fmt: skip
+    try:
+        dt.datetime.fromisoformat(meta["date"])
+    except ValueError:
+        raise TraceError(f"{where}: metadata date={meta['date']!r} is not an ISO 8601 date "
+                         "(e.g. '2026-01-31' or '2026-01-31T14:02:11+00:00')") from None  # fmt: skip
+    unknown = sorted(set(meta) - set(REQUIRED) - set(OPTIONAL))
+    if unknown:
+        raise TraceError(f"{where}: unknown metadata keys {unknown}; allowed: "
+                         f"{list(REQUIRED + OPTIONAL)}")  # fmt: skip
+    return meta
+
+
+def _parse_sample(obj: Any, where: str, label: str) -> Sample:
+    if not isinstance(obj, dict) or not {"t", "source", "values"} <= set(obj):
+        raise TraceError(f"{where}: a sample needs 't', 'source' and 'values'")
+    t, source, values = obj["t"], obj["source"], obj["values"]
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0:
+        raise TraceError(f"{where}: t={t!r}: need seconds since the first sample, >= 0")
+    if not isinstance(source, str) or not isinstance(values, dict):
+        raise TraceError(f"{where}: 'source' must be a string and 'values' an object")
+    for name, value in values.items():
+        if name not in METRICS or METRICS[name].backend != "nvml":
+            raise TraceError(f"{where}: unknown GPU metric {name!r}; known: "
+                             f"{[m for m, d in METRICS.items() if d.backend == 'nvml']}")  # fmt: skip
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise TraceError(f"{where}: {name}={value!r}: need a number or null (N/A)")
+    status = obj.get("status", "ok")
+    return Sample(float(t), source, dict(values), str(status), kind="replay", label=label)
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Read and validate a trace file (see the module docstring for the format)."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise TraceError(f"{path}: cannot read the trace ({e.strerror})") from None
+    if not lines:
+        raise TraceError(f"{path}: empty file; a trace starts with a header line")
+    try:
+        header = json.loads(lines[0])
+    except json.JSONDecodeError as e:
+        raise TraceError(f"{path}:1: header is not JSON ({e.msg})") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise TraceError(f"{path}:1: not a {FORMAT} file (the header needs "
+                         f"\"format\": \"{FORMAT}\")")  # fmt: skip
+    if header.get("version") != VERSION:
+        raise TraceError(f"{path}:1: trace version {header.get('version')!r}; this labkit "
+                         f"reads version {VERSION}")  # fmt: skip
+    trace = Trace(check_metadata(header.get("metadata"), f"{path}:1"))
+    last = 0.0
+    for n, line in enumerate(lines[1:], start=2):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TraceError(f"{path}:{n}: not JSON ({e.msg})") from None
+        s = _parse_sample(obj, f"{path}:{n}", trace.label)
+        if s.time_s < last:
+            raise TraceError(f"{path}:{n}: t={s.time_s} goes back in time (previous {last})")
+        last = s.time_s
+        trace.samples.append(s)
+    return trace
+
+
+class Recorder:
+    """Writes NVML samples to a trace file, with the hardware, driver and date they came from.
+
+    Use ``write`` as a Sampler's ``on_sample`` callback. Only samples of an NVML backend are
+    accepted: a recording is, by definition, of real GPU readings.
+
+    Args:
+        path: the .jsonl file to write (overwritten).
+        backend: the ``NvmlBackend`` the samples come from (opened here if it is not yet).
+        recorded_by: who recorded it (free text, optional).
+        notes: what ran (worker, preset, batch size...), to show with the replay.
+        period_s: the sampling period used, for the reader.
+    """
+
+    def __init__(self, path: str | Path, backend: Backend, *, recorded_by: str = "",
+                 notes: str = "", period_s: float | None = None) -> None:  # fmt: skip
+        if getattr(backend, "kind", None) != "nvml":
+            raise ValueError(f"Recorder needs an NVML backend (real GPU readings); got a "
+                             f"{getattr(backend, 'kind', type(backend).__name__)!r} backend")  # fmt: skip
+        self.path, self.backend = Path(path), backend
+        self.recorded_by, self.notes, self.period_s = recorded_by, notes, period_s
+        self._file: IO[str] | None = None
+        self._t0: float | None = None
+        self.written = 0
+
+    def metadata(self) -> dict[str, Any]:
+        """The header's metadata, read from the open backend."""
+        info = getattr(self.backend, "info", {}) or {}
+        meta: dict[str, Any] = {
+            "hardware": getattr(self.backend, "hardware", ""),
+            "driver": info.get("driver") or "",
+            "cuda": info.get("cuda_driver"),
+            "torch": _torch_version(),
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "recorded_by": self.recorded_by,
+            "period_s": self.period_s,
+            "notes": self.notes,
+            "gpus": info.get("gpus", []),
+            "describe": self.backend.describe(),
+        }
+        return check_metadata(meta, "Recorder")
+
+    def open(self) -> None:
+        if self._file is not None:
+            return
+        self.backend.open()
+        header = {"format": FORMAT, "version": VERSION, "metadata": self.metadata()}
+        self._file = self.path.open("w", encoding="utf-8")
+        self._file.write(json.dumps(header) + "\n")
+        self._file.flush()
+
+    def write(self, samples: Iterable[Sample]) -> None:
+        """Append samples (one sampler tick, or any list); flushed so a crash keeps them."""
+        if self._file is None:
+            self.open()
+        assert self._file is not None
+        for s in samples:
+            if s.kind != "nvml":
+                raise ValueError(f"Recorder.write: sample of kind {s.kind!r} from "
+                                 f"{s.source!r}; only NVML samples are recorded")  # fmt: skip
+            if self._t0 is None:
+                self._t0 = s.time_s
+            row = {"t": round(s.time_s - self._t0, 6), "source": s.source,
+                   "values": dict(s.values), "status": s.status}  # fmt: skip
+            self._file.write(json.dumps(row) + "\n")
+            self.written += 1
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> Recorder:
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _torch_version() -> str | None:
+    with contextlib.suppress(ImportError):
+        import torch  # lazy: recording needs it only for the metadata
+
+        return str(torch.__version__)
+    return None
+
+
+class ReplayBackend(Backend):
+    """Plays a recorded trace as if it were live, labelled as a recording everywhere.
+
+    Args:
+        path: a trace written by ``Recorder``.
+        realtime: True: each ``sample(now)`` returns what was recorded up to the time elapsed
+            since ``open()`` (times ``speed``), stamped on the live clock. False (headless,
+            tests, notebooks under CI): each call returns the next recorded tick, stamped
+            with its recorded time.
+        speed: playback speed in real time (2.0 = twice as fast).
+        clock: seconds; the live clock for realtime playback.
+    """
+
+    kind = "replay"
+
+    def __init__(self, path: str | Path, *, realtime: bool = True, speed: float = 1.0,
+                 clock: Clock = time.monotonic) -> None:  # fmt: skip
+        super().__init__(clock)
+        if isinstance(speed, bool) or not isinstance(speed, (int, float)) or speed <= 0:
+            raise ValueError(f"speed={speed!r}: need a number > 0 (1.0 = real time)")
+        self.path, self.realtime, self.speed = Path(path), realtime, float(speed)
+        self.trace: Trace | None = None
+        self._next = 0  # index of the next sample to play
+        self._t_open = 0.0
+
+    def open(self) -> None:
+        if self.trace is not None:
+            return
+        self.trace = load_trace(self.path)
+        self._next = 0
+        self._t_open = self.clock()
+        self.status = {"backend": self.trace.label}
+
+    def close(self) -> None:
+        self.trace = None
+
+    @property
+    def finished(self) -> bool:
+        """True once every recorded sample has been played."""
+        return self.trace is not None and self._next >= len(self.trace.samples)
+
+    def describe(self) -> str:
+        if self.trace is None:
+            return f"Replay of {self.path.name} (not opened)"
+        meta = self.trace.metadata
+        cuda = f", CUDA {meta['cuda']}" if meta.get("cuda") else ""
+        return (f"Replay, {self.trace.label} (driver {meta['driver']}{cuda}): "
+                f"{len(self.trace.samples)} samples over {self.trace.duration_s:.0f} s; "
+                "recorded, not live")  # fmt: skip
+
+    def sample(self, now: float | None = None) -> list[Sample]:
+        if self.trace is None:
+            raise RuntimeError("ReplayBackend.sample() before open(): call open() or use `with`")
+        samples = self.trace.samples
+        if self._next >= len(samples):
+            return []
+        if self.realtime:
+            elapsed = (self._now(now) - self._t_open) * self.speed
+            end = self._next
+            while end < len(samples) and samples[end].time_s <= elapsed:
+                end += 1
+            shift = self._t_open
+            scale = 1.0 / self.speed
+        else:  # the next tick: every sample recorded at the next time stamp
+            t = samples[self._next].time_s
+            end = self._next
+            while end < len(samples) and samples[end].time_s == t:
+                end += 1
+            shift, scale = 0.0, 1.0
+        out = [Sample(shift + s.time_s * scale, s.source, s.values, s.status, "replay", s.label)
+               for s in samples[self._next:end]]  # fmt: skip
+        self._next = end
+        return out
