@@ -41,6 +41,9 @@ class ModelConfig:
     """Hidden size h."""
     dropout: float = 0.0
     """Dropout probability; 0 keeps runs deterministic and comparable."""
+    tie_weights: bool = True
+    """Share the token embedding with the output head (GPT-2). Pipeline stages that hold the
+    embedding and the head on different ranks may turn it off."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):

@@ -91,8 +91,10 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        # Weight tying: the output projection reuses the input embedding matrix.
-        self.lm_head.weight = self.wte.weight
+        if cfg.tie_weights:
+            # Weight tying (Press & Wolf 2017): the output projection reuses the input
+            # embedding matrix, saving V·h parameters.
+            self.lm_head.weight = self.wte.weight
         self.apply(self._init_weights)
         # GPT-2: scale the init of projections that write into the residual stream by
         # 1/sqrt(2L), since each block adds two such contributions.
