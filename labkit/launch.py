@@ -42,7 +42,7 @@ import sys
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,11 +50,14 @@ from typing import Any
 import psutil
 import torch
 
-from labkit import dist
+from labkit import dist, procs
+
+# Re-exported: part of launch's API.
+from labkit.procs import cleanup as cleanup
+from labkit.procs import labkit_home as labkit_home
 
 TICK_S = 0.25  # supervision period: heartbeats, timeouts, observers' on_tick
 TREE_SCAN_S = 1.0  # how often to record the agent's descendants (a /proc walk)
-GRACE_S = 2.0  # after SIGTERM, how long processes get before SIGKILL
 # Passed to torchrun as TORCH_ELASTIC_SHUTDOWN_TIMEOUT: how long the agent itself waits for
 # workers after SIGTERM before SIGKILL (default 30 s). Matters when our process is gone and the
 # agent got its parent-death SIGTERM.
@@ -431,7 +434,7 @@ def run(
         )
 
     job_id = f"{module.rsplit('.', 1)[-1]}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    job_dir = Path(log_dir or labkit_home() / "runs").resolve() / job_id
+    job_dir = Path(log_dir or procs.labkit_home() / "runs").resolve() / job_id
     (job_dir / "tmp").mkdir(parents=True)
     dist.write_json_atomic(
         job_dir / dist.SPEC_FILE,
@@ -583,7 +586,7 @@ class _Supervisor:
             }
         )
         # ...but torch.compile's cache would then be lost with each job: give it a home.
-        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(labkit_home() / "inductor"))
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(procs.labkit_home() / "inductor"))
         if job.backend == "gloo" and "lo" in {name for _, name in _interfaces()}:
             # gloo binds to the address the hostname resolves to; one machine needs loopback.
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -726,16 +729,16 @@ class _Supervisor:
                 self._save_record()
 
     def _save_record(self) -> None:
-        procs = [self.agent, *self.workers.values()] if self.agent else []
+        tree = [self.agent, *self.workers.values()] if self.agent else []
         dist.write_json_atomic(
-            _registry_dir() / f"{self.job.job_id}.json",
+            procs.registry_dir() / f"{self.job.job_id}.json",
             {
                 "job_id": self.job.job_id,
                 "module": self.job.module,
                 "job_dir": str(self.job.job_dir),
-                "owner": _proc_record(psutil.Process()),
-                "agent": _proc_record(self.agent) if self.agent else None,
-                "workers": [_proc_record(p) for p in procs[1:]],
+                "owner": procs.record(psutil.Process()),
+                "agent": procs.record(self.agent) if self.agent else None,
+                "workers": [procs.record(p) for p in tree[1:]],
             },
         )
 
@@ -745,7 +748,7 @@ class _Supervisor:
         if self.proc is not None:
             if self.proc.poll() is None:
                 self._scan_tree()
-            ended = _end_processes([p for p in [self.agent, *self.workers.values()] if p])
+            ended = procs.end_tree([p for p in [self.agent, *self.workers.values()] if p])
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=5)  # reap the agent: no zombie left in the kernel
             if self.returncode is None:
@@ -757,7 +760,7 @@ class _Supervisor:
             self.echo.finish()
         if self._log:
             self._log.close()
-        (_registry_dir() / f"{self.job.job_id}.json").unlink(missing_ok=True)
+        (procs.registry_dir() / f"{self.job.job_id}.json").unlink(missing_ok=True)
         shutil.rmtree(self.job.job_dir / "tmp", ignore_errors=True)
         return ended
 
@@ -966,100 +969,3 @@ def _failure_error(job: Job, result: JobResult) -> JobFailed:
         traceback=tb,
         hung_ranks=hung,
     )
-
-
-# --- process tree and job registry ---------------------------------------------------------
-
-
-def labkit_home() -> Path:
-    """labkit's cache folder: $LABKIT_HOME, else $XDG_CACHE_HOME/labkit or ~/.cache/labkit."""
-    if os.environ.get("LABKIT_HOME"):
-        return Path(os.environ["LABKIT_HOME"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "labkit"
-
-
-def _registry_dir() -> Path:
-    return labkit_home() / "jobs"
-
-
-def _proc_record(p: psutil.Process) -> dict[str, Any]:
-    return {"pid": p.pid, "create_time": p.create_time()}
-
-
-def _find_process(rec: dict[str, Any] | None) -> psutil.Process | None:
-    """The live process a record names; None if it is gone or its PID now names another one."""
-    if not rec:
-        return None
-    try:
-        p = psutil.Process(int(rec["pid"]))
-        # A PID is reused after its process dies; the start time tells them apart.
-        if abs(p.create_time() - float(rec["create_time"])) > 0.01:
-            return None
-        return p if _alive(p) else None
-    except (psutil.Error, KeyError, ValueError, TypeError):
-        return None
-
-
-def _alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def _end_processes(procs: Iterable[psutil.Process], grace_s: float = GRACE_S) -> list[int]:
-    """SIGTERM ``procs`` and all their descendants, then SIGKILL what is left after ``grace_s``.
-
-    SIGTERM first because torchrun stops its workers on it in well under a second; SIGKILL
-    because a worker may ignore SIGTERM (the agent would wait 30 s for it).
-    """
-
-    def live_tree(roots: Iterable[psutil.Process]) -> dict[int, psutil.Process]:
-        found: dict[int, psutil.Process] = {}
-        for p in roots:
-            if _alive(p):
-                found[p.pid] = p
-                with contextlib.suppress(psutil.Error):
-                    found.update({c.pid: c for c in p.children(recursive=True) if _alive(c)})
-        return found
-
-    targets = live_tree(procs)
-    ended = sorted(targets)
-    for p in targets.values():
-        with contextlib.suppress(psutil.Error):
-            p.terminate()
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(_alive(p) for p in targets.values()):
-        time.sleep(0.05)
-    # Children may have been born during the grace period: walk the tree again.
-    survivors = live_tree(targets.values())
-    for p in survivors.values():
-        with contextlib.suppress(psutil.Error):
-            p.kill()
-    deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline and any(_alive(p) for p in survivors.values()):
-        time.sleep(0.05)
-    return sorted(set(ended) | set(survivors))
-
-
-def cleanup() -> list[dict[str, Any]]:
-    """End the processes of jobs whose launching process has died; return what was ended.
-
-    Each ``run`` registers its job (owner, agent and worker PIDs with their start times) in
-    ``labkit_home()/jobs`` and removes the record when done. A record left behind means the
-    launcher was killed (e.g. a Jupyter kernel restart); the parent-death signals usually
-    took the job down already, this catches the rest. ``run`` calls it before each job.
-
-    Returns one dict per job with processes ended: {"job_id", "module", "pids"}.
-    """
-    report = []
-    for path in sorted(_registry_dir().glob("*.json")):
-        rec = dist.read_json(path)
-        if rec is None or _find_process(rec.get("owner")) is not None:
-            continue  # unreadable, or its launcher is alive and in charge
-        procs = [p for p in map(_find_process, [rec.get("agent"), *rec.get("workers", [])]) if p]
-        pids = _end_processes(procs) if procs else []
-        path.unlink(missing_ok=True)
-        if pids:
-            report.append({"job_id": rec.get("job_id"), "module": rec.get("module"), "pids": pids})
-    return report

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from labkit import _spawn, dist, launch
+from labkit import _spawn, dist, launch, procs
 
 REPO = Path(__file__).resolve().parents[1]
 FAULTS = "labkit.workers._faults"
@@ -266,7 +266,7 @@ def test_cleanup_ends_jobs_whose_owner_died_and_spares_live_ones(home):
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
     spared = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
     try:
-        rec = launch._proc_record
+        rec = procs.record
         reg = home / "jobs"
         me = psutil.Process()
         # Owner "dead": our PID with another start time, as if the PID had been recycled.
