@@ -1,0 +1,364 @@
+#!/usr/bin/env bash
+# gpu_check.sh: check the course on a machine with an NVIDIA GPU, in one command.
+#
+#   bash scripts/gpu_check.sh [--dry-run] [--wheels DIR] [--out DIR] [--timeout-s N]
+#                             [--bundle] [--all-tests] [--notebooks GLOB]
+#
+# Steps, in this order; every step runs (a failure does not stop the next one) under its
+# own `timeout`, clamped to what is left of the whole run's budget (--timeout-s, 480 s):
+#   wheels        (only with --wheels DIR) pip-install the wheels in DIR into a private
+#                 folder on PYTHONPATH, offline (--no-index); torch wheels are skipped
+#   env           OUT/env.json: nvidia-smi -q, torch/CUDA/cuDNN/NCCL versions, labkit's tier
+#   gpu-tests     pytest -m gpu over the test files that use the gpu marker
+#   all-tests     (only with --all-tests) the whole test suite
+#   bench-gpu-throughput, bench-train-step   benchmarks/ on the GPU, JSON into OUT/
+#   notebook:NAME each solutions/NN_*.ipynb through papermill at size="gpu" into OUT/notebooks/
+#   bench-launch  benchmarks/bench_launch.py (2 ranks over gloo: the launcher, not the GPU)
+# Then OUT/summary.json lists every step (status, exit code, seconds, timeout) and the
+# script exits 0 if every step passed, 1 if any failed, 2 if it cannot run here at all.
+#
+# It uses the torch it finds ($PYTHON, else python3) and never installs torch or reaches the
+# network. labkit is used from this checkout through PYTHONPATH: nothing is installed for it.
+# A machine without papermill (or another test dependency) gets it from a wheel folder made
+# elsewhere (see benchmarks/README.md, "GPU check").
+#
+#   --dry-run       the same steps on the CPU at smoke size (no GPU needed; CUDA hidden):
+#                   exercises the script itself, measures nothing about a GPU
+#   --wheels DIR    offline wheel folder for packages missing here (papermill, nbformat, ...)
+#   --out DIR       where results go (default results/gpu-<UTC date-time>/, git-ignored)
+#   --timeout-s N   budget for the whole run, seconds (default 480; 300 with --dry-run)
+#   --bundle        at the end, pack everything but summary.json into OUT/gpu_check.tar.gz
+#                   (two files to carry back instead of one per notebook)
+#   --all-tests     also run the whole CPU test suite (slow: raise --timeout-s)
+#   --notebooks G   only the solutions matching glob G (default "[0-9][0-9]_*.ipynb")
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PY=${PYTHON:-python3}
+DRY=0
+WHEELS=""
+OUT=""
+BUDGET=""
+BUNDLE=0
+ALL_TESTS=0
+NB_GLOB='[0-9][0-9]_*.ipynb'
+
+usage() { sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
+die() { echo "gpu_check: $*" >&2; exit 2; }
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) DRY=1 ;;
+    --wheels) [ $# -ge 2 ] || die "--wheels needs a folder"; WHEELS=$2; shift ;;
+    --out) [ $# -ge 2 ] || die "--out needs a folder"; OUT=$2; shift ;;
+    --timeout-s) [ $# -ge 2 ] || die "--timeout-s needs a number of seconds"; BUDGET=$2; shift ;;
+    --bundle) BUNDLE=1 ;;
+    --all-tests) ALL_TESTS=1 ;;
+    --notebooks) [ $# -ge 2 ] || die "--notebooks needs a glob"; NB_GLOB=$2; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) die "unknown argument '$1' (see --help)" ;;
+  esac
+  shift
+done
+
+if [ -z "$BUDGET" ]; then
+  if [ "$DRY" = 1 ]; then BUDGET=300; else BUDGET=480; fi
+fi
+case "$BUDGET" in
+  ''|*[!0-9]*) die "--timeout-s=$BUDGET is not allowed: a whole number of seconds, e.g. 480" ;;
+esac
+[ -z "$WHEELS" ] || [ -d "$WHEELS" ] || die "--wheels $WHEELS: no such folder"
+command -v timeout >/dev/null || die "coreutils 'timeout' is missing: every step needs it"
+command -v "$PY" >/dev/null || die "no '$PY' on PATH: set PYTHON=/path/to/python (with torch)"
+
+# --- can this machine run the GPU tier? --------------------------------------------------------
+
+export LC_NUMERIC=C  # EPOCHREALTIME with a decimal point, whatever the locale
+TORCH_INFO=$("$PY" -c 'import torch; print(torch.__version__, torch.cuda.is_available())' \
+  2>/dev/null) || die "'$PY' cannot import torch: set PYTHON to the python that has torch"
+if [ "$DRY" = 1 ]; then
+  MODE="dry-run (CPU)"
+  SIZE=smoke
+  export CUDA_VISIBLE_DEVICES=""  # a CPU dry run even where a GPU exists
+else
+  MODE="gpu"
+  SIZE=gpu
+  if [ "${TORCH_INFO##* }" != "True" ]; then
+    SMI=""
+    if command -v nvidia-smi >/dev/null && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+      SMI=" (nvidia-smi lists a GPU, but torch ${TORCH_INFO% *} cannot use it: a CPU build?)"
+    fi
+    echo "gpu_check: no NVIDIA GPU found (nvidia-smi / torch.cuda)$SMI;" \
+      "use --dry-run to exercise the script on CPU" >&2
+    exit 2
+  fi
+fi
+
+# --- output, private folders, environment ------------------------------------------------------
+
+OUT=${OUT:-$ROOT/results/gpu-$(date -u +%Y%m%dT%H%M%SZ)}
+mkdir -p "$OUT/notebooks" || die "cannot create $OUT"
+OUT=$(cd "$OUT" && pwd)
+LOG=$OUT/gpu_check.log
+: >"$LOG"
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/labkit-gpu-check.XXXXXX") || die "mktemp failed"
+trap 'rm -rf "$WORK"' EXIT
+STEPS=$WORK/steps.jsonl
+: >"$STEPS"
+
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # labkit from this checkout, no install
+export LABKIT_HOME=$WORK/labkit-home                  # job registry and runs: thrown away
+export LABKIT_SIZE=$SIZE
+export PYTHONUNBUFFERED=1
+export MPLBACKEND=Agg
+export PYTHONDONTWRITEBYTECODE=1
+START=$(date +%s)
+cd "$ROOT" || die "cannot cd to $ROOT"
+
+say() { echo "$*" | tee -a "$LOG"; }
+
+# record NAME STATUS EXIT_CODE T0 T1 TIMEOUT NOTE [COMMAND...]: one line of steps.jsonl
+record() {
+  "$PY" - "$STEPS" "$@" <<'EOF'
+import json, sys
+path, name, status, code, t0, t1, limit, note, *cmd = sys.argv[1:]
+with open(path, "a") as f:
+    f.write(json.dumps({
+        "name": name, "status": status, "exit_code": int(code) if code else None,
+        "duration_s": round(float(t1) - float(t0), 2) if t0 and t1 else 0.0,
+        "timeout_s": int(limit) if limit else None, "note": note or None,
+        "command": " ".join(cmd) or None,
+    }) + "\n")
+EOF
+}
+
+now() { echo "${EPOCHREALTIME:-$(date +%s)}"; }
+
+# step NAME CAP_S NOTE -- COMMAND...: run COMMAND under a timeout; never stops the script.
+step() {
+  local name=$1 cap=$2 note=$3
+  shift 4
+  local left=$((BUDGET - ($(date +%s) - START)))
+  local limit=$((cap < left ? cap : left))
+  if [ "$limit" -lt 5 ]; then
+    say "=== $name: not run, the time budget (--timeout-s $BUDGET) is spent"
+    record "$name" not-run "" "" "" "" "time budget of $BUDGET s spent before this step" "$@"
+    return
+  fi
+  say "=== $name (timeout ${limit}s): $*"
+  local t0 t1 rc status
+  t0=$(now)
+  timeout --kill-after=10 "$limit" "$@" </dev/null 2>&1 | tee -a "$LOG"
+  rc=${PIPESTATUS[0]}
+  t1=$(now)
+  case "$rc" in
+    0) status=ok ;;
+    124|137) status=timeout; note="${note:+$note; }killed after ${limit}s" ;;
+    *) status=failed ;;
+  esac
+  if [ "$name" = gpu-tests ] && [ "$rc" = 5 ]; then
+    status=ok; note="no test selected by -m gpu"  # pytest: nothing collected is not a failure
+  fi
+  say "=== $name: $status (exit $rc)"
+  record "$name" "$status" "$rc" "$t0" "$t1" "$limit" "$note" "$@"
+}
+
+# skip NAME STATUS NOTE: a step that cannot run here, with the reason
+skip() {
+  say "=== $1: $2 ($3)"
+  record "$1" "$2" "" "" "" "" "$3"
+}
+
+say "gpu_check: mode=$MODE python=$PY torch=${TORCH_INFO% *} out=$OUT budget=${BUDGET}s"
+
+# --- wheels ------------------------------------------------------------------------------------
+
+if [ -n "$WHEELS" ]; then
+  SITE=$WORK/site
+  mapfile -t WHLS < <(find "$WHEELS" -maxdepth 1 -name '*.whl' ! -name 'torch-*' | sort)
+  if [ "${#WHLS[@]}" -eq 0 ]; then
+    skip wheels failed "no .whl files (other than torch) in $WHEELS"
+  else
+    step wheels 120 "${#WHLS[@]} wheels into a private folder on PYTHONPATH" -- \
+      "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$SITE" "${WHLS[@]}"
+    export PYTHONPATH="$PYTHONPATH:$SITE"  # after the checkout, and never ahead of torch
+  fi
+fi
+
+# --- environment report ------------------------------------------------------------------------
+
+cat >"$WORK/env_report.py" <<'EOF'
+"""Versions, GPUs and labkit's tier, as JSON. No hostname."""
+import dataclasses, datetime, importlib.metadata as md, json, platform, shutil, subprocess, sys
+
+import torch
+
+from labkit import hardware
+
+out, mode = sys.argv[1], sys.argv[2]
+
+
+def smi(*args):
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        p = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=60)
+        return p.stdout if p.returncode == 0 else f"exit {p.returncode}: {p.stderr.strip()}"
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"nvidia-smi failed: {e}"
+
+
+def version(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+
+
+cuda = torch.cuda.is_available()
+gpus = []
+for i in range(torch.cuda.device_count() if cuda else 0):
+    p = torch.cuda.get_device_properties(i)
+    gpus.append({"index": i, "name": p.name, "memory_bytes": p.total_memory,
+                 "compute_capability": f"{p.major}.{p.minor}",
+                 "multiprocessors": p.multi_processor_count})
+nccl = None
+if cuda:
+    try:
+        v = torch.cuda.nccl.version()  # a tuple on recent torch, an int on older ones
+        nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    except Exception as e:
+        nccl = f"N/A ({type(e).__name__})"
+tier = hardware.describe_tier()
+report = {
+    "mode": mode,
+    "date": datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat(),
+    "python": {"version": platform.python_version(), "executable": sys.executable},
+    "torch": {"version": torch.__version__, "cuda": torch.version.cuda,
+              "cudnn": torch.backends.cudnn.version() if cuda else None, "nccl": nccl,
+              "cuda_available": cuda, "gpus": gpus, "threads": torch.get_num_threads()},
+    "tier": tier.tier,
+    "tier_info": dataclasses.asdict(tier),
+    "nvml": hardware.nvml_status().message,
+    "cpu": str(hardware.cpu_info()),
+    "packages": {n: version(n) for n in ("labkit", "numpy", "matplotlib", "psutil",
+                                         "nvidia-ml-py", "pytest", "papermill", "nbformat",
+                                         "nbclient", "ipykernel", "ipywidgets")},
+    "nvidia_smi_q": smi("-q"),
+}
+with open(out, "w") as f:
+    json.dump(report, f, indent=2, default=str)
+print(f"tier={tier.tier}; torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {nccl}; "
+      f"GPUs: {[g['name'] for g in gpus] or 'none'}")
+print(f"environment report written to {out}")
+EOF
+step env 90 "" -- "$PY" "$WORK/env_report.py" "$OUT/env.json" "$MODE"
+
+# --- tests ---------------------------------------------------------------------------------------
+
+# addopts cleared: the project's defaults name nbval flags, and nbval may be missing here.
+PYTEST=("$PY" -m pytest -o addopts=-ra -p no:cacheprovider --rootdir "$ROOT")
+mapfile -t GPU_TEST_FILES < <(grep -l 'mark\.gpu' "$ROOT"/tests/test_*.py 2>/dev/null)
+if [ "${#GPU_TEST_FILES[@]}" -eq 0 ]; then
+  skip gpu-tests skipped "no test file uses @pytest.mark.gpu"
+else
+  step gpu-tests 150 "${#GPU_TEST_FILES[@]} file(s) with gpu tests" -- \
+    "${PYTEST[@]}" -m gpu "${GPU_TEST_FILES[@]}"
+fi
+if [ "$ALL_TESTS" = 1 ]; then
+  step all-tests "$BUDGET" "the whole suite" -- "${PYTEST[@]}" "$ROOT/tests"
+fi
+
+# --- benchmarks on the GPU ---------------------------------------------------------------------
+
+if [ "$DRY" = 1 ]; then
+  TP_ARGS=(--allow-cpu --warmup 1 --steps 3)
+  TS_ARGS=(--size smoke --rounds 3 --warmup 1)
+  LA_ARGS=(--rounds 1 --warmup 0)
+else
+  TP_ARGS=()
+  TS_ARGS=(--size gpu)
+  LA_ARGS=()
+fi
+step bench-gpu-throughput 120 "" -- \
+  "$PY" -m benchmarks.bench_gpu_throughput "${TP_ARGS[@]}" --out "$OUT/bench_gpu_throughput.json"
+step bench-train-step 120 "" -- \
+  "$PY" -m benchmarks.bench_train_step "${TS_ARGS[@]}" --out "$OUT/bench_train_step.json"
+
+# --- notebooks -----------------------------------------------------------------------------------
+
+mapfile -t NOTEBOOKS < <(find "$ROOT/solutions" -maxdepth 1 -name "$NB_GLOB" | sort)
+if [ "${#NOTEBOOKS[@]}" -eq 0 ]; then
+  skip notebooks failed "no notebook in solutions/ matches '$NB_GLOB'"
+elif ! "$PY" -c 'import papermill' >/dev/null 2>&1; then
+  for nb in "${NOTEBOOKS[@]}"; do
+    skip "notebook:$(basename "$nb" .ipynb)" failed \
+      "papermill is not importable: pass --wheels DIR with papermill and its dependencies"
+  done
+else
+  for nb in "${NOTEBOOKS[@]}"; do
+    base=$(basename "$nb")
+    step "notebook:${base%.ipynb}" 240 "size=$SIZE" -- \
+      "$PY" -m papermill "$nb" "$OUT/notebooks/$base" -p size "$SIZE" --cwd "$ROOT/solutions" \
+      -k python3 --execution-timeout 300 --no-progress-bar
+  done
+fi
+
+# --- the launcher --------------------------------------------------------------------------------
+
+step bench-launch 150 "2 ranks over gloo on the CPU" -- \
+  "$PY" -m benchmarks.bench_launch "${LA_ARGS[@]}" --out "$OUT/bench_launch.json"
+
+# --- summary -------------------------------------------------------------------------------------
+
+END=$(date +%s)
+if [ "$BUNDLE" = 1 ]; then
+  BUNDLE_FILE=gpu_check.tar.gz
+else
+  BUNDLE_FILE=""
+fi
+"$PY" - "$STEPS" "$OUT" "$MODE" "$START" "$END" "$BUDGET" "$BUNDLE_FILE" <<'EOF'
+import datetime, json, os, sys
+
+steps_path, out, mode, start, end, budget, bundle = sys.argv[1:]
+steps = [json.loads(line) for line in open(steps_path) if line.strip()]
+failed = [s["name"] for s in steps if s["status"] not in ("ok", "skipped")]
+files = sorted(os.path.relpath(os.path.join(d, f), out)
+               for d, _, fs in os.walk(out) for f in fs)
+iso = lambda t: datetime.datetime.fromtimestamp(int(t), datetime.timezone.utc).isoformat()
+summary = {
+    "mode": mode, "ok": not failed, "failed_steps": failed,
+    "started": iso(start), "finished": iso(end), "duration_s": int(end) - int(start),
+    "budget_s": int(budget), "steps": steps,
+    "files": [f for f in files if f != "summary.json"] + ["summary.json"],
+    "bundle": bundle or None,
+}
+with open(os.path.join(out, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+width = max(len(s["name"]) for s in steps)
+for s in steps:
+    print(f"  {s['name']:<{width}}  {s['status']:<8} {s['duration_s']:>7.1f} s"
+          + (f"  ({s['note']})" if s["note"] else ""))
+print(f"gpu_check [{mode}]: " + ("all steps passed" if not failed
+                                 else f"FAILED: {', '.join(failed)}") + f"; results in {out}")
+EOF
+SUMMARY_RC=$?
+
+if [ "$BUNDLE" = 1 ]; then
+  # Everything but summary.json goes into one archive; the originals are then removed so the
+  # folder holds two files.
+  if (cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name summary.json ! -name "$BUNDLE_FILE" \
+        -printf '%P\n' | tar -czf "$BUNDLE_FILE" -T -); then
+    find "$OUT" -mindepth 1 -maxdepth 1 ! -name summary.json ! -name "$BUNDLE_FILE" \
+      -exec rm -rf {} +
+    echo "bundled into $OUT/$BUNDLE_FILE"
+  else
+    echo "gpu_check: bundling failed; the files stay in $OUT" >&2
+    SUMMARY_RC=1
+  fi
+fi
+
+[ "$SUMMARY_RC" = 0 ] || exit 1
+"$PY" -c 'import json, sys; sys.exit(0 if json.load(open(sys.argv[1]))["ok"] else 1)' \
+  "$OUT/summary.json"

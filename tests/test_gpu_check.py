@@ -1,0 +1,130 @@
+"""scripts/gpu_check.sh, the GPU tier's one script, exercised on the CPU.
+
+``--dry-run`` runs every step of the real check at smoke size with CUDA hidden, so the
+whole script (step runner, timeouts, environment report, tests, notebooks, benchmarks,
+summary) is tested here on every push; only the sizes and the device differ on a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
+BENCHMARKS = ("bench_gpu_throughput.json", "bench_train_step.json", "bench_launch.json")
+
+
+def gpu_check(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable}
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    """One dry run for the module's tests. One notebook is enough to exercise the step:
+    every notebook is executed on its own by test_notebooks.py."""
+    out = tmp_path_factory.mktemp("gpu-check")
+    proc = gpu_check("--dry-run", "--out", str(out), "--notebooks", SOLUTIONS[0].name)
+    return proc, out
+
+
+@pytest.mark.slow
+def test_dry_run_passes_every_step(dry_run):
+    proc, out = dry_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mode"] == "dry-run (CPU)"
+    assert summary["ok"] is True and summary["failed_steps"] == []
+    names = [s["name"] for s in summary["steps"]]
+    assert names == [
+        "env",
+        "gpu-tests",
+        "bench-gpu-throughput",
+        "bench-train-step",
+        f"notebook:{SOLUTIONS[0].stem}",
+        "bench-launch",
+    ]
+    for s in summary["steps"]:
+        assert s["status"] in ("ok", "skipped"), s
+        assert s["timeout_s"] is None or s["timeout_s"] > 0
+    assert "all steps passed" in proc.stdout
+
+
+@pytest.mark.slow
+def test_dry_run_leaves_the_results(dry_run):
+    _, out = dry_run
+    env = json.loads((out / "env.json").read_text())
+    assert env["tier"] == "cpu" and env["mode"] == "dry-run (CPU)"
+    assert env["torch"]["version"] == torch.__version__
+    nb = json.loads((out / "notebooks" / SOLUTIONS[0].name).read_text())
+    assert nb["metadata"]["papermill"]["parameters"] == {"size": "smoke"}
+    assert any(cell.get("outputs") for cell in nb["cells"] if cell["cell_type"] == "code")
+    for name in BENCHMARKS:
+        record = json.loads((out / name).read_text())
+        assert record["device"] == "cpu" and record["samples_s"], name
+    assert "=== bench-launch: ok" in (out / "gpu_check.log").read_text()
+    # few files, shallow: what the device machine's file return allows
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert all(len(p.relative_to(out).parts) <= 2 for p in files)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_without_a_gpu_it_refuses_and_points_to_dry_run(tmp_path):
+    proc = gpu_check("--out", str(tmp_path / "o"), timeout=60)
+    assert proc.returncode == 2
+    assert "no NVIDIA GPU found (nvidia-smi / torch.cuda)" in proc.stderr
+    assert "--dry-run" in proc.stderr
+    assert not (tmp_path / "o").exists()  # nothing started
+
+
+@pytest.mark.slow
+def test_a_spent_budget_fails_the_steps_and_bundle_packs_the_rest(tmp_path):
+    """--timeout-s 1: no step gets time, each is listed as not run and the run fails;
+    --bundle leaves two files; an empty wheel folder is a failed step, not a crash."""
+    out, wheels = tmp_path / "o", tmp_path / "wheels"
+    wheels.mkdir()
+    proc = gpu_check(
+        "--dry-run",
+        "--timeout-s",
+        "1",
+        "--bundle",
+        "--wheels",
+        str(wheels),
+        "--out",
+        str(out),
+        timeout=60,
+    )
+    assert proc.returncode == 1
+    summary = json.loads((out / "summary.json").read_text())
+    status = {s["name"]: s["status"] for s in summary["steps"]}
+    assert status.pop("wheels") == "failed"
+    assert set(status.values()) <= {"not-run", "skipped"} and "not-run" in status.values()
+    assert summary["ok"] is False and "env" in summary["failed_steps"]
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.tar.gz", "summary.json"]
+    with tarfile.open(out / "gpu_check.tar.gz") as tar:
+        assert "gpu_check.log" in tar.getnames()
+
+
+@pytest.mark.parametrize("args", [["--bogus"], ["--timeout-s", "soon"], ["--wheels"]])
+def test_bad_arguments_exit_2_naming_them(args, tmp_path):
+    proc = gpu_check("--dry-run", "--out", str(tmp_path / "o"), *args, timeout=30)
+    assert proc.returncode == 2
+    assert args[0] in proc.stderr or (len(args) > 1 and args[1] in proc.stderr)
