@@ -1,5 +1,6 @@
 """Command line: ``python -m labkit <command>`` (also installed as ``labkit``).
 
+    labkit doctor      an instructor's pre-flight check of this machine (--json for scripts)
     labkit tier        which tier this machine runs the course in, and what that can show
     labkit cleanup     end processes left by jobs whose notebook kernel was killed
     labkit notebooks   regenerate the learners' notebooks from solutions/ (--check to compare)
@@ -38,8 +39,14 @@ def _notebooks(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["doctor"]:  # doctor parses its own options
+        from labkit import doctor
+
+        return doctor.main(argv[1:])
     parser = argparse.ArgumentParser(prog="labkit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("doctor", help="pre-flight check of this machine (see: labkit doctor -h)")
     sub.add_parser("tier", help="show this machine's tier and what it can show").set_defaults(
         fn=_tier)
     sub.add_parser("cleanup", help="end leftovers of jobs whose kernel died").set_defaults(

@@ -3,7 +3,7 @@
 * Notebooks and jobs run at smoke size unless the caller chose another.
 * The launcher's job registry lives in a throw-away folder, so tests never touch a
   learner's real registry.
-* At the end, any torchrun agent or worker started during the session and still alive is a
+* At the end, any torchrun agent or worker started by this session and still alive is a
   failure: a launched job must never outlive its test (the promise the course makes for
   notebook cells).
 """
@@ -13,32 +13,34 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+import uuid
 
 import psutil
 import pytest
 
 os.environ.setdefault("LABKIT_SIZE", "smoke")
 os.environ.setdefault("LABKIT_HOME", tempfile.mkdtemp(prefix="labkit-test-home-"))
+# Inherited by every process a test starts: tells our jobs from other sessions' on this host.
+os.environ["LABKIT_TEST_SESSION"] = SESSION = uuid.uuid4().hex
 
 _JOB_MARKERS = ("torch.distributed.run", "labkit._spawn", "labkit.workers.")
 
 
-def _job_processes(since: float) -> list[psutil.Process]:
+def _job_processes() -> list[psutil.Process]:
     found = []
-    for proc in psutil.process_iter(["cmdline", "create_time"]):
+    for proc in psutil.process_iter(["cmdline", "environ"]):
         cmd = " ".join(proc.info["cmdline"] or [])
-        started = proc.info["create_time"] or 0.0
-        if started >= since and any(marker in cmd for marker in _JOB_MARKERS):
+        env = proc.info["environ"] or {}
+        if env.get("LABKIT_TEST_SESSION") == SESSION and any(m in cmd for m in _JOB_MARKERS):
             found.append(proc)
     return found
 
 
 @pytest.fixture(scope="session", autouse=True)
 def no_stray_jobs():
-    since = time.time() - 1.0
     yield
     deadline = time.monotonic() + 5.0  # a job that just ended may take a moment to exit
-    while (strays := _job_processes(since)) and time.monotonic() < deadline:
+    while (strays := _job_processes()) and time.monotonic() < deadline:
         time.sleep(0.2)
     for proc in strays:
         proc.kill()
