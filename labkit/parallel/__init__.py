@@ -1,0 +1,24 @@
+"""Parallelism applied from outside the model, one short module per strategy.
+
+The model (:mod:`labkit.model`) knows nothing about ranks; each module here adds one way of
+splitting the work, as torchtitan's ``parallelize.py`` and picotron's per-axis files do.
+
+Data parallelism (notebook 02), every strategy behind the same small interface
+(:class:`labkit.parallel.dp_config.Strategy`: ``wrap``, ``optimizer``, ``no_sync``,
+``after_backward``, ``bytes_counter``, ``memory``):
+
+    dp_naive      all-reduce every gradient once backward has finished, then average
+    dp_bucketed   gradient hooks fill buckets; asynchronous all-reduces overlap backward
+    ddp           torch's DistributedDataParallel, with no_sync and communication hooks
+                  (fp16/bf16 compression, PowerSGD)
+    zero1         optimizer state sharded across ranks (ZeRO stage 1), written from scratch
+    fsdp          torch's FSDP2 ``fully_shard`` over an explicit device mesh (ZeRO stage 3)
+    comm          counted collectives: the bytes each strategy sends, by kind of collective
+    dp_config     the shared interface, and the checks a data-parallel config passes before
+                  any process starts
+
+Pipeline and tensor parallelism (notebook 03) live in ``pipeline`` and ``tensor``.
+
+This file imports nothing on purpose: each module is imported where it is used, so importing
+one strategy never pulls in another.
+"""

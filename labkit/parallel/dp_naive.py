@@ -1,0 +1,79 @@
+"""Naive data parallelism: after backward, all-reduce every gradient, one at a time.
+
+Every rank holds the whole model and computes gradients on its own slice of the batch. The
+mean of the ranks' gradients is the gradient of the whole batch (each rank's loss is a mean
+over equally many sequences), so after
+
+    grad <- (grad_0 + grad_1 + ... + grad_{n-1}) / n
+
+every rank takes the same optimizer step and the replicas never drift apart.
+
+Naive because communication waits for the whole backward to finish and then sends one
+message per parameter tensor: many small messages (each pays a latency) and no overlap with
+compute. ``dp_bucketed`` fixes both; compare the two in notebook 02 (picotron keeps the same
+pair side by side in ``data_parallel.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from labkit.parallel import comm
+from labkit.parallel.dp_config import Strategy
+
+
+def _queue_at_end_of_backward(params: list[nn.Parameter], strategy: Strategy) -> None:
+    """Make ``strategy.after_backward`` run once when each backward pass has finished.
+
+    A hook on each parameter fires when its gradient is final for this backward; the first
+    one queues a callback that the autograd engine runs after the whole graph is done (what
+    DDP's reducer and picotron's ``DataParallelBucket`` do).
+    """
+
+    def on_grad_ready(_: torch.Tensor) -> None:
+        if strategy.require_sync and not strategy.callback_queued:
+            strategy.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(strategy.after_backward)
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(on_grad_ready)
+
+
+class NaiveDP(Strategy):
+    """All-reduce each gradient after backward; ``no_sync`` skips it (accumulation)."""
+
+    name = "naive"
+    counting = "counted by our all_reduce wrapper (one call per gradient tensor)"
+
+    def __init__(self, world_size: int, backend: str = "gloo") -> None:
+        super().__init__(world_size, backend)
+        self.params: list[nn.Parameter] = []
+        self.require_sync = True  # False inside no_sync(): gradients stay local
+        self.callback_queued = False
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        # parameters() yields a tied tensor once; frozen ones have no gradient to share.
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        _queue_at_end_of_backward(self.params, self)
+        return model
+
+    def after_backward(self) -> None:
+        self.callback_queued = False
+        for p in self.params:
+            if p.grad is None:  # unused this step; every rank must still join the collective
+                p.grad = torch.zeros_like(p)
+            comm.all_reduce(p.grad, self.bytes_counter)  # sum over ranks, in place
+            p.grad /= self.world_size  # sum -> mean (gloo lacks ReduceOp.AVG before 2.8)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:  # type: ignore[override]
+        """Backward passes inside keep their gradients local (they accumulate in .grad)."""
+        self.require_sync = False
+        try:
+            yield
+        finally:
+            self.require_sync = True

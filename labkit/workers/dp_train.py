@@ -1,0 +1,343 @@
+"""Train the lab GPT with data-parallel strategies, one after another, in one job.
+
+    from labkit.workers import dp_train
+    res = dp_train.run({"strategies": ["naive", "bucketed", "ddp", "zero1", "fsdp2"],
+                        "mesh": [2], "global_batch": 8}, nproc=2)
+    res.result["runs"]["zero1"]["bytes"]["sent_per_rank_last_step"]
+
+Starting a job costs seconds, so one job runs every strategy asked for, in order, in the
+same process group. Each one starts from the same seed (same weights, same batches), so
+their results compare directly with each other and with :func:`train_reference`, plain
+training in one process on the whole global batch. Config keys: see
+``labkit.parallel.dp_config.validate_dp_config``.
+
+Per strategy, each rank reports: the loss per step (mean over ranks), step times, the bytes
+sent (counted; see labkit.parallel.comm) beside the ring-formula prediction, and the bytes
+of parameters, gradients and optimizer state it holds (measured on local shards) beside
+``formulas.zero_memory_per_rank``. With ``save_params`` the final parameters go to
+``<job dir>/params_rank{r}.pt`` as {strategy: {name: tensor}}.
+
+Data: step s uses the s-th global batch of ``global_batches(cfg)`` (G sequences); rank r
+takes rows [r·A·b, (r+1)·A·b) as A micro-batches of b rows (A = grad_accum, b = micro_batch).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+from torch import nn
+
+from labkit import dist, formulas, launch
+from labkit.config import ModelConfig, TrainConfig
+from labkit.model import GPT
+from labkit.parallel import comm
+from labkit.parallel.dp_config import (
+    ZERO_STAGE,
+    Strategy,
+    optimizer_factory,
+    validate_dp_config,
+)
+from labkit.train import Batch, make_scaler, train_step
+
+MODULE = "labkit.workers.dp_train"
+
+
+# --- pieces shared by the worker and the single-process reference -----------------------------
+
+
+def build_model(cfg: dict[str, Any], device: torch.device | str = "cpu") -> GPT:
+    """The GPT of ``cfg["model"]``, seeded with ``train.seed``, with ``cfg["freeze"]`` frozen."""
+    torch.manual_seed(cfg["train"]["seed"])
+    model = GPT(ModelConfig(**cfg["model"])).to(device)
+    params = dict(model.named_parameters())
+    for name in cfg["freeze"]:
+        params[name].requires_grad_(False)
+    return model
+
+
+@functools.lru_cache(maxsize=4)
+def _train_split() -> torch.Tensor:
+    from labkit.data import load_splits
+
+    return load_splits().train
+
+
+def global_batches(cfg: dict[str, Any]) -> list[Batch]:
+    """One (x, y) pair of int64 (G, T) per step: G = global_batch, T = seq_len."""
+    from labkit.data import get_batch
+
+    g = torch.Generator().manual_seed(cfg["train"]["seed"])
+    G, T = cfg["global_batch"], cfg["model"]["seq_len"]
+    return [get_batch(_train_split(), G, T, g) for _ in range(cfg["train"]["steps"])]
+
+
+def rank_micro_batches(batch: Batch, rank: int, cfg: dict[str, Any]) -> list[Batch]:
+    """Rank ``rank``'s micro-batches of one global batch: A slices of b rows each."""
+    x, y = batch
+    b, accum = cfg["train"]["micro_batch"], cfg["train"]["grad_accum"]
+    start = rank * accum * b
+    return [
+        (x[start + i * b : start + (i + 1) * b], y[start + i * b : start + (i + 1) * b])
+        for i in range(accum)
+    ]
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter, whole (sharded ones gathered: a collective for DTensors), on CPU."""
+    out = {}
+    for name, p in model.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = full.detach().cpu().clone()
+    return out
+
+
+def train_reference(
+    cfg: dict[str, Any], *, grad_scale: float = 1.0
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Single-process training on each whole global batch: the parity reference.
+
+    ``grad_scale`` multiplies every gradient (2.0 imitates a 2-rank job that sums gradients
+    instead of averaging them, the bug of pytorch #162338): tests use it to show their
+    tolerance can tell the two apart. Returns (final parameters by name, loss per step).
+    """
+    model = build_model(cfg)
+    train = TrainConfig(**cfg["train"])
+    if grad_scale != 1.0:
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_hook(lambda g: g * grad_scale)
+    opt = optimizer_factory(cfg["optimizer"], train)(model)
+    losses = []
+    for batch in global_batches(cfg):
+        stats = train_step(
+            model,
+            opt,
+            [batch],
+            device=torch.device("cpu"),
+            dtype=train.dtype,
+            grad_clip=train.grad_clip,
+        )
+        losses.append(stats.loss)
+    return full_params(model), losses
+
+
+# --- strategies --------------------------------------------------------------------------------
+
+
+def make_strategy(
+    name: str, cfg: dict[str, Any], rank: int, world_size: int, device_type: str = "cpu"
+) -> Strategy:
+    """The strategy called ``name``, configured from ``cfg`` (a validated config)."""
+    backend = cfg["backend"]
+    if name in ("naive", "bucketed"):
+        from labkit.parallel.dp_bucketed import BucketedDP
+        from labkit.parallel.dp_naive import NaiveDP
+
+        if name == "naive":
+            return NaiveDP(world_size, backend)
+        return BucketedDP(world_size, backend, bucket_cap_mb=cfg["bucket_cap_mb"])
+    if name.startswith("ddp"):
+        from labkit.parallel.ddp import TorchDDP
+
+        return TorchDDP(
+            world_size,
+            backend,
+            compression=name.partition("_")[2] or None,
+            bucket_cap_mb=cfg["bucket_cap_mb"],
+            powersgd_rank=cfg["powersgd_rank"],
+            powersgd_start_iter=cfg["powersgd_start_iter"],
+        )
+    if name == "zero1":
+        from labkit.parallel.zero1 import ZeRO1
+
+        return ZeRO1(world_size, backend, rank=rank)
+    if name == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from labkit.parallel.fsdp import FSDP2
+
+        return FSDP2(world_size, backend, mesh=init_device_mesh(device_type, tuple(cfg["mesh"])))
+    raise ValueError(f"strategy={name!r}: unknown")
+
+
+def predicted_sent_per_rank(
+    name: str, model: nn.Module, n: int, grad_accum: int = 1
+) -> float | None:
+    """Modelled bytes sent per rank per step (ring formulas, fp32 gradients, no padding).
+
+    Gradients are reduced once per step whatever ``grad_accum`` (no_sync), but FSDP2 must
+    all-gather the parameters for every micro-batch's forward and backward. None for
+    PowerSGD, whose volume depends on the matrix shapes and rank (see its count).
+    """
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if name in ("naive", "bucketed", "ddp"):
+        return formulas.ring_allreduce_bytes_per_rank(4 * trainable, n)
+    if name in ("ddp_fp16", "ddp_bf16"):
+        return formulas.ring_allreduce_bytes_per_rank(2 * trainable, n)
+    if name == "zero1":  # reduce-scatter the gradients, all-gather the parameters
+        return formulas.reduce_scatter_bytes_per_rank(
+            4 * trainable, n
+        ) + formulas.allgather_bytes_per_rank(4 * trainable, n)
+    if name == "fsdp2":
+        # forward: all-gather every unit; backward: all-gather every block again (the root
+        # stays unsharded after forward); reduce-scatter the trainable gradients.
+        every = sum(p.numel() for p in model.parameters())
+        blocks = sum(p.numel() for b in model.blocks for p in b.parameters())
+        return grad_accum * formulas.allgather_bytes_per_rank(
+            4 * (every + blocks), n
+        ) + formulas.reduce_scatter_bytes_per_rank(4 * trainable, n)
+    return None
+
+
+def predicted_memory(
+    name: str, model: nn.Module, n: int, optimizer: str = "adamw"
+) -> dict[str, float]:
+    """ZeRO's model-state bytes per rank, fp32: 4 + 4 + k bytes per trainable parameter.
+
+    ``formulas.zero_memory_per_rank`` with param_bytes=4, grad_bytes=4 and k=8 for AdamW
+    (m and v in fp32), k=0 for plain SGD; frozen parameters add 4 bytes each (sharded only by
+    FSDP2). Modelled, not measured.
+    """
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    stage = ZERO_STAGE.get(name, 0)
+    k = 8 if optimizer == "adamw" else 0
+    total = formulas.zero_memory_per_rank(trainable, stage, n, k=k, param_bytes=4, grad_bytes=4)
+    return {
+        "zero_stage": stage,
+        "k": k,
+        "model_states": total + 4 * frozen / (n if stage == 3 else 1),
+    }
+
+
+def measure_memory(
+    strategy: Strategy, model: nn.Module, opt: Any, batch: Batch, device: torch.device
+) -> dict[str, int]:
+    """One extra real step, measured: gradients after backward, optimizer state after step."""
+    x, y = (t.to(device) for t in batch)
+    _, loss = model(x, y)
+    loss.backward()  # gradients synchronised (or reduce-scattered) by now
+    grads = strategy.memory(model, opt)["gradients"]
+    opt.step()
+    mem = strategy.memory(model, opt)
+    opt.zero_grad(set_to_none=True)
+    return {**mem, "gradients": grads}
+
+
+# --- the worker ----------------------------------------------------------------------------
+
+
+def _one_strategy(
+    ctx: dist.Context, cfg: dict[str, Any], name: str, batches: list[Batch]
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    n, device = ctx.world_size, ctx.device
+    train = TrainConfig(**cfg["train"])
+    strategy = make_strategy(name, cfg, ctx.rank, n, device.type)
+    base = build_model(cfg, device)  # same seed on every rank: identical replicas
+    model = strategy.wrap(base)
+    opt = strategy.optimizer(model, optimizer_factory(cfg["optimizer"], train))
+    scaler = make_scaler(device, train.dtype)
+    # FSDP2 has no hook to wrap: its collectives are counted by interception (CollectiveSpy).
+    # The others are counted by our wrappers and hooks and, with cfg["spy"], a second time by
+    # interception, as a check. The spy slows every operator: FSDP2's step times include it.
+    if name == "fsdp2":
+        spy = strategy.bytes_counter
+    elif cfg["spy"]:
+        spy = comm.ByteCounter(n, ctx.backend, "intercepted c10d collectives")
+    else:
+        spy = None
+    check = spy if spy is not strategy.bytes_counter else None
+    losses, seconds = [], []
+    for step, batch in enumerate(batches):
+        micro = rank_micro_batches(batch, ctx.rank, cfg)
+        with ctx.phase(f"{name} step"), comm.spying(spy):
+            stats = train_step(
+                model,
+                opt,
+                micro,
+                device=device,
+                dtype=train.dtype,
+                scaler=scaler,
+                grad_clip=train.grad_clip,
+                no_sync=strategy.no_sync,
+            )
+        strategy.bytes_counter.end_step()
+        if check is not None:
+            check.end_step()
+        loss = torch.tensor([stats.loss], device=device)
+        tdist.all_reduce(loss)  # (not counted: reporting, not training)
+        losses.append(loss.item() / n)
+        seconds.append(stats.seconds)
+        ctx.heartbeat(step=step + 1, total=len(batches))
+    params = full_params(base)
+    memory = measure_memory(
+        strategy, model, opt, rank_micro_batches(batches[0], ctx.rank, cfg)[0], device
+    )
+    tokens = cfg["global_batch"] * cfg["model"]["seq_len"]
+    result = {
+        "loss": losses,
+        "step_s": seconds,
+        "timed_with_spy": spy is not None,
+        "tokens_per_s": tokens * len(seconds[1:]) / sum(seconds[1:]) if len(seconds) > 1 else None,
+        "bytes": strategy.bytes_counter.summary(),
+        "bytes_predicted_sent_per_rank": predicted_sent_per_rank(name, base, n, train.grad_accum),
+        "memory": {**memory, "method": "storage bytes of local tensors after a real step"},
+        "memory_predicted": predicted_memory(name, base, n, cfg["optimizer"]),
+    }
+    if check is not None:
+        result["bytes_spy"] = check.summary()
+    return result, params
+
+
+@dist.entrypoint
+def main(ctx: dist.Context) -> dict[str, Any]:
+    cfg = validate_dp_config(
+        ctx.config, ctx.world_size, torch.cuda.device_count(), device=ctx.device.type
+    )
+    batches = global_batches(cfg)
+    probe = build_model(cfg)
+    runs: dict[str, Any] = {}
+    saved: dict[str, dict[str, torch.Tensor]] = {}
+    for name in cfg["strategies"]:
+        ctx.print0(f"--- {name}")
+        runs[name], saved[name] = _one_strategy(ctx, cfg, name, batches)
+        ctx.print0(
+            f"{name}: loss {runs[name]['loss'][0]:.4f} -> {runs[name]['loss'][-1]:.4f}, "
+            f"{runs[name]['bytes']['sent_per_rank_last_step'] / 1e3:.1f} kB sent/rank "
+            "in the last step"
+        )
+    if cfg["save_params"] and ctx.job_dir is not None:
+        path = ctx.job_dir / f"params_rank{ctx.rank}.pt"
+        torch.save(saved, path)
+    return {
+        "rank": ctx.rank,
+        "world_size": ctx.world_size,
+        "backend": ctx.backend,
+        "device": str(ctx.device),
+        "torch": torch.__version__,
+        "n_params": sum(p.numel() for p in probe.parameters()),
+        "n_trainable": sum(p.numel() for p in probe.parameters() if p.requires_grad),
+        "global_batch": cfg["global_batch"],
+        "config": cfg,
+        "runs": runs,
+        "params_file": str(ctx.job_dir / f"params_rank{ctx.rank}.pt")
+        if cfg["save_params"] and ctx.job_dir is not None
+        else None,
+    }
+
+
+def run(
+    config: dict[str, Any], *, nproc: int = 2, device: str = "auto", **launch_kwargs: Any
+) -> launch.JobResult:
+    """Check ``config`` (ValueError before anything starts), then launch the job."""
+    gpu_count = launch.visible_gpu_count()
+    _, dev = launch.resolve_backend(nproc, device, "auto", gpu_count=gpu_count)
+    validate_dp_config(config, nproc, gpu_count, device=dev)
+    return launch.run(MODULE, nproc=nproc, config=config, device=dev, **launch_kwargs)
+
+
+if __name__ == "__main__":
+    main()
