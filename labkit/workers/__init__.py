@@ -3,6 +3,8 @@
 Workers must be importable modules (not functions in a notebook): torchrun starts fresh
 Python processes, which can import a module but cannot reach into the notebook's memory.
 
-    allreduce   the first 2-process job: one all-reduce, checked, then timed (notebook 00)
-    _faults     misbehaving workers for the launcher's tests (raise, hang, ignore SIGTERM)
+    allreduce    the first 2-process job: one all-reduce, checked, then timed (notebook 00)
+    collectives  all-reduce, all-gather, reduce-scatter timed over message sizes (notebook 02)
+    dp_train     data-parallel training with a chosen strategy, bytes and memory counted (02)
+    _faults      misbehaving workers for the launcher's tests (raise, hang, ignore SIGTERM)
 """
