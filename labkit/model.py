@@ -33,7 +33,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         h = cfg.d_model
-        self.n_head = cfg.n_head
+        self.head_dim = cfg.head_dim
         self.q = nn.Linear(h, h)
         self.k = nn.Linear(h, h)
         self.v = nn.Linear(h, h)
@@ -42,16 +42,18 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        nh, hs = self.n_head, C // self.n_head
+        B, T, _ = x.shape
+        hs = self.head_dim
         # (B, T, C) -> (B, nh, T, hs): every head attends over the whole sequence independently.
-        q = self.q(x).view(B, T, nh, hs).transpose(1, 2)
-        k = self.k(x).view(B, T, nh, hs).transpose(1, 2)
-        v = self.v(x).view(B, T, nh, hs).transpose(1, 2)
+        # The head count is read from q's width (-1), so a tensor-parallel rank holding a
+        # slice of the heads runs this same code.
+        q = self.q(x).view(B, T, -1, hs).transpose(1, 2)
+        k = self.k(x).view(B, T, -1, hs).transpose(1, 2)
+        v = self.v(x).view(B, T, -1, hs).transpose(1, 2)
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, T, nh·hs)
         return self.resid_dropout(self.proj(y))
 
 

@@ -6,5 +6,7 @@ Python processes, which can import a module but cannot reach into the notebook's
     allreduce    the first 2-process job: one all-reduce, checked, then timed (notebook 00)
     collectives  all-reduce, all-gather, reduce-scatter timed over message sizes (notebook 02)
     dp_train     data-parallel training with a chosen strategy, bytes and memory counted (02)
+    pp_train     pipeline schedules (naive, GPipe, 1F1B, torch's) with per-micro-batch timelines (03)
+    tp_train     tensor-parallel layers and GPT (Megatron f/g, and DTensor), bytes counted (03)
     _faults      misbehaving workers for the launcher's tests (raise, hang, ignore SIGTERM)
 """

@@ -1,0 +1,561 @@
+"""Pipeline parallelism: cut the GPT into p stages, one per rank, and stream micro-batches.
+
+    bounds = partition(cfg, p=2)                       # [(0, 2), (2, 4)]: blocks per stage
+    pipe = Pipeline(GPT(cfg), bounds, rank=ctx.rank, device=ctx.device)
+    loss = pipe.step("1f1b", x, y, n_microbatches=4)   # same loss and grads as GPT(x, y)
+    pipe.timeline.events                               # when each F and B ran, for a Gantt
+
+Stage 0 also holds the embeddings (``wte``, ``wpe``), the last stage ``ln_f`` and ``lm_head``.
+Activations go forward and their gradients backward with point-to-point ``send``/``recv``
+(gloo does them on CPU tensors, NCCL on GPU ones).
+
+Schedules (action lists in ``labkit.parallel.schedules``):
+
+* ``naive``: the whole batch at once; stage i+1 waits for all of stage i (no micro-batches);
+* ``gpipe``: m micro-batches, all forwards then all backwards (Huang et al. 2019);
+* ``1f1b``: one-forward-one-backward, same bubble, fewer activations held (Narayanan et al.
+  2021, arXiv 2104.04473);
+* ``torch_gpipe``, ``torch_1f1b``: the same stage module run by PyTorch's own
+  ``torch.distributed.pipelining`` (``PipelineStage`` + ``ScheduleGPipe``/``Schedule1F1B``).
+
+Each micro-batch loss is divided by m, so the accumulated gradient equals that of the mean
+loss over the batch: every schedule gives the sequential model's gradients (tests prove it).
+
+**Tied embeddings** (``ModelConfig.tie_weights=True``) are handled the Megatron way (Shoeybi
+et al. 2019; Narayanan et al. 2021, section 4): the first stage owns ``wte`` and the last stage
+a *copy* of it as ``lm_head.weight``; after the backward the two gradients are summed with
+an all-reduce between the first and the last rank, so both copies take identical optimiser
+steps and stay equal. That sum is exactly the gradient of the single shared matrix.
+
+Scope: the pipeline spans all ranks of the job (stage i runs on rank i), dropout should be 0
+for exact parity, and each rank builds the whole model before keeping its stage (fine at lab
+sizes; real systems build only their stage, e.g. on the meta device).
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+import torch.nn.functional as F
+from torch import nn
+
+from labkit.config import ModelConfig
+from labkit.parallel.schedules import peak_in_flight, schedule_order
+from labkit.parallel.timeline import Timeline
+from labkit.timing import synchronize
+
+SCHEDULES = ("naive", "gpipe", "1f1b", "torch_gpipe", "torch_1f1b")
+PARTITION_BY = ("params", "time")
+
+Bounds = list[tuple[int, int]]  # per stage: (first block, one past the last block)
+
+
+# --- checks before anything is launched ------------------------------------------------------
+
+
+def validate_pipeline(
+    model_cfg: ModelConfig,
+    p: int,
+    batch_size: int,
+    n_microbatches: int,
+    schedule: str = "gpipe",
+) -> None:
+    """Raise ValueError, naming the argument and the fix, for a pipeline that cannot run.
+
+    Call it before ``launch.run``: a bad shape then fails in the notebook cell at once, not as
+    a traceback from every rank a few seconds later.
+    """
+    for name, value in (("p", p), ("batch_size", batch_size), ("n_microbatches", n_microbatches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: need a positive integer")
+    if p > model_cfg.n_layer:
+        raise ValueError(
+            f"p={p} pipeline stages but the model has n_layer={model_cfg.n_layer} blocks: each"
+            f" stage needs at least one block; use p <= {model_cfg.n_layer} or a deeper model"
+        )
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}: use one of {SCHEDULES}")
+    if batch_size % n_microbatches:
+        divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
+        raise ValueError(
+            f"n_microbatches={n_microbatches} does not divide batch_size={batch_size}: "
+            f"micro-batches must be equal for the gradient to match the whole batch's; "
+            f"use one of {divisors}"
+        )
+    if schedule == "naive" and n_microbatches != 1:
+        raise ValueError(
+            f"schedule='naive' runs the whole batch as one piece, but n_microbatches="
+            f"{n_microbatches}: pass n_microbatches=1, or use 'gpipe' or '1f1b'"
+        )
+    if schedule == "torch_1f1b" and n_microbatches < p:
+        raise ValueError(
+            f"schedule='torch_1f1b' needs n_microbatches >= p (torch's Schedule1F1B requires"
+            f" it), got n_microbatches={n_microbatches}, p={p}: use more micro-batches"
+        )
+
+
+# --- partition -------------------------------------------------------------------------------
+
+
+def unit_param_counts(cfg: ModelConfig) -> list[int]:
+    """Parameters of each pipeline unit: [embeddings, block 0, ..., block L−1, head].
+
+    embeddings = V·h + s·h (``wte``, ``wpe``); block = 12h² + 13h; head = 2h + V·h (``ln_f``
+    and ``lm_head``; with tied weights the last stage holds its own copy of the V·h matrix).
+    """
+    h, V, s = cfg.d_model, cfg.vocab_size, cfg.seq_len
+    return [V * h + s * h, *([12 * h * h + 13 * h] * cfg.n_layer), 2 * h + V * h]
+
+
+def partition(
+    model_cfg: ModelConfig,
+    p: int,
+    by: str = "params",
+    times: Sequence[float] | None = None,
+) -> Bounds:
+    """Split the blocks into ``p`` contiguous stages, minimising the largest stage's cost.
+
+    Args:
+        model_cfg: the model's shape.
+        p: number of stages, 1 <= p <= n_layer.
+        by: "params" balances parameter counts (memory; ``unit_param_counts``), "time"
+            balances measured seconds (speed; what sets the pipeline's pace).
+        times: for by="time", seconds per unit: either L+2 values [embeddings, block 0..L−1,
+            head] (as from ``measure_unit_times``) or L values (blocks only).
+
+    Returns:
+        [(start, end), ...], one per stage: stage i runs ``blocks[start:end]``. Stage 0 also
+        runs the embeddings and the last stage ``ln_f``, ``lm_head`` (their cost counts).
+    """
+    L = model_cfg.n_layer
+    if isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= L:
+        raise ValueError(f"p={p!r}: need an integer with 1 <= p <= n_layer={L}")
+    if by == "params":
+        if times is not None:
+            raise ValueError("times is only used with by='time'")
+        costs = [float(c) for c in unit_param_counts(model_cfg)]
+    elif by == "time":
+        if times is None:
+            raise ValueError("by='time' needs times (seconds per unit; see measure_unit_times)")
+        times = [float(t) for t in times]
+        if len(times) == L:
+            times = [0.0, *times, 0.0]
+        if len(times) != L + 2 or any(t < 0 for t in times):
+            raise ValueError(
+                f"times has {len(times)} values: need L+2={L + 2} (embeddings, each block, head)"
+                f" or L={L} (blocks only), all >= 0"
+            )
+        costs = times
+    else:
+        raise ValueError(f"by={by!r}: use one of {PARTITION_BY}")
+    embed, blocks, head = costs[0], costs[1:-1], costs[-1]
+    prefix = [0.0]
+    for c in blocks:
+        prefix.append(prefix[-1] + c)
+
+    def cost(stage: int, i: int, j: int) -> float:  # stage runs blocks i..j-1
+        extra = (embed if stage == 0 else 0.0) + (head if stage == p - 1 else 0.0)
+        return prefix[j] - prefix[i] + extra
+
+    # Dynamic programming over (stages used, blocks covered): best[k][j] is the smallest
+    # possible maximum stage cost when stages 0..k cover blocks 0..j-1.
+    inf = float("inf")
+    best = [[inf] * (L + 1) for _ in range(p)]
+    cut = [[0] * (L + 1) for _ in range(p)]
+    for j in range(1, L + 1):
+        best[0][j] = cost(0, 0, j)
+    for k in range(1, p):
+        for j in range(k + 1, L + 1):
+            for i in range(k, j):  # stage k runs blocks i..j-1, stages before it cover 0..i-1
+                c = max(best[k - 1][i], cost(k, i, j))
+                if c < best[k][j]:
+                    best[k][j], cut[k][j] = c, i
+    bounds: Bounds = []
+    j = L
+    for k in range(p - 1, 0, -1):
+        i = cut[k][j]
+        bounds.append((i, j))
+        j = i
+    bounds.append((0, j))
+    return bounds[::-1]
+
+
+def stage_costs(
+    model_cfg: ModelConfig, bounds: Bounds, times: Sequence[float] | None = None
+) -> list[float]:
+    """Cost of each stage of ``bounds``: parameters, or seconds if ``times`` (L+2 values)."""
+    units = [float(t) for t in times] if times is not None else unit_param_counts(model_cfg)
+    p = len(bounds)
+    return [
+        sum(units[1 + i : 1 + j]) + (units[0] if k == 0 else 0) + (units[-1] if k == p - 1 else 0)
+        for k, (i, j) in enumerate(bounds)
+    ]
+
+
+@torch.no_grad()
+def measure_unit_times(model: nn.Module, idx: torch.Tensor, repeats: int = 5) -> list[float]:
+    """Median forward seconds of each unit [embeddings, block 0..L−1, head] on ``idx`` (B, T).
+
+    Forward only: a unit's backward costs about twice its forward, so the proportions, which
+    are all ``partition(by="time")`` needs, hold for the whole step.
+    """
+    device = idx.device
+    samples: list[list[float]] = []
+    for _ in range(repeats):
+        row = []
+        t = time.perf_counter()
+        x = model.drop(model.wte(idx) + model.wpe(torch.arange(idx.shape[1], device=device)))
+        synchronize(device)
+        row.append(time.perf_counter() - t)
+        for block in model.blocks:
+            t = time.perf_counter()
+            x = block(x)
+            synchronize(device)
+            row.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        model.lm_head(model.ln_f(x))
+        synchronize(device)
+        row.append(time.perf_counter() - t)
+        samples.append(row)
+    return [statistics.median(col) for col in zip(*samples, strict=True)]
+
+
+# --- one stage of the model ------------------------------------------------------------------
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy, as ``GPT.forward`` computes it: logits (B, T, V), targets (B, T)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+class StageModule(nn.Module):
+    """The part of a GPT one pipeline stage runs.
+
+    Parameter names match the whole model's (``blocks.2.attn.q.weight``, ``wte.weight``), so
+    gradients can be compared name by name with a single-process GPT.
+    """
+
+    def __init__(self, model: nn.Module, bounds: Bounds, stage: int) -> None:
+        super().__init__()
+        p = len(bounds)
+        if not 0 <= stage < p:
+            raise ValueError(f"stage={stage}: need 0 <= stage < {p} (one per entry of bounds)")
+        self.stage, self.num_stages = stage, p
+        self.is_first, self.is_last = stage == 0, stage == p - 1
+        self.tied = bool(model.cfg.tie_weights)
+        start, end = bounds[stage]
+        self.start, self.end = start, end
+        # deepcopy: the stage owns its tensors; the full model can be dropped afterwards.
+        if self.is_first:
+            self.wte = copy.deepcopy(model.wte)
+            self.wpe = copy.deepcopy(model.wpe)
+            self.drop = copy.deepcopy(model.drop)
+        # ModuleDict keyed by the global block index keeps the whole model's parameter names.
+        self.blocks = nn.ModuleDict(
+            {str(i): copy.deepcopy(model.blocks[i]) for i in range(start, end)}
+        )
+        if self.is_last:
+            self.ln_f = copy.deepcopy(model.ln_f)
+            # With tied weights this deepcopy makes the last stage's own copy of wte (Megatron).
+            self.lm_head = copy.deepcopy(model.lm_head)
+            if self.tied and self.is_first:  # a single stage: keep the one shared matrix
+                self.lm_head.weight = self.wte.weight
+        self.probe: StageProbe | None = None
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token + position embeddings: idx (B, T) int64 -> (B, T, C)."""
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        """This stage's blocks, then the head on the last stage: (B, T, C) -> (B, T, C or V)."""
+        for block in self.blocks.values():
+            x = block(x)
+        if self.is_last:
+            x = self.lm_head(self.ln_f(x))
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.probe is not None and not x.is_meta:  # torch's shape inference runs on meta
+            return self.probe.forward(self, x)
+        return self.body(self.embed(x) if self.is_first else x)
+
+
+# --- instrumentation: when each F and B ran, and what each micro-batch keeps -----------------
+
+
+class StageProbe:
+    """Records F and B events and the activation bytes each micro-batch keeps for backward.
+
+    Attached to a ``StageModule`` it sees every forward call, whoever drives the schedule
+    (our executor or ``torch.distributed.pipelining``):
+
+    * F: the module's forward, timed; micro-batches are numbered in call order;
+    * B: from the moment the gradient of the stage's output exists (a tensor hook on the
+      output) to the moment the gradient of its input exists (a hook on the input; on stage
+      0, on the embedding output: the embedding's own scatter-add is left out, it is tiny);
+    * activation bytes: every tensor autograd saves during the forward
+      (``saved_tensors_hooks``, as ``labkit.memory``), parameters excluded, views counted
+      once. A micro-batch's bytes are live from its F until its B ends.
+
+    On CUDA each mark synchronises the device, so times are true but the run is serialised.
+    """
+
+    def __init__(self, timeline: Timeline, device: torch.device, num_stages: int) -> None:
+        self.timeline, self.device, self.num_stages = timeline, device, num_stages
+        self.reset()
+
+    def reset(self) -> None:
+        self.next_mb = 0
+        self.live: dict[int, int] = {}
+        self.bytes_per_mb: list[int] = []
+        self.peak_bytes = 0
+        self.peak_in_flight = 0
+        self._b_start: dict[int, float] = {}
+        # torch's PipelineStage reuses its receive buffers from step to step: hooks left on
+        # them would fire again next step, so each step removes the previous step's hooks.
+        for handle in getattr(self, "_hooks", []):
+            handle.remove()
+        self._hooks: list[Any] = []
+
+    def _now(self) -> float:
+        synchronize(self.device)
+        return self.timeline.now()
+
+    def forward(self, stage: StageModule, x: torch.Tensor) -> torch.Tensor:
+        mb = self.next_mb
+        self.next_mb += 1
+        param_storages = {p.untyped_storage().data_ptr() for p in stage.parameters()}
+        saved: dict[int, int] = {}  # storage pointer -> bytes: views of one storage count once
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            s = t.untyped_storage()
+            if s.data_ptr() not in param_storages:
+                saved.setdefault(s.data_ptr(), s.nbytes())
+            return t
+
+        start = self._now()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            h = stage.embed(x) if stage.is_first else x
+            out = stage.body(h)
+        self.timeline.add("F", mb, start, self._now())
+
+        nbytes = sum(saved.values())
+        self.bytes_per_mb.append(nbytes)
+        self.live[mb] = nbytes
+        self.peak_bytes = max(self.peak_bytes, sum(self.live.values()))
+        self.peak_in_flight = max(self.peak_in_flight, len(self.live))
+        if out.requires_grad:
+            self._hooks.append(out.register_hook(lambda g: self._backward_start(mb, g)))
+        if h.requires_grad:
+            self._hooks.append(h.register_hook(lambda g: self._backward_end(mb, g)))
+        return out
+
+    def _backward_start(self, mb: int, grad: torch.Tensor) -> torch.Tensor:
+        self._b_start[mb] = self._now()
+        return grad
+
+    def _backward_end(self, mb: int, grad: torch.Tensor) -> torch.Tensor:
+        end = self._now()
+        self.timeline.add("B", mb, self._b_start.pop(mb, end), end)
+        self.live.pop(mb, None)
+        return grad
+
+    def summary(self, schedule: str, m: int) -> dict[str, Any]:
+        """Measured against predicted activation memory of this stage for one step."""
+        stage, p = self.timeline.rank, self.num_stages
+        predicted_in_flight = peak_in_flight(
+            schedule_order(schedule.removeprefix("torch_"), p, m, stage)
+        )
+        per_mb = max(self.bytes_per_mb, default=0)
+        return {
+            "bytes_per_microbatch": per_mb,
+            "peak_in_flight": self.peak_in_flight,
+            "peak_bytes": self.peak_bytes,
+            "predicted_in_flight": predicted_in_flight,
+            "predicted_peak_bytes": predicted_in_flight * per_mb,
+        }
+
+
+# --- the pipeline, one rank's view -------------------------------------------------------------
+
+
+class _Links:
+    """Point-to-point transfers with the neighbour stages (global rank = stage index).
+
+    Sends are non-blocking (``isend``): in 1F1B two neighbours may send to each other at the
+    same moment (an activation forward, a gradient backward), and two blocking sends would
+    wait for each other for ever. Receives block: a stage cannot compute without its input.
+    """
+
+    def __init__(self) -> None:
+        self.pending: list[Any] = []  # isend handles, waited for at the end of the step
+
+    def recv(self, src: int, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=torch.float32, device=device)
+        tdist.recv(buf, src=src)
+        return buf
+
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        self.pending.append(tdist.isend(t.detach().contiguous(), dst=dst))
+
+    def wait(self) -> None:
+        for work in self.pending:
+            work.wait()
+        self.pending.clear()
+
+
+class Pipeline:
+    """One rank's stage of a pipelined GPT, and the schedules that run it.
+
+    Args:
+        model: the whole GPT, built with the same seed on every rank; this rank keeps
+            ``bounds[rank]`` of it (``StageModule``).
+        bounds: one (start, end) per stage, e.g. from ``partition``; len(bounds) must equal
+            the world size.
+        rank: this process's rank = its stage index.
+        device: where the stage lives (``ctx.device``).
+        t0, clock: events are ``clock() - t0`` seconds; set ``pipe.timeline.t0`` from
+            ``timeline.common_t0()`` before a step so all ranks share the origin.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        bounds: Bounds,
+        *,
+        rank: int,
+        device: torch.device,
+        t0: float = 0.0,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.p = len(bounds)
+        world = tdist.get_world_size() if tdist.is_initialized() else 1
+        if world != self.p:
+            raise ValueError(
+                f"{self.p} stages in bounds but {world} ranks: the pipeline spans every rank "
+                f"(launch nproc={self.p}, or partition into p={world} stages)"
+            )
+        self.rank, self.device = rank, device
+        self.stage = StageModule(model, bounds, rank).to(device)
+        self.timeline = Timeline(rank, t0=t0, clock=clock)
+        self.probe = StageProbe(self.timeline, device, self.p)
+        self.stage.probe = self.probe
+        self.links = _Links()
+        self._torch_schedules: dict[tuple[str, int], Any] = {}
+        self.model_cfg = model.cfg
+        self.d_model, self.vocab_size = model.cfg.d_model, model.cfg.vocab_size
+
+    # -- one training step ----------------------------------------------------------------
+
+    def step(self, schedule: str, x: torch.Tensor, y: torch.Tensor, n_microbatches: int) -> float:
+        """Forward and backward of batch ``x``, ``y`` (B, T) under ``schedule``.
+
+        Leaves the gradients in ``self.stage``'s parameters (zeroed first) for the caller's
+        optimiser; returns the mean loss over the batch, the same value on every rank.
+        Every rank passes the same x, y (only stage 0 uses x, only the last stage y).
+        """
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r}: use one of {SCHEDULES}")
+        if x.shape[0] % n_microbatches or (schedule == "naive" and n_microbatches != 1):
+            validate_pipeline(self.model_cfg, self.p, x.shape[0], n_microbatches, schedule)
+        self.stage.zero_grad(set_to_none=True)
+        self.probe.reset()
+        self.timeline.clear()
+        if schedule.startswith("torch_"):
+            loss_sum = self._run_torch(schedule, x, y, n_microbatches)
+        else:
+            loss_sum = self._run_order(schedule, x, y, n_microbatches)
+        self.links.wait()
+        self.sync_tied_grads()
+        # The loss exists on the last stage only; every rank reports it.
+        loss = torch.tensor([loss_sum], dtype=torch.float32, device=self.device)
+        tdist.broadcast(loss, src=self.p - 1)
+        return float(loss.item())
+
+    def _run_order(self, schedule: str, x: torch.Tensor, y: torch.Tensor, m: int) -> float:
+        """Execute our own action list (``labkit.parallel.schedules``) for this stage."""
+        stage, links, r, p = self.stage, self.links, self.rank, self.p
+        xs, ys = x.to(self.device).chunk(m), y.to(self.device).chunk(m)  # m × (b, T)
+        b, T = xs[0].shape
+        act_shape = (b, T, self.d_model)  # what flows between stages: (b, T, C)
+        inputs: dict[int, torch.Tensor] = {}
+        outputs: dict[int, torch.Tensor] = {}
+        loss_sum = 0.0
+        for kind, j in schedule_order(schedule, p, m, r):
+            if kind == "F":
+                if stage.is_first:
+                    inp = xs[j]
+                else:
+                    inp = links.recv(r - 1, act_shape, self.device).requires_grad_()
+                out = stage(inp)
+                if stage.is_last:
+                    out = loss_fn(out, ys[j]) / m  # 1/m: gradient of the batch's mean loss
+                    loss_sum += float(out.detach())
+                else:
+                    links.send(out, r + 1)
+                inputs[j], outputs[j] = inp, out
+            else:
+                inp, out = inputs.pop(j), outputs.pop(j)  # popping frees the graph after B
+                if stage.is_last:
+                    out.backward()
+                else:
+                    grad = links.recv(r + 1, act_shape, self.device)
+                    torch.autograd.backward(out, grad)
+                if not stage.is_first:
+                    links.send(inp.grad, r - 1)
+        return loss_sum
+
+    def _run_torch(self, schedule: str, x: torch.Tensor, y: torch.Tensor, m: int) -> float:
+        """The same stage run by ``torch.distributed.pipelining``'s schedule."""
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        key = (schedule, m)
+        if key not in self._torch_schedules:
+            pstage = PipelineStage(self.stage, self.rank, self.p, self.device)
+            cls = ScheduleGPipe if schedule == "torch_gpipe" else Schedule1F1B
+            # scale_grads=True (default) divides the gradients by m: the mean loss's gradient.
+            self._torch_schedules[key] = cls(pstage, n_microbatches=m, loss_fn=loss_fn)
+        sched = self._torch_schedules[key]
+        losses: list[torch.Tensor] = []
+        if self.stage.is_first:
+            sched.step(x.to(self.device))
+        elif self.stage.is_last:
+            sched.step(target=y.to(self.device), losses=losses)
+        else:
+            sched.step()
+        return float(sum(float(v.detach()) for v in losses) / m) if losses else 0.0
+
+    def sync_tied_grads(self) -> None:
+        """Sum the gradients of the two copies of a tied embedding (first and last stage).
+
+        Only those two ranks hold a copy; with p = 2 they are the whole world. For p > 2 the
+        sum still runs over the world, the middle stages adding zeros: one collective every
+        rank joins, no extra process group to create.
+        """
+        if not self.stage.tied or self.p == 1:
+            return
+        if self.stage.is_first:
+            w: torch.Tensor | None = self.stage.wte.weight
+        elif self.stage.is_last:
+            w = self.stage.lm_head.weight
+        else:
+            w = None
+        if w is not None and w.grad is None:
+            w.grad = torch.zeros_like(w)
+        buf = (
+            w.grad
+            if w is not None
+            else torch.zeros(self.vocab_size, self.d_model, device=self.device)
+        )
+        tdist.all_reduce(buf)  # in place: both copies now hold the shared matrix's gradient
+
+    def activation_summary(self, schedule: str, m: int) -> dict[str, Any]:
+        """Activation memory of this stage in the last step, measured and predicted."""
+        return self.probe.summary(schedule, m)
