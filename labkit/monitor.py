@@ -1,0 +1,780 @@
+"""Live plots of a job's hardware metrics under the notebook cell, and one static figure after.
+
+    from labkit import launch
+    from labkit.monitor import Monitor
+
+    mon = Monitor(period_s=1.0)
+    res = launch.run("labkit.workers.allreduce", nproc=2, observers=[mon])
+    mon.summary()                  # mean / max of each metric per GPU (or per rank on CPU)
+
+    with Monitor(period_s=0.5) as mon:                 # single-process code in the kernel
+        history = train(model, cfg, data, on_step=mon.on_step)
+
+    with Monitor(backend=ReplayBackend("h200.jsonl", realtime=False)):
+        pass                                           # a recording made on a real GPU
+
+What it shows: one panel per metric with one line per source (``gpu0``, ``gpu1``... on the GPU
+tiers; ``rank0``, ``rank1``... and ``host`` on the CPU tier), each rank's step events as short
+tick marks in its colour along the top of every panel, and a bottom panel of step against time
+per rank (a rank that falls behind shows as a lagging line). The title carries the backend's
+own description: the GPUs read through NVML, "CPU only ...; no NVIDIA GPU found: <reason>", or
+"recording of <hardware> on <date>" for a replayed trace. Nothing is ever invented: a value the
+device did not report (N/A) is a gap in the line, never a zero (``labkit.metrics.base``).
+
+Who drives the sampling, and why:
+
+- **As a launcher observer** (``launch.run(..., observers=[mon])``) the notebook cell blocks in
+  ``run`` until the job ends, which starves anything scheduled on the kernel's event loop
+  (pitfalls.md, "Notebook execution"). So no thread and no asyncio task: the launcher's own
+  supervision loop calls ``on_tick`` every ~0.25 s, and that samples (``Sampler.poll_due``),
+  reads each rank's step from its heartbeat, and redraws.
+- **As a context manager** nothing else loops, so the sampler's own thread samples the kernel
+  process ("rank0") or the GPUs, and redraws from there. ``mon.on_step`` (the signature of
+  ``labkit.train.train``'s ``on_step``) records step events.
+
+Either way the sampler is stopped when the job ends or the block exits, on success, error,
+timeout or interrupt.
+
+Live or headless. Live (a person watching JupyterLab): the figure under the cell is redrawn at
+most once per ``redraw_s`` through a display handle, and its final update is the final figure.
+Headless (papermill, nbval, a script): no updates at all, then exactly one static figure. nbval
+ignores display updates and papermill has no person watching, so redrawing there only costs
+time. Either way the cell ends with one figure and one summary table. ``live`` defaults to
+``live_default()``: the environment variable ``LABKIT_LIVE_PLOTS`` (``1``, ``0`` or ``auto``)
+decides if set; under ``auto`` a Jupyter kernel is live unless the process that started it is
+a headless executor (papermill, pytest/nbval, nbconvert, nbclient). A wrong guess is harmless
+for the saved notebook: nbclient applies display updates in place, so a live monitor under
+papermill also leaves exactly one figure.
+
+Figures are drawn with matplotlib's object API on the Agg canvas and shown as PNG bytes, never
+through ``pyplot``: pyplot figures left open would be shown a second time by the inline
+backend at the end of the cell. matplotlib is imported only when a figure is drawn.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import math
+import os
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from labkit.metrics import (
+    METRICS,
+    Backend,
+    CpuBackend,
+    NvmlBackend,
+    ReplayBackend,
+    Sample,
+    Sampler,
+    auto_backend,
+    clamp_period,
+)
+from labkit.metrics.base import Clock
+
+LIVE_ENV = "LABKIT_LIVE_PLOTS"  # "1": live plots, "0": headless, "auto" (default): guess
+REDRAW_S = 1.0  # at most one live redraw per this many seconds (a render takes 0.1-0.3 s)
+RENDER_SHARE = 0.2  # ...and at most this share of the time spent rendering on a slow machine
+MAX_TICKS = 300  # step tick marks drawn per rank; more would be a solid bar anyway
+# Processes that run notebooks with nobody watching; the kernel's parent tells (see module doc).
+HEADLESS_EXECUTORS = ("papermill", "pytest", "nbval", "nbconvert", "nbclient", "jupyter-execute")
+
+# Panels shown by default, per backend kind. On the GPU tiers: is a kernel running, how full
+# is memory, how hard is the board working, and, on Hopper and newer, how busy the SMs and
+# tensor cores really are (gpu_util_pct alone over-states it: see METRICS). On the CPU tier:
+# each rank's CPU and memory, and the whole host (ranks compete for its cores).
+DEFAULT_METRICS: dict[str, tuple[str, ...]] = {
+    "nvml": ("gpu_util_pct", "sm_active_pct", "tensor_active_pct", "mem_used_gib", "power_w"),
+    "replay": ("gpu_util_pct", "sm_active_pct", "tensor_active_pct", "mem_used_gib", "power_w"),
+    "cpu": ("cpu_pct", "rss_gib", "host_cpu_pct"),
+}
+# Default panels dropped when the device never reports them (pre-Hopper GPUs have no GPM):
+# an empty panel would only take room. A metric the caller asked for is always drawn.
+OPTIONAL_METRICS = frozenset({"sm_active_pct", "tensor_active_pct"})
+
+Bundle = dict[str, Any]  # a MIME bundle: {"image/png": bytes, "text/plain": str, ...}
+
+
+# --- what the monitor records ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """Rank ``rank`` reached step ``step`` at ``time_s`` (seconds on the sampler's clock).
+
+    From a launched job the step comes from the rank's heartbeat file, read every ~0.25 s:
+    steps shorter than that are thinned (only the latest one of each tick is seen), and the
+    time is the heartbeat's own time stamp, so it is exact for the steps that are seen.
+    """
+
+    rank: int
+    step: int
+    time_s: float
+
+
+@dataclass(frozen=True)
+class SummaryRow:
+    """One metric of one source over the run. ``mean``/``max`` are None when every reading
+    was N/A; ``n`` counts the readings with a value, ``n_na`` those without."""
+
+    source: str
+    metric: str
+    unit: str
+    mean: float | None
+    max: float | None
+    n: int
+    n_na: int
+
+
+@dataclass
+class Summary:
+    """The table shown under the final figure; also handy in tests and notebook checks.
+
+    Attributes:
+        describe: the backend's one-line description (hardware, or why there is no GPU, or
+            the recording it replays).
+        status: how the run ended: "ok", the job's status ("failed", "timeout",
+            "interrupted"), or "error: <exception>" for a ``with`` block that raised.
+        duration_s: seconds from the first to the last sample.
+        n_samples: samples recorded (all sources).
+        last_step: rank -> the last step seen.
+        rows: one per (source, metric) drawn.
+    """
+
+    describe: str
+    status: str
+    duration_s: float
+    n_samples: int
+    last_step: dict[int, int] = field(default_factory=dict)
+    rows: list[SummaryRow] = field(default_factory=list)
+
+    def row(self, source: str, metric: str) -> SummaryRow:
+        for r in self.rows:
+            if r.source == source and r.metric == metric:
+                return r
+        have = sorted({(r.source, r.metric) for r in self.rows})
+        raise KeyError(f"no row for source={source!r}, metric={metric!r}; have {have}")
+
+    @property
+    def sources(self) -> list[str]:
+        return list(dict.fromkeys(r.source for r in self.rows))
+
+    def _header(self) -> list[str]:
+        steps = ", ".join(f"rank{r} step {s}" for r, s in sorted(self.last_step.items()))
+        return [
+            self.describe,
+            f"{self.status}; {self.n_samples} samples over {self.duration_s:.1f} s"
+            + (f"; last steps: {steps}" if steps else ""),
+        ]
+
+    def _cells(self) -> list[list[str]]:
+        return [
+            [r.source, r.metric, r.unit, _num(r.mean), _num(r.max), str(r.n), str(r.n_na)]
+            for r in self.rows
+        ]
+
+    def __str__(self) -> str:
+        rows = [["source", "metric", "unit", "mean", "max", "samples", "N/A"], *self._cells()]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        table = ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in rows]
+        return "\n".join([*self._header(), *table])
+
+    def _repr_html_(self) -> str:
+        esc = html.escape
+        head = "".join(
+            f"<th>{h}</th>" for h in ("source", "metric", "unit", "mean", "max", "samples", "N/A")
+        )
+        body = "".join(
+            "<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in self._cells()
+        )
+        top = "<br>".join(esc(s) for s in self._header())
+        return f"<div>{top}<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
+
+
+def _num(v: float | None) -> str:
+    return "N/A" if v is None else f"{v:.3g}"
+
+
+# --- pure helpers: series, summary, figure ------------------------------------------------------
+
+
+def series(
+    samples: Iterable[Sample], source: str, metric: str, t0: float = 0.0
+) -> tuple[list[float], list[float]]:
+    """(seconds since ``t0``, values) of one metric of one source, ready for ``plot``.
+
+    N/A (``None``) becomes NaN, which matplotlib draws as a gap: a missing reading must not
+    look like a zero. Samples where the metric was not read at all (absent key, e.g. a rank
+    that exited) are left out.
+    """
+    xs, ys = [], []
+    for s in samples:
+        if s.source == source and metric in s.values:
+            v = s.values[metric]
+            xs.append(s.time_s - t0)
+            ys.append(math.nan if v is None else float(v))
+    return xs, ys
+
+
+def sources_of(samples: Iterable[Sample], metric: str) -> list[str]:
+    """Sources that reported ``metric`` at least once, in a stable, readable order."""
+    found = {s.source for s in samples if metric in s.values}
+    return sorted(found, key=_source_order)
+
+
+def _source_order(source: str) -> tuple[int, str, int, str]:
+    # gpu0 < gpu1 < gpu0/rank1 < rank0 < rank1 < rank10 < host: numbers compare as numbers.
+    head, _, tail = source.partition("/")
+    kind = head.rstrip("0123456789")
+    num = head[len(kind) :]
+    order = {"gpu": 0, "rank": 2, "host": 3}.get(kind, 4) + (1 if tail else 0)
+    return order, kind, int(num) if num else -1, tail
+
+
+def metrics_to_show(
+    samples: Sequence[Sample], kind: str, requested: Sequence[str] | None
+) -> list[str]:
+    """The panels to draw: the caller's list, or the backend kind's default set minus the
+    optional metrics this device never reported."""
+    if requested is not None:
+        return list(requested)
+    shown = []
+    for m in DEFAULT_METRICS.get(kind, DEFAULT_METRICS["nvml"]):
+        seen = any(s.values.get(m) is not None for s in samples)
+        if m not in OPTIONAL_METRICS or seen:
+            shown.append(m)
+    return shown
+
+
+def summarize(
+    samples: Sequence[Sample],
+    metrics: Sequence[str],
+    *,
+    describe: str,
+    status: str,
+    last_step: Mapping[int, int] | None = None,
+) -> Summary:
+    """Mean and max of each shown metric per source, with N/A readings counted apart."""
+    rows = []
+    for metric in metrics:
+        unit = METRICS[metric].unit if metric in METRICS else ""
+        for source in sources_of(samples, metric):
+            _, ys = series(samples, source, metric)
+            vals = [y for y in ys if not math.isnan(y)]
+            rows.append(SummaryRow(
+                source, metric, unit,
+                mean=sum(vals) / len(vals) if vals else None,
+                max=max(vals) if vals else None,
+                n=len(vals), n_na=len(ys) - len(vals),
+            ))  # fmt: skip
+    times = [s.time_s for s in samples]
+    return Summary(
+        describe=describe,
+        status=status,
+        duration_s=(max(times) - min(times)) if times else 0.0,
+        n_samples=len(samples),
+        last_step=dict(last_step or {}),
+        rows=rows,
+    )
+
+
+def _color(index: int) -> str:
+    # matplotlib's default cycle (tab10), so rank r has the same colour in every panel.
+    tab10 = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
+             "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")  # fmt: skip
+    return tab10[index % len(tab10)]
+
+
+def _source_style(source: str) -> dict[str, Any]:
+    if source == "host":
+        return {"color": "black", "linestyle": ":"}
+    head, _, tail = source.partition("/")
+    digits = "".join(ch for ch in (tail or head) if ch.isdigit())
+    style: dict[str, Any] = {"color": _color(int(digits)) if digits else "grey"}
+    if tail:  # "gpu0/rank1": a process on a GPU, drawn dashed beside the GPU itself
+        style["linestyle"] = "--"
+    return style
+
+
+def build_figure(
+    samples: Sequence[Sample],
+    steps: Sequence[StepEvent],
+    metrics: Sequence[str],
+    *,
+    title: str,
+    t0: float = 0.0,
+    recording: bool = False,
+) -> Any:
+    """A matplotlib ``Figure`` (not registered with pyplot): one panel per metric, one line per
+    source, step ticks per rank on top of every panel, and a step-vs-time panel.
+
+    x is seconds since ``t0``. ``recording`` marks every panel "recording", beside the title's
+    "recording of <hardware> on <date>": replayed numbers are never mistaken for live ones.
+    """
+    from matplotlib.figure import Figure  # lazy: importing labkit.monitor loads no matplotlib
+
+    by_rank: dict[int, list[StepEvent]] = {}
+    for e in steps:
+        by_rank.setdefault(e.rank, []).append(e)
+    n = max(1, len(metrics) + (1 if by_rank else 0))
+    fig = Figure(figsize=(9.0, 1.55 * n + 0.9), layout="constrained")
+    axes = list(fig.subplots(n, 1, sharex=True, squeeze=False)[:, 0])
+    for ax, metric in zip(axes, metrics, strict=False):
+        lines = 0
+        for source in sources_of(samples, metric):
+            xs, ys = series(samples, source, metric, t0)
+            ax.plot(xs, ys, marker=".", markersize=3, linewidth=1.2, label=source,
+                    **_source_style(source))  # fmt: skip
+            lines += 1
+        if lines == 0:
+            what = "no samples yet" if not samples else "N/A: not reported by this device"
+            ax.text(0.5, 0.5, what, ha="center", va="center", color="grey",
+                    transform=ax.transAxes)  # fmt: skip
+        for rank, events in sorted(by_rank.items()):  # short ticks along the top edge
+            xs = [e.time_s - t0 for e in events[-MAX_TICKS:]]
+            ax.vlines(xs, 0.9, 1.0, transform=ax.get_xaxis_transform(), colors=_color(rank),
+                      linewidth=0.8, alpha=0.7)  # fmt: skip
+        if lines:
+            # Every metric here is >= 0, and an axis cropped to the data exaggerates small
+            # changes; the headroom keeps lines clear of the step ticks along the top.
+            top = ax.get_ylim()[1]
+            ax.set_ylim(0, top * 1.15 if top > 0 else 1.0)
+        unit = METRICS[metric].unit if metric in METRICS else ""
+        ax.set_ylabel(f"{metric}\n({unit})" if unit else metric, fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.25)
+        if lines > 1:
+            ax.legend(fontsize=7, loc="upper left", ncol=min(lines, 6), framealpha=0.6)
+        if recording:
+            ax.text(0.995, 0.04, "recording", ha="right", va="bottom", fontsize=7,
+                    color="#b22222", transform=ax.transAxes)  # fmt: skip
+    if by_rank:
+        ax = axes[len(metrics)]
+        for rank, events in sorted(by_rank.items()):
+            ax.plot([e.time_s - t0 for e in events], [e.step for e in events], marker=".",
+                    markersize=3, linewidth=1.0, color=_color(rank), label=f"rank{rank}",
+                    drawstyle="steps-post")  # fmt: skip
+        ax.set_ylabel("step", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.25)
+        ax.legend(fontsize=7, loc="upper left", ncol=min(len(by_rank), 6), framealpha=0.6)
+    axes[-1].set_xlabel("seconds since start", fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    return fig
+
+
+def figure_png(fig: Any, dpi: int = 80) -> bytes:
+    """PNG bytes of ``fig`` through the Agg canvas (no GUI, no pyplot)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    return buf.getvalue()
+
+
+# --- live or headless ------------------------------------------------------------------------
+
+
+def _in_kernel() -> bool:
+    """True inside a Jupyter kernel (not a terminal IPython, not plain Python)."""
+    if "IPython" not in sys.modules:  # never imported: certainly not in IPython
+        return False
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+def _headless_executor() -> str | None:
+    """The headless notebook runner that started this kernel, if one did.
+
+    Only the direct parent counts (and its parent when that is a shell wrapper): a JupyterLab
+    server started *from* a test still serves a live browser, and must get live plots.
+    """
+    import psutil
+
+    try:
+        proc = psutil.Process().parent()
+        for _ in range(2):
+            if proc is None:
+                return None
+            # The program: the executable, its script or `-m` module (later arguments may
+            # be paths such as /tmp/pytest-of-.../ that say nothing about the runner).
+            program = [os.path.basename(a) for a in proc.cmdline()[:3]]
+            for name in HEADLESS_EXECUTORS:
+                if any(name in word for word in program):
+                    return name
+            if proc.name() not in ("sh", "bash", "dash", "zsh"):
+                return None
+            proc = proc.parent()
+    except psutil.Error:
+        return None
+    return None
+
+
+def live_default() -> tuple[bool, str]:
+    """(live?, why): whether a Monitor redraws under the cell while it runs.
+
+    ``LABKIT_LIVE_PLOTS=1`` or ``0`` decides; unset or ``auto``: live in a Jupyter kernel that
+    no headless executor started (see ``HEADLESS_EXECUTORS``), headless everywhere else.
+    """
+    value = os.environ.get(LIVE_ENV, "auto").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True, f"{LIVE_ENV}={value}"
+    if value in ("0", "false", "no", "off"):
+        return False, f"{LIVE_ENV}={value}"
+    if value not in ("", "auto"):
+        raise ValueError(f"{LIVE_ENV}={value!r}: use 1 (live plots), 0 (headless) or auto")
+    if not _in_kernel():
+        return False, "not in a Jupyter kernel"
+    runner = _headless_executor()
+    if runner:
+        return False, f"kernel started by {runner} (headless)"
+    return True, "Jupyter kernel"
+
+
+def _display(bundle: Bundle, *, display_id: bool = False) -> Any:
+    """Show a MIME bundle under the cell; returns a display handle if ``display_id``.
+
+    Outside IPython it prints the bundle's text (a script sees the table and the title).
+    Tests replace this function to count what is shown.
+    """
+    if "IPython" in sys.modules:
+        from IPython import get_ipython
+        from IPython.display import display
+
+        if get_ipython() is not None:
+            return display(bundle, raw=True, display_id=True if display_id else None)
+    print(bundle.get("text/plain", ""))
+    return None
+
+
+# --- the monitor -------------------------------------------------------------------------------
+
+
+class Monitor:
+    """Samples hardware metrics while a job or a block of code runs, and plots them.
+
+    Args:
+        period_s: seconds between samples (>= 0.1; 1 s matches nvidia-smi dmon and NVML's
+            own averaging windows).
+        backend: None or "auto" (NVML if it sees a GPU, else the CPU with the reason shown),
+            "cpu", "nvml", or a ``labkit.metrics`` Backend instance (e.g. a ``ReplayBackend``
+            to show a recording). An instance is used as given: a CPU backend built without
+            ``pids_fn`` sees only the host.
+        metrics: metric names to draw (see ``labkit.metrics.metric_table()``); default: a
+            set per backend kind (``DEFAULT_METRICS``).
+        live: redraw under the cell while running; None: ``live_default()``.
+        title: first line of the figure's title; default: the job's module (or "this
+            kernel's process", or "replay").
+        redraw_s: at least this many seconds between live redraws.
+        total_steps: for the ``with`` form, the step count shown as "step k/n".
+        clock: seconds, monotonic; stamps samples and step events. A fake in tests.
+    """
+
+    def __init__(
+        self,
+        period_s: float = 1.0,
+        *,
+        backend: str | Backend | None = None,
+        metrics: Sequence[str] | None = None,
+        live: bool | None = None,
+        title: str | None = None,
+        redraw_s: float = REDRAW_S,
+        total_steps: int | None = None,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        named = isinstance(backend, str) and backend in ("auto", "cpu", "nvml")
+        if not (backend is None or named or isinstance(backend, Backend)):
+            raise ValueError(f"backend={backend!r}: use None, 'auto', 'cpu', 'nvml' or a "
+                             "labkit.metrics Backend instance")  # fmt: skip
+        if metrics is not None:
+            unknown = [m for m in metrics if m not in METRICS]
+            if isinstance(metrics, str) or unknown:
+                raise ValueError(f"metrics={metrics!r}: pass a list of names from "
+                                 f"labkit.metrics.METRICS; unknown: {unknown}")  # fmt: skip
+        if isinstance(redraw_s, bool) or not isinstance(redraw_s, (int, float)) or redraw_s < 0:
+            raise ValueError(f"redraw_s={redraw_s!r}: need seconds >= 0")
+        self.period_s = clamp_period(period_s)  # a bad value fails here, not at the launch
+        self.backend_spec, self.metrics = backend, metrics
+        self.live = live_default()[0] if live is None else bool(live)
+        self.title, self.redraw_s, self.total_steps = title, float(redraw_s), total_steps
+        self.clock = clock
+        self.sampler: Sampler | None = None
+        # "idle", "running", then "ok", "failed", "timeout", "interrupted" or "error: <type>"
+        self.status = "idle"
+        self._steps: list[StepEvent] = []
+        self._last_step: dict[int, int] = {}
+        self._lock = threading.Lock()  # guards _steps (the sampler thread reads them to draw)
+        self._render_lock = threading.Lock()
+        self._handle: Any = None
+        self._t0 = 0.0
+        self._wall_offset = 0.0  # time.time() - clock(): turns heartbeat stamps into our clock
+        self._last_draw: float | None = None
+        self._render_cost_s = 0.0
+        self._module: str | None = None
+        self._progress: Callable[[], tuple[int | None, int | None]] | None = None
+        self._in_with = False
+        self._described: str | None = None  # describe() kept when the backend is closed
+        self.redraws = 0  # live redraws so far (the final figure not counted)
+
+    # -- results ------------------------------------------------------------------------------
+
+    @property
+    def samples(self) -> list[Sample]:
+        """Every sample of the last run, oldest first."""
+        return self.sampler.samples if self.sampler is not None else []
+
+    @property
+    def steps(self) -> list[StepEvent]:
+        """Every step event seen, in order."""
+        with self._lock:
+            return list(self._steps)
+
+    @property
+    def kind(self) -> str:
+        """The backend kind: "nvml", "cpu" or "replay" ("" before the first run)."""
+        return self.sampler.backend.kind if self.sampler is not None else ""
+
+    def describe(self) -> str:
+        """The backend's one-line description (hardware, or why no GPU, or the recording)."""
+        if self._described is not None:  # the run is over: as it read while the backend was open
+            return self._described
+        return self.sampler.describe() if self.sampler is not None else "not started"
+
+    def shown_metrics(self) -> list[str]:
+        return metrics_to_show(self.samples, self.kind, self.metrics)
+
+    def summary(self) -> Summary:
+        """Mean / max per metric and source, the run's status and each rank's last step."""
+        return summarize(self.samples, self.shown_metrics(), describe=self.describe(),
+                         status=self.status, last_step=self._last_step)  # fmt: skip
+
+    def figure(self) -> Any:
+        """The current figure as a matplotlib ``Figure`` (``.savefig(path)`` to keep it)."""
+        return build_figure(self.samples, self.steps, self.shown_metrics(), title=self._title(),
+                            t0=self._t0, recording=self.kind == "replay")  # fmt: skip
+
+    # -- launcher observer (labkit.launch.run(..., observers=[mon])) --------------------------
+
+    def on_start(self, job: Any) -> None:
+        """The launcher started ``job``: sample its ranks' processes (PIDs from heartbeats)."""
+        if self._in_with:
+            raise RuntimeError("Monitor is already watching a `with` block; use a second "
+                               "Monitor for the launched job")  # fmt: skip
+
+        def pids() -> dict[int, int]:
+            beats = dict(job.heartbeats)
+            return {r: b["pid"] for r, b in beats.items() if isinstance(b.get("pid"), int)}
+
+        self._module, self._progress = job.module, job.progress
+        try:
+            self._begin(pids, thread=False)
+        except BaseException:
+            self._stop_sampler()  # the launcher drops us without on_end: leave nothing open
+            raise
+
+    def on_tick(self, job: Any) -> None:
+        """Every ~0.25 s from the launcher's loop: sample if due, note steps, maybe redraw."""
+        try:
+            self._note_heartbeats(job.heartbeats)
+            if self.sampler is not None:
+                self.sampler.poll_due()
+            self._maybe_redraw()
+        except BaseException:
+            # The launcher drops an observer that raises and never calls its on_end: stop now.
+            self._stop_sampler()
+            raise
+
+    def on_end(self, job: Any, result: Any) -> None:
+        """The job is over (any outcome): stop sampling, show the final figure and table."""
+        try:
+            # The launcher may stop ticking before it read the ranks' last heartbeats (the job
+            # exited between two ticks): read them from the job directory once more.
+            beats = job.heartbeats
+            if getattr(job, "job_dir", None) is not None:
+                from labkit import dist  # the launcher's on-disk protocol; loaded with launch
+
+                beats = dist.read_heartbeats(job.job_dir, job.nproc) or beats
+            self._note_heartbeats(beats)
+        finally:
+            self._finish(getattr(result, "status", "ok"))
+
+    # -- single-process code in the kernel (`with Monitor() as mon:`) ---------------------------
+
+    def __enter__(self) -> Monitor:
+        self._module, self._progress = None, None
+        self._in_with = True
+        try:
+            self._begin(lambda: {0: os.getpid()}, thread=True)
+        except BaseException:  # __exit__ will not run: stop the thread here
+            self._in_with = False
+            self._stop_sampler()
+            raise
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        self._in_with = False
+        if exc_type is None:
+            status = "ok"
+        elif issubclass(exc_type, KeyboardInterrupt):
+            status = "interrupted"
+        else:
+            status = f"error: {exc_type.__name__}"
+        self._finish(status)  # the exception, if any, propagates after this
+
+    def step(self, step: int, *, rank: int = 0, total: int | None = None) -> None:
+        """Record that ``rank`` reached ``step`` now (the ``with`` form's step events)."""
+        if total is not None:
+            self.total_steps = total
+        self._add_step(rank, int(step), self.clock())
+
+    def on_step(self, step: int, stats: Any = None) -> None:
+        """``labkit.train.train(..., on_step=mon.on_step)``: one step event per step."""
+        self.step(step)
+
+    def chain(self, *callbacks: Callable[[int, Any], Any]) -> Callable[[int, Any], None]:
+        """One ``on_step`` callback that records the step here, then calls ``callbacks``:
+        ``train(..., on_step=mon.chain(train.Progress(steps)))``."""
+
+        def on_step(step: int, stats: Any = None) -> None:
+            self.on_step(step, stats)
+            for fn in callbacks:
+                fn(step, stats)
+
+        return on_step
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _make_backend(self, pids_fn: Callable[[], dict[int, int]]) -> Backend:
+        spec = self.backend_spec
+        if isinstance(spec, Backend):
+            return spec
+        if spec == "cpu":
+            return CpuBackend(pids_fn, clock=self.clock)
+        if spec == "nvml":
+            return NvmlBackend(pids_fn, clock=self.clock)  # opened by the sampler: errors rise
+        return auto_backend(pids_fn, clock=self.clock)
+
+    def _begin(self, pids_fn: Callable[[], dict[int, int]], *, thread: bool) -> None:
+        self._stop_sampler()  # a Monitor reused for a second run starts afresh
+        with self._lock:
+            self._steps, self._last_step = [], {}
+        self.status, self._handle, self._last_draw, self.redraws = "running", None, None, 0
+        self._described = None
+        backend = self._make_backend(pids_fn)
+        on_sample = (lambda _: self._maybe_redraw()) if (thread and self.live) else None
+        self.sampler = Sampler(backend, self.period_s, clock=self.clock, on_sample=on_sample)
+        offline = self._offline_replay()
+        self._t0 = 0.0 if offline else self.clock()  # an offline replay keeps recorded times
+        self._wall_offset = time.time() - self.clock()
+        # Open first, so a backend that cannot run fails here, before anything is displayed.
+        if offline:
+            backend.open()  # reads the trace; it is played in full at the end
+        elif thread:
+            self.sampler.start()
+        else:
+            self.sampler.poll_once()
+        if self.live:  # the sampler thread skips redraws until the handle exists
+            self._handle = _display(self._text_bundle("waiting for the first samples…"),
+                                    display_id=True)  # fmt: skip
+
+    def _offline_replay(self) -> bool:
+        b = self.sampler.backend if self.sampler is not None else self.backend_spec
+        return isinstance(b, ReplayBackend) and not b.realtime
+
+    def _note_heartbeats(self, beats: Mapping[int, Mapping[str, Any]]) -> None:
+        for rank, beat in dict(beats).items():
+            step = beat.get("step")
+            if not isinstance(step, int) or self._last_step.get(rank) == step:
+                continue
+            stamp = beat.get("time")
+            t = stamp - self._wall_offset if isinstance(stamp, (int, float)) else self.clock()
+            self._add_step(int(rank), step, t)
+
+    def _add_step(self, rank: int, step: int, t: float) -> None:
+        with self._lock:
+            self._steps.append(StepEvent(rank, step, t))
+            self._last_step[rank] = step
+
+    def _stop_sampler(self) -> None:
+        if self.sampler is not None:
+            self.sampler.stop()
+
+    def _finish(self, status: str) -> None:
+        """Stop sampling (always), then the final figure and the summary table."""
+        try:
+            if self.sampler is not None and self._offline_replay():
+                self._play_rest()
+            # Closing a backend forgets its hardware (NVML handles, the trace): describe first.
+            self._described = self.describe()
+        finally:
+            self._stop_sampler()
+        self.status = status
+        with self._render_lock:  # a redraw in the sampler thread may still be finishing
+            final = self._figure_bundle()
+        if self._handle is not None:
+            self._handle.update(final, raw=True)  # the live figure becomes the final one
+        else:
+            _display(final)
+        summary = self.summary()
+        _display({"text/plain": str(summary), "text/html": summary._repr_html_()})
+
+    def _play_rest(self) -> None:
+        """A replay played tick by tick (``realtime=False``): read every remaining tick."""
+        assert self.sampler is not None
+        backend = self.sampler.backend
+        assert isinstance(backend, ReplayBackend)
+        for _ in range(1_000_000):  # bounded: a trace far longer than this is not a lab trace
+            self.sampler.poll_once()
+            if backend.finished or self.sampler.state == "failed":
+                break
+
+    def _maybe_redraw(self) -> None:
+        """Redraw the live figure if ``redraw_s`` has passed (and rendering stays cheap)."""
+        if not self.live or self._handle is None:
+            return
+        now = self.clock()
+        wait = max(self.redraw_s, self._render_cost_s / RENDER_SHARE)
+        if self._last_draw is not None and now - self._last_draw < wait:
+            return
+        if not self._render_lock.acquire(blocking=False):
+            return  # the other thread is drawing: skip this turn
+        try:
+            started = time.perf_counter()
+            bundle = self._figure_bundle()
+            self._handle.update(bundle, raw=True)
+            self._render_cost_s = time.perf_counter() - started
+            self._last_draw = now
+            self.redraws += 1
+        finally:
+            self._render_lock.release()
+
+    def _title(self) -> str:
+        default = "replay" if self.kind == "replay" else "this kernel's process"
+        head = self.title or self._module or default
+        step = None
+        if self._last_step:  # a launched job moves at its slowest rank's pace
+            step = (min if self._progress else max)(self._last_step.values())
+        total = self._progress()[1] if self._progress else self.total_steps
+        if step is not None:
+            head += f" — step {step}" + (f"/{total}" if total else "")
+        if self.status != "running":
+            head += f" — {self.status}"
+        body = textwrap.fill(self.describe(), width=110, break_on_hyphens=False)
+        return f"{head}\n{body}"
+
+    def _figure_bundle(self) -> Bundle:
+        png = figure_png(self.figure())
+        return {"image/png": png, "text/plain": f"<labkit monitor figure: {self._title()}>"}
+
+    def _text_bundle(self, text: str) -> Bundle:
+        return {"text/plain": f"labkit monitor: {self.describe()}; {text}"}
+
+    def __repr__(self) -> str:
+        return (f"<Monitor {self.status}, every {self.period_s} s, {len(self.samples)} samples, "
+                f"{'live' if self.live else 'headless'}: {self.describe()}>")  # fmt: skip

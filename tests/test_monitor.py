@@ -1,0 +1,432 @@
+"""labkit.monitor: live plots driven by the launcher's loop or a thread; one final figure.
+
+Displays are captured by replacing ``labkit.monitor._display`` (the one function the monitor
+shows things with), so each test can count figures and tables exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import nbformat
+import papermill as pm
+import pytest
+import torch
+from fake_nvml import FakeGpu, FakeNvml
+
+from labkit import config, launch, monitor, train
+from labkit.metrics import Backend, BackendUnavailable, NvmlBackend, ReplayBackend, Sample
+from labkit.model import GPT
+from labkit.monitor import Monitor
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# --- doubles -------------------------------------------------------------------------------
+
+
+class FakeHandle:
+    """Stands in for IPython's DisplayHandle: counts updates, keeps the last bundle."""
+
+    def __init__(self, bundle: dict) -> None:
+        self.bundles = [bundle]
+
+    def update(self, bundle: dict, **kw) -> None:
+        assert kw.get("raw") is True
+        self.bundles.append(bundle)
+
+
+class Shown:
+    """Everything the monitor displayed: plain displays, and handles for live ones."""
+
+    def __init__(self) -> None:
+        self.plain: list[dict] = []
+        self.handles: list[FakeHandle] = []
+
+    def __call__(self, bundle: dict, *, display_id: bool = False):
+        if display_id:
+            self.handles.append(FakeHandle(bundle))
+            return self.handles[-1]
+        self.plain.append(bundle)
+        return None
+
+    def final_bundles(self) -> list[dict]:
+        """What the cell's output holds at the end: each handle's last bundle, then plain."""
+        return [h.bundles[-1] for h in self.handles] + self.plain
+
+    def figures(self) -> list[dict]:
+        return [b for b in self.final_bundles() if "image/png" in b]
+
+    def tables(self) -> list[dict]:
+        return [b for b in self.final_bundles() if "text/html" in b]
+
+
+@pytest.fixture(autouse=True)
+def auto_live(monkeypatch):
+    """``live`` as a learner gets it (``auto``), whatever the caller's environment says."""
+    monkeypatch.setenv(monitor.LIVE_ENV, "auto")
+
+
+@pytest.fixture
+def shown(monkeypatch) -> Shown:
+    rec = Shown()
+    monkeypatch.setattr(monitor, "_display", rec)
+    return rec
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class FakeCpu(Backend):
+    """A backend whose readings are set by the test (test data, never shown to a learner)."""
+
+    kind = "cpu"
+
+    def __init__(self, clock, values=None) -> None:
+        super().__init__(clock)
+        self.values = values or {"cpu_pct": 50.0, "rss_gib": 1.0}
+        self.opened = self.closed = 0
+
+    def open(self) -> None:
+        self.opened += 1
+
+    def close(self) -> None:
+        self.closed += 1
+
+    def describe(self) -> str:
+        return "CPU only (test double); no NVIDIA GPU found: none in this test"
+
+    def sample(self, now=None):
+        return [Sample(self._now(now), "rank0", dict(self.values), kind="cpu")]
+
+
+def fake_job(**beats) -> SimpleNamespace:
+    """What the launcher hands observers, without launching anything."""
+    job = SimpleNamespace(module="labkit.workers.fake", heartbeats={}, nproc=1)
+    job.progress = lambda: (None, None)
+    job.heartbeats.update(beats)
+    return job
+
+
+def png_ok(bundle: dict) -> bool:
+    return bundle["image/png"][:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- pure parts --------------------------------------------------------------------------
+
+
+def test_na_is_a_gap_not_a_zero():
+    samples = [
+        Sample(10.0, "gpu0", {"power_w": None}),
+        Sample(11.0, "gpu0", {"power_w": 300.0}),
+        Sample(12.0, "gpu0", {}),  # not read at this tick: left out, not N/A
+        Sample(12.0, "gpu1", {"power_w": 250.0}),
+    ]
+    xs, ys = monitor.series(samples, "gpu0", "power_w", t0=10.0)
+    assert xs == [0.0, 1.0]
+    assert math.isnan(ys[0]) and ys[1] == 300.0
+
+    fig = monitor.build_figure(samples, [], ["power_w"], title="t")
+    lines = {ln.get_label(): list(ln.get_ydata()) for ln in fig.axes[0].lines}
+    assert math.isnan(lines["gpu0"][0]) and 0.0 not in lines["gpu0"]
+
+    row = monitor.summarize(samples, ["power_w"], describe="d", status="ok").row("gpu0", "power_w")
+    assert (row.mean, row.max, row.n, row.n_na) == (300.0, 300.0, 1, 1)
+
+
+def test_sources_sort_gpus_then_processes_then_ranks_then_host():
+    names = ["host", "rank10", "rank2", "gpu0/rank1", "gpu1", "gpu0"]
+    samples = [Sample(0.0, s, {"m": 1.0}) for s in names]
+    assert monitor.sources_of(samples, "m") == ["gpu0", "gpu1", "gpu0/rank1", "rank2", "rank10",
+                                                "host"]  # fmt: skip
+
+
+def test_importing_starts_nothing_and_loads_no_matplotlib():
+    code = ("import sys, threading, labkit.monitor; "
+            "assert 'matplotlib' not in sys.modules, 'matplotlib imported at import time'; "
+            "assert 'pynvml' not in sys.modules; "
+            "assert threading.active_count() == 1, threading.enumerate()")  # fmt: skip
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_live_default_reads_the_environment(monkeypatch):
+    monkeypatch.setenv(monitor.LIVE_ENV, "1")
+    assert monitor.live_default()[0] is True
+    monkeypatch.setenv(monitor.LIVE_ENV, "0")
+    assert monitor.live_default()[0] is False
+    monkeypatch.setenv(monitor.LIVE_ENV, "auto")
+    assert monitor.live_default() == (False, "not in a Jupyter kernel")  # pytest is no kernel
+    monkeypatch.setenv(monitor.LIVE_ENV, "sometimes")
+    with pytest.raises(ValueError, match="LABKIT_LIVE_PLOTS='sometimes'"):
+        monitor.live_default()
+
+
+class FakeProc:
+    def __init__(self, cmdline: list[str], parent: FakeProc | None = None) -> None:
+        self._cmdline, self._parent = cmdline, parent
+
+    def cmdline(self) -> list[str]:
+        return self._cmdline
+
+    def name(self) -> str:
+        return Path(self._cmdline[0]).name
+
+    def parent(self) -> FakeProc | None:
+        return self._parent
+
+
+@pytest.mark.parametrize(
+    ("parent", "runner"),
+    [
+        (FakeProc(["/venv/bin/python", "-m", "pytest", "tests/"]), "pytest"),
+        (FakeProc(["/venv/bin/python", "/venv/bin/papermill", "a.ipynb", "b.ipynb"]), "papermill"),
+        (FakeProc(["/bin/sh", "-c", "run"], FakeProc(["jupyter-nbconvert", "--execute"])),
+         "nbconvert"),
+        # A JupyterLab server serves a live browser, even when a test started it in a temp dir.
+        (FakeProc(["/venv/bin/python", "-m", "jupyterlab", "--root-dir=/tmp/pytest-of-x/p0"]),
+         None),
+    ],
+)  # fmt: skip
+def test_the_kernels_parent_tells_a_headless_runner(monkeypatch, parent, runner):
+    import psutil
+
+    monkeypatch.setattr(psutil, "Process", lambda: FakeProc(["python", "-m", "ipykernel"], parent))
+    assert monitor._headless_executor() == runner
+
+
+def test_bad_arguments_name_themselves():
+    with pytest.raises(ValueError, match="backend='gpu'"):
+        Monitor(backend="gpu", live=False)
+    with pytest.raises(ValueError, match="unknown: \\['gpu_utl'\\]"):
+        Monitor(metrics=["gpu_utl"], live=False)
+
+
+# --- driven by the launcher's loop (observer protocol, no launch) --------------------------
+
+
+def test_live_mode_redraws_at_most_once_per_redraw_s(shown, monkeypatch):
+    clock = Clock()
+    backend = FakeCpu(clock)
+    mon = Monitor(period_s=0.5, backend=backend, live=True, redraw_s=1.0, clock=clock)
+    monkeypatch.setattr(Monitor, "_figure_bundle", lambda self: {"image/png": b"x"})
+    job = fake_job()
+    mon.on_start(job)
+    for i in range(41):  # the launcher ticks every 0.25 s: 10 s
+        clock.t = 0.25 * i
+        job.heartbeats[0] = {"pid": 1, "step": i // 4, "time": 0.0}
+        mon.on_tick(job)
+    assert mon.redraws == 11  # t = 0, 1, ..., 10: not one per tick (41)
+    assert len(mon.samples) == 21  # one per period_s = 0.5 s
+    mon.on_end(job, SimpleNamespace(status="ok"))
+    (handle,) = shown.handles
+    assert len(handle.bundles) == 1 + 11 + 1  # placeholder, redraws, final figure
+    assert len(shown.figures()) == 1 and len(shown.tables()) == 1
+    assert [e.step for e in mon.steps] == list(range(11))  # each new step once
+    assert backend.closed >= 1 and mon.sampler.state == "stopped"
+
+
+def test_headless_mode_shows_nothing_until_one_figure_and_one_table(shown):
+    clock = Clock()
+    mon = Monitor(period_s=0.5, backend=FakeCpu(clock), live=False, clock=clock)
+    job = fake_job()
+    mon.on_start(job)
+    for i in range(20):
+        clock.t = 0.25 * i
+        mon.on_tick(job)
+    assert shown.plain == [] and shown.handles == []
+    mon.on_end(job, SimpleNamespace(status="ok"))
+    assert len(shown.plain) == 2
+    fig, table = shown.plain
+    assert png_ok(fig) and "labkit.workers.fake" in fig["text/plain"]
+    assert "no NVIDIA GPU found" in table["text/plain"] and "<table>" in table["text/html"]
+
+
+def test_a_failing_tick_stops_the_sampler_before_the_launcher_drops_it(shown, monkeypatch):
+    clock = Clock()
+    backend = FakeCpu(clock)
+    mon = Monitor(period_s=0.5, backend=backend, live=False, clock=clock)
+    job = fake_job()
+    mon.on_start(job)
+    monkeypatch.setattr(mon.sampler, "poll_due", lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        mon.on_tick(job)
+    assert backend.closed >= 1 and mon.sampler.state == "stopped"
+
+
+def test_gpu_tier_plots_per_gpu_and_drops_panels_the_gpu_cannot_report(shown):
+    clock = Clock()
+    gpus = [FakeGpu(uuid="GPU-aaaa-0", gpm=None), FakeGpu(uuid="GPU-bbbb-1", gpm=None)]
+    mon = Monitor(period_s=1.0, backend=NvmlBackend(nvml=FakeNvml(gpus)), live=False, clock=clock)
+    job = fake_job()
+    mon.on_start(job)
+    for i in range(4):
+        clock.t = float(i)
+        mon.on_tick(job)
+    mon.on_end(job, SimpleNamespace(status="ok"))
+    # Pre-Hopper (no GPM): no SM-activity panels, rather than empty ones.
+    assert mon.shown_metrics() == ["gpu_util_pct", "mem_used_gib", "power_w"]
+    summary = mon.summary()
+    assert summary.sources == ["gpu0", "gpu1"]
+    assert summary.row("gpu1", "power_w").mean == pytest.approx(612.5)
+    assert summary.describe.startswith("NVML: 2 GPUs")
+    assert len(shown.figures()) == 1
+
+
+# --- a replayed recording ------------------------------------------------------------------
+
+
+def write_trace(path: Path) -> Path:
+    """A tiny trace in the Recorder's format. Test data, not a measurement."""
+    meta = {"hardware": "1× NVIDIA H200", "driver": "570.86.15", "date": "2026-01-31",
+            "notes": "test data written by tests/test_monitor.py, not a measurement"}  # fmt: skip
+    rows = [{"t": float(t), "source": "gpu0",
+             "values": {"gpu_util_pct": 90.0, "power_w": None if t == 1 else 500.0}}
+            for t in range(4)]  # fmt: skip
+    header = {"format": "labkit-metrics-trace", "version": 1, "metadata": meta}
+    path.write_text("\n".join(json.dumps(o) for o in [header, *rows]) + "\n")
+    return path
+
+
+def test_a_replay_is_labelled_a_recording_and_played_in_full(shown, tmp_path):
+    trace = write_trace(tmp_path / "trace.jsonl")
+    with Monitor(backend=ReplayBackend(trace, realtime=False), live=False) as mon:
+        pass  # nothing runs: the recording is the content
+    assert mon.kind == "replay"
+    assert [s.time_s for s in mon.samples] == [0.0, 1.0, 2.0, 3.0]
+    assert "recording of 1× NVIDIA H200 on 2026-01-31" in mon.figure()._suptitle.get_text()
+    (fig,) = shown.figures()
+    assert "recording of 1× NVIDIA H200" in fig["text/plain"]
+    row = mon.summary().row("gpu0", "power_w")
+    assert (row.n, row.n_na) == (3, 1)
+    assert "recording of" in shown.tables()[0]["text/plain"]
+
+
+# --- the `with` form ------------------------------------------------------------------------
+
+
+def sampler_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "labkit-metrics-sampler"]
+
+
+def test_with_block_records_train_steps_and_samples_the_kernel(shown):
+    cfg = config.smoke().replace(steps=4, seq_len=16, micro_batch=2)
+    torch.manual_seed(0)
+    data = torch.randint(0, 256, (2_000,))
+    seen = []
+    with Monitor(period_s=0.1, live=False) as mon:
+        train.train(GPT(cfg.model), cfg, data, device=torch.device("cpu"),
+                    on_step=mon.chain(lambda step, stats: seen.append(stats.loss)))  # fmt: skip
+    assert [(e.rank, e.step) for e in mon.steps] == [(0, 1), (0, 2), (0, 3), (0, 4)]
+    assert len(seen) == 4  # the chained callback ran too
+    assert {"rank0", "host"} <= {s.source for s in mon.samples}
+    assert mon.summary().last_step == {0: 4}
+    assert "step 4" in shown.figures()[0]["text/plain"]
+    assert mon.sampler.state == "stopped" and not sampler_threads()
+
+
+def test_a_backend_that_cannot_run_fails_at_the_start_and_leaves_nothing(shown):
+    from pynvml import NVML_ERROR_LIBRARY_NOT_FOUND
+
+    nvml = NvmlBackend(nvml=FakeNvml(init_error=NVML_ERROR_LIBRARY_NOT_FOUND))
+    with pytest.raises(BackendUnavailable, match="library not found"), Monitor(backend=nvml):
+        pytest.fail("the block must not run")
+    assert not sampler_threads() and shown.final_bundles() == []
+
+
+@pytest.mark.parametrize(
+    ("exc", "status"), [(ZeroDivisionError, "error: ZeroDivisionError"),
+                        (KeyboardInterrupt, "interrupted")]
+)  # fmt: skip
+def test_with_block_stops_the_thread_when_the_code_raises(shown, exc, status):
+    with pytest.raises(exc), Monitor(period_s=0.1, live=False) as mon:
+        assert sampler_threads()
+        raise exc
+    assert not sampler_threads() and mon.sampler.state == "stopped"
+    assert mon.status == status
+    assert len(shown.figures()) == 1 and status in shown.tables()[0]["text/plain"]
+
+
+def test_with_block_live_redraws_from_the_sampler_thread(shown):
+    import time
+
+    with Monitor(period_s=0.1, live=True, redraw_s=0.1) as mon:
+        deadline = time.monotonic() + 30.0  # ~1.5 s unless the machine is very busy
+        while mon.redraws < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    (handle,) = shown.handles
+    assert mon.redraws >= 2 and len(handle.bundles) == 1 + mon.redraws + 1
+    assert png_ok(handle.bundles[-1]) and shown.plain == shown.tables()  # figure not repeated
+
+
+# --- real jobs -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_two_rank_job_is_sampled_per_rank_with_step_events(shown):
+    mon = Monitor(period_s=0.2, live=False)
+    # ~1-2 s of all-reduces on 2 cores: long enough for several samples of each rank.
+    res = launch.run("labkit.workers.allreduce", nproc=2, config={"numel": 2**22, "repeats": 120},
+                     observers=[mon], stream=False)  # fmt: skip
+    assert res.status == "ok" and mon.status == "ok"
+    summary = mon.summary()
+    assert {"rank0", "rank1", "host"} <= set(summary.sources)
+    for r in ("rank0", "rank1"):
+        assert summary.row(r, "rss_gib").n >= 1 and summary.row(r, "rss_gib").mean > 0
+    assert {e.rank for e in mon.steps} == {0, 1}
+    assert summary.last_step == {0: 123, 1: 123}  # 3 warm-up + 120 timed, from heartbeats
+    assert "step 123/123 — ok" in shown.figures()[0]["text/plain"]
+    assert "no NVIDIA GPU found" in summary.describe or summary.describe.startswith("NVML")
+    assert len(shown.figures()) == 1 and len(shown.tables()) == 1 and not shown.handles
+    assert mon.sampler.state == "stopped"
+
+
+@pytest.mark.slow
+def test_a_failed_job_still_stops_sampling_and_shows_the_figure(shown):
+    mon = Monitor(period_s=0.2, live=False)
+    with pytest.raises(launch.JobFailed):
+        launch.run("labkit.workers._faults", nproc=2, config={"mode": "raise"},
+                   observers=[mon], stream=False)  # fmt: skip
+    assert mon.status == "failed" and mon.sampler.state == "stopped"
+    assert len(shown.figures()) == 1 and "failed" in shown.tables()[0]["text/plain"]
+
+
+NOTEBOOK_CELLS = [
+    f"import sys, time\nsys.path.insert(0, {str(ROOT)!r})\nfrom labkit.monitor import Monitor",
+    # default `live`: the kernel's parent is pytest (this test), a headless executor
+    "with Monitor(period_s=0.1) as mon:\n"
+    "    for i in range(4):\n"
+    "        time.sleep(0.1)\n"
+    "        mon.step(i + 1, total=4)",
+    # forced live: nbclient applies the display updates in place: still one figure
+    "with Monitor(period_s=0.1, live=True, redraw_s=0.1) as live:\n"
+    "    deadline = time.monotonic() + 30\n"
+    "    while live.redraws < 2 and time.monotonic() < deadline:\n"
+    "        time.sleep(0.05)",
+    "print(mon.live, live.live, live.redraws >= 2)",
+]
+
+
+@pytest.mark.slow
+def test_papermill_run_leaves_exactly_one_figure_and_one_table(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in NOTEBOOK_CELLS]
+    path = tmp_path / "monitor.ipynb"
+    nbformat.write(nb, path)
+    out = pm.execute_notebook(str(path), str(tmp_path / "out.ipynb"), kernel_name="python3",
+                              cwd=str(tmp_path), execution_timeout=120, progress_bar=False)  # fmt: skip
+    for cell in out.cells[1:3]:
+        data = [o.get("data", {}) for o in cell.outputs]
+        assert sum("image/png" in d for d in data) == 1, cell.source
+        assert sum("text/html" in d for d in data) == 1, cell.source
+    assert out.cells[3].outputs[0]["text"].split() == ["False", "True", "True"]
