@@ -242,6 +242,21 @@ class Job:
     def elapsed_s(self) -> float:
         return time.monotonic() - self.started
 
+    def rank_pids(self) -> dict[int, int]:
+        """{rank: pid} of the workers, as soon as they exist.
+
+        Heartbeats name a rank's PID once its process group is up; before that (a worker spends
+        seconds importing torch) the agent's children are found directly, each carrying its
+        ``RANK`` in its environment, so a monitor sees the ranks from their first second.
+        """
+        pids = {r: b["pid"] for r, b in self.heartbeats.items() if isinstance(b.get("pid"), int)}
+        if len(pids) < self.nproc and self.agent_pid is not None:
+            with contextlib.suppress(psutil.Error):
+                for child in psutil.Process(self.agent_pid).children():
+                    with contextlib.suppress(psutil.Error, KeyError, ValueError):
+                        pids.setdefault(int(child.environ()["RANK"]), child.pid)
+        return pids
+
     def progress(self) -> tuple[int | None, int | None]:
         """(step of the slowest rank, total steps) from heartbeats; None where not reported."""
         steps = [b.get("step") for b in self.heartbeats.values()]

@@ -194,7 +194,8 @@ class Summary:
             "<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in self._cells()
         )
         top = "<br>".join(esc(s) for s in self._header())
-        return f"<div>{top}<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
+        return (f"<div class='labkit-monitor-summary'>{top}<table><thead><tr>{head}</tr></thead>"
+                f"<tbody>{body}</tbody></table></div>")
 
 
 def _num(v: float | None) -> str:
@@ -562,18 +563,13 @@ class Monitor:
     # -- launcher observer (labkit.launch.run(..., observers=[mon])) --------------------------
 
     def on_start(self, job: Any) -> None:
-        """The launcher started ``job``: sample its ranks' processes (PIDs from heartbeats)."""
+        """The launcher started ``job``: sample its ranks' processes (``job.rank_pids()``)."""
         if self._in_with:
             raise RuntimeError("Monitor is already watching a `with` block; use a second "
                                "Monitor for the launched job")  # fmt: skip
-
-        def pids() -> dict[int, int]:
-            beats = dict(job.heartbeats)
-            return {r: b["pid"] for r, b in beats.items() if isinstance(b.get("pid"), int)}
-
         self._module, self._progress = job.module, job.progress
         try:
-            self._begin(pids, thread=False)
+            self._begin(job.rank_pids, thread=False)
         except BaseException:
             self._stop_sampler()  # the launcher drops us without on_end: leave nothing open
             raise

@@ -276,13 +276,11 @@ def assert_every_cell_ran(page) -> None:
 def assert_live_metrics_figure(page) -> None:
     """The live-metrics figure rendered: a PNG output image that decoded (naturalWidth > 0).
 
-    Tighten when the monitor marks its output: labkit.monitor's summary table is the next
-    output of the same cell, so a class on it (proposed: ``labkit-monitor-summary``) lets this
-    find *that* cell's image rather than any image.
+    labkit.monitor's summary table (class ``labkit-monitor-summary``) is an output of the same
+    cell as the figure, which finds *that* cell's image rather than any image.
     """
-    marked = page.locator(".jp-Cell:has(.labkit-monitor-summary) .jp-OutputArea-output img")
-    images = marked if marked.count() else page.locator(".jp-OutputArea-output img")
-    assert images.count() >= 1, "no image in any output: the live-metrics figure did not render"
+    images = page.locator(".jp-Cell:has(.labkit-monitor-summary) .jp-OutputArea-output img")
+    assert images.count() >= 1, "no live-metrics figure in the monitored cell's output"
     first = images.first
     first.scroll_into_view_if_needed()
     width = first.evaluate("img => img.complete ? img.naturalWidth : 0")
@@ -341,10 +339,8 @@ def test_notebook_00_runs_in_jupyterlab_and_its_widgets_work(lab: Lab, browser_p
         wait_for_kernel(page)
         run_all_cells(page)
         assert_every_cell_ran(page)
-        if "Monitor(" in (ROOT / "solutions" / NOTEBOOK).read_text():
-            # TODO(lead): drop this condition once notebook 00 shows the live-metrics figure.
-            assert_live_metrics_figure(page)
-            page.screenshot(path=str(shots / "browser-00-figure.png"))
+        assert_live_metrics_figure(page)
+        page.screenshot(path=str(shots / "browser-00-figure.png"))
         assert_quiz_answers_give_feedback(page)
         assert_no_news_toast(page, lab)
         page.screenshot(path=str(shots / "browser-00.png"))

@@ -503,3 +503,19 @@ def test_two_jobs_at_once_do_not_collide(home):
         assert isinstance(res, launch.JobResult), res
         assert [r["sum"] for r in res.ranks] == [2.0, 2.0]
     assert results[0].log_dir != results[1].log_dir
+
+
+@pytest.mark.slow
+def test_rank_pids_are_known_before_the_first_heartbeat(home):
+    """A monitor must see the ranks while they still import torch, before any heartbeat."""
+    seen: list[tuple[dict, dict]] = []
+
+    class Watcher:
+        def on_tick(self, job):
+            seen.append((dict(job.heartbeats), job.rank_pids()))
+
+    result = launch.run(FAULTS, nproc=2, config={"mode": "ok", "steps": 2}, timeout_s=60,
+                        stream=False, observers=[Watcher()])
+    early = [pids for beats, pids in seen if not beats and len(pids) == 2]
+    assert early, "no tick saw both ranks' PIDs before their heartbeats"
+    assert early[-1] == {r: result.rank(r)["pid"] for r in (0, 1)}

@@ -115,6 +115,7 @@ def fake_job(**beats) -> SimpleNamespace:
     """What the launcher hands observers, without launching anything."""
     job = SimpleNamespace(module="labkit.workers.fake", heartbeats={}, nproc=1)
     job.progress = lambda: (None, None)
+    job.rank_pids = lambda: {r: b["pid"] for r, b in job.heartbeats.items() if "pid" in b}
     job.heartbeats.update(beats)
     return job
 
