@@ -11,7 +11,7 @@
 #   env           OUT/env.json: nvidia-smi -q, torch/CUDA/cuDNN/NCCL versions, labkit's tier
 #   gpu-tests     pytest -m gpu over the test files that use the gpu marker
 #   all-tests     (only with --all-tests) the whole test suite
-#   bench-gpu-throughput, bench-train-step   benchmarks/ on the GPU, JSON into OUT/
+#   bench-gpu-throughput, bench-train-step, bench-sampler   benchmarks/ on the GPU, JSON into OUT/
 #   notebook:NAME each solutions/NN_*.ipynb through papermill at size="gpu" into OUT/notebooks/
 #   bench-launch  benchmarks/bench_launch.py (2 ranks over gloo: the launcher, not the GPU)
 # Then OUT/summary.json lists every step (status, exit code, seconds, timeout) and the
@@ -275,16 +275,20 @@ fi
 if [ "$DRY" = 1 ]; then
   TP_ARGS=(--allow-cpu --warmup 1 --steps 3)
   TS_ARGS=(--size smoke --rounds 3 --warmup 1)
+  SA_ARGS=(--size smoke --rounds 1 --warmup 0 --block-s 0.3)
   LA_ARGS=(--rounds 1 --warmup 0)
 else
   TP_ARGS=()
   TS_ARGS=(--size gpu)
+  SA_ARGS=(--size gpu --rounds 6)
   LA_ARGS=()
 fi
 step bench-gpu-throughput 120 "" -- \
   "$PY" -m benchmarks.bench_gpu_throughput "${TP_ARGS[@]}" --out "$OUT/bench_gpu_throughput.json"
 step bench-train-step 120 "" -- \
   "$PY" -m benchmarks.bench_train_step "${TS_ARGS[@]}" --out "$OUT/bench_train_step.json"
+step bench-sampler 90 "" -- \
+  "$PY" -m benchmarks.bench_sampler "${SA_ARGS[@]}" --out "$OUT/bench_sampler.json"
 
 # --- notebooks -----------------------------------------------------------------------------------
 

@@ -285,3 +285,16 @@ def test_throughput_cpu_dry_run_is_labelled_and_has_no_mfu(tmp_path):
 def test_throughput_rejects_an_unknown_size():
     with pytest.raises(SystemExit, match="huge"):
         bench_gpu_throughput.main(["--sizes", "lab,huge", "--allow-cpu"])
+
+
+@pytest.mark.slow
+def test_sampler_benchmark_writes_a_throughput_record(tmp_path):
+    from benchmarks import bench_sampler
+
+    out = tmp_path / "sampler.json"
+    assert bench_sampler.main(["--size", "smoke", "--rounds", "1", "--warmup", "0",
+                               "--block-s", "0.2", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    _common.check_record(record)
+    assert record["throughput_ratio"] == pytest.approx(1 / record["ratio"])
+    assert set(record["samples_s"]) == {"with_sampler", "without"}

@@ -20,7 +20,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
-BENCHMARKS = ("bench_gpu_throughput.json", "bench_train_step.json", "bench_launch.json")
+BENCHMARKS = ("bench_gpu_throughput.json", "bench_train_step.json", "bench_sampler.json",
+              "bench_launch.json")
 
 
 def gpu_check(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -58,6 +59,7 @@ def test_dry_run_passes_every_step(dry_run):
         "gpu-tests",
         "bench-gpu-throughput",
         "bench-train-step",
+        "bench-sampler",
         f"notebook:{SOLUTIONS[0].stem}",
         "bench-launch",
     ]
