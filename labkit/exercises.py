@@ -92,7 +92,15 @@ def exercise(id: str, title: str, hint: str) -> Callable[[Callable[[Any], str]],
 
 
 def get(exercise_id: str) -> Exercise:
-    """The registered exercise called ``exercise_id``."""
+    """The registered exercise called ``exercise_id``.
+
+    Notebooks 02 and 03 register theirs in ``labkit.exercises_dp`` / ``labkit.exercises_mp``;
+    those modules are imported here on first need, so any id can be looked up.
+    """
+    if exercise_id not in _REGISTRY:
+        extra = {"02": "labkit.exercises_dp", "03": "labkit.exercises_mp"}.get(exercise_id[:2])
+        if extra:
+            importlib.import_module(extra)
     try:
         return _REGISTRY[exercise_id]
     except KeyError:

@@ -1,0 +1,51 @@
+"""Run a learner's notebook-03 exercise code inside real ranks and report what each rank saw.
+
+    labkit.launch.run("labkit.workers.mp_exercise", nproc=2, config={"cases": [
+        {"exercise": "03.f_and_g", "path": ".../mp_fg.py", "module": "mp_fg",
+         "names": ["Enter", "Leave"]},
+    ]})
+
+The notebook's checks (``labkit.exercises_mp``) build each case from the learner's objects;
+this worker imports the learner's file itself (``exercises_mp.resolve``), because a process
+cannot import code that exists only in the notebook kernel. Several cases run one after the
+other in one launch (the tests use that to check a solution, a stub and a wrong answer at the
+cost of one start-up).
+
+Config:
+    cases   list of {"exercise", "path", "module", "names"} (see ``exercises_mp.answer_spec``)
+
+Result per rank: {"rank", "cases": [{"exercise", "status", "message"}, ...]}, status "ok",
+"incomplete" (the stub) or "failed" (with the likely mistake). A learner's mistake is a result,
+not a crash: the job only fails if the worker itself cannot run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from labkit import dist, exercises_mp
+
+
+@dist.entrypoint
+def main(ctx: dist.Context) -> dict[str, Any]:
+    cases = ctx.config.get("cases")
+    if not isinstance(cases, list) or not cases:
+        raise ValueError(
+            f"config cases={cases!r}: need a list of exercise specs (see the docstring)"
+        )
+    results = []
+    for i, spec in enumerate(cases):
+        try:
+            objs = exercises_mp.resolve(spec)
+        except Exception as err:  # the learner's file does not import: report, do not crash
+            res = {"exercise": spec.get("exercise"), "status": "failed",
+                   "message": f"importing {spec.get('path')} raised {type(err).__name__}: {err}"}  # fmt: skip
+        else:
+            res = exercises_mp.rank_check(spec["exercise"], objs, ctx)
+        results.append(res)
+        ctx.heartbeat(step=i + 1, total=len(cases))
+    return {"rank": ctx.rank, "cases": results}
+
+
+if __name__ == "__main__":
+    main()

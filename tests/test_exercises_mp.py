@@ -1,0 +1,295 @@
+"""Notebook 03's exercise checks: they pass on the solutions and fail helpfully otherwise.
+
+The solutions are the ``%%writefile`` cells of ``solutions/03_model_parallelism.ipynb``, and
+the stubs are what ``labkit.nbgen`` makes of those cells, so the tests follow the notebook.
+Everything the kernel checks runs in process, with the launch replaced by a recorder; one
+real 2-rank launch of ``labkit.workers.mp_exercise`` runs the rank-side checks on solutions,
+a stub and wrong answers together.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+
+from labkit import exercises as ex
+from labkit import exercises_mp as exmp
+from labkit import launch, nbgen
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOK = ROOT / "solutions" / "03_model_parallelism.ipynb"
+FILES = {"03.one_f_one_b": "mp_order", "03.f_and_g": "mp_fg", "03.column_parallel": "mp_column"}
+WRITEFILE = re.compile(r"^%%writefile \{ex_dir\}/(?P<name>\w+)\.py\n")
+
+
+def _writefile_cells(nb) -> dict[str, str]:
+    """{file stem: the file's text} for each %%writefile cell of ``nb``."""
+    out = {}
+    for cell in nb.cells:
+        match = WRITEFILE.match(cell.source) if cell.cell_type == "code" else None
+        if match:
+            out[match["name"]] = cell.source[match.end() :] + "\n"
+    return out
+
+
+SOLUTION_NB = nbformat.read(NOTEBOOK, as_version=4)
+SOLUTIONS = _writefile_cells(SOLUTION_NB)
+STUBS = _writefile_cells(nbgen.generate(SOLUTION_NB))
+
+
+def write(folder: Path, name: str, text: str) -> Path:
+    path = folder / f"{name}.py"
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Replace the launch: record what the ranks would have been asked to check."""
+    calls: list[dict] = []
+
+    def fake(exercise_id, objs):
+        calls.append(exmp.answer_spec(exercise_id, objs))
+        return "(ranks not launched in this test)"
+
+    monkeypatch.setattr(exmp, "run_in_workers", fake)
+    return calls
+
+
+def test_the_notebook_has_one_file_per_exercise_and_the_stubs_are_stubs():
+    assert set(SOLUTIONS) == set(STUBS) == set(FILES.values())
+    for name in FILES.values():
+        assert "BEGIN SOLUTION" not in STUBS[name] and "NotImplementedError" in STUBS[name]
+    assert [e.id for e in ex.catalogue("03")] == sorted(FILES)
+
+
+@pytest.mark.parametrize("exercise_id", sorted(FILES))
+def test_check_passes_on_the_solution_and_sends_the_file_to_the_ranks(
+    exercise_id, tmp_path, launches, capsys
+):
+    path = write(tmp_path, FILES[exercise_id], SOLUTIONS[FILES[exercise_id]])
+    exmp.check_in_workers(exercise_id, path)
+    out = capsys.readouterr().out
+    assert out.startswith(f"✓ {exercise_id}: ") and out.count("\n") == 1
+    assert launches == [{"exercise": exercise_id, "module": FILES[exercise_id], "path": str(path),
+                         "names": list(exmp.EXERCISES[exercise_id])}]  # fmt: skip
+
+
+@pytest.mark.parametrize("exercise_id", sorted(FILES))
+def test_check_on_the_stub_says_not_done_with_the_hint_without_launching(
+    exercise_id, tmp_path, launches
+):
+    path = write(tmp_path, FILES[exercise_id], STUBS[FILES[exercise_id]])
+    with pytest.raises(ex.ExerciseIncomplete) as info:
+        exmp.check_in_workers(exercise_id, path)
+    assert str(info.value) == f"Exercise {exercise_id} is not done yet: {ex.get(exercise_id).hint}"
+    assert launches == []  # a stub is reported by the kernel at once
+
+
+def test_a_missing_file_or_name_is_named(tmp_path, launches):
+    with pytest.raises(FileNotFoundError, match="run the %%writefile cell"):
+        exmp.check_in_workers("03.one_f_one_b", tmp_path / "nope.py")
+    path = write(tmp_path, "mp_renamed", "def one_f_one_b_v2(p, m, stage):\n    return []\n")
+    with pytest.raises(ex.ExerciseFailed, match=r"03\.one_f_one_b .* defines no one_f_one_b"):
+        exmp.check_in_workers("03.one_f_one_b", path)
+    with pytest.raises(ValueError, match=r"exercise_id='03\.nope'"):
+        exmp.check_in_workers("03.nope", path)
+
+
+def test_code_defined_in_the_notebook_cannot_go_to_workers():
+    namespace = {"__name__": "__main__"}
+    exec("def one_f_one_b(p, m, stage):\n    return []\n", namespace)
+    with pytest.raises(ex.ExerciseFailed, match="worker processes cannot import it"):
+        exmp.answer_spec("03.one_f_one_b", [namespace["one_f_one_b"]])
+
+
+def test_a_rewritten_file_is_loaded_afresh(tmp_path):
+    path = write(tmp_path, "mp_again", "VALUE = 1\n")
+    assert exmp.load_file(path).VALUE == 1
+    path.write_text("VALUE = 22\n")  # same second, different size: no stale bytecode either
+    assert exmp.load_file(path).VALUE == 22
+    assert not (tmp_path / "__pycache__").exists()
+
+
+# --------------------------------------------------------------------------- 03.one_f_one_b
+
+
+def _warmup(p, m, stage, w):
+    return exmp._warmup_order(p, m, w)
+
+
+WRONG_ORDERS = [
+    (lambda p, m, s: [("F", j) for j in range(m)] + [("B", j) for j in range(m)], "GPipe's order"),
+    (lambda p, m, s: _warmup(p, m, s, p - s), "one warm-up forward too many"),
+    (lambda p, m, s: _warmup(p, m, s, p - 2 - s), "one warm-up forward too few"),
+    (lambda p, m, s: _warmup(p, m, s, s), "the warm-up is reversed"),
+    (lambda p, m, s: [("F", j) for j in range(p - 1 - s)]
+     + [a for j in range(m - (p - 1 - s)) for a in (("F", p - 1 - s + j), ("B", j))]
+     + [("B", j) for j in range(max(0, m - (p - 1 - s)), m)], "min(p−1−stage, m)"),
+    (lambda p, m, s: exmp._reference_order(p, m, s)[::-1], "before ('F'"),
+    (lambda p, m, s: [("F", j) for j in range(m)] + [("B", j) for j in reversed(range(m))],
+     "oldest first"),
+    (lambda p, m, s: [(k, j) for k, j in exmp._reference_order(p, m, s) if j > 0], "exactly one"),
+    (lambda p, m, s: "F0 F1 B0", "return a list of"),
+    (lambda p, m, s: [["F", 0.0]], "each entry is a pair"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("wrong", "diagnosis"), WRONG_ORDERS)
+def test_wrong_orders_are_diagnosed(wrong, diagnosis, launches):
+    with pytest.raises(ex.ExerciseFailed, match=r"^Exercise 03\.one_f_one_b \(") as info:
+        ex.verify("03.one_f_one_b", wrong)
+    assert diagnosis in str(info.value)
+    assert "expected" in str(info.value) or "returned" in str(info.value)
+    assert launches == []
+
+
+def test_backwards_newest_first_are_diagnosed():
+    got = [("F", 0), ("F", 1), ("B", 1), ("B", 0)]  # p = 2, m = 2, stage 0: 1F1B is F0 F1 B0 B1
+    assert "oldest first" in exmp.order_diagnosis(2, 2, 0, got)
+
+
+# --------------------------------------------------------------------------- 03.column_parallel
+
+
+def _column_solution(x, linear, rank, world_size):
+    k = linear.out_features // world_size
+    rows = slice(rank * k, (rank + 1) * k)
+    bias = linear.bias[rows] if linear.bias is not None else 0
+    return x @ linear.weight[rows].T + bias
+
+
+WRONG_COLUMNS = [
+    (lambda x, lin, r, n: lin(x), "the output has all"),
+    (lambda x, lin, r, n: _column_solution(x, lin, (r + 1) % n, n), "that is rank"),
+    (lambda x, lin, r, n: _column_solution(x, lin, r, n)
+     - (lin.bias[r * lin.out_features // n:(r + 1) * lin.out_features // n] if lin.bias is not None else 0),
+     "the bias is missing"),
+    (lambda x, lin, r, n: _column_solution(x, lin, r, n).detach(), "cut off from autograd"),
+    (lambda x, lin, r, n: x @ lin.weight.detach()[r * lin.out_features // n:(r + 1) * lin.out_features // n].T
+     + lin.bias[r * lin.out_features // n:(r + 1) * lin.out_features // n],
+     "no gradient reached linear.weight"),
+    (lambda x, lin, r, n: x @ lin.weight[r * lin.in_features // n:(r + 1) * lin.in_features // n].T,
+     "k = out_features // world_size = 12"),
+    (lambda x, lin, r, n: x @ lin.weight[:, r * lin.out_features // n:(r + 1) * lin.out_features // n].T,
+     "raised RuntimeError"),
+    (lambda x, lin, r, n: x @ lin.weight[:, r * lin.out_features // n:(r + 1) * lin.out_features // n].T,
+     "rows of linear.weight: x @ W[rows].T"),
+    (lambda x, lin, r, n: [1, 2], "not a tensor"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("wrong", "diagnosis"), WRONG_COLUMNS)
+def test_wrong_column_parallel_answers_are_diagnosed(wrong, diagnosis, launches):
+    with pytest.raises(ex.ExerciseFailed, match=r"^Exercise 03\.column_parallel \(") as info:
+        ex.verify("03.column_parallel", wrong)
+    assert diagnosis in str(info.value) and "Likely: " in str(info.value)
+    assert launches == []
+
+
+def test_a_slice_of_the_wrong_dimension_of_a_square_layer_is_named():
+    lin, x = exmp._column_case(12, 12, True)
+    cols = slice(0, 6)
+    sliced_columns = x @ lin.weight[:, cols] + lin.bias[cols]  # right shape, wrong values
+    assert "you sliced columns of linear.weight" in exmp.column_diagnosis(
+        sliced_columns, x, lin, 0, 2
+    )
+    assert exmp.column_diagnosis(x @ lin.weight[cols].T + lin.bias[cols], x, lin, 0, 2) is None
+
+
+# --------------------------------------------------------------------------- 03.f_and_g
+
+
+def test_f_and_g_must_be_autograd_functions(launches):
+    with pytest.raises(ex.ExerciseFailed, match=r"subclass of torch\.autograd\.Function"):
+        ex.verify("03.f_and_g", (lambda x: x, lambda x: x))
+    with pytest.raises(ex.ExerciseFailed, match=r"the pair \(Enter, Leave\)"):
+        ex.verify("03.f_and_g", torch.autograd.Function)
+
+
+def test_results_from_the_ranks_become_the_notebooks_errors():
+    ok = {"exercise": "03.f_and_g", "status": "ok", "message": "fine"}
+    assert exmp.raise_for_results("03.f_and_g", [ok, ok]) == "fine"
+    stub = {**ok, "status": "incomplete", "message": "Exercise 03.f_and_g is not done yet: h"}
+    with pytest.raises(ex.ExerciseIncomplete, match="not done yet"):
+        exmp.raise_for_results("03.f_and_g", [stub, stub])
+    bad = {**ok, "status": "failed", "message": "Likely: g's forward must all-reduce"}
+    with pytest.raises(ex.ExerciseFailed, match=r"^on rank 1 of 2: Likely: g's forward"):
+        exmp.raise_for_results("03.f_and_g", [ok, bad])
+
+
+# --------------------------------------------------------------------------- inside real ranks
+
+F_BACKWARD = "        grad = grad.clone()\n        dist.all_reduce(grad)\n        return grad\n"
+
+
+def _fg_variants() -> dict[str, str]:
+    sol = SOLUTIONS["mp_fg"]
+    head, sep, tail = sol.partition("class Leave")
+    assert F_BACKWARD in head and "        return grad\n" in tail
+    return {
+        "mp_fg_no_f_backward": head.replace(F_BACKWARD, "        return grad\n") + sep + tail,
+        "mp_fg_g_backward_reduces": head + sep + tail.replace("        return grad\n", F_BACKWARD),
+        "mp_fg_g_forward_identity": head + sep + tail.replace(
+            "        x = x.clone()\n        dist.all_reduce(x)\n", ""),
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """One launch: solutions, a stub, wrong answers and a broken file, checked on 2 ranks."""
+    folder = tmp_path_factory.mktemp("mp_exercise")
+    files = {f"{name}_sol": SOLUTIONS[name] for name in FILES.values()}
+    files |= {"mp_fg_stub": STUBS["mp_fg"], **_fg_variants(), "mp_broken": "def (:\n"}
+    files["mp_column_all"] = (
+        "def column_parallel_linear(x, linear, rank, world_size):\n    return linear(x)\n"
+    )
+    cases = {
+        "order": ("03.one_f_one_b", "mp_order_sol"),
+        "fg": ("03.f_and_g", "mp_fg_sol"),
+        "column": ("03.column_parallel", "mp_column_sol"),
+        "fg_stub": ("03.f_and_g", "mp_fg_stub"),
+        "fg_no_f_backward": ("03.f_and_g", "mp_fg_no_f_backward"),
+        "fg_g_backward_reduces": ("03.f_and_g", "mp_fg_g_backward_reduces"),
+        "fg_g_forward_identity": ("03.f_and_g", "mp_fg_g_forward_identity"),
+        "column_all": ("03.column_parallel", "mp_column_all"),
+        "broken": ("03.f_and_g", "mp_broken"),
+    }
+    specs = [{"exercise": exercise_id, "module": module,
+              "path": str(write(folder, module, files[module])),
+              "names": list(exmp.EXERCISES[exercise_id])}
+             for exercise_id, module in cases.values()]  # fmt: skip
+    job = launch.run(exmp.WORKER, nproc=2, device="cpu", config={"cases": specs},
+                     timeout_s=180, pg_timeout_s=30, stream=False)  # fmt: skip
+    return {key: [r["cases"][i] for r in job.ranks] for i, key in enumerate(cases)}
+
+
+@pytest.mark.slow
+def test_solutions_pass_inside_the_ranks(ranks):
+    for key in ("order", "fg", "column"):
+        assert [r["status"] for r in ranks[key]] == ["ok", "ok"], ranks[key]
+    said = exmp.raise_for_results("03.one_f_one_b", ranks["order"])
+    assert "real 2-stage pipeline" in said and "same loss" in said and "holding 2 of m=4" in said
+    assert "equal the unsplit MLP's" in exmp.raise_for_results("03.f_and_g", ranks["fg"])
+    assert "all-gathered shards" in exmp.raise_for_results("03.column_parallel", ranks["column"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("key", "status", "message"),
+    [
+        ("fg_stub", "incomplete", "Exercise 03.f_and_g is not done yet: "),
+        ("fg_no_f_backward", "failed", "f's backward must all-reduce"),
+        ("fg_g_backward_reduces", "failed", "2× too large: g's backward must return the gradient"),
+        ("fg_g_forward_identity", "failed", "g's forward must all-reduce"),
+        ("column_all", "failed", "the output has all 24 features"),
+        ("broken", "failed", "raised SyntaxError"),
+    ],
+)
+def test_mistakes_are_reported_by_every_rank_without_crashing_the_job(ranks, key, status, message):
+    for rank in ranks[key]:
+        assert rank["status"] == status and message in rank["message"], rank
