@@ -209,9 +209,9 @@ def _gpt_breakdown(cfg: ModelConfig) -> dict[str, int]:
             kinds["total"] += p.numel()
             if isinstance(module, nn.LayerNorm):
                 kinds["layernorm"] += p.numel()
-            elif isinstance(module, nn.Embedding) and module.num_embeddings == cfg.seq_len:
+            elif module is model.wpe:  # by identity: seq_len may equal vocab_size
                 kinds["position"] += p.numel()
-            elif isinstance(module, nn.Embedding):
+            elif module is model.wte:
                 kinds["token"] += p.numel()
             elif name == "bias":
                 kinds["linear_bias"] += p.numel()
