@@ -3,6 +3,7 @@
     labkit doctor      an instructor's pre-flight check of this machine (--json for scripts)
     labkit tier        which tier this machine runs the course in, and what that can show
     labkit cleanup     end processes left by jobs whose notebook kernel was killed
+                       (--runs N: also delete all but the newest N job log folders)
     labkit notebooks   regenerate the learners' notebooks from solutions/ (--check to compare)
 """
 
@@ -22,13 +23,21 @@ def _tier(_: argparse.Namespace) -> int:
     return 0
 
 
-def _cleanup(_: argparse.Namespace) -> int:
-    from labkit import launch
+def _cleanup(args: argparse.Namespace) -> int:
+    from labkit import launch, procs
 
+    if args.runs is not None and args.runs < 0:
+        print(f"labkit cleanup: --runs {args.runs}: need a number >= 0 of job log folders to "
+              "keep (0 deletes all of them but those of running jobs)", file=sys.stderr)
+        return 2
+    # Processes first: a job whose leftovers are ended here no longer counts as running below.
     ended = launch.cleanup()
     n_pids = sum(len(job["pids"]) for job in ended)
     print(f"ended {n_pids} process(es) left by {len(ended)} job(s)" if ended
           else "no leftover job processes")
+    if args.runs is not None:
+        removed = procs.prune_runs(args.runs)
+        print(f"deleted {len(removed)} job log folder(s) in {procs.default_runs_dir()}")
     return 0
 
 
@@ -49,8 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("doctor", help="pre-flight check of this machine (see: labkit doctor -h)")
     sub.add_parser("tier", help="show this machine's tier and what it can show").set_defaults(
         fn=_tier)
-    sub.add_parser("cleanup", help="end leftovers of jobs whose kernel died").set_defaults(
-        fn=_cleanup)
+    cl = sub.add_parser("cleanup", help="end leftovers of jobs whose kernel died")
+    cl.add_argument("--runs", type=int, metavar="N",
+                    help="also delete all but the newest N job log folders")
+    cl.set_defaults(fn=_cleanup)
     nb = sub.add_parser("notebooks", help="generate notebooks/ from solutions/")
     nb.add_argument("--check", action="store_true", help="only compare; exit 1 on drift")
     nb.set_defaults(fn=_notebooks)

@@ -417,7 +417,9 @@ def run(
         timeout_s: wall-clock limit for the whole job, seconds.
         device: "auto" (CUDA if every rank can have its own GPU, else CPU), "cpu" or "cuda".
         backend: "auto" (nccl on CUDA, gloo on CPU), "gloo" or "nccl".
-        log_dir: parent folder for the job directory (default: ``labkit_home()/runs``).
+        log_dir: parent folder for the job directory (default: ``labkit_home()/runs``, where
+            the oldest finished job directories are deleted before each launch so at most
+            ``$LABKIT_KEEP_RUNS`` (default 50) remain; see ``procs.prune_runs``).
         stream: print rank-prefixed output while the job runs.
         tail_lines: at most this many lines are printed live, and the last lines of the rest
             at the end (None: print all). The logs on disk are always complete.
@@ -430,7 +432,7 @@ def run(
             ``on_end(job, result)`` methods (live plots).
 
     Raises:
-        ValueError: bad arguments; nothing was started.
+        ValueError: bad arguments or a bad ``$LABKIT_KEEP_RUNS``; nothing was started.
         JobFailed: a rank raised or died; names the rank, the exception and the logs.
         JobTimeout: out of time; names the rank(s) that fell behind.
         KeyboardInterrupt: re-raised after every process of the job has been ended.
@@ -447,9 +449,18 @@ def run(
             f"labkit: ended {len(ended['pids'])} leftover process(es) of job {ended['job_id']}"
             " (the process that launched it had died)"
         )
+    if not log_dir:  # a folder the caller chose is the caller's to tidy
+        # After cleanup(), so jobs it just ended count as finished. The new job is one of the
+        # folders kept, hence keep - 1. A bad $LABKIT_KEEP_RUNS raises ValueError before
+        # anything starts; a disk problem only costs the tidying, never the launch.
+        keep = max(procs.keep_runs() - 1, 0)
+        try:
+            procs.prune_runs(keep)
+        except OSError as e:
+            print(f"labkit: could not delete old job folders ({e}); launching anyway")
 
     job_id = f"{module.rsplit('.', 1)[-1]}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    job_dir = Path(log_dir or procs.labkit_home() / "runs").resolve() / job_id
+    job_dir = Path(log_dir or procs.default_runs_dir()).resolve() / job_id
     (job_dir / "tmp").mkdir(parents=True)
     dist.write_json_atomic(
         job_dir / dist.SPEC_FILE,

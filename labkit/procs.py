@@ -3,12 +3,16 @@
 Kept apart from :mod:`labkit.launch` because it is the part that must work even when the
 launcher itself did not survive: ``cleanup()`` reads the records a killed kernel left behind
 and ends what is still running, checking each PID's start time so a recycled PID is never hit.
+``prune_runs()`` keeps the job directories (logs and results) from piling up, sparing those of
+jobs the registry says are still running.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import stat
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -19,6 +23,16 @@ import psutil
 from labkit import dist
 
 GRACE_S = 2.0  # after SIGTERM, how long processes get before SIGKILL
+# Job directories kept by default. A learner launches a few dozen jobs in one pass over the
+# notebooks (every exercise check is a job): 50 keeps the logs of the latest session or two to
+# look back at, while a job directory is small (logs and JSON), so disk is no concern;
+# the point is only that the folder stops growing. LABKIT_KEEP_RUNS changes it.
+KEEP_RUNS = 50
+KEEP_RUNS_ENV = "LABKIT_KEEP_RUNS"
+# A job directory exists a moment before its registry record does (``launch.run`` writes the
+# spec, then starts torchrun, then registers the job); one this young that still has its tmp/
+# folder is taken for a job that is starting. Milliseconds are needed, a minute is ample.
+STARTING_GRACE_S = 60.0
 
 
 def labkit_home() -> Path:
@@ -30,6 +44,11 @@ def labkit_home() -> Path:
 
 def registry_dir() -> Path:
     return labkit_home() / "jobs"
+
+
+def default_runs_dir() -> Path:
+    """Where ``launch.run`` puts job directories when the caller gives no ``log_dir``."""
+    return labkit_home() / "runs"
 
 
 def record(p: psutil.Process) -> dict[str, Any]:
@@ -113,3 +132,138 @@ def cleanup() -> list[dict[str, Any]]:
         if pids:
             report.append({"job_id": rec.get("job_id"), "module": rec.get("module"), "pids": pids})
     return report
+
+
+# --- old job directories ---------------------------------------------------------------------
+
+
+def keep_runs() -> int:
+    """How many finished job directories to keep: ``$LABKIT_KEEP_RUNS``, else ``KEEP_RUNS``.
+
+    Raises ValueError for a value that is not a whole number >= 0: a typo in the variable must
+    not silently mean "keep everything" or "keep nothing".
+    """
+    raw = os.environ.get(KEEP_RUNS_ENV, "").strip()
+    if not raw:  # unset or empty: the default, as for LABKIT_HOME
+        return KEEP_RUNS
+    try:
+        keep = int(raw)
+    except ValueError:
+        keep = -1
+    if keep < 0:
+        raise ValueError(
+            f"{KEEP_RUNS_ENV}={raw!r} is not a number of job folders to keep: set it to a whole "
+            f"number >= 0 (0 keeps none of the finished ones), or unset it for the default "
+            f"{KEEP_RUNS}"
+        )
+    return keep
+
+
+def prune_runs(keep: int | None = None, runs_dir: Path | None = None) -> list[Path]:
+    """Delete the oldest finished job directories so that at most ``keep`` of them remain.
+
+    Every ``launch.run`` leaves a job directory behind (its logs and results, for looking back
+    at a run); without pruning they pile up forever. ``launch.run`` calls this before each
+    launch, and ``python -m labkit cleanup --runs N`` on demand.
+
+    Args:
+        keep: how many finished job directories to keep, newest first (None:
+            ``keep_runs()``, i.e. ``$LABKIT_KEEP_RUNS`` or ``KEEP_RUNS``); 0 deletes them all.
+        runs_dir: the folder to prune (default: ``default_runs_dir()``).
+
+    Only directories holding a job spec (``dist.SPEC_FILE``) count as job directories: any
+    other file or folder there, and symlinks, are never touched. Age is the directory's mtime,
+    not its name (a name's time stamp is local time, which jumps with time zones and clock
+    changes). The directory of a job that is still running is never deleted, nor counted
+    against ``keep``: see ``_running_job_ids``. A directory that vanishes or cannot be deleted
+    is skipped silently, so two kernels pruning at once cannot fail each other's launches.
+
+    Returns the directories deleted, oldest first.
+
+    Raises:
+        ValueError: ``keep`` is not a whole number >= 0, or ``$LABKIT_KEEP_RUNS`` is bad.
+    """
+    if keep is None:
+        keep = keep_runs()
+    elif isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+        raise ValueError(
+            f"keep={keep!r}: need a whole number >= 0 of job folders to keep "
+            "(0 deletes every finished one)"
+        )
+    folder = Path(runs_dir) if runs_dir is not None else default_runs_dir()
+    try:
+        entries = list(folder.iterdir())
+    except FileNotFoundError:
+        return []  # no job has run yet
+    running = _running_job_ids()
+    now = time.time()
+    finished: list[tuple[float, str, Path]] = []
+    for path in entries:
+        try:
+            st = path.lstat()
+            if not stat.S_ISDIR(st.st_mode) or not (path / dist.SPEC_FILE).is_file():
+                continue  # not a job directory (lstat: a symlink is not followed)
+            if path.name in running:
+                continue
+            if now - st.st_mtime < STARTING_GRACE_S and (path / "tmp").is_dir():
+                continue  # a job starting right now, not yet in the registry
+        except OSError:
+            continue  # vanished or unreadable: not ours to judge now
+        finished.append((st.st_mtime, path.name, path))
+    finished.sort()  # oldest first; the name only breaks ties
+    doomed = [path for _, _, path in finished[: max(len(finished) - keep, 0)]]
+    return [path for path in doomed if _remove_job_dir(path)]
+
+
+def _running_job_ids() -> set[str]:
+    """Names of the job directories whose jobs may still be running, from the registry.
+
+    ``launch.run`` records each job in ``registry_dir()`` (the launching process, torchrun's
+    agent and the workers, each PID with its start time) and removes the record when the job
+    ends. So a job is running while its record exists and any process it names is alive; a
+    record whose processes are all gone was left by a killed launcher (``cleanup`` drops it).
+    A record that cannot be read or makes no sense counts as running: we cannot tell, and
+    keeping a log folder one launch too long costs nothing. Names, not paths, are compared
+    (a job id is also its directory's name, and has random hex in it), which errs on the side
+    of keeping.
+    """
+    running: set[str] = set()
+    for path in registry_dir().glob("*.json"):
+        rec = dist.read_json(path)
+        try:
+            if rec is not None:
+                named = [rec.get("owner"), rec.get("agent"), *(rec.get("workers") or [])]
+                if all(find(r) is None for r in named):
+                    continue  # every process of this job is gone: it has finished
+                if rec.get("job_id"):
+                    running.add(str(rec["job_id"]))
+                if rec.get("job_dir"):
+                    running.add(Path(rec["job_dir"]).name)
+        except (TypeError, ValueError, AttributeError):
+            pass  # a malformed record: unsure, so the job counts as running
+        running.add(path.stem)  # the record is named after its job id
+    return running
+
+
+def _remove_job_dir(path: Path) -> bool:
+    """Delete one job directory; True if it is gone, False if it (or part of it) stayed.
+
+    The spec file goes last: if something inside cannot be deleted (a file owned by another
+    user, a folder another process is writing to), the directory still looks like a job
+    directory, and the next prune tries it again instead of leaving a half-deleted folder that
+    no prune would recognise. A directory that vanishes mid-way (another kernel pruned it
+    first) is not reported as deleted here.
+    """
+    try:
+        for child in path.iterdir():
+            if child.name == dist.SPEC_FILE:
+                continue
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+        (path / dist.SPEC_FILE).unlink()
+        path.rmdir()
+    except OSError:
+        return False
+    return True
