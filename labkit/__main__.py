@@ -5,6 +5,7 @@
     labkit cleanup     end processes left by jobs whose notebook kernel was killed
                        (--runs N: also delete all but the newest N job log folders)
     labkit notebooks   regenerate the learners' notebooks from solutions/ (--check to compare)
+    labkit record-trace  record notebook 01's training run on a GPU, for replay without one
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         from labkit import doctor
 
         return doctor.main(argv[1:])
+    if argv[:1] == ["record-trace"]:  # so does record-trace
+        from labkit import record
+
+        return record.main(argv[1:])
     parser = argparse.ArgumentParser(prog="labkit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="pre-flight check of this machine (see: labkit doctor -h)")
@@ -65,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     nb = sub.add_parser("notebooks", help="generate notebooks/ from solutions/")
     nb.add_argument("--check", action="store_true", help="only compare; exit 1 on drift")
     nb.set_defaults(fn=_notebooks)
+    sub.add_parser("record-trace", help="record notebook 01's run on a GPU (see: labkit "
+                   "record-trace -h)")  # fmt: skip
     args = parser.parse_args(argv)
     return args.fn(args)
 

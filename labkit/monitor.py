@@ -13,6 +13,9 @@
     with Monitor(backend=ReplayBackend("h200.jsonl", realtime=False)):
         pass                                           # a recording made on a real GPU
 
+    with Monitor(backend="nvml", record_to="h200.jsonl") as mon:   # make such a recording
+        history = train(model, cfg, data, on_step=mon.on_step)
+
 What it shows: one panel per metric with one line per source (``gpu0``, ``gpu1``... on the GPU
 tiers; ``rank0``, ``rank1``... and ``host`` on the CPU tier), each rank's step events as short
 tick marks in its colour along the top of every panel, and a bottom panel of step against time
@@ -61,8 +64,10 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from labkit.metrics import (
@@ -70,6 +75,7 @@ from labkit.metrics import (
     Backend,
     CpuBackend,
     NvmlBackend,
+    Recorder,
     ReplayBackend,
     Sample,
     Sampler,
@@ -474,6 +480,11 @@ class Monitor:
             kernel's process", or "replay").
         redraw_s: at least this many seconds between live redraws.
         total_steps: for the ``with`` form, the step count shown as "step k/n".
+        record_to: also write every sample and step event to this trace file
+            (``labkit.metrics.replay`` format), so the run can be replayed, labelled, where
+            there is no GPU. Only NVML readings are recorded: on any other backend the run
+            fails to start with a ValueError.
+        record_notes: what ran, stored in the recording's metadata.
         clock: seconds, monotonic; stamps samples and step events. A fake in tests.
     """
 
@@ -487,6 +498,8 @@ class Monitor:
         title: str | None = None,
         redraw_s: float = REDRAW_S,
         total_steps: int | None = None,
+        record_to: str | Path | None = None,
+        record_notes: str = "",
         clock: Clock = time.monotonic,
     ) -> None:
         named = isinstance(backend, str) and backend in ("auto", "cpu", "nvml")
@@ -504,6 +517,9 @@ class Monitor:
         self.backend_spec, self.metrics = backend, metrics
         self.live = live_default()[0] if live is None else bool(live)
         self.title, self.redraw_s, self.total_steps = title, float(redraw_s), total_steps
+        self.record_to = None if record_to is None else Path(record_to)
+        self.record_notes = record_notes
+        self.recorder: Recorder | None = None
         self.clock = clock
         self.sampler: Sampler | None = None
         # "idle", "running", then "ok", "failed", "timeout", "interrupted" or "error: <type>"
@@ -557,6 +573,7 @@ class Monitor:
 
     def figure(self) -> Any:
         """The current figure as a matplotlib ``Figure`` (``.savefig(path)`` to keep it)."""
+        self._sync_replay_steps()
         return build_figure(self.samples, self.steps, self.shown_metrics(), title=self._title(),
                             t0=self._t0, recording=self.kind == "replay")  # fmt: skip
 
@@ -663,11 +680,12 @@ class Monitor:
         self.status, self._handle, self._last_draw, self.redraws = "running", None, None, 0
         self._described = None
         backend = self._make_backend(pids_fn)
-        on_sample = (lambda _: self._maybe_redraw()) if (thread and self.live) else None
-        self.sampler = Sampler(backend, self.period_s, clock=self.clock, on_sample=on_sample)
+        self.sampler = Sampler(backend, self.period_s, clock=self.clock,
+                               on_sample=self._on_sample if thread or self.record_to else None)  # fmt: skip
         offline = self._offline_replay()
         self._t0 = 0.0 if offline else self.clock()  # an offline replay keeps recorded times
         self._wall_offset = time.time() - self.clock()
+        self.recorder = self._make_recorder(backend)
         # Open first, so a backend that cannot run fails here, before anything is displayed.
         if offline:
             backend.open()  # reads the trace; it is played in full at the end
@@ -678,6 +696,44 @@ class Monitor:
         if self.live:  # the sampler thread skips redraws until the handle exists
             self._handle = _display(self._text_bundle("waiting for the first samples…"),
                                     display_id=True)  # fmt: skip
+
+    def _make_recorder(self, backend: Backend) -> Recorder | None:
+        """The Recorder for ``record_to``, opened (so a machine without a GPU fails here)."""
+        if self.record_to is None:
+            return None
+        if backend.kind != "nvml":
+            reason = getattr(backend, "reason", "") or backend.describe()
+            raise ValueError(f"record_to={str(self.record_to)!r}: a recording holds real GPU "
+                             f"readings from NVML, but this monitor reads the {backend.kind!r} "
+                             f"backend ({reason}); record on a machine with an NVIDIA GPU, "
+                             "or drop record_to")  # fmt: skip
+        recorder = Recorder(self.record_to, backend, notes=self.record_notes,
+                            period_s=self.period_s, t0=self._t0)  # fmt: skip
+        recorder.open()  # opens the backend: no driver raises BackendUnavailable here
+        return recorder
+
+    def _on_sample(self, samples: list[Sample]) -> None:
+        """Each sampler tick: record it (``record_to``), then maybe redraw (``with`` form)."""
+        recorder = self.recorder
+        if recorder is not None:
+            try:
+                recorder.write(samples)
+            except (OSError, ValueError, RuntimeError) as e:  # the plots must go on
+                warnings.warn(f"labkit monitor: recording to {self.record_to} stopped: {e}",
+                              stacklevel=2)  # fmt: skip
+                self._close_recorder()
+        if self._in_with:
+            self._maybe_redraw()
+
+    def _sync_replay_steps(self) -> None:
+        """A replay's step events are part of the recording: show those played so far."""
+        backend = self.sampler.backend if self.sampler is not None else None
+        if not isinstance(backend, ReplayBackend) or backend.trace is None:
+            return
+        events = [StepEvent(e.rank, e.step, e.time_s) for e in backend.steps()]
+        with self._lock:
+            self._steps = events
+            self._last_step = {e.rank: e.step for e in events}
 
     def _offline_replay(self) -> bool:
         b = self.sampler.backend if self.sampler is not None else self.backend_spec
@@ -696,16 +752,32 @@ class Monitor:
         with self._lock:
             self._steps.append(StepEvent(rank, step, t))
             self._last_step[rank] = step
+        if self.recorder is not None:
+            try:
+                self.recorder.step(step, t, rank=rank)
+            except (OSError, ValueError, RuntimeError) as e:  # the training loop must go on
+                warnings.warn(f"labkit monitor: recording to {self.record_to} stopped: {e}",
+                              stacklevel=2)  # fmt: skip
+                self._close_recorder()
 
     def _stop_sampler(self) -> None:
-        if self.sampler is not None:
-            self.sampler.stop()
+        try:
+            if self.sampler is not None:
+                self.sampler.stop()
+        finally:
+            self._close_recorder()
+
+    def _close_recorder(self) -> None:
+        recorder, self.recorder = self.recorder, None
+        if recorder is not None:
+            recorder.close()
 
     def _finish(self, status: str) -> None:
         """Stop sampling (always), then the final figure and the summary table."""
         try:
             if self.sampler is not None and self._offline_replay():
                 self._play_rest()
+            self._sync_replay_steps()
             # Closing a backend forgets its hardware (NVML handles, the trace): describe first.
             self._described = self.describe()
         finally:

@@ -10,6 +10,8 @@
 #                 folder on PYTHONPATH, offline (--no-index); torch wheels are skipped
 #   env           OUT/env.json: nvidia-smi -q, torch/CUDA/cuDNN/NCCL versions, labkit's tier
 #   gpu-tests     pytest -m gpu over the test files that use the gpu marker
+#   record-trace  (not with --dry-run) notebook 01's training run recorded from NVML into
+#                 OUT/traces/, to be checked in under labkit/metrics/traces/
 #   all-tests     (only with --all-tests) the whole test suite
 #   bench-gpu-throughput, bench-train-step, bench-sampler   benchmarks/ on the GPU, JSON into OUT/
 #   notebook:NAME each solutions/NN_*.ipynb through papermill at size="gpu" into OUT/notebooks/
@@ -268,6 +270,15 @@ else
 fi
 if [ "$ALL_TESTS" = 1 ]; then
   step all-tests "$BUDGET" "the whole suite" -- "${PYTEST[@]}" "$ROOT/tests"
+fi
+
+# --- a recording of notebook 01's training run, for learners without a GPU -------------------------
+
+if [ "$DRY" = 1 ]; then
+  skip record-trace skipped "a recording holds real NVML readings: GPU machines only"
+else
+  step record-trace 150 "notebook 01's run at size=gpu; check the .png, then commit the trace" -- \
+    "$PY" -m labkit record-trace --out "$OUT/traces/nb01-train-$(date -u +%Y%m%d).jsonl"
 fi
 
 # --- benchmarks on the GPU ---------------------------------------------------------------------

@@ -57,12 +57,15 @@ def test_dry_run_passes_every_step(dry_run):
     assert names == [
         "env",
         "gpu-tests",
+        "record-trace",
         "bench-gpu-throughput",
         "bench-train-step",
         "bench-sampler",
         f"notebook:{SOLUTIONS[0].stem}",
         "bench-launch",
     ]
+    status = {s["name"]: s["status"] for s in summary["steps"]}
+    assert status["record-trace"] == "skipped"  # real NVML readings only: never on the CPU
     for s in summary["steps"]:
         assert s["status"] in ("ok", "skipped"), s
         assert s["timeout_s"] is None or s["timeout_s"] > 0

@@ -24,7 +24,14 @@ from labkit.metrics.base import (
 )
 from labkit.metrics.cpu import CpuBackend
 from labkit.metrics.nvml import NvmlBackend, parse_visible_devices
-from labkit.metrics.replay import Recorder, ReplayBackend, Trace, TraceError, load_trace
+from labkit.metrics.replay import (
+    Recorder,
+    ReplayBackend,
+    Trace,
+    TraceError,
+    load_trace,
+    shipped_traces,
+)
 from labkit.metrics.sampler import (
     DEFAULT_PERIOD_S,
     MIN_PERIOD_S,
@@ -54,4 +61,5 @@ __all__ = [
     "load_trace",
     "metric_table",
     "parse_visible_devices",
+    "shipped_traces",
 ]
