@@ -293,8 +293,10 @@ def resolve_backend(
 ) -> tuple[str, str]:
     """Pick (backend, device type) for ``nproc`` ranks on a machine with ``gpu_count`` GPUs.
 
-    NCCL needs one GPU per rank; ranks without their own GPU use gloo on the CPU. Raises
-    ValueError for a combination the machine cannot run.
+    NCCL needs one GPU per rank. With ``device="auto"``, ranks that cannot each have their
+    own GPU (none visible, or fewer GPUs than ranks: two ranks on a one-GPU machine) use gloo
+    on the CPU; ``fallback_note`` says so to the learner. Raises ValueError for a combination
+    the machine cannot run (``device="cuda"`` or ``backend="nccl"`` without enough GPUs).
     """
     if device not in DEVICES:
         raise ValueError(f"device={device!r}: use one of {DEVICES}")
@@ -310,11 +312,22 @@ def resolve_backend(
             raise ValueError(f"{what} but no CUDA GPU is visible: use device='cpu' (gloo)")
         return "gloo", "cpu"
     if nproc > gpu_count:
+        if device == "auto" and backend != "nccl":
+            return "gloo", "cpu"  # every rank on a GPU of its own, or none: see fallback_note
         raise ValueError(
             f"more ranks ({nproc}) than GPUs ({gpu_count}): use nproc<={gpu_count}"
             " or device='cpu' (gloo)"
         )
     return ("gloo" if backend == "gloo" else "nccl"), "cuda"
+
+
+def fallback_note(nproc: int, device: str, gpu_count: int) -> str | None:
+    """What to tell the learner when ``device="auto"`` put ranks on the CPU despite a GPU."""
+    if device != "cpu" or gpu_count == 0:
+        return None
+    return (f"labkit: {nproc} ranks but {gpu_count} GPU{'s' if gpu_count > 1 else ''} visible: "
+            "the ranks run on the CPU over gloo (NCCL needs a GPU per rank); the collectives "
+            "and the algorithm are the real ones, the timings are the CPU's")  # fmt: skip
 
 
 def _module_roots(module: str) -> list[str]:
@@ -441,8 +454,13 @@ def run(
     config_json = _check_inputs(
         nproc, config, timeout_s, tail_lines, env, heartbeat_timeout_s, pg_timeout_s
     )
-    backend, device = resolve_backend(nproc, device, backend, gpu_count=visible_gpu_count())
+    gpu_count = visible_gpu_count()
+    asked = device
+    backend, device = resolve_backend(nproc, device, backend, gpu_count=gpu_count)
     roots = _module_roots(module)
+    note = fallback_note(nproc, device, gpu_count) if asked == "auto" else None
+    if note and stream:
+        print(note)
 
     for ended in cleanup():
         print(

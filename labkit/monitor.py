@@ -586,7 +586,7 @@ class Monitor:
                                "Monitor for the launched job")  # fmt: skip
         self._module, self._progress = job.module, job.progress
         try:
-            self._begin(job.rank_pids, thread=False)
+            self._begin(job.rank_pids, thread=False, job_device=getattr(job, "device", None))
         except BaseException:
             self._stop_sampler()  # the launcher drops us without on_end: leave nothing open
             raise
@@ -663,7 +663,9 @@ class Monitor:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _make_backend(self, pids_fn: Callable[[], dict[int, int]]) -> Backend:
+    def _make_backend(
+        self, pids_fn: Callable[[], dict[int, int]], job_device: str | None = None
+    ) -> Backend:
         spec = self.backend_spec
         if isinstance(spec, Backend):
             return spec
@@ -671,15 +673,24 @@ class Monitor:
             return CpuBackend(pids_fn, clock=self.clock)
         if spec == "nvml":
             return NvmlBackend(pids_fn, clock=self.clock)  # opened by the sampler: errors rise
-        return auto_backend(pids_fn, clock=self.clock)
+        backend = auto_backend(pids_fn, clock=self.clock)
+        if job_device == "cpu" and backend.kind == "nvml":
+            # A GPU is here but the job's ranks run on the CPU (more ranks than GPUs): an idle
+            # GPU's readings would hide what the ranks do, so show the ranks, and say why.
+            note = f"this job's ranks run on the CPU over gloo, not on the {backend.hardware}"
+            backend.close()
+            return CpuBackend(pids_fn, note=note, clock=self.clock)
+        return backend
 
-    def _begin(self, pids_fn: Callable[[], dict[int, int]], *, thread: bool) -> None:
+    def _begin(
+        self, pids_fn: Callable[[], dict[int, int]], *, thread: bool, job_device: str | None = None
+    ) -> None:
         self._stop_sampler()  # a Monitor reused for a second run starts afresh
         with self._lock:
             self._steps, self._last_step = [], {}
         self.status, self._handle, self._last_draw, self.redraws = "running", None, None, 0
         self._described = None
-        backend = self._make_backend(pids_fn)
+        backend = self._make_backend(pids_fn, job_device)
         self.sampler = Sampler(backend, self.period_s, clock=self.clock,
                                on_sample=self._on_sample if thread or self.record_to else None)  # fmt: skip
         offline = self._offline_replay()

@@ -141,7 +141,9 @@ def test_bad_input_fails_before_spawning(no_spawn, kwargs, match):
 def test_gpu_checks_use_the_visible_gpu_count(no_spawn, monkeypatch):
     monkeypatch.setattr(launch, "visible_gpu_count", lambda: 1)
     with pytest.raises(ValueError, match=r"more ranks \(2\) than GPUs \(1\).*device='cpu'"):
-        launch.run("labkit.workers.allreduce", nproc=2)
+        launch.run("labkit.workers.allreduce", nproc=2, device="cuda")
+    with pytest.raises(ValueError, match=r"more ranks \(2\) than GPUs \(1\)"):
+        launch.run("labkit.workers.allreduce", nproc=2, backend="nccl")
     monkeypatch.setattr(launch, "visible_gpu_count", lambda: 0)
     with pytest.raises(ValueError, match="device='cuda' but no CUDA GPU"):
         launch.run("labkit.workers.allreduce", nproc=1, device="cuda")
@@ -152,6 +154,11 @@ def test_gpu_checks_use_the_visible_gpu_count(no_spawn, monkeypatch):
 def test_resolve_backend():
     assert launch.resolve_backend(2, gpu_count=0) == ("gloo", "cpu")
     assert launch.resolve_backend(2, gpu_count=2) == ("nccl", "cuda")
+    # Two ranks on a one-GPU machine (the notebooks' default there): CPU ranks, said aloud.
+    assert launch.resolve_backend(2, gpu_count=1) == ("gloo", "cpu")
+    assert "2 ranks but 1 GPU visible" in launch.fallback_note(2, "cpu", 1)
+    assert launch.fallback_note(2, "cpu", 0) is None  # a CPU machine: nothing to explain
+    assert launch.fallback_note(2, "cuda", 2) is None
     assert launch.resolve_backend(2, "cpu", gpu_count=8) == ("gloo", "cpu")
     assert launch.resolve_backend(1, "cuda", "gloo", gpu_count=1) == ("gloo", "cuda")
     with pytest.raises(ValueError, match=r"more ranks \(4\) than GPUs \(2\)"):

@@ -284,6 +284,30 @@ def test_gpu_tier_plots_per_gpu_and_drops_panels_the_gpu_cannot_report(shown):
     assert len(shown.figures()) == 1
 
 
+def test_a_job_on_cpu_ranks_is_shown_per_rank_even_where_a_gpu_is(shown, monkeypatch):
+    """Two ranks on a one-GPU machine run on the CPU: the idle GPU would hide them."""
+    gpu_backend = NvmlBackend(nvml=FakeNvml([FakeGpu()]))
+
+    def auto_backend(*args, **kwargs):  # what auto_backend returns where NVML sees a GPU
+        gpu_backend.open()
+        return gpu_backend
+
+    monkeypatch.setattr(monitor, "auto_backend", auto_backend)
+    job = fake_job()
+    job.device = "cpu"
+    mon = Monitor(live=False)
+    mon.on_start(job)
+    mon.on_end(job, SimpleNamespace(status="ok"))
+    assert mon.kind == "cpu"
+    assert "ranks run on the CPU over gloo, not on the 1× NVIDIA H200" in mon.describe()
+    assert "no NVIDIA GPU found" not in mon.describe()
+    assert not gpu_backend._open  # the NVML handle it did not use is closed again
+    job.device = "cuda"  # ranks on the GPU: the GPU's own readings
+    mon.on_start(job)
+    mon.on_end(job, SimpleNamespace(status="ok"))
+    assert mon.kind == "nvml"
+
+
 # --- a replayed recording ------------------------------------------------------------------
 
 

@@ -39,6 +39,8 @@ class CpuBackend(Backend):
             None: host metrics only.
         reason: why this backend is used instead of NVML (shown by ``describe()``), e.g.
             the ``BackendUnavailable`` message from ``NvmlBackend.open()``.
+        note: why CPU metrics are shown although a GPU is there (e.g. the job's ranks run on
+            the CPU); shown by ``describe()`` when there is no ``reason``.
         children: include each rank's descendants (data-loader workers, compile workers).
         clock: seconds; stamps the samples.
     """
@@ -46,9 +48,11 @@ class CpuBackend(Backend):
     kind = "cpu"
 
     def __init__(self, pids_fn: PidsFn | None = None, *, reason: str | None = None,
-                 children: bool = True, clock: Clock = time.monotonic) -> None:  # fmt: skip
+                 note: str | None = None, children: bool = True,
+                 clock: Clock = time.monotonic) -> None:  # fmt: skip
         super().__init__(clock)
         self.pids_fn, self.reason, self.children = pids_fn, reason, children
+        self.note = note
         self._open = False
         self._procs: dict[int, psutil.Process] = {}  # pid -> primed Process (cpu_percent state)
         self._ranks: dict[int, int] = {}  # rank -> pid last seen
@@ -71,7 +75,10 @@ class CpuBackend(Backend):
     def describe(self) -> str:
         n = len(self._ranks)
         what = f"{n} rank{'s' if n != 1 else ''} and the host" if n else "the host"
-        why = f"no NVIDIA GPU found: {self.reason}" if self.reason else "no GPU metrics collected"
+        if self.reason:
+            why = f"no NVIDIA GPU found: {self.reason}"
+        else:
+            why = self.note or "no GPU metrics collected"
         return f"CPU only ({what}, {os.cpu_count()} logical cores); {why}"
 
     def _pids(self) -> dict[int, int]:
