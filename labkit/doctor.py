@@ -687,7 +687,10 @@ def check_interconnect(probe: Probe) -> Check:
                 for i, h in handles.items()
             }
             links = {i: (_nvlinks(nv, h) if h else []) for i, h in handles.items()}
+            # nvidia-ml-py defines NVML_P2P_CAPS_INDEX_READ = 0, (a stray comma: a tuple), and
+            # ctypes rejects a tuple argument; the C enum value is 0.
             read = getattr(nv, "NVML_P2P_CAPS_INDEX_READ", 0)
+            read = read[0] if isinstance(read, tuple) else read
             for a, b in pairs:
                 ha, hb = handles[a.index], handles[b.index]
                 if ha is None or hb is None:
@@ -704,7 +707,9 @@ def check_interconnect(probe: Probe) -> Check:
         key = (a.index, b.index)
         row = {"gpus": list(key), "peer_access": peer[key], **nvml_rows.get(key, {})}
         data.append(row)
-        p2p = row.get("p2p_read", peer[key])
+        p2p = row.get("p2p_read")
+        if p2p is None:  # NVML could not say: torch's peer-access answer is the next best
+            p2p = peer[key]
         if p2p is False:
             blocked.append(key)
         p2p_text = {True: "P2P ok", False: "no P2P", None: "P2P N/A"}[p2p]

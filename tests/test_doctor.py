@@ -267,7 +267,8 @@ class P2PNvml(FakeNvml):
         return SimpleNamespace(busId=bus)
 
     def nvmlDeviceGetP2PStatus(self, a, b, index):
-        assert index == pynvml.NVML_P2P_CAPS_INDEX_READ
+        # The C call takes an int (ctypes rejects the tuple nvidia-ml-py's constant is).
+        assert type(index) is int and index == 0
         return self.p2p
 
     def nvmlDeviceGetTopologyCommonAncestor(self, a, b):
@@ -312,6 +313,20 @@ def test_two_gpus_with_nvswitch_and_direct_nvlink():
     assert blocked.verdict == "warning" and "no P2P, no NVLink seen" in blocked.detail
     assert "nvidia-smi topo -m" in blocked.fix
     assert nvml.inits == nvml.shutdowns  # every NVML session was closed
+
+
+def test_p2p_falls_back_to_torch_when_nvml_cannot_say():
+    gpus = _two_gpus()
+
+    class NoP2PStatus(P2PNvml):
+        def nvmlDeviceGetP2PStatus(self, a, b, index):
+            raise self.error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    cuda = _fake_cuda(gpus)
+    cuda.can_device_access_peer = lambda i, j: False
+    check = doctor.check_interconnect(doctor.Probe(cuda=cuda, nvml=NoP2PStatus(gpus)))
+    assert check.verdict == "warning" and "GPU 0 ↔ GPU 1: no P2P" in check.detail
+    assert check.data["pairs"][0]["peer_access"] is False
 
 
 def test_driver_versions_against_torch_cuda(monkeypatch):
