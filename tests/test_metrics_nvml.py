@@ -158,6 +158,17 @@ def test_process_memory_only_for_the_jobs_processes():
         assert by_source(nv.sample())["gpu0/pid9000099"].values == {"proc_mem_gib": 7.0}
 
 
+def test_no_process_of_the_job_in_nvmls_list_is_said_not_hidden():
+    """In a container NVML may list host PIDs: the per-rank lines are missing, and we say so."""
+    gpu = FakeGpu(processes=[(9_000_099, 7 * GIB)])
+    with NvmlBackend(lambda: JOB_PIDS, nvml=FakeNvml([gpu]), process_every=1) as nv:
+        assert set(by_source(nv.sample())) == {"gpu0"}
+        assert "none with a PID of this job" in nv.status["gpu0.proc_mem_gib"]
+        gpu.processes.append((JOB_PIDS[0], GIB))
+        assert "gpu0/rank0" in by_source(nv.sample())
+        assert "gpu0.proc_mem_gib" not in nv.status
+
+
 def test_process_memory_hidden_by_driver_is_na_not_zero():
     gpu = FakeGpu(processes=[(JOB_PIDS[0], None)])
     with NvmlBackend(lambda: JOB_PIDS, nvml=FakeNvml([gpu])) as nv:

@@ -502,6 +502,15 @@ class NvmlBackend(Backend):
             old = used.get(source, 0.0)
             # A rank with several processes on the GPU: sum them; one N/A makes the sum N/A.
             used[source] = None if mem is None or old is None else old + mem
+        key = f"{gpu.label}.proc_mem_gib"
+        if job and procs and not used:
+            # Inside a container NVML may list processes by the host's PIDs, which never match
+            # ours: say so rather than let the per-rank lines vanish without a word.
+            self.status[key] = (f"NVML lists {len(procs)} compute process(es) on this GPU, none "
+                                "with a PID of this job (in a container, NVML may report the "
+                                "host's PIDs): no per-rank memory")  # fmt: skip
+        else:
+            self.status.pop(key, None)
         return [Sample(now, s, {"proc_mem_gib": m}) for s, m in used.items()]
 
     # -- errors -----------------------------------------------------------------------------
