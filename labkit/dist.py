@@ -106,8 +106,10 @@ class Context:
         rank: global rank, 0..world_size-1.
         local_rank: rank on this machine; on one machine equal to ``rank``.
         world_size: number of processes in the job.
-        backend: "nccl" (one GPU per rank) or "gloo" (CPU).
-        device: ``cuda:<local_rank>`` for nccl, ``cpu`` for gloo.
+        backend: "nccl" (one GPU per rank) or "gloo".
+        device: ``cuda:<local_rank>`` for nccl and for a gloo job launched with
+            ``device="cuda"``, else ``cpu``. Tensors made only for a collective (a timestamp,
+            a median) belong on ``collective_device()`` instead.
         config: the dict passed to ``labkit.launch.run(config=...)``.
         job_dir: the job directory, or None when run without the launcher.
     """
@@ -187,6 +189,19 @@ class Context:
         write_json_atomic(heartbeat_path(self.job_dir, self.rank), beat)
 
 
+def collective_device(group: Any = None) -> torch.device:
+    """The device a tensor must live on for a collective on ``group`` (default: the world).
+
+    A process group made by ``init_process_group("nccl")`` has a CUDA backend only: a CPU
+    tensor fails with "No backend type associated with device type cpu". So NCCL gets this
+    rank's current GPU (``entrypoint`` made it ``cuda:<local_rank>``) and gloo the CPU, which
+    gloo serves for every collective, also in a job whose ``ctx.device`` is a GPU.
+    """
+    if tdist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 # --- setup and teardown ----------------------------------------------------------------------
 
 
@@ -215,7 +230,12 @@ def _run(fn: Callable[[Context], dict[str, Any] | None]) -> None:
     job_dir = Path(os.environ[JOB_DIR_ENV]) if os.environ.get(JOB_DIR_ENV) else None
     spec = (read_json(job_dir / SPEC_FILE) or {}) if job_dir else {}
     backend = spec.get("backend") or _default_backend(world_size)
-    device = torch.device(f"cuda:{local_rank}" if backend == "nccl" else "cpu")
+    # The spec's device counts too: launch.resolve_backend gives ("gloo", "cuda") for
+    # backend="gloo" on GPUs, and that job must compute on its GPU, as JobResult.device says.
+    # gloo takes CUDA tensors for all_reduce and broadcast (torch's backend table lists no
+    # more); send/recv, for one, need CPU tensors, so such a job cannot run a pipeline.
+    on_gpu = backend == "nccl" or spec.get("device") == "cuda"
+    device = torch.device(f"cuda:{local_rank}" if on_gpu else "cpu")
 
     ctx = Context(rank, local_rank, world_size, backend, device, spec.get("config", {}), job_dir)
     ctx._beat.update(
@@ -229,11 +249,12 @@ def _run(fn: Callable[[Context], dict[str, Any] | None]) -> None:
     )
     ctx._write_heartbeat()  # first beat: the launcher records our PID from it
 
-    if device.type == "cuda":
+    if device.type == "cuda":  # also the GPU NCCL and collective_device() use
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=float(spec.get("pg_timeout_s", DEFAULT_PG_TIMEOUT_S)))
-    # device_id binds the NCCL communicator to our GPU at once (no "guessing device" warning).
-    extra = {"device_id": device} if device.type == "cuda" else {}
+    # device_id binds the NCCL communicator to our GPU at once (no "guessing device" warning);
+    # gloo has no communicator to bind.
+    extra = {"device_id": device} if backend == "nccl" else {}
     tdist.init_process_group(backend, timeout=timeout, **extra)
     ctx.heartbeat(phase="run")
     try:

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
+from labkit.dist import collective_device
+
 Event = dict[str, Any]
 
 
@@ -37,8 +39,10 @@ def common_t0(clock: Callable[[], float] = time.perf_counter, group: Any = None)
     ``clock=time.time`` (wall clocks synchronised by NTP, to about a millisecond).
     """
     tdist.barrier(group=group)
-    t0 = torch.tensor([clock()], dtype=torch.float64)  # float64: µs resolution over days
-    tdist.broadcast(t0, src=0, group=group)  # gloo: a CPU tensor is fine on every backend
+    # float64: µs resolution over days. On the collective's device: an NCCL group has no CPU
+    # backend, so a CPU tensor would fail there.
+    t0 = torch.tensor([clock()], dtype=torch.float64, device=collective_device(group))
+    tdist.broadcast(t0, src=0, group=group)
     return float(t0.item())
 
 

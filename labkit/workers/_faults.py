@@ -45,7 +45,7 @@ def main(ctx: dist.Context) -> None:
             ctx.heartbeat(step=i + 1, total=steps)
         for i in range(int(cfg.get("lines", 1))):
             print(f"line {i} from rank {ctx.rank}", flush=True)
-        x = torch.ones(1)
+        x = torch.ones(1, device=dist.collective_device())  # NCCL refuses CPU tensors
         with ctx.phase("all_reduce"):
             tdist.all_reduce(x)
         ctx.write_result({**result, "sum": x.item()})
@@ -53,14 +53,16 @@ def main(ctx: dist.Context) -> None:
         if ctx.rank == int(cfg.get("fail_rank", 1)):
             raise ValueError(f"injected failure on rank {ctx.rank}")
         with ctx.phase("all_reduce"):
-            tdist.all_reduce(torch.ones(1))  # waits for the failed rank until killed
+            # waits for the failed rank until killed
+            tdist.all_reduce(torch.ones(1, device=dist.collective_device()))
     elif mode == "hang":
         ctx.heartbeat(step=1, total=3, phase="compute")
         if ctx.rank == int(cfg.get("hang_rank", 1)):
             time.sleep(_FOREVER_S)  # hung outside any collective
         ctx.heartbeat(step=2)
         with ctx.phase("all_reduce"):
-            tdist.all_reduce(torch.ones(1))  # the victim: waits for the hung rank
+            # the victim: waits for the hung rank
+            tdist.all_reduce(torch.ones(1, device=dist.collective_device()))
     else:
         raise ValueError(f"unknown mode {mode!r}: use 'ok', 'raise' or 'hang'")
 

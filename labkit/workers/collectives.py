@@ -42,6 +42,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)  # NCCL calls return before the GPU finishes
 
 
+def slowest(seconds: float) -> float:
+    """The largest of every rank's ``seconds``: the slowest rank sets the pace."""
+    # On the collective's device: NCCL refuses CPU tensors.
+    t = torch.tensor([seconds], dtype=torch.float64, device=dist.collective_device())
+    tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+    return float(t.item())
+
+
 def element_count(size_bytes: int, world_size: int) -> int:
     """float32 elements in a message of ``size_bytes``, a multiple of ``world_size`` (>= n)."""
     return max(world_size, (size_bytes // 4) // world_size * world_size)
@@ -111,9 +119,7 @@ def main(ctx: dist.Context) -> dict[str, Any]:
                 if i >= warmup:
                     times.append(time.perf_counter() - t0)
             # The slowest rank sets the pace: take the max over ranks of each rank's median.
-            med = torch.tensor([statistics.median(times)], dtype=torch.float64)
-            tdist.all_reduce(med, op=tdist.ReduceOp.MAX)
-            median_s = float(med.item())
+            median_s = slowest(statistics.median(times))
             msg = numel * 4
             factor = formulas.bus_bandwidth_factor(kind, n)
             emulated = ctx.backend == "gloo" and kind in comm.GLOO_EMULATED

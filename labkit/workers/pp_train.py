@@ -55,7 +55,21 @@ def build_model(cfg: ModelConfig, seed: int) -> GPT:
 
 
 def grads_by_name(stage: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in stage.named_parameters() if p.grad is not None}
+    """The stage's gradients by name, on the CPU: the parity test compares them with a CPU
+    reference, which ``assert_close`` refuses for tensors on another device."""
+    return {
+        n: p.grad.detach().cpu().clone() for n, p in stage.named_parameters() if p.grad is not None
+    }
+
+
+def unit_times(model: GPT, x: torch.Tensor, device: torch.device) -> list[float]:
+    """``pipeline.measure_unit_times`` on ``device``: the model moves there with its input.
+
+    ``model.to`` works in place: the whole model stays on the device until ``Pipeline`` has
+    copied this rank's stage out of it and ``del model`` frees it.
+    """
+    model.to(device)
+    return pipeline.measure_unit_times(model, x.to(device))
 
 
 def _counts(schedule: str, ms: list[int], p: int) -> list[int]:
@@ -88,7 +102,7 @@ def main(ctx: dist.Context) -> dict[str, Any]:
     x, y = make_batch(cfg, B, seed)
     times = None
     if conf.get("partition_by", "params") == "time":
-        times = pipeline.measure_unit_times(model, x.to(ctx.device))
+        times = unit_times(model, x, ctx.device)
         # Every rank must cut the model the same way: use rank 0's measurement.
         box = [times]
         tdist.broadcast_object_list(box, src=0)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from labkit import data, dist
+from labkit import data, dist, timing
 from labkit.config import ModelConfig, TrainConfig
 from labkit.model import GPT
 from labkit.parallel import tensor
@@ -58,17 +58,20 @@ def linear_case(seed: int) -> tuple[torch.nn.Linear, torch.Tensor, torch.Tensor]
 
 
 def _linear_part(ctx: dist.Context, seed: int) -> dict[str, torch.Tensor]:
-    n, r = ctx.world_size, ctx.rank
-    lin, x, grad_out = linear_case(seed)
+    """This rank's outputs and gradients, on ``ctx.device``: f and g all-reduce there."""
+    n, r, device = ctx.world_size, ctx.rank, ctx.device
+    lin, x, grad_out = linear_case(seed)  # on the CPU, as the test's reference
+    x, grad_out = x.to(device), grad_out.to(device)
     out_cols = slice(r * LINEAR_SHAPE[1] // n, (r + 1) * LINEAR_SHAPE[1] // n)
     in_cols = slice(r * LINEAR_SHAPE[0] // n, (r + 1) * LINEAR_SHAPE[0] // n)
 
-    col = tensor.ColumnParallelLinear.from_linear(lin, world_size=n, rank=r)
+    # Sliced from the CPU layer, then moved: the shards hold the whole layer's values.
+    col = tensor.ColumnParallelLinear.from_linear(lin, world_size=n, rank=r).to(device)
     x_col = x.clone().requires_grad_()
     y_col = col(x_col)  # (B, T, out/n): this rank's output columns
     y_col.backward(grad_out[..., out_cols])  # f all-reduces: x_col.grad is the full gradient
 
-    row = tensor.RowParallelLinear.from_linear(lin, world_size=n, rank=r)
+    row = tensor.RowParallelLinear.from_linear(lin, world_size=n, rank=r).to(device)
     x_row = x[..., in_cols].clone().requires_grad_()  # a column-parallel layer's output shard
     y_row = row(x_row)  # (B, T, out): complete after g
     y_row.backward(grad_out)
@@ -100,23 +103,30 @@ def _train(
             group["foreach"] = foreach
     losses, comm, times = [], [], []
     first_grads: dict[str, torch.Tensor] = {}
+
+    def now() -> float:
+        # CUDA runs asynchronously: without the synchronise the clock would time the kernel
+        # launches, not the step.
+        timing.synchronize(ctx.device)
+        return time.perf_counter()
+
     for i, (x, y) in enumerate(batches):
         if counter is not None:
             counter.reset()
-        t = time.perf_counter()
+        t = now()
         with ctx.phase("tensor-parallel step"):  # f and g are collectives
             _, loss = model(x.to(ctx.device), y.to(ctx.device))
             loss.backward()
         if i == 0:  # the test compares these; the gather's time is left out of the step
-            t_gather = time.perf_counter()
+            t_gather = now()
             first_grads = tensor.full_state(model, grads=True)
-            t += time.perf_counter() - t_gather
+            t += now() - t_gather
         with ctx.phase("tensor-parallel clip"):
             if tcfg.grad_clip is not None:
                 tensor.clip_grad_norm_(model, tcfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t)
+        times.append(now() - t)
         losses.append(float(loss.detach()))
         if counter is not None:
             comm.append(counter.as_dict())
@@ -154,7 +164,8 @@ def main(ctx: dist.Context) -> dict[str, Any]:
 
     if "linear" in parts:
         out = _linear_part(ctx, seed)
-        if save:
+        if save:  # on the CPU: the test compares them with a CPU reference
+            out = {k: v.cpu() for k, v in out.items()}
             torch.save(out, ctx.job_dir / f"tp_linear_rank{ctx.rank}.pt")
 
     if "gpt" in parts:
