@@ -725,16 +725,21 @@ class Monitor:
 
     def _on_sample(self, samples: list[Sample]) -> None:
         """Each sampler tick: record it (``record_to``), then maybe redraw (``with`` form)."""
-        recorder = self.recorder
-        if recorder is not None:
-            try:
-                recorder.write(samples)
-            except (OSError, ValueError, RuntimeError) as e:  # the plots must go on
-                warnings.warn(f"labkit monitor: recording to {self.record_to} stopped: {e}",
-                              stacklevel=2)  # fmt: skip
-                self._close_recorder()
+        self._record(lambda recorder: recorder.write(samples))
         if self._in_with:
             self._maybe_redraw()
+
+    def _record(self, write: Callable[[Recorder], None]) -> None:
+        """``write(recorder)`` if recording; a failure ends the recording, never the run."""
+        recorder = self.recorder
+        if recorder is None:
+            return
+        try:
+            write(recorder)
+        except (OSError, ValueError, RuntimeError) as e:  # disk full, recorder closed, ...
+            warnings.warn(f"labkit monitor: recording to {self.record_to} stopped: {e}",
+                          stacklevel=3)  # fmt: skip
+            self._close_recorder()
 
     def _sync_replay_steps(self) -> None:
         """A replay's step events are part of the recording: show those played so far."""
@@ -763,13 +768,7 @@ class Monitor:
         with self._lock:
             self._steps.append(StepEvent(rank, step, t))
             self._last_step[rank] = step
-        if self.recorder is not None:
-            try:
-                self.recorder.step(step, t, rank=rank)
-            except (OSError, ValueError, RuntimeError) as e:  # the training loop must go on
-                warnings.warn(f"labkit monitor: recording to {self.record_to} stopped: {e}",
-                              stacklevel=2)  # fmt: skip
-                self._close_recorder()
+        self._record(lambda recorder: recorder.step(step, t, rank=rank))
 
     def _stop_sampler(self) -> None:
         try:

@@ -163,6 +163,23 @@ def test_a_realtime_replay_shows_only_the_steps_played_so_far(tmp_path):
         assert [e.step for e in rp.steps()] == [1, 2]
 
 
+def test_a_failing_recording_warns_and_ends_but_the_run_goes_on(tmp_path, monkeypatch):
+    path = tmp_path / "run.jsonl"
+    with Monitor(backend=fake_backend(), live=False, record_to=path) as mon:
+        mon.on_step(1)
+
+        def disk_full(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(mon.recorder, "step", disk_full)
+        with pytest.warns(UserWarning, match="recording to .*run.jsonl stopped.*No space"):
+            mon.on_step(2)
+        assert mon.recorder is None
+        mon.on_step(3)  # no recorder, no warning: the run just goes on
+    assert [e.step for e in mon.steps] == [1, 2, 3] and mon.status == "ok"
+    assert [e.step for e in load_trace(path).steps] == [1]
+
+
 def test_record_to_refuses_a_backend_that_is_not_nvml(tmp_path):
     mon = Monitor(backend=CpuBackend(), live=False, record_to=tmp_path / "x.jsonl")
     with pytest.raises(ValueError, match=r"record_to=.*real GPU readings.*'cpu'"), mon:
