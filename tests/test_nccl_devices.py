@@ -182,3 +182,10 @@ def test_worker_device_follows_the_job_spec(tmp_path, monkeypatch, backend, devi
     assert init_backend == backend
     # device_id binds an NCCL communicator; gloo gets none.
     assert init_kwargs.get("device_id") == (torch.device(want) if bound else None)
+
+
+def test_a_pipeline_refuses_gloo_on_gpus_before_any_work():
+    """gloo's send/recv take CPU tensors only: say so at once, not deep inside a schedule."""
+    ctx = dist.Context(0, 0, 2, "gloo", torch.device("cuda", 0), {}, job_dir=None)
+    with pytest.raises(ValueError, match=r"backend='nccl'.*or device='cpu'"):
+        inspect.unwrap(pp_train.main)(ctx)  # the worker body, without process-group setup
