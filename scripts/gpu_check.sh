@@ -2,7 +2,7 @@
 # gpu_check.sh: check the course on a machine with an NVIDIA GPU, in one command.
 #
 #   bash scripts/gpu_check.sh [--dry-run] [--wheels DIR] [--out DIR] [--timeout-s N]
-#                             [--bundle] [--all-tests] [--notebooks GLOB]
+#                             [--bundle] [--all-tests] [--notebooks GLOB] [--parallel N]
 #
 # Steps, in this order; every step runs (a failure does not stop the next one) under its
 # own `timeout`, clamped to what is left of the whole run's budget (--timeout-s, 480 s):
@@ -33,6 +33,9 @@
 #                   (two files to carry back instead of one per notebook)
 #   --all-tests     also run the whole CPU test suite (slow: raise --timeout-s)
 #   --notebooks G   only the solutions matching glob G (default "[0-9][0-9]_*.ipynb")
+#   --parallel N    run up to N notebooks at once (default 2 on a GPU, 1 with --dry-run): on
+#                   one GPU the multi-process labs run their ranks on the CPU, so two notebooks
+#                   share a 16-core machine well, and one short run covers them all
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -44,6 +47,7 @@ BUDGET=""
 BUNDLE=0
 ALL_TESTS=0
 NB_GLOB='[0-9][0-9]_*.ipynb'
+PARALLEL=""
 
 usage() { sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
 die() { echo "gpu_check: $*" >&2; exit 2; }
@@ -57,6 +61,7 @@ while [ $# -gt 0 ]; do
     --bundle) BUNDLE=1 ;;
     --all-tests) ALL_TESTS=1 ;;
     --notebooks) [ $# -ge 2 ] || die "--notebooks needs a glob"; NB_GLOB=$2; shift ;;
+    --parallel) [ $# -ge 2 ] || die "--parallel needs a number"; PARALLEL=$2; shift ;;
     -h|--help) usage; exit 0 ;;
     *) die "unknown argument '$1' (see --help)" ;;
   esac
@@ -68,6 +73,12 @@ if [ -z "$BUDGET" ]; then
 fi
 case "$BUDGET" in
   ''|*[!0-9]*) die "--timeout-s=$BUDGET is not allowed: a whole number of seconds, e.g. 480" ;;
+esac
+if [ -z "$PARALLEL" ]; then
+  if [ "$DRY" = 1 ]; then PARALLEL=1; else PARALLEL=2; fi
+fi
+case "$PARALLEL" in
+  ''|*[!0-9]*|0) die "--parallel=$PARALLEL is not allowed: a whole number of notebooks >= 1" ;;
 esac
 [ -z "$WHEELS" ] || [ -d "$WHEELS" ] || die "--wheels $WHEELS: no such folder"
 command -v timeout >/dev/null || die "coreutils 'timeout' is missing: every step needs it"
@@ -136,23 +147,43 @@ EOF
 
 now() { echo "${EPOCHREALTIME:-$(date +%s)}"; }
 
+# limit_for CAP_S: the seconds a step starting now may take: its cap, or what is left.
+limit_for() {
+  local left=$((BUDGET - ($(date +%s) - START)))
+  echo $(($1 < left ? $1 : left))
+}
+
+# not_run NAME COMMAND...: a step the budget left no time for
+not_run() {
+  local name=$1
+  shift
+  say "=== $name: not run, the time budget (--timeout-s $BUDGET) is spent"
+  record "$name" not-run "" "" "" "" "time budget of $BUDGET s spent before this step" "$@"
+}
+
 # step NAME CAP_S NOTE -- COMMAND...: run COMMAND under a timeout; never stops the script.
 step() {
   local name=$1 cap=$2 note=$3
   shift 4
-  local left=$((BUDGET - ($(date +%s) - START)))
-  local limit=$((cap < left ? cap : left))
+  local limit
+  limit=$(limit_for "$cap")
   if [ "$limit" -lt 5 ]; then
-    say "=== $name: not run, the time budget (--timeout-s $BUDGET) is spent"
-    record "$name" not-run "" "" "" "" "time budget of $BUDGET s spent before this step" "$@"
+    not_run "$name" "$@"
     return
   fi
   say "=== $name (timeout ${limit}s): $*"
-  local t0 t1 rc status
+  local t0 t1 rc
   t0=$(now)
   timeout --kill-after=10 "$limit" "$@" </dev/null 2>&1 | tee -a "$LOG"
   rc=${PIPESTATUS[0]}
   t1=$(now)
+  finish "$name" "$rc" "$t0" "$t1" "$limit" "$note" "$@"
+}
+
+# finish NAME RC T0 T1 LIMIT NOTE COMMAND...: the step's status from its exit code, recorded
+finish() {
+  local name=$1 rc=$2 t0=$3 t1=$4 limit=$5 note=$6 status
+  shift 6
   case "$rc" in
     0) status=ok ;;
     124|137) status=timeout; note="${note:+$note; }killed after ${limit}s" ;;
@@ -312,11 +343,43 @@ elif ! "$PY" -c 'import papermill' >/dev/null 2>&1; then
       "papermill is not importable: pass --wheels DIR with papermill and its dependencies"
   done
 else
+  # Up to $PARALLEL at a time, each under its own timeout; each one's output goes to its own
+  # log, appended to the main log in notebook order once all have ended.
+  NB_DIR=$WORK/notebook-steps
+  mkdir -p "$NB_DIR"
+  nb_cmd() {  # nb_cmd NOTEBOOK: the papermill command, into the array CMD
+    CMD=("$PY" -m papermill "$1" "$OUT/notebooks/$(basename "$1")" -p size "$SIZE"
+         --cwd "$ROOT/solutions" -k python3 --execution-timeout 300 --no-progress-bar)
+  }
   for nb in "${NOTEBOOKS[@]}"; do
-    base=$(basename "$nb")
-    step "notebook:${base%.ipynb}" 240 "size=$SIZE" -- \
-      "$PY" -m papermill "$nb" "$OUT/notebooks/$base" -p size "$SIZE" --cwd "$ROOT/solutions" \
-      -k python3 --execution-timeout 300 --no-progress-bar
+    while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do wait -n; done
+    name=$(basename "$nb" .ipynb)
+    limit=$(limit_for 240)
+    if [ "$limit" -lt 5 ]; then
+      : >"$NB_DIR/$name.not-run"
+      continue
+    fi
+    nb_cmd "$nb"
+    say "=== notebook:$name started (timeout ${limit}s): ${CMD[*]}"
+    echo "$(now) $limit" >"$NB_DIR/$name.start"
+    (
+      timeout --kill-after=10 "$limit" "${CMD[@]}" </dev/null >"$NB_DIR/$name.log" 2>&1
+      echo "$? $(now)" >"$NB_DIR/$name.end"
+    ) &
+  done
+  wait
+  for nb in "${NOTEBOOKS[@]}"; do
+    name=$(basename "$nb" .ipynb)
+    nb_cmd "$nb"
+    if [ -e "$NB_DIR/$name.not-run" ]; then
+      not_run "notebook:$name" "${CMD[@]}"
+      continue
+    fi
+    read -r t0 limit <"$NB_DIR/$name.start"
+    read -r rc t1 <"$NB_DIR/$name.end"
+    say "=== notebook:$name output:"
+    tee -a "$LOG" <"$NB_DIR/$name.log"
+    finish "notebook:$name" "$rc" "$t0" "$t1" "$limit" "size=$SIZE" "${CMD[@]}"
   done
 fi
 

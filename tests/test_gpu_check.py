@@ -39,10 +39,11 @@ def gpu_check(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
-    """One dry run for the module's tests. One notebook is enough to exercise the step:
-    every notebook is executed on its own by test_notebooks.py."""
+    """One dry run for the module's tests. Two notebooks, run side by side, exercise the
+    notebook steps: every notebook is executed on its own by test_notebooks.py."""
     out = tmp_path_factory.mktemp("gpu-check")
-    proc = gpu_check("--dry-run", "--out", str(out), "--notebooks", SOLUTIONS[0].name)
+    proc = gpu_check("--dry-run", "--out", str(out), "--notebooks", "0[01]_*.ipynb",
+                     "--parallel", "2")  # fmt: skip
     return proc, out
 
 
@@ -62,6 +63,7 @@ def test_dry_run_passes_every_step(dry_run):
         "bench-train-step",
         "bench-sampler",
         f"notebook:{SOLUTIONS[0].stem}",
+        f"notebook:{SOLUTIONS[1].stem}",
         "bench-launch",
     ]
     status = {s["name"]: s["status"] for s in summary["steps"]}
@@ -84,7 +86,13 @@ def test_dry_run_leaves_the_results(dry_run):
     for name in BENCHMARKS:
         record = json.loads((out / name).read_text())
         assert record["device"] == "cpu" and record["samples_s"], name
-    assert "=== bench-launch: ok" in (out / "gpu_check.log").read_text()
+    log = (out / "gpu_check.log").read_text()
+    assert "=== bench-launch: ok" in log
+    # --parallel 2: the second notebook started before the first one's output was collected
+    started = log.index(f"=== notebook:{SOLUTIONS[1].stem} started")
+    assert started < log.index(f"=== notebook:{SOLUTIONS[0].stem} output:")
+    for nb in SOLUTIONS[:2]:
+        assert json.loads((out / "notebooks" / nb.name).read_text())["cells"]
     # few files, shallow: what the device machine's file return allows
     files = [p for p in out.rglob("*") if p.is_file()]
     assert all(len(p.relative_to(out).parts) <= 2 for p in files)
@@ -128,7 +136,9 @@ def test_a_spent_budget_fails_the_steps_and_bundle_packs_the_rest(tmp_path):
         assert "gpu_check.log" in tar.getnames()
 
 
-@pytest.mark.parametrize("args", [["--bogus"], ["--timeout-s", "soon"], ["--wheels"]])
+@pytest.mark.parametrize(
+    "args", [["--bogus"], ["--timeout-s", "soon"], ["--wheels"], ["--parallel", "0"]]
+)
 def test_bad_arguments_exit_2_naming_them(args, tmp_path):
     proc = gpu_check("--dry-run", "--out", str(tmp_path / "o"), *args, timeout=30)
     assert proc.returncode == 2
