@@ -104,10 +104,13 @@ def test_driver_with_no_gpu_is_unavailable():
 def test_every_field_read_in_its_documented_unit():
     gpu = FakeGpu(nvlink_kib=(1_000_000, 2_000_000))
     fake = FakeNvml([gpu])
-    with NvmlBackend(nvml=fake, clock=lambda: 0.0) as nv:
+    clock = [0.0]
+    with NvmlBackend(nvml=fake, clock=lambda: clock[0]) as nv:
+        clock[0] = 10.0
         first = by_source(nv.sample(now=10.0))["gpu0"].values
         gpu.energy_mj += 250_000  # 250 J later
         gpu.nvlink_kib = (1_000_000 + 4 * 1024**2, 2_000_000 + 2 * 1024**2)  # +4 GiB, +2 GiB
+        clock[0] = 12.0
         second = by_source(nv.sample(now=12.0))["gpu0"].values
     assert first["gpu_util_pct"] == 97.0 and first["mem_util_pct"] == 41.0
     assert first["mem_used_gib"] == pytest.approx(40.0)
@@ -216,14 +219,33 @@ def test_pre_hopper_gpu_has_no_gpm_and_pcie_card_no_nvlink():
     assert fake.calls[("nvmlGpmSampleGet", 0)] == 0
 
 
+def test_gpm_waits_for_a_window_of_at_least_a_tenth_of_a_second():
+    """The first tick comes right after open(): a GPM window of a millisecond is noise, so
+    GPM is not read then (keys absent: not read, rather than N/A) and read once it has run."""
+    fake = FakeNvml([FakeGpu()])
+    clock = [5.0]
+    with NvmlBackend(nvml=fake, clock=lambda: clock[0]) as nv:
+        clock[0] = 5.05
+        first = by_source(nv.sample())["gpu0"].values
+        clock[0] = 5.2
+        second = by_source(nv.sample())["gpu0"].values
+        third = by_source(nv.sample())["gpu0"].values  # no time passed since the second
+    assert "sm_active_pct" not in first and first["gpu_util_pct"] == 97.0
+    assert second["sm_active_pct"] == 85.0 and "sm_active_pct" not in third
+    assert fake.calls[("nvmlGpmSampleGet", 0)] == 2  # at open, and once for the second tick
+
+
 def test_gpm_partially_supported_and_buffers_freed():
     gpu = FakeGpu(gpm={SM_UTIL: 70.0, SM_OCCUPANCY: 30.0})  # no tensor metric on this one
     fake = FakeNvml([gpu])
-    nv = NvmlBackend(nvml=fake)
+    clock = [0.0]
+    nv = NvmlBackend(nvml=fake, clock=lambda: clock[0])
     nv.open()
     assert fake.live_gpm_buffers == 2
+    clock[0] = 1.0
     v = by_source(nv.sample())["gpu0"].values
     gpu.gpm = {SM_UTIL: 10.0, SM_OCCUPANCY: 5.0, TENSOR: 1.0}
+    clock[0] = 2.0
     v2 = by_source(nv.sample())["gpu0"].values
     nv.close()
     assert (v["sm_active_pct"], v["tensor_active_pct"]) == (70.0, None)

@@ -52,6 +52,10 @@ _GPM = (  # our name -> NVML GPM metric id name (Hopper and newer)
     ("tensor_active_pct", "NVML_GPM_METRIC_ANY_TENSOR_UTIL"),
 )
 _NVLINK = ("nvlink_tx_gbs", "nvlink_rx_gbs")
+# NVML's notes on nvmlGpmMetricsGet ask for the two samples to lie further apart than the GPM
+# counters' own refresh interval; the first tick comes right after open(). A shorter window
+# yields an error or noise, so a tick sooner than this after the last GPM sample skips GPM.
+GPM_MIN_WINDOW_S = 0.1
 _PCIE = ("pcie_tx_gbs", "pcie_rx_gbs")
 
 # NVML error codes sorted by what they mean for us.
@@ -100,6 +104,7 @@ class _Gpu:
     energy0_mj: float | None = None  # counter at open(): energy_j is the difference
     nvlink_prev: tuple[float, float, float] | None = None  # (time_s, tx KiB, rx KiB)
     gpm_bufs: list[Any] = field(default_factory=list)  # [previous, next] GPM sample buffers
+    gpm_time: float = 0.0  # clock time of the sample in gpm_bufs[0]: where the window opens
 
 
 def _text(s: Any) -> str:
@@ -309,6 +314,7 @@ class NvmlBackend(Backend):
         try:
             gpu.gpm_bufs = [nv.nvmlGpmSampleAlloc(), nv.nvmlGpmSampleAlloc()]
             nv.nvmlGpmSampleGet(gpu.handle, gpu.gpm_bufs[0])  # start of the first window
+            gpu.gpm_time = self.clock()
         except nv.NVMLError as e:
             self._free_gpm(nv, gpu)
             self._mark_na(gpu, names, f"N/A: GPM sampling failed at open ({e})")
@@ -448,6 +454,10 @@ class NvmlBackend(Backend):
         names = tuple(n for n, _ in _GPM)
         if not gpu.gpm_bufs:
             return dict.fromkeys(names)
+        # The window is real time on the backend's clock, whatever stamp the caller passed.
+        t = self.clock()
+        if t - gpu.gpm_time < GPM_MIN_WINDOW_S:
+            return {}  # too soon after the last GPM sample: not read this tick (absent, not N/A)
         prev, cur = gpu.gpm_bufs
         if self._query(gpu, names, nv.nvmlGpmSampleGet, cur) is None:
             return dict.fromkeys(names)
@@ -462,7 +472,7 @@ class NvmlBackend(Backend):
         except nv.NVMLError as e:
             self._on_error(gpu, names, e)
             return dict.fromkeys(names)
-        gpu.gpm_bufs = [cur, prev]  # this sample opens the next window
+        gpu.gpm_bufs, gpu.gpm_time = [cur, prev], t  # this sample opens the next window
         out: dict[str, float | None] = {}
         for i, name in enumerate(names):
             m = mg.metrics[i]
