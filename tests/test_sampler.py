@@ -209,6 +209,22 @@ def test_auto_backend_picks_nvml_when_it_works():
     assert sampler.samples[0].source == "gpu0" and fake.inits == fake.shutdowns == 1
 
 
+def test_auto_backend_falls_back_to_cpu_when_the_nvml_bindings_are_too_old():
+    class OldBindings(FakeNvml):  # bindings from before NVML's field-value calls
+        def __getattribute__(self, name):
+            if name == "nvmlDeviceGetFieldValues":
+                raise AttributeError(f"module 'pynvml' has no attribute {name!r}")
+            return super().__getattribute__(name)
+
+    old = OldBindings()
+    backend = auto_backend(nvml=old)
+    assert isinstance(backend, CpuBackend)
+    assert "NVML failed at open" in backend.describe() and "nvidia-ml-py" in backend.describe()
+    assert "no NVIDIA GPU found" not in backend.describe()  # there is one; the bindings broke
+    assert old.inits == old.shutdowns == 1  # NVML was shut down again
+    backend.close()
+
+
 def test_auto_backend_falls_back_to_cpu_with_reason():
     backend = auto_backend(nvml=FakeNvml(init_error=NVML_ERROR_LIBRARY_NOT_FOUND))
     assert isinstance(backend, CpuBackend)

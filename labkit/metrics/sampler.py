@@ -233,11 +233,15 @@ def auto_backend(
     ``CUDA_VISIBLE_DEVICES`` if it differs from this process's; ``nvml`` a test double.
     """
     gpu = NvmlBackend(pids_fn, devices=devices, clock=clock, nvml=nvml)
+    reason = note = None
     try:
         gpu.open()
         return gpu
     except BackendUnavailable as e:
         reason = gpu.reason or str(e)
-    cpu = CpuBackend(pids_fn, reason=reason, clock=clock)
+    except Exception as e:  # bindings that lack a call we make (AttributeError, ...): a
+        # monitor must never stop a notebook, so it shows the CPU and says what broke
+        note = f"GPU metrics unavailable: NVML failed at open with {e!r} (update nvidia-ml-py)"
+    cpu = CpuBackend(pids_fn, reason=reason, note=note, clock=clock)
     cpu.open()
     return cpu
