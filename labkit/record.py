@@ -44,7 +44,8 @@ def record_training_run(
             default: an ``NvmlBackend`` over the GPUs this process sees.
 
     Returns the trace's path. Raises ``BackendUnavailable`` (with the reason) where NVML
-    cannot run, before any training starts.
+    cannot run, before any training starts, and RuntimeError when the run was recorded
+    without a single GPU reading (the sampler failed): an empty recording is no recording.
     """
     import torch  # lazy: `python -m labkit --help` needs no torch
 
@@ -80,6 +81,11 @@ def record_training_run(
         train.train(model, cfg, splits.train, val_data=splits.val, device=device,
                     on_step=monitor.chain(train.Progress(cfg.train.steps, lines=6)))  # fmt: skip
     monitor.figure().savefig(out.with_suffix(".png"), dpi=90)
+    sampler = monitor.sampler
+    if sampler is not None and sampler.state == "failed":
+        raise RuntimeError(f"sampling failed during the run: {sampler.error!r}")
+    if not any(s.values.get("gpu_util_pct") is not None for s in monitor.samples):
+        raise RuntimeError(f"no GPU utilisation was read during the run ({monitor.describe()})")
     return out
 
 
@@ -102,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     except BackendUnavailable as e:
         print(f"labkit record-trace: {e}; a recording needs an NVIDIA GPU and its driver")
         return 2
+    except (RuntimeError, ValueError) as e:  # ValueError: e.g. no driver version to record
+        print(f"labkit record-trace: no usable recording in {args.out}: {e}")
+        return 1
     trace = load_trace(path)  # read back: what was written is a valid recording
     size_kib = path.stat().st_size / 1024
     print(f"wrote {path} ({size_kib:.0f} KiB): {trace.label}, {len(trace.samples)} samples and "

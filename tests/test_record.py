@@ -217,3 +217,14 @@ def test_record_trace_command_says_why_it_cannot_record(tmp_path, monkeypatch, c
     assert record.main(["--out", str(tmp_path / "x.jsonl"), "--size", "smoke"]) == 2
     assert "needs an NVIDIA GPU" in capsys.readouterr().out
     assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_record_trace_fails_when_no_gpu_reading_was_recorded(tmp_path, monkeypatch, capsys):
+    """A driver that stops answering utilisation: the trace holds no GPU reading, so the
+    command must fail rather than hand over an empty recording as a success."""
+    gpu = FakeGpu(unsupported={"nvmlDeviceGetUtilizationRates"})
+    monkeypatch.setattr(record, "NvmlBackend", lambda *a, **k: fake_backend(gpu))
+    code = record.main(["--out", str(tmp_path / "x.jsonl"), "--size", "smoke", "--steps", "2",
+                        "--period-s", "0.1"])  # fmt: skip
+    assert code == 1
+    assert "no GPU utilisation was read" in capsys.readouterr().out
