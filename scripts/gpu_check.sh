@@ -2,12 +2,13 @@
 # gpu_check.sh: check the course on a machine with an NVIDIA GPU, in one command.
 #
 #   bash scripts/gpu_check.sh [--dry-run] [--wheels DIR] [--out DIR] [--timeout-s N]
-#                             [--bundle] [--all-tests] [--notebooks GLOB] [--parallel N]
+#                             [--bundle] [--all-tests] [--with-launch] [--notebooks GLOB]
+#                             [--parallel N]
 #
 # Steps, in this order; every step runs (a failure does not stop the next one) under its
 # own `timeout`, clamped to what is left of the whole run's budget (--timeout-s, 480 s):
-#   wheels        (only with --wheels DIR) pip-install the wheels in DIR into a private
-#                 folder on PYTHONPATH, offline (--no-index); torch wheels are skipped
+#   wheels        (only with --wheels DIR) scripts/install_wheels.py: the packages this
+#                 machine lacks, offline, into a private folder on PYTHONPATH (never torch)
 #   env           OUT/env.json: nvidia-smi -q, torch/CUDA/cuDNN/NCCL versions, labkit's tier
 #   gpu-tests     pytest -m gpu over the test files that use the gpu marker
 #   record-trace  (not with --dry-run) notebook 01's training run recorded from NVML into
@@ -15,7 +16,8 @@
 #   all-tests     (only with --all-tests) the whole test suite
 #   bench-gpu-throughput, bench-train-step, bench-sampler   benchmarks/ on the GPU, JSON into OUT/
 #   notebook:NAME each solutions/NN_*.ipynb through papermill at size="gpu" into OUT/notebooks/
-#   bench-launch  benchmarks/bench_launch.py (2 ranks over gloo: the launcher, not the GPU)
+#   bench-launch  (only with --dry-run or --with-launch) benchmarks/bench_launch.py: 2 ranks
+#                 over gloo, the launcher and not the GPU, so a short GPU session skips it
 # Then OUT/summary.json lists every step (status, exit code, seconds, timeout) and the
 # script exits 0 if every step passed, 1 if any failed, 2 if it cannot run here at all.
 #
@@ -32,6 +34,7 @@
 #   --bundle        at the end, pack everything but summary.json into OUT/gpu_check.tar.gz
 #                   (two files to carry back instead of one per notebook)
 #   --all-tests     also run the whole CPU test suite (slow: raise --timeout-s)
+#   --with-launch   also run bench-launch on a GPU machine
 #   --notebooks G   only the solutions matching glob G (default "[0-9][0-9]_*.ipynb")
 #   --parallel N    run up to N notebooks at once (default 2 on a GPU, 1 with --dry-run): on
 #                   one GPU the multi-process labs run their ranks on the CPU, so two notebooks
@@ -46,6 +49,7 @@ OUT=""
 BUDGET=""
 BUNDLE=0
 ALL_TESTS=0
+WITH_LAUNCH=0
 NB_GLOB='[0-9][0-9]_*.ipynb'
 PARALLEL=""
 
@@ -60,6 +64,7 @@ while [ $# -gt 0 ]; do
     --timeout-s) [ $# -ge 2 ] || die "--timeout-s needs a number of seconds"; BUDGET=$2; shift ;;
     --bundle) BUNDLE=1 ;;
     --all-tests) ALL_TESTS=1 ;;
+    --with-launch) WITH_LAUNCH=1 ;;
     --notebooks) [ $# -ge 2 ] || die "--notebooks needs a glob"; NB_GLOB=$2; shift ;;
     --parallel) [ $# -ge 2 ] || die "--parallel needs a number"; PARALLEL=$2; shift ;;
     -h|--help) usage; exit 0 ;;
@@ -123,8 +128,12 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # labkit from this checkou
 export LABKIT_HOME=$WORK/labkit-home                  # job registry and runs: thrown away
 export LABKIT_SIZE=$SIZE
 export PYTHONUNBUFFERED=1
-export MPLBACKEND=Agg
 export PYTHONDONTWRITEBYTECODE=1
+# A set MPLBACKEND stops ipykernel from choosing its inline backend, and every plt.show()
+# figure would vanish from the executed notebooks; headless scripts pick Agg by themselves.
+unset MPLBACKEND
+# Jupyter, IPython and matplotlib write caches under HOME, which a container may not allow.
+export JUPYTER_RUNTIME_DIR=$WORK/jupyter-runtime IPYTHONDIR=$WORK/ipython MPLCONFIGDIR=$WORK/mpl
 START=$(date +%s)
 cd "$ROOT" || die "cannot cd to $ROOT"
 
@@ -206,16 +215,16 @@ say "gpu_check: mode=$MODE python=$PY torch=${TORCH_INFO% *} out=$OUT budget=${B
 
 # --- wheels ------------------------------------------------------------------------------------
 
+# Packages the image lacks, from the wheel folder: scripts/install_wheels.py says which it
+# installs (never the image's torch stack, nothing the image already has) and why.
 if [ -n "$WHEELS" ]; then
   SITE=$WORK/site
-  mapfile -t WHLS < <(find "$WHEELS" -maxdepth 1 -name '*.whl' ! -name 'torch-*' | sort)
-  if [ "${#WHLS[@]}" -eq 0 ]; then
-    skip wheels failed "no .whl files (other than torch) in $WHEELS"
+  if ! find "$WHEELS" -maxdepth 1 -name '*.whl' | grep -q .; then
+    skip wheels failed "no .whl files in $WHEELS"
   else
-    step wheels 120 "${#WHLS[@]} wheels into a private folder on PYTHONPATH" -- \
-      "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target "$SITE" "${WHLS[@]}"
-    export PYTHONPATH="$PYTHONPATH:$SITE"  # after the checkout, and never ahead of torch
+    step wheels 120 "missing packages into a private folder on PYTHONPATH" -- \
+      "$PY" "$ROOT/scripts/install_wheels.py" "$WHEELS" "$SITE"
+    export PYTHONPATH="$SITE:$PYTHONPATH"  # ahead of site-packages: nvidia-ml-py must win
   fi
 fi
 
@@ -309,7 +318,8 @@ if [ "$DRY" = 1 ]; then
   skip record-trace skipped "a recording holds real NVML readings: GPU machines only"
 else
   step record-trace 150 "notebook 01's run at size=gpu; check the .png, then commit the trace" -- \
-    "$PY" -m labkit record-trace --out "$OUT/traces/nb01-train-$(date -u +%Y%m%d).jsonl"
+    "$PY" -m labkit record-trace --out "$OUT/traces/nb01-train-$(date -u +%Y%m%d).jsonl" \
+    --steps 2000 --period-s 0.25  # 300 steps last ~5 s on an H200: too short to show anything
 fi
 
 # --- benchmarks on the GPU ---------------------------------------------------------------------
@@ -322,7 +332,7 @@ if [ "$DRY" = 1 ]; then
 else
   TP_ARGS=()
   TS_ARGS=(--size gpu)
-  SA_ARGS=(--size gpu --rounds 6)
+  SA_ARGS=(--size gpu --rounds 4)
   LA_ARGS=()
 fi
 step bench-gpu-throughput 120 "" -- \
@@ -385,8 +395,12 @@ fi
 
 # --- the launcher --------------------------------------------------------------------------------
 
-step bench-launch 150 "2 ranks over gloo on the CPU" -- \
-  "$PY" -m benchmarks.bench_launch "${LA_ARGS[@]}" --out "$OUT/bench_launch.json"
+if [ "$DRY" = 1 ] || [ "$WITH_LAUNCH" = 1 ]; then
+  step bench-launch 150 "2 ranks over gloo on the CPU" -- \
+    "$PY" -m benchmarks.bench_launch "${LA_ARGS[@]}" --out "$OUT/bench_launch.json"
+else
+  skip bench-launch skipped "the CPU launcher, measured on CPU machines; --with-launch runs it"
+fi
 
 # --- summary -------------------------------------------------------------------------------------
 

@@ -143,3 +143,49 @@ def test_bad_arguments_exit_2_naming_them(args, tmp_path):
     proc = gpu_check("--dry-run", "--out", str(tmp_path / "o"), *args, timeout=30)
     assert proc.returncode == 2
     assert args[0] in proc.stderr or (len(args) > 1 and args[1] in proc.stderr)
+
+
+# --- scripts/install_wheels.py: what the offline GPU machine gets from a wheel folder ----------
+
+
+def _wheel(folder: Path, name: str, version: str = "0.1", tag: str = "py3-none-any") -> Path:
+    """A minimal, valid pure-Python wheel of a package ``name`` (test data)."""
+    import base64
+    import hashlib
+    import zipfile
+
+    info = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}/__init__.py": "VALUE = 1\n",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+        f"{info}/WHEEL": f"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: {tag}\n",
+    }
+    record = []
+    for path, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=")
+        record.append(f"{path},sha256={digest.decode()},{len(text.encode())}")
+    files[f"{info}/RECORD"] = "\n".join([*record, f"{info}/RECORD,,"]) + "\n"
+    whl = folder / f"{name}-{version}-{tag}.whl"
+    with zipfile.ZipFile(whl, "w") as z:
+        for path, text in files.items():
+            z.writestr(path, text)
+    return whl
+
+
+def test_install_wheels_takes_only_what_the_image_lacks(tmp_path):
+    wheels, target = tmp_path / "wheels", tmp_path / "site"
+    wheels.mkdir()
+    _wheel(wheels, "labkit_test_missing")  # the image lacks it: installed
+    _wheel(wheels, "psutil", "0.0.1")  # the image has it: its own copy is kept
+    _wheel(wheels, "torch", "9.9")  # the image's torch stack: never from a wheel
+    _wheel(wheels, "numpy", "9.9")
+    _wheel(wheels, "labkit_test_other_python", tag="cp39-cp39-manylinux_2_17_x86_64")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "install_wheels.py"),
+                           str(wheels), str(target)], capture_output=True, text=True,
+                          timeout=120, check=False)  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # the cp39 wheel failed...
+    assert (target / "labkit_test_missing" / "__init__.py").is_file()  # ...and cost only itself
+    assert not (target / "psutil").exists() and not (target / "torch").exists()
+    assert "kept the image's own: psutil" in proc.stdout
+    assert "never from a wheel (the image's torch stack): numpy, torch" in proc.stdout
+    assert "FAILED (built for another Python or platform?): labkit_test_other_python" in proc.stdout
