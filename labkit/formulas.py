@@ -324,6 +324,7 @@ def activation_bytes_per_layer(
     dropout: bool = True,
     dropout_mask_bytes: int = 1,
     attention: str = "materialized",
+    autocast: bool = False,
 ) -> float:
     """Bytes one transformer layer keeps for the backward pass (no recomputation).
 
@@ -367,6 +368,27 @@ def activation_bytes_per_layer(
     this formula plus the LayerNorm statistics, exactly, for flash and math SDPA, with dropout
     off and on (CPU mask k = 4).
 
+    ``autocast=True`` models PyTorch autocast (AMP) to a 16-bit dtype from float32 parameters,
+    the usual way to train in bf16, rather than a model stored in 16 bits. Three terms change
+    (with e = bytes_per_element = 2)::
+
+        LayerNorm 2·4·sbh   the residual stream stays float32 (embeddings and parameters are
+                            float32; the 16-bit block outputs are added into it) and autocast
+                            runs LayerNorm in float32, so its saved inputs take 4 bytes, not e
+        q/k/v input 3·e·sbh the float32 LayerNorm output is cast to e bytes by each Linear
+                            that reads it; autocast caches casts of parameters only, so
+                            separate q, k and v projections (as in ``labkit.model``) each save
+                            their own copy (a fused qkv projection saves one)
+        weights    12h²·e   the 16-bit copies of the four attention and two MLP weight
+                            matrices (autocast's weight cache), saved for the input gradients
+
+    In all ``s·b·h·(16e + 2k + 8) + 12·h²·e`` plus the attention term: 40·sbh + 24h² for bf16
+    without dropout, against 32·sbh when everything is stored in 2 bytes. Checked the same way
+    (torch 2.13, CPU autocast to bf16, flash SDPA, dropout off): exact, plus the LayerNorm
+    statistics. CUDA autocast follows the same rules in PyTorch's AMP op lists (layer_norm in
+    float32, linear in the autocast dtype, casts cached for parameters only); not yet measured
+    on a GPU.
+
     Args:
         seq_len: s, tokens per sequence.
         micro_batch: b, sequences per micro-batch.
@@ -376,6 +398,8 @@ def activation_bytes_per_layer(
         dropout: whether dropout layers are active (p > 0 in training mode).
         dropout_mask_bytes: k, bytes per dropout-mask element (1 for a bool mask).
         attention: "materialized" (the paper's count) or "flash".
+        autocast: activations from autocast to a 16-bit dtype over float32 parameters and a
+            float32 residual stream (needs bytes_per_element < 4; float32 means no autocast).
     """
     s = _positive_int("seq_len", seq_len)
     b = _positive_int("micro_batch", micro_batch)
@@ -384,8 +408,17 @@ def activation_bytes_per_layer(
     e = _positive_int("bytes_per_element", bytes_per_element)
     k = _positive_int("dropout_mask_bytes", dropout_mask_bytes) if dropout else 0
     _choice("attention", attention, ATTENTION_KINDS)
+    if autocast and e >= 4:
+        raise ValueError(
+            f"autocast=True models autocast to a 16-bit dtype (bytes_per_element 2), got "
+            f"bytes_per_element={e!r}; for float32 training autocast is off (autocast=False)"
+        )
 
     linear = s * b * h * (16 * e + 2 * k)  # (B, T, C)-shaped tensors and their masks
+    if autocast:
+        # float32 LayerNorm inputs (+ (4 - e) each, two of them), two more e-byte copies of the
+        # q/k/v input (+ 2e), and the e-byte copies of the 12h² weight-matrix elements
+        linear += s * b * h * (2 * (4 - e) + 2 * e) + 12 * h * h * e
     if attention == "materialized":
         # (B, nh, T, T): softmax output, and with dropout its mask and its dropped-out copy
         quadratic = a * s * s * b * (2 * e + k if dropout else e)
@@ -405,7 +438,8 @@ def activation_bytes(
     """Activation bytes of ``n_layer`` identical layers: L × ``activation_bytes_per_layer(...)``.
 
     Same conventions and the same omissions (embeddings, logits, loss) as the per-layer
-    function; keyword arguments are passed through to it.
+    function; keyword arguments (``bytes_per_element``, ``dropout``, ``attention``,
+    ``autocast``, ...) are passed through to it.
     """
     n = _positive_int("n_layer", n_layer)
     return n * activation_bytes_per_layer(seq_len, micro_batch, d_model, n_head, **kwargs)

@@ -203,6 +203,54 @@ def test_activation_variants():
     assert s2 == 2 * 34 * sbh + 4 * 5 * a * s * s * b
 
 
+def test_activation_bytes_under_autocast():
+    # bf16 autocast over fp32 parameters: the two LayerNorm inputs stay fp32 (+2·2·sbh), q, k and
+    # v each save their own bf16 copy of the LayerNorm output (+2·2·sbh), and the bf16 copies of
+    # the 12h² weight-matrix elements are saved (+24h²).
+    s, b, h, a = 128, 2, 64, 4
+    sbh = s * b * h
+    kw = {"bytes_per_element": 2, "dropout": False, "attention": "flash"}
+    assert f.activation_bytes_per_layer(s, b, h, a, **kw) == 32 * sbh + 4 * a * s * b
+    mixed = f.activation_bytes_per_layer(s, b, h, a, autocast=True, **kw)
+    assert mixed == 40 * sbh + 24 * h * h + 4 * a * s * b
+    assert f.activation_bytes(3, s, b, h, a, autocast=True, **kw) == 3 * mixed
+    with pytest.raises(ValueError, match="autocast"):
+        f.activation_bytes_per_layer(s, b, h, a, bytes_per_element=4, autocast=True)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_activation_bytes_match_what_autograd_saves_in_a_block(autocast):
+    # One labkit.model Block on the CPU, fp32 parameters and an fp32 input (the residual stream),
+    # flash SDPA, no dropout: autograd saves the formula's bytes plus LayerNorm's mean and rstd
+    # (2 LayerNorms × 2 statistics × 4·s·b bytes), to the byte.
+    torch = pytest.importorskip("torch")
+    from labkit.config import ModelConfig
+    from labkit.model import Block
+
+    s, b, h, a = 32, 4, 64, 4
+    torch.manual_seed(0)
+    block = Block(ModelConfig(seq_len=s, n_layer=1, n_head=a, d_model=h))
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    x = torch.randn(b, s, h, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast(
+        "cpu", dtype=torch.bfloat16, enabled=autocast
+    ):
+        block(x)
+    predicted = f.activation_bytes_per_layer(
+        s, b, h, a, bytes_per_element=2 if autocast else 4, dropout=False, attention="flash",
+        autocast=autocast,
+    )
+    assert sum(saved.values()) == predicted + 2 * 2 * 4 * s * b
+
+
 # ---------------------------------------------------------------------------------------------
 # Communication
 
