@@ -36,9 +36,9 @@
 #   --all-tests     also run the whole CPU test suite (slow: raise --timeout-s)
 #   --with-launch   also run bench-launch on a GPU machine
 #   --notebooks G   only the solutions matching glob G (default "[0-9][0-9]_*.ipynb")
-#   --parallel N    run up to N notebooks at once (default 2 on a GPU, 1 with --dry-run): on
-#                   one GPU the multi-process labs run their ranks on the CPU, so two notebooks
-#                   share a 16-core machine well, and one short run covers them all
+#   --parallel N    run up to N notebooks at once (default 2 on a one-GPU machine, else 1):
+#                   on one GPU the multi-process labs run their ranks on the CPU, so two
+#                   notebooks share a 16-core machine well, and one short run covers them all
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -79,11 +79,9 @@ fi
 case "$BUDGET" in
   ''|*[!0-9]*) die "--timeout-s=$BUDGET is not allowed: a whole number of seconds, e.g. 480" ;;
 esac
-if [ -z "$PARALLEL" ]; then
-  if [ "$DRY" = 1 ]; then PARALLEL=1; else PARALLEL=2; fi
-fi
 case "$PARALLEL" in
-  ''|*[!0-9]*|0) die "--parallel=$PARALLEL is not allowed: a whole number of notebooks >= 1" ;;
+  ''|[1-9]|[1-9][0-9]) ;;
+  *) die "--parallel=$PARALLEL is not allowed: a whole number of notebooks >= 1" ;;
 esac
 [ -z "$WHEELS" ] || [ -d "$WHEELS" ] || die "--wheels $WHEELS: no such folder"
 command -v timeout >/dev/null || die "coreutils 'timeout' is missing: every step needs it"
@@ -109,6 +107,14 @@ else
     echo "gpu_check: no NVIDIA GPU found (nvidia-smi / torch.cuda)$SMI;" \
       "use --dry-run to exercise the script on CPU" >&2
     exit 2
+  fi
+fi
+if [ -z "$PARALLEL" ]; then
+  # Two notebooks at once only on one GPU, where the multi-process labs put their ranks on the
+  # CPU. With several GPUs a notebook's job takes them all, and two at once would share them.
+  PARALLEL=1
+  if [ "$DRY" = 0 ] && [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" = 1 ]; then
+    PARALLEL=2
   fi
 fi
 
