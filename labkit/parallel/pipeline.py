@@ -6,8 +6,9 @@
     pipe.timeline.events                               # when each F and B ran, for a Gantt
 
 Stage 0 also holds the embeddings (``wte``, ``wpe``), the last stage ``ln_f`` and ``lm_head``.
-Activations go forward and their gradients backward with point-to-point ``send``/``recv``
-(gloo does them on CPU tensors, NCCL on GPU ones).
+Activations go forward and their gradients backward with point-to-point sends and receives
+(gloo does them on CPU tensors, NCCL on GPU ones), posted in the batches of ``p2p_plan`` so
+that they cannot deadlock where sends do not buffer (NCCL); ``p2p_deadlock`` checks a plan.
 
 Schedules (action lists in ``labkit.parallel.schedules``):
 
@@ -383,32 +384,174 @@ class StageProbe:
         }
 
 
+# --- the point-to-point plan: which transfers each rank posts, and in which groups ------------
+
+# One transfer, as a rank sees it: ("send" or "recv", peer rank, "act" or "grad", micro-batch).
+P2P = tuple[str, int, str, int]
+Batch = list[P2P]  # posted together with one ``batch_isend_irecv``
+
+
+def _transfers(kind: str, mb: int, stage: int, p: int) -> tuple[P2P | None, P2P | None]:
+    """The receive action (``kind``, ``mb``) needs before it computes, the send it makes after.
+
+    F(mb) receives the activation from stage − 1 and sends its output to stage + 1; B(mb)
+    receives the output's gradient from stage + 1 and sends the input's to stage − 1. The
+    first stage has no one before it, the last no one after it.
+    """
+    if kind == "F":
+        recv = ("recv", stage - 1, "act", mb) if stage > 0 else None
+        send = ("send", stage + 1, "act", mb) if stage < p - 1 else None
+    else:
+        recv = ("recv", stage + 1, "grad", mb) if stage < p - 1 else None
+        send = ("send", stage - 1, "grad", mb) if stage > 0 else None
+    return recv, send
+
+
+def p2p_plan(order: Sequence[tuple[str, int]], stage: int, p: int) -> list[tuple[Batch, Batch]]:
+    """For each action of ``order``: the batch this stage posts before computing it, and after.
+
+    Why batches. NCCL runs all point-to-point traffic between two ranks in issue order on one
+    stream, and a send of more than NCCL's small internal buffer does not finish until the peer
+    has posted the matching receive (NVIDIA/nccl#783; #479 for grouping a send with a receive).
+    Posted one at a time, 1F1B's steady state deadlocks for every m >= 2: with p = 2, m = 2,
+    stage 0 posts send a0, send a1, recv g0, recv g1 and stage 1 recv a0, send g0, recv a1,
+    send g1. Send a1 waits for recv a1, queued behind send g0, which waits for recv g0, queued
+    behind send a1: a cycle. gloo buffers sends, so CPU runs never show it.
+
+    The cure is torch's own (``torch.distributed.pipelining.Schedule1F1B`` posts the forward's
+    send and the backward's receive as one ``batch_isend_irecv``, "for deadlock avoidance"): a
+    send whose very next transfer on this rank is a receive from the *same* peer is held back
+    and posted together with that receive, so each side offers both halves at once. That only
+    happens when the next action starts with that receive (F then B on the link to stage + 1,
+    B then F on the link to stage − 1), so nothing is computed in between: holding the send
+    back delays no one. Every other send goes alone right after its action.
+
+    Returns one (before, after) pair per action: ``before`` holds the action's receive, with a
+    held-back send of the previous action first; ``after`` holds its send unless it was held
+    back. Either may be empty. ``Pipeline._run_order`` executes exactly this plan, and
+    ``p2p_deadlock`` checks a plan of every rank without running anything.
+    """
+    steps = [_transfers(kind, mb, stage, p) for kind, mb in order]
+    plan: list[tuple[Batch, Batch]] = []
+    held: P2P | None = None  # the previous action's send, waiting for this action's receive
+    for i, (recv, send) in enumerate(steps):
+        before = ([held] if held else []) + ([recv] if recv else [])
+        held = None
+        after: Batch = []
+        if send is not None:
+            next_recv = steps[i + 1][0] if i + 1 < len(steps) else None
+            if next_recv is not None and next_recv[1] == send[1]:
+                held = send
+            else:
+                after = [send]
+        plan.append((before, after))
+    return plan
+
+
+def p2p_batches(schedule: str, p: int, m: int, stage: int) -> list[Batch]:
+    """The batches one stage posts during a step of ``schedule``, in order (empty ones left out)."""
+    plan = p2p_plan(schedule_order(schedule, p, m, stage), stage, p)
+    return [batch for pair in plan for batch in pair if batch]
+
+
+def p2p_deadlock(batches: Sequence[Sequence[Batch]]) -> str | None:
+    """Play every rank's batches (``batches[rank]``) with rendezvous semantics; None if all end.
+
+    The strictest model of NCCL: a rank posts its batches one after the other and a batch is
+    done only when each of its transfers has met its partner (a send finishes when the peer
+    has posted the receive, however small the tensor); between two ranks, the k-th send one
+    way meets the k-th receive (FIFO, tags are not looked at, as in NCCL). A plan that ends
+    here ends on any real transport, which can only buffer more. Returns a description of the
+    first problem: a deadlock (every unfinished rank waits), or a send met by a receive of a
+    different tensor (NCCL would deliver the wrong data silently).
+    """
+    n = len(batches)
+    pos = [0] * n  # index of the batch each rank is posting
+    open_ops = [list(b[0]) if b else [] for b in batches]  # its transfers still unmatched
+    while True:
+        progressed = False
+        for a in range(n):
+            for b in range(n):
+                # FIFO: a's first unmatched send to b meets b's first unmatched receive from
+                # a; earlier batches are done, so these are the first ones of the whole step.
+                send = next((o for o in open_ops[a] if o[0] == "send" and o[1] == b), None)
+                recv = next((o for o in open_ops[b] if o[0] == "recv" and o[1] == a), None)
+                if send is None or recv is None:
+                    continue
+                if send[2:] != recv[2:]:
+                    return (f"rank {a} sends {send[2]} {send[3]} to rank {b}, which receives "
+                            f"{recv[2]} {recv[3]} from it in that place")  # fmt: skip
+                open_ops[a].remove(send)
+                open_ops[b].remove(recv)
+                progressed = True
+        for r in range(n):  # a rank whose batch is done posts its next one
+            while not open_ops[r] and pos[r] < len(batches[r]):
+                pos[r] += 1
+                progressed = True
+                if pos[r] < len(batches[r]):
+                    open_ops[r] = list(batches[r][pos[r]])
+        if all(pos[r] >= len(batches[r]) for r in range(n)):
+            return None
+        if not progressed:
+            waiting = "; ".join(
+                f"rank {r} at batch {pos[r]} waits on {open_ops[r]}"
+                for r in range(n)
+                if pos[r] < len(batches[r])
+            )
+            return f"deadlock: {waiting}"
+
+
 # --- the pipeline, one rank's view -------------------------------------------------------------
 
 
 class _Links:
     """Point-to-point transfers with the neighbour stages (global rank = stage index).
 
-    Sends are non-blocking (``isend``): in 1F1B two neighbours may send to each other at the
-    same moment (an activation forward, a gradient backward), and two blocking sends would
-    wait for each other for ever. Receives block: a stage cannot compute without its input.
+    Everything goes through ``batch_isend_irecv``, one batch as ``p2p_plan`` says. A batch with
+    a receive is waited for at once (the stage cannot compute without its input; its held-back
+    send, if any, completes with it). A batch of one send is not: the stage computes on while
+    it travels, and ``wait`` ends the step's last ones.
     """
 
     def __init__(self) -> None:
-        self.pending: list[Any] = []  # isend handles, waited for at the end of the step
+        self.outbox: dict[tuple[str, int], torch.Tensor] = {}  # ("act"/"grad", mb) -> to send
+        self.pending: list[tuple[list[Any], list[torch.Tensor]]] = []  # send works, tensors
 
-    def recv(self, src: int, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        buf = torch.empty(shape, dtype=torch.float32, device=device)
-        tdist.recv(buf, src=src)
-        return buf
+    def put(self, what: str, mb: int, t: torch.Tensor) -> None:
+        """Hand over a tensor for the plan's send of (``what``, ``mb``)."""
+        self.outbox[(what, mb)] = t.detach().contiguous()
 
-    def send(self, t: torch.Tensor, dst: int) -> None:
-        self.pending.append(tdist.isend(t.detach().contiguous(), dst=dst))
+    def post(
+        self, batch: Batch, shape: tuple[int, ...], device: torch.device
+    ) -> dict[tuple[str, int], torch.Tensor]:
+        """Post one batch; return its received tensors by (``what``, ``mb``)."""
+        if not batch:
+            return {}
+        ops, sent, received = [], [], {}
+        for verb, peer, what, mb in batch:
+            if verb == "send":
+                t = self.outbox.pop((what, mb))
+                sent.append(t)
+                ops.append(tdist.P2POp(tdist.isend, t, peer))
+            else:
+                buf = torch.empty(shape, dtype=torch.float32, device=device)
+                received[(what, mb)] = buf
+                ops.append(tdist.P2POp(tdist.irecv, buf, peer))
+        works = tdist.batch_isend_irecv(ops)
+        if received:
+            for work in works:
+                work.wait()
+        else:
+            self.pending.append((works, sent))  # the tensors stay alive until sent
+        return received
 
     def wait(self) -> None:
-        for work in self.pending:
-            work.wait()
+        for works, _ in self.pending:
+            for work in works:
+                work.wait()
         self.pending.clear()
+        if self.outbox:
+            raise RuntimeError(f"p2p plan left tensors unsent: {sorted(self.outbox)}")
 
 
 class Pipeline:
@@ -448,6 +591,7 @@ class Pipeline:
         self.probe = StageProbe(self.timeline, device, self.p)
         self.stage.probe = self.probe
         self.links = _Links()
+        self._p2p_ready = False  # True once a collective has run (see step)
         self._torch_schedules: dict[tuple[str, int], Any] = {}
         self.model_cfg = model.cfg
         self.d_model, self.vocab_size = model.cfg.d_model, model.cfg.vocab_size
@@ -468,6 +612,13 @@ class Pipeline:
         self.stage.zero_grad(set_to_none=True)
         self.probe.reset()
         self.timeline.clear()
+        if not self._p2p_ready and self.p > 1:
+            # batch_isend_irecv's first call in a group must include every rank of it (its
+            # docstring); a 1F1B step's first batch joins only stages 0 and 1. A collective
+            # first, once, makes any later subset legal (pp_train's common_t0 is one, but
+            # other callers, e.g. the exercises, step without one).
+            tdist.barrier()
+            self._p2p_ready = True
         if schedule.startswith("torch_"):
             loss_sum = self._run_torch(schedule, x, y, n_microbatches)
         else:
@@ -480,7 +631,11 @@ class Pipeline:
         return float(loss.item())
 
     def _run_order(self, schedule: str, x: torch.Tensor, y: torch.Tensor, m: int) -> float:
-        """Execute our own action list (``labkit.parallel.schedules``) for this stage."""
+        """Execute our own action list (``labkit.parallel.schedules``) for this stage.
+
+        The transfers follow ``p2p_plan``: before each action the batch holding its receive
+        (and a send held back from the action before), after it the batch with its send.
+        """
         stage, links, r, p = self.stage, self.links, self.rank, self.p
         xs, ys = x.to(self.device).chunk(m), y.to(self.device).chunk(m)  # m × (b, T)
         b, T = xs[0].shape
@@ -488,28 +643,27 @@ class Pipeline:
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
         loss_sum = 0.0
-        for kind, j in schedule_order(schedule, p, m, r):
+        order = schedule_order(schedule, p, m, r)
+        for (kind, j), (before, after) in zip(order, p2p_plan(order, r, p), strict=True):
+            received = links.post(before, act_shape, self.device)
             if kind == "F":
-                if stage.is_first:
-                    inp = xs[j]
-                else:
-                    inp = links.recv(r - 1, act_shape, self.device).requires_grad_()
+                inp = xs[j] if stage.is_first else received["act", j].requires_grad_()
                 out = stage(inp)
                 if stage.is_last:
                     out = loss_fn(out, ys[j]) / m  # 1/m: gradient of the batch's mean loss
                     loss_sum += float(out.detach())
                 else:
-                    links.send(out, r + 1)
+                    links.put("act", j, out)
                 inputs[j], outputs[j] = inp, out
             else:
                 inp, out = inputs.pop(j), outputs.pop(j)  # popping frees the graph after B
                 if stage.is_last:
                     out.backward()
                 else:
-                    grad = links.recv(r + 1, act_shape, self.device)
-                    torch.autograd.backward(out, grad)
+                    torch.autograd.backward(out, received[("grad", j)])
                 if not stage.is_first:
-                    links.send(inp.grad, r - 1)
+                    links.put("grad", j, inp.grad)
+            links.post(after, act_shape, self.device)
         return loss_sum
 
     def _run_torch(self, schedule: str, x: torch.Tensor, y: torch.Tensor, m: int) -> float:
