@@ -294,6 +294,7 @@ def _one_strategy(
 
 @dist.entrypoint
 def main(ctx: dist.Context) -> dict[str, Any]:
+    _refuse_gloo_on_cuda(ctx.backend, ctx.device.type)  # launched without run()
     cfg = validate_dp_config(
         ctx.config, ctx.world_size, torch.cuda.device_count(), device=ctx.device.type
     )
@@ -330,13 +331,29 @@ def main(ctx: dist.Context) -> dict[str, Any]:
 
 
 def run(
-    config: dict[str, Any], *, nproc: int = 2, device: str = "auto", **launch_kwargs: Any
+    config: dict[str, Any],
+    *,
+    nproc: int = 2,
+    device: str = "auto",
+    backend: str = "auto",
+    **launch_kwargs: Any,
 ) -> launch.JobResult:
-    """Check ``config`` (ValueError before anything starts), then launch the job."""
+    """Check ``config`` and the backend (ValueError before anything starts), then launch."""
     gpu_count = launch.visible_gpu_count()
-    _, dev = launch.resolve_backend(nproc, device, "auto", gpu_count=gpu_count)
+    be, dev = launch.resolve_backend(nproc, device, backend, gpu_count=gpu_count)
+    _refuse_gloo_on_cuda(be, dev)
     validate_dp_config(config, nproc, gpu_count, device=dev)
-    return launch.run(MODULE, nproc=nproc, config=config, device=dev, **launch_kwargs)
+    return launch.run(MODULE, nproc=nproc, config=config, device=dev, backend=be, **launch_kwargs)
+
+
+def _refuse_gloo_on_cuda(backend: str, device_type: str) -> None:
+    """The policy of ``pp_train``: gloo moves CUDA tensors for all_reduce and broadcast only,
+    so ZeRO-1's and FSDP2's reduce-scatter would fail mid-job, and the config (which derives
+    its backend from the device) would record NCCL. Refuse the combination up front."""
+    if backend == "gloo" and device_type == "cuda":
+        raise ValueError("backend='gloo' with device='cuda': gloo does not reduce-scatter GPU "
+                         "tensors (ZeRO-1 and FSDP2 need it): launch with backend='nccl' (a GPU "
+                         "per rank) or device='cpu'")  # fmt: skip
 
 
 if __name__ == "__main__":
