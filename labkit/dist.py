@@ -202,6 +202,18 @@ def collective_device(group: Any = None) -> torch.device:
     return torch.device("cpu")
 
 
+def require_gpu_backend(backend: str, device_type: str, needs: str) -> None:
+    """Refuse a gloo job on GPUs for a worker whose collectives gloo cannot do on GPU tensors.
+
+    gloo moves CUDA tensors for all_reduce and broadcast only (torch's backend table); a job
+    that ``needs`` anything else would fail mid-run with a message that names neither.
+    """
+    if backend == "gloo" and device_type == "cuda":
+        raise ValueError(f"backend='gloo' with device='cuda': {needs}, which gloo does not do on "
+                         "GPU tensors: launch with backend='nccl' (a GPU per rank) or "
+                         "device='cpu'")  # fmt: skip
+
+
 # --- setup and teardown ----------------------------------------------------------------------
 
 

@@ -43,6 +43,8 @@ from labkit.parallel.dp_config import (
 from labkit.train import Batch, make_scaler, train_step
 
 MODULE = "labkit.workers.dp_train"
+# What gloo cannot do on GPU tensors that this worker does (dist.require_gpu_backend).
+NEEDS = "ZeRO-1 and FSDP2 reduce-scatter gradients"
 
 
 # --- pieces shared by the worker and the single-process reference -----------------------------
@@ -294,7 +296,7 @@ def _one_strategy(
 
 @dist.entrypoint
 def main(ctx: dist.Context) -> dict[str, Any]:
-    _refuse_gloo_on_cuda(ctx.backend, ctx.device.type)  # launched without run()
+    dist.require_gpu_backend(ctx.backend, ctx.device.type, NEEDS)  # launched without run()
     cfg = validate_dp_config(
         ctx.config, ctx.world_size, torch.cuda.device_count(), device=ctx.device.type
     )
@@ -341,19 +343,9 @@ def run(
     """Check ``config`` and the backend (ValueError before anything starts), then launch."""
     gpu_count = launch.visible_gpu_count()
     be, dev = launch.resolve_backend(nproc, device, backend, gpu_count=gpu_count)
-    _refuse_gloo_on_cuda(be, dev)
+    dist.require_gpu_backend(be, dev, NEEDS)
     validate_dp_config(config, nproc, gpu_count, device=dev)
     return launch.run(MODULE, nproc=nproc, config=config, device=dev, backend=be, **launch_kwargs)
-
-
-def _refuse_gloo_on_cuda(backend: str, device_type: str) -> None:
-    """The policy of ``pp_train``: gloo moves CUDA tensors for all_reduce and broadcast only,
-    so ZeRO-1's and FSDP2's reduce-scatter would fail mid-job, and the config (which derives
-    its backend from the device) would record NCCL. Refuse the combination up front."""
-    if backend == "gloo" and device_type == "cuda":
-        raise ValueError("backend='gloo' with device='cuda': gloo does not reduce-scatter GPU "
-                         "tensors (ZeRO-1 and FSDP2 need it): launch with backend='nccl' (a GPU "
-                         "per rank) or device='cpu'")  # fmt: skip
 
 
 if __name__ == "__main__":

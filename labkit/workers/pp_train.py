@@ -93,12 +93,8 @@ def main(ctx: dist.Context) -> dict[str, Any]:
     seed = int(conf.get("seed", 0))
     warmup, repeats = int(conf.get("warmup", 1)), int(conf.get("repeats", 3))
     p = ctx.world_size
-    if ctx.backend == "gloo" and ctx.device.type == "cuda":
-        # gloo moves CUDA tensors for all_reduce and broadcast only; the stages' send/recv
-        # would fail deep inside a schedule with a message that names neither.
-        raise ValueError("pipeline stages exchange activations with send/recv, which gloo does "
-                         "not do on GPU tensors: launch with backend='nccl' (a GPU per rank) "
-                         "or device='cpu'")  # fmt: skip
+    dist.require_gpu_backend(ctx.backend, ctx.device.type, "pipeline stages exchange "
+                             "activations with send/recv")  # fmt: skip
     plan = {name: _counts(name, ms, p) for name in schedules}
     for name, counts in plan.items():  # fail before any work, with the launcher's clear message
         for m in counts:
