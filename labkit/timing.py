@@ -77,6 +77,25 @@ class TimingResult:
         """(max - min) / median: how much the repeats disagree, as a fraction."""
         return (self.max_s - self.min_s) / self.median_s if self.median_s > 0 else 0.0
 
+    @property
+    def quartiles_s(self) -> tuple[float, float]:
+        """(first, third) quartile of the repeats: the middle half of them lies in between.
+
+        Unlike min and max, one repeat slowed by another process on a shared machine moves
+        them little. Linear interpolation between order statistics (``statistics.quantiles``
+        with ``method="inclusive"``, numpy's default); one repeat gives (it, it).
+        """
+        if len(self.samples_s) < 2:
+            return self.samples_s[0], self.samples_s[0]
+        q1, _, q3 = statistics.quantiles(self.samples_s, n=4, method="inclusive")
+        return q1, q3
+
+    @property
+    def iqr_s(self) -> float:
+        """The interquartile range, third quartile minus first: the middle half's width."""
+        q1, q3 = self.quartiles_s
+        return q3 - q1
+
     def to_dict(self) -> dict:
         return {
             "name": self.name, "median_s": self.median_s, "min_s": self.min_s,
@@ -201,6 +220,27 @@ def benchmark(
     return TimingResult(
         name=name or getattr(fn, "__name__", "fn"), samples_s=tuple(samples),
         device=str(device), method=timer.method, warmup=warmup,
+    )
+
+
+def pooled(results: Sequence[TimingResult], name: str | None = None) -> TimingResult:
+    """One result holding the repeats of several results of the same timer.
+
+    Measure two things in alternating rounds (A, B, A, B, ...) and pool each one's rounds:
+    a burst of load on a shared machine then falls on both instead of on whichever happened
+    to run during it.
+    """
+    if not results:
+        raise ValueError("results is empty: pool at least one TimingResult")
+    first = results[0]
+    odd = [r.name for r in results if (r.device, r.method) != (first.device, first.method)]
+    if odd:
+        raise ValueError(f"results {odd} were timed differently from {first.name!r} "
+                         f"({first.method} on {first.device}): pool only like with like")
+    return TimingResult(
+        name=name or first.name,
+        samples_s=tuple(s for r in results for s in r.samples_s),
+        device=first.device, method=first.method, warmup=first.warmup, versions=first.versions,
     )
 
 

@@ -66,3 +66,33 @@ def test_real_benchmark_measures_real_work():
     a = torch.randn(128, 128)
     small = timing.benchmark(lambda: a @ a, repeats=3)
     assert all(s > 0 for s in small.samples_s)
+
+
+def test_quartiles_bound_the_middle_half_and_ignore_one_slow_repeat():
+    quiet = timing.TimingResult("step", (1.0, 2.0, 3.0, 4.0, 5.0), "cpu", "perf_counter", 0)
+    assert quiet.quartiles_s == pytest.approx((2.0, 4.0))  # inclusive (numpy's linear) method
+    assert quiet.iqr_s == pytest.approx(2.0)
+    # Another process takes the core for one repeat: the range explodes, the middle half not.
+    disturbed = timing.TimingResult("step", (1.0, 2.0, 3.0, 4.0, 500.0), "cpu", "perf_counter", 0)
+    assert disturbed.spread > 100 * quiet.spread
+    assert disturbed.quartiles_s == quiet.quartiles_s
+    single = timing.TimingResult("step", (7.0,), "cpu", "perf_counter", 0)
+    assert single.quartiles_s == (7.0, 7.0) and single.iqr_s == 0.0
+
+
+def test_pooled_keeps_every_repeat_of_alternating_rounds():
+    rounds = [timing.TimingResult("mm", (1.0, 2.0), "cpu", "m", 1),
+              timing.TimingResult("mm", (3.0,), "cpu", "m", 1)]
+    pooled = timing.pooled(rounds, name="matmul")
+    assert pooled.samples_s == (1.0, 2.0, 3.0)
+    assert (pooled.name, pooled.device, pooled.method) == ("matmul", "cpu", "m")
+    assert timing.pooled(rounds).name == "mm"
+
+
+def test_pooled_refuses_results_timed_differently():
+    synced = timing.TimingResult("mm", (1.0,), "cpu", "perf_counter after synchronize", 1)
+    unsynced = timing.TimingResult("mm (no sync)", (1.0,), "cpu", "no synchronize", 0)
+    with pytest.raises(ValueError, match="like with like"):
+        timing.pooled([synced, unsynced])
+    with pytest.raises(ValueError, match="empty"):
+        timing.pooled([])
