@@ -8,8 +8,9 @@ Three jobs, kept apart:
    lookup (``peak_flops``): a device name that is not recognised exactly gets *no* peak, with the
    reason, never a guess. (torchtitan's ``get_peak_flops`` falls back to the A100 figure for an
    unknown GPU, and nanoGPT hard-codes it: an H100 then shows an MFU above 100%.)
-3. A measured ceiling (``measured_matmul_flops``): what ``torch.matmul`` reaches on this device,
-   labelled as measured. On a CPU this is the only honest "peak" the course has.
+3. A measured ceiling (``measured_matmul_flops``): the best ``torch.matmul`` reaches on this
+   device at the shapes a workload uses, labelled as measured. On a CPU this is the only honest
+   "peak" the course has.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import html
 import os
 import platform
 import re
-from collections.abc import Callable
+import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -639,21 +641,32 @@ def memory_spec(device_name: str) -> MemoryRow | None:
 # Measured ceiling
 
 
+Shape = tuple[int, int, int]  # (m, k, n): an (m×k) @ (k×n) product, 2·m·k·n FLOPs
+
+
 @dataclass(frozen=True)
 class MeasuredFlops:
-    """A FLOP/s figure measured on this machine (not a published peak)."""
+    """A FLOP/s ceiling measured on this machine (not a published peak): the best that
+    ``torch.matmul`` reached over the shapes measured."""
 
-    value: float  # FLOP/s: 2·n³ / median seconds per matmul
+    value: float  # FLOP/s: 2·m·k·n / best_s, for the fastest shape
     dtype: str
-    n: int
+    shape: Shape  # the shape that reached ``value``
     device: str
-    repeats: int
-    median_s: float
+    repeats: int  # timed calls per shape
+    best_s: float  # the fastest call of ``shape``, seconds
+    median_s: float  # the median call of ``shape``, seconds: how far a typical call was
     threads: int  # torch.get_num_threads() during the measurement
     method: str
+    per_shape: tuple[tuple[Shape, float], ...] = ()  # (shape, best FLOP/s) for every shape
 
     def __str__(self) -> str:
         return f"{self.value / 1e9:.1f} GFLOP/s ({self.method}, {self.dtype}, {self.device})"
+
+
+def _shape_text(shape: Shape) -> str:
+    m, k, n = shape
+    return f"{m}×{k} @ {k}×{n}"
 
 
 def measured_matmul_flops(
@@ -662,17 +675,32 @@ def measured_matmul_flops(
     device: str | torch.device = "cpu",
     repeats: int = 10,
     warmup: int = 2,
+    shapes: Sequence[Shape] | None = None,
 ) -> MeasuredFlops:
-    """Measure what ``torch.matmul`` of two n×n matrices reaches here, in FLOP/s.
+    """Measure the most FLOP/s ``torch.matmul`` reaches here: a ceiling for a workload.
 
-    One n×n by n×n matmul is 2·n³ FLOPs (n³ multiply-adds). Runs ``warmup`` untimed matmuls,
-    then times ``repeats`` one by one and reports the median, which ignores a stray slow run.
-    On CUDA each timing is bracketed by ``torch.cuda.synchronize``, since kernels launch
-    asynchronously. The result is a *measured* ceiling for this shape on this machine (a CPU has
-    no published peak in PEAK_TABLE); real training kernels are smaller and reach less.
+    ``shapes`` are the (m, k, n) products to try, (m×k) @ (k×n), 2·m·k·n FLOPs each: pass the
+    shapes your workload multiplies, since small matrices reach less than large ones and a
+    ceiling measured on other sizes is no ceiling for them. Without ``shapes``, one n×n
+    square. Each shape gets ``warmup`` untimed calls; then ``repeats`` rounds time one call
+    of every shape in turn, so a burst of load on a shared machine does not fall on one shape
+    only. The ceiling is the **best** call of the best shape: another process can only make a
+    call slower, never faster, so the fastest run is the one closest to what the hardware can
+    do (Python's ``timeit`` documentation: "the lowest value gives a lower bound for how fast
+    your machine can run the given code snippet"). On CUDA each timing is synchronised
+    (``timing.Timer``), since kernels launch asynchronously. A CPU has no published peak in
+    PEAK_TABLE, so on a CPU this is the only honest "peak" the course has.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-        raise ValueError(f"n must be a positive integer, got {n!r}")
+    if shapes is None:
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ValueError(f"n must be a positive integer, got {n!r}")
+        shapes = [(n, n, n)]
+    shapes = [tuple(s) for s in shapes]
+    if not shapes or any(
+        len(s) != 3 or any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in s)
+        for s in shapes
+    ):
+        raise ValueError(f"shapes must be (m, k, n) triples of positive integers, got {shapes!r}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats <= 0:
         raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
@@ -683,20 +711,42 @@ def measured_matmul_flops(
 
     # A private generator leaves the global RNG (and so the learner's seeds) untouched.
     gen = torch.Generator(device=dev).manual_seed(0)
-    a = torch.randn(n, n, generator=gen, device=dev, dtype=torch.float32).to(dtype)
-    b = torch.randn(n, n, generator=gen, device=dev, dtype=torch.float32).to(dtype)
-    result = timing.benchmark(lambda: torch.matmul(a, b), device=dev, warmup=warmup,
-                              repeats=repeats, name=f"matmul {n}x{n}")
-    median = result.median_s
-    if median <= 0:
-        raise RuntimeError(f"matmul of n={n} timed as {median} s: the timer is too coarse; raise n")
+    calls = []
+    for m, k, n_ in shapes:
+        a = torch.randn(m, k, generator=gen, device=dev, dtype=torch.float32).to(dtype)
+        b = torch.randn(k, n_, generator=gen, device=dev, dtype=torch.float32).to(dtype)
+        calls.append(lambda a=a, b=b: torch.matmul(a, b))
+    for call in calls:
+        for _ in range(warmup):
+            call()
+    timing.synchronize(dev)
+    samples: list[list[float]] = [[] for _ in shapes]
+    timer = timing.Timer(dev)
+    for _ in range(repeats):
+        for call, times in zip(calls, samples, strict=True):
+            with timer:
+                call()
+            times.append(timer.elapsed_s)
+    per_shape = []
+    for shape, times in zip(shapes, samples, strict=True):
+        best = min(times)
+        if best <= 0:
+            raise RuntimeError(f"matmul {_shape_text(shape)} timed as {best} s: the timer is "
+                               "too coarse; use larger shapes")
+        per_shape.append((shape, 2 * shape[0] * shape[1] * shape[2] / best))
+    i = max(range(len(shapes)), key=lambda j: per_shape[j][1])
+    shape, times = shapes[i], samples[i]
+    what = (f"{len(shapes)} shapes, fastest {_shape_text(shape)}" if len(shapes) > 1
+            else _shape_text(shape))
     return MeasuredFlops(
-        value=2 * n**3 / median,
+        value=per_shape[i][1],
         dtype=str(dtype).removeprefix("torch."),
-        n=n,
+        shape=shape,
         device=str(dev),
         repeats=repeats,
-        median_s=median,
+        best_s=min(times),
+        median_s=statistics.median(times),
         threads=torch.get_num_threads(),
-        method=f"measured: torch.matmul {n}×{n}, median of {repeats} after {warmup} warm-up",
+        method=f"measured: torch.matmul, {what}, best of {repeats} after {warmup} warm-up",
+        per_shape=tuple(per_shape),
     )

@@ -270,8 +270,37 @@ def test_measured_matmul_flops_is_positive_and_labelled():
     result = hw.measured_matmul_flops(n=64, repeats=3, warmup=1)
     assert result.value > 0
     assert result.method.startswith("measured")
-    assert (result.n, result.repeats, result.device, result.dtype) == (64, 3, "cpu", "float32")
-    assert result.value == pytest.approx(2 * 64**3 / result.median_s)
+    assert (result.shape, result.repeats, result.device, result.dtype) == ((64, 64, 64), 3, "cpu",
+                                                                          "float32")
+    assert result.value == pytest.approx(2 * 64**3 / result.best_s)
+    assert result.best_s <= result.median_s
+
+
+def test_measured_matmul_flops_is_the_best_call_of_the_best_shape(monkeypatch):
+    """A ceiling: the fastest call wins, over every shape, never a median a slow call moved."""
+    # Injected seconds, one per call in the order the rounds make them:
+    # (shape a, shape b) x 3 rounds. Both shapes are 1024 FLOPs.
+    elapsed = iter([4.0, 2.0, 1.0, 3.0, 8.0, 9.0])
+
+    class FakeTimer:
+        def __init__(self, device):
+            self.elapsed_s = float("nan")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.elapsed_s = next(elapsed)
+
+    monkeypatch.setattr(hw.timing, "Timer", FakeTimer)
+    a, b = (4, 8, 16), (8, 8, 8)
+    result = hw.measured_matmul_flops(shapes=[a, b], repeats=3, warmup=0)
+    # a took 4, 1, 8 s (best 1, median 4); b took 2, 3, 9 s (best 2, median 3). By medians b
+    # would win; a ceiling takes the best call, so a, at 1024 FLOP / 1 s.
+    assert dict(result.per_shape) == pytest.approx({a: 1024.0, b: 512.0})
+    assert (result.shape, result.value) == (a, 1024.0)
+    assert (result.best_s, result.median_s) == (1.0, 4.0)
+    assert "2 shapes" in result.method and "best of 3" in result.method
 
 
 def test_measured_matmul_flops_leaves_global_rng_alone():
@@ -289,3 +318,9 @@ def test_measured_matmul_flops_rejects_bad_arguments():
         hw.measured_matmul_flops(n=8, repeats=0)
     with pytest.raises(ValueError, match="dtype"):
         hw.measured_matmul_flops(dtype=torch.int32, n=8)
+    with pytest.raises(ValueError, match="shapes"):
+        hw.measured_matmul_flops(shapes=[(8, 8)])
+    with pytest.raises(ValueError, match="shapes"):
+        hw.measured_matmul_flops(shapes=[(8, 0, 8)])
+    with pytest.raises(ValueError, match="shapes"):
+        hw.measured_matmul_flops(shapes=[])
