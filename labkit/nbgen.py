@@ -8,7 +8,6 @@ Code cells: whole-line comment markers, at any indentation, so the solution stil
 
     def count_params(cfg):
         # BEGIN SOLUTION
-        # HINT: embeddings, then L blocks of 12h² + 13h, then the final LayerNorm
         h = cfg.d_model
         ...
         # END SOLUTION
@@ -16,10 +15,11 @@ Code cells: whole-line comment markers, at any indentation, so the solution stil
 becomes, at the indentation of ``# BEGIN SOLUTION``::
 
     def count_params(cfg):
-        raise NotImplementedError("Exercise: embeddings, then L blocks of 12h² + 13h, then ...")
+        raise NotImplementedError("exercise not done yet: replace this line with your code")
 
-The optional ``# HINT:`` lines must come first inside the region; without one the stub says
-"replace this line with your code". A region must hold whole statements.
+The stub says nothing about the answer: hints live with the exercise's check, in steps
+(``labkit.exercises.hint``), so running a cell gives nothing away. A ``# HINT:`` line inside a
+region is refused for the same reason. A region must hold whole statements.
 
 Markdown cells (written answers)::
 
@@ -55,13 +55,14 @@ from pathlib import Path
 
 import nbformat
 
+from labkit.exercises import STUB_MESSAGE
+
 CODE_BEGIN = re.compile(r"^(?P<indent>[ \t]*)#\s*BEGIN SOLUTION\s*$")
 CODE_END = re.compile(r"^[ \t]*#\s*END SOLUTION\s*$")
-CODE_HINT = re.compile(r"^[ \t]*#\s*HINT:\s?(?P<hint>.*?)\s*$")
+CODE_HINT = re.compile(r"^[ \t]*#\s*HINT:")
 MD_BEGIN = re.compile(r"^\s*<!--\s*BEGIN SOLUTION\s*-->\s*$")
 MD_END = re.compile(r"^\s*<!--\s*END SOLUTION\s*-->\s*$")
 
-GENERIC_HINT = "replace this line with your code"
 MD_STUB = "*Your answer here.*"
 NOTEBOOK_GLOB = "[0-9][0-9]_*.ipynb"
 
@@ -78,10 +79,8 @@ class MarkerError(ValueError):
 # --------------------------------------------------------------------------- one cell
 
 
-def _stub_line(indent: str, hint: str) -> str:
-    # A double-quoted literal, escaped by hand so the stub reads like code a person wrote.
-    text = f"Exercise: {hint}".replace("\\", "\\\\").replace('"', '\\"')
-    return f'{indent}raise NotImplementedError("{text}")'
+def _stub_line(indent: str) -> str:
+    return f'{indent}raise NotImplementedError("{STUB_MESSAGE}")'
 
 
 def _replace_code_regions(source: str, where: str) -> str:
@@ -100,11 +99,13 @@ def _replace_code_regions(source: str, where: str) -> str:
             continue
         start = i
         i += 1
-        hints: list[str] = []
-        while i < len(lines) and (hint := CODE_HINT.match(lines[i])):
-            hints.append(hint["hint"])
-            i += 1
         while i < len(lines) and not CODE_END.match(lines[i]):
+            if CODE_HINT.match(lines[i]):
+                raise MarkerError(
+                    f"{where}: '# HINT:' on line {i + 1}: a stub carries no hint (it would give "
+                    "the answer away); put graded hints in the exercise's registration "
+                    "(labkit.exercises.exercise(..., hints=...))"
+                )
             if CODE_BEGIN.match(lines[i]):
                 raise MarkerError(
                     f"{where}: '# BEGIN SOLUTION' on line {i + 1} is inside the region opened "
@@ -116,8 +117,7 @@ def _replace_code_regions(source: str, where: str) -> str:
                 f"{where}: '# BEGIN SOLUTION' on line {start + 1} has no matching "
                 "'# END SOLUTION'; add one after the solution code"
             )
-        hint_text = " ".join(h for h in hints if h) or GENERIC_HINT
-        out.append(_stub_line(begin["indent"], hint_text))
+        out.append(_stub_line(begin["indent"]))
         i += 1  # skip the END line
     return "\n".join(out)
 

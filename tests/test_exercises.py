@@ -9,6 +9,7 @@ from nbformat.v4 import new_code_cell, new_notebook
 from labkit import exercises as ex
 from labkit import nbgen, timing
 from labkit.config import ModelConfig
+from labkit.exercises import single_gpu
 
 # --------------------------------------------------------------------------- reference answers,
 # written the way the solution notebook marks them, so the same source yields the stub.
@@ -17,7 +18,6 @@ SOLUTIONS = {
     "01.param_count": """
 def count_params(cfg):
     # BEGIN SOLUTION
-    # HINT: embeddings, L blocks of 12h² + 13h, final LayerNorm; the head is tied
     h, L, V, s = cfg.d_model, cfg.n_layer, cfg.vocab_size, cfg.seq_len
     return V * h + s * h + L * (12 * h * h + 13 * h) + 2 * h
     # END SOLUTION
@@ -29,7 +29,6 @@ from labkit import timing
 
 def timed(fn, device):
     # BEGIN SOLUTION
-    # HINT: synchronize, clock, fn(), synchronize, clock
     timing.synchronize(device)
     start = time.perf_counter()
     fn()
@@ -67,26 +66,34 @@ def test_check_passes_on_the_solution(exercise_id, capsys):
 
 
 @pytest.mark.parametrize("exercise_id", sorted(SOLUTIONS))
-def test_check_on_the_generated_stub_says_not_done_with_a_hint(exercise_id):
+def test_the_generated_stub_is_not_done_and_gives_nothing_away(exercise_id, capsys):
     stub = stub_of(SOLUTIONS[exercise_id])
     assert "NotImplementedError" in stub and "BEGIN SOLUTION" not in stub
+    assert f'raise NotImplementedError("{ex.STUB_MESSAGE}")' in stub  # no hint, no answer
+    # verify() raises, so workers and tests can tell "not done" from "wrong"
     with pytest.raises(ex.ExerciseIncomplete) as info:
-        ex.check(exercise_id, run_cell(stub))
-    message = str(info.value)
-    assert message == f"Exercise {exercise_id} is not done yet: {ex.get(exercise_id).hint}"
+        ex.verify(exercise_id, run_cell(stub))
+    assert str(info.value) == f"Exercise {exercise_id} is not done yet: {ex.get(exercise_id).hints[0]}"
     assert info.value.exercise_id == exercise_id
     assert isinstance(info.value, NotImplementedError)
+    # check() does not: one friendly line, and the notebook carries on
+    got = ex.check(exercise_id, run_cell(stub))
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and out.startswith(f"○ {exercise_id} (")
+    assert "not done yet" in out and ex.get(exercise_id).hints[0] in out
+    assert f'ex.hint("{exercise_id}")' in out
+    assert got is ex.get(exercise_id).reference  # the reference, or None if nothing uses it
 
 
 def test_registry_lists_and_rejects():
     assert [e.id for e in ex.catalogue("01")] == ["01.adam_bytes", "01.param_count", "01.timed"]
-    assert all(e.notebook == "01" and e.title and e.hint for e in ex.catalogue("01"))
+    assert all(e.notebook == "01" and e.title and len(e.hints) >= 2 for e in ex.catalogue("01"))
     with pytest.raises(ValueError, match=r"exercise_id='01.nope' is not registered; known: \["):
         ex.check("01.nope", None)
     with pytest.raises(ValueError, match="already registered"):
-        ex.exercise("01.timed", "t", "h")
+        ex.exercise("01.timed", "t", ("h",))
     with pytest.raises(ValueError, match=r"use 'NN\.name'"):
-        ex.exercise("timed", "t", "h")
+        ex.exercise("timed", "t", ("h",))
 
 
 def test_verify_returns_the_sentence_without_printing(capsys):
@@ -121,7 +128,7 @@ def correct_count(cfg: ModelConfig) -> int:
 )
 def test_param_count_names_the_mistake(wrong, diagnosis):
     with pytest.raises(ex.ExerciseFailed) as info:
-        ex.check("01.param_count", wrong)
+        ex.verify("01.param_count", wrong)
     message = str(info.value)
     assert "expected 120,576 parameters" in message  # the first config, counted from the model
     assert "got " in message and diagnosis in message
@@ -129,16 +136,16 @@ def test_param_count_names_the_mistake(wrong, diagnosis):
 
 def test_param_count_checks_every_config():
     # Right for the first configuration only: a single-shape check would pass this.
-    first = ex.PARAM_COUNT_CONFIGS[0]
+    first = single_gpu.PARAM_COUNT_CONFIGS[0]
     with pytest.raises(ex.ExerciseFailed, match="vocab_size=100"):
-        ex.check("01.param_count", lambda c: correct_count(first))
+        ex.verify("01.param_count", lambda c: correct_count(first))
 
 
 def test_param_count_wants_an_int_and_a_function():
     with pytest.raises(ex.ExerciseFailed, match=r"returned float .* return an int"):
-        ex.check("01.param_count", lambda c: float(correct_count(c)))
+        ex.verify("01.param_count", lambda c: float(correct_count(c)))
     with pytest.raises(ex.ExerciseFailed, match="got int 120576; pass the function itself"):
-        ex.check("01.param_count", 120576)
+        ex.verify("01.param_count", 120576)
 
 
 def test_errors_in_learner_code_are_reported_as_failures():
@@ -150,8 +157,84 @@ def test_errors_in_learner_code_are_reported_as_failures():
         match=r"count_params\(ModelConfig\(.*\)\) raised "
         r"AttributeError",
     ) as info:
-        ex.check("01.param_count", count_params)
+        ex.verify("01.param_count", count_params)
     assert isinstance(info.value.__cause__, AttributeError)
+    # the learner's own line, not labkit's frames, is what the message points at
+    assert "line" in str(info.value) and "return cfg.hidden_size" in str(info.value)
+
+
+# --------------------------------------------------------------------------- check() never stops Run All
+
+
+def test_a_wrong_answer_is_diagnosed_in_print_and_later_cells_get_the_reference(capsys):
+    got = ex.check("01.adam_bytes", lambda n: 12 * n)
+    out = capsys.readouterr().out
+    assert out.startswith("✗ 01.adam_bytes (") and "12 per parameter" in out
+    assert "Later cells use the reference answer" in out
+    assert got is single_gpu.reference_adamw_state_bytes and got(10) == 160
+    assert ex.whose("01.adam_bytes") == "the reference answer"
+
+
+def test_a_passing_answer_is_what_later_cells_use_and_it_says_so(capsys):
+    def mine(n):
+        return 16 * n
+
+    assert ex.check("01.adam_bytes", mine) is mine
+    assert "Later cells use your answer" in capsys.readouterr().out
+    assert ex.whose("01.adam_bytes") == "your answer"
+    # an exercise nothing later depends on returns None: a cell ending in a check shows nothing
+    assert ex.check("01.param_count", correct_count) is None
+
+
+def test_hints_come_in_steps_ending_with_the_recipe(capsys, monkeypatch):
+    monkeypatch.setattr(ex, "_HINTS_SHOWN", {})
+    hints = ex.get("01.timed").hints
+    ex.hint("01.timed")
+    first = capsys.readouterr().out
+    assert first.startswith(f"Hint 1 of {len(hints)} for 01.timed: {hints[0]}")
+    for level in range(2, len(hints) + 1):
+        ex.hint("01.timed")
+        assert capsys.readouterr().out.startswith(f"Hint {level} of {len(hints)}")
+    ex.hint("01.timed")  # past the end: the recipe again, said to be the last
+    out = capsys.readouterr().out
+    assert hints[-1] in out and "last hint" in out and hints[-1].startswith("recipe")
+    with pytest.raises(ValueError, match="has hints 1 to"):
+        ex.hint("01.timed", level=len(hints) + 1)
+
+
+def test_not_done_counts_as_the_first_hint_shown(capsys, monkeypatch):
+    monkeypatch.setattr(ex, "_HINTS_SHOWN", {})
+    ex.check("01.param_count", run_cell(stub_of(SOLUTIONS["01.param_count"])))
+    capsys.readouterr()
+    ex.hint("01.param_count")
+    assert capsys.readouterr().out.startswith("Hint 2 of ")
+
+
+@pytest.mark.parametrize("exercise", ex.catalogue(), ids=lambda e: e.id)
+def test_every_exercise_has_graded_hints_whose_first_is_not_the_recipe(exercise):
+    first, *_, last = exercise.hints
+    assert len(exercise.hints) >= 3, "a conceptual hint, more on request, the recipe last"
+    assert last.startswith("recipe")
+    assert "recipe" not in first and len(set(exercise.hints)) == len(exercise.hints)
+
+
+def test_is_stub_reads_the_source_of_functions_and_classes(tmp_path):
+    path = tmp_path / "learner.py"
+    path.write_text(
+        "import torch\n"
+        "def done(x):\n    return x\n"
+        f"def todo(x):\n    raise NotImplementedError({ex.STUB_MESSAGE!r})\n"
+        "def raises_later(x):\n    if x:\n        raise NotImplementedError('mine')\n    return x\n"
+        "class Half(torch.autograd.Function):\n"
+        "    @staticmethod\n    def forward(ctx, x):\n        return x\n"
+        f"    @staticmethod\n    def backward(ctx, g):\n        raise NotImplementedError('x')\n"
+    )
+    from labkit.exercises.model_parallel import load_file
+
+    m = load_file(path)
+    assert not ex.is_stub(m.done) and ex.is_stub(m.todo)
+    assert not ex.is_stub(m.raises_later)  # only a top-level raise is the stub
+    assert ex.is_stub(m.Half) and ex.is_stub((m.done, m.todo)) and not ex.is_stub(42)
 
 
 # --------------------------------------------------------------------------- 01.timed
@@ -219,7 +302,7 @@ def test_timed_accepts_other_clocks_and_sync_calls(capsys):
 )
 def test_timed_explains_each_mistake(wrong, message):
     with pytest.raises(ex.ExerciseFailed, match=message):
-        ex.check("01.timed", wrong)
+        ex.verify("01.timed", wrong)
 
 
 def test_timed_restores_clocks_and_synchronize_even_after_a_failure():
@@ -232,9 +315,9 @@ def test_timed_restores_clocks_and_synchronize_even_after_a_failure():
         globals()["perf_counter"],
     )
     with pytest.raises(ex.ExerciseFailed):
-        ex.check("01.timed", timed_without_sync)
+        ex.verify("01.timed", timed_without_sync)
     with pytest.raises(ex.ExerciseFailed):
-        ex.check("01.timed", lambda fn, device: 1 / 0)
+        ex.verify("01.timed", lambda fn, device: 1 / 0)
     assert (
         time.perf_counter,
         time.time_ns,
@@ -260,10 +343,10 @@ def test_timed_restores_clocks_and_synchronize_even_after_a_failure():
 )
 def test_adam_bytes_names_the_mistake(per_param, message):
     with pytest.raises(ex.ExerciseFailed, match=message) as info:
-        ex.check("01.adam_bytes", lambda n: per_param * n)
+        ex.verify("01.adam_bytes", lambda n: per_param * n)
     assert "expected 16 bytes" in str(info.value)
 
 
 def test_adam_bytes_wants_an_int():
     with pytest.raises(ex.ExerciseFailed, match="returned float"):
-        ex.check("01.adam_bytes", lambda n: n * 16.0)
+        ex.verify("01.adam_bytes", lambda n: n * 16.0)

@@ -19,8 +19,8 @@ import torch.distributed as tdist
 from nbformat.v4 import new_code_cell, new_notebook
 
 from labkit import exercises as ex
-from labkit import exercises_dp as exdp
 from labkit import launch, nbgen
+from labkit.exercises import data_parallel as exdp
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "solutions" / "02_data_parallelism.ipynb"
@@ -75,7 +75,7 @@ def test_the_notebook_writes_one_file_per_exercise_and_checks_it_in_workers():
     nb = nbformat.read(NOTEBOOK, as_version=4)
     text = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
     for module, exercise_id in FILES.items():
-        assert f'exdp.check_in_workers("{exercise_id}", ex_dir / "{module}.py")' in text
+        assert f'ex.check_in_workers("{exercise_id}", ex_dir / "{module}.py")' in text
         assert exdp.EXERCISES[exercise_id] in cells[module]  # defines the checked function
 
 
@@ -105,7 +105,7 @@ def test_solutions_pass_and_stubs_say_not_done_with_the_hint(group, tmp_path):
         assert stub == {
             "id": exercise_id,
             "status": "incomplete",
-            "message": f"Exercise {exercise_id} is not done yet: {ex.get(exercise_id).hint}",
+            "message": f"Exercise {exercise_id} is not done yet: {ex.get(exercise_id).hints[0]}",
         }
 
 
@@ -258,9 +258,8 @@ def _ranks(*statuses: str) -> list[dict]:
     ]
 
 
-def test_summary_is_one_line_when_every_rank_passes():
-    line = exdp.summarize("02.zero1_shard", _ranks("ok", "ok"))
-    assert line == "✓ 02.zero1_shard: ok on rank 0 (checked in 2 worker processes)"
+def test_summary_is_rank_0s_sentence_when_every_rank_passes():
+    assert exdp.summarize("02.zero1_shard", _ranks("ok", "ok")) == "ok on rank 0"
 
 
 def test_summary_raises_the_first_failure_before_a_stub():
@@ -275,15 +274,34 @@ def test_summary_raises_the_first_failure_before_a_stub():
 
 def test_bad_arguments_fail_before_anything_starts(tmp_path):
     with pytest.raises(ValueError, match=r"exercise_id=.02\.nope."):
-        exdp.check_in_workers("02.nope", tmp_path / "x.py")
+        exdp.verify_file("02.nope", tmp_path / "x.py")
     with pytest.raises(ValueError, match=r"must end in \.py"):
-        exdp.check_in_workers("02.zero1_shard", tmp_path / "x.txt")
+        exdp.verify_file("02.zero1_shard", tmp_path / "x.txt")
+
+
+def test_a_stub_file_is_reported_not_done_in_one_line_without_launching(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(launch, "run", lambda *a, **k: pytest.fail("a stub needs no job"))
+    cells = writefile_cells()
+    for module, exercise_id in FILES.items():
+        path = write(tmp_path, module, body(stub_of(cells[module])))
+        assert ex.check_in_workers(exercise_id, path) is None  # no exception: Run All goes on
+        out = capsys.readouterr().out
+        assert out.startswith(f"○ {exercise_id} (") and out.count("\n") == 1
+        assert ex.get(exercise_id).hints[0] in out
+
+
+def test_a_missing_file_is_a_failure_that_says_which_cell_to_run(tmp_path, capsys):
+    ex.check_in_workers("02.zero1_shard", tmp_path / "dp_zero1.py")
+    out = capsys.readouterr().out
+    assert out.startswith("✗ 02.zero1_shard (") and "run the %%writefile cell" in out
 
 
 def test_workspace_lives_under_labkit_home(monkeypatch, tmp_path):
     monkeypatch.setenv("LABKIT_HOME", str(tmp_path))
-    assert exdp.workspace() == tmp_path / "exercises" / "02"
-    assert exdp.workspace().is_dir()
+    assert ex.workspace("02") == tmp_path / "exercises" / "02"
+    assert ex.workspace("02").is_dir()
 
 
 # --------------------------------------------------------------------------- real ranks
@@ -320,8 +338,7 @@ def test_in_two_worker_processes_a_missing_average_is_caught(tmp_path):
     assert "it is 2x the average" in str(info.value)
     assert "divide by world_size" in str(info.value)
     for exercise_id in ("02.bucket_hook", "02.zero1_shard"):
-        line = exdp.summarize(exercise_id, res.ranks)
-        assert line.startswith(f"✓ {exercise_id}: ") and "2 worker processes" in line
+        assert exdp.summarize(exercise_id, res.ranks)  # what every rank verified
     assert "rank 1 of 2" in res.rank(1)["results"][2]["message"]  # each rank checked itself
 
 
@@ -338,7 +355,7 @@ def test_a_rank_that_dies_is_reported_as_a_failed_exercise(tmp_path, capsys):
                     dist.all_reduce(p.grad)
         """)  # fmt: skip
     with pytest.raises(ex.ExerciseFailed) as info:
-        exdp.check_in_workers("02.allreduce_grads", path, timeout_s=60)
+        exdp.verify_file("02.allreduce_grads", path, timeout_s=60)
     message = str(info.value)
     assert message.startswith("Exercise 02.allreduce_grads failed: the check job failed on rank 1")
     assert "exited with code 3" in message and "Logs: " in message

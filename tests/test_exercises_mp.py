@@ -3,7 +3,7 @@
 The solutions are the ``%%writefile`` cells of ``solutions/03_model_parallelism.ipynb``, and
 the stubs are what ``labkit.nbgen`` makes of those cells, so the tests follow the notebook.
 Everything the kernel checks runs in process, with the launch replaced by a recorder; one
-real 2-rank launch of ``labkit.workers.mp_exercise`` runs the rank-side checks on solutions,
+real 2-rank launch of ``labkit.exercises.mp_worker`` runs the rank-side checks on solutions,
 a stub and wrong answers together.
 """
 
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from labkit import exercises as ex
-from labkit import exercises_mp as exmp
 from labkit import launch, nbgen
+from labkit.exercises import model_parallel as exmp
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "solutions" / "03_model_parallelism.ipynb"
@@ -72,7 +72,7 @@ def test_check_passes_on_the_solution_and_sends_the_file_to_the_ranks(
     exercise_id, tmp_path, launches, capsys
 ):
     path = write(tmp_path, FILES[exercise_id], SOLUTIONS[FILES[exercise_id]])
-    exmp.check_in_workers(exercise_id, path)
+    ex.check_in_workers(exercise_id, path)
     out = capsys.readouterr().out
     assert out.startswith(f"✓ {exercise_id}: ") and out.count("\n") == 1
     assert launches == [{"exercise": exercise_id, "module": FILES[exercise_id], "path": str(path),
@@ -81,23 +81,26 @@ def test_check_passes_on_the_solution_and_sends_the_file_to_the_ranks(
 
 @pytest.mark.parametrize("exercise_id", sorted(FILES))
 def test_check_on_the_stub_says_not_done_with_the_hint_without_launching(
-    exercise_id, tmp_path, launches
+    exercise_id, tmp_path, launches, capsys
 ):
     path = write(tmp_path, FILES[exercise_id], STUBS[FILES[exercise_id]])
     with pytest.raises(ex.ExerciseIncomplete) as info:
-        exmp.check_in_workers(exercise_id, path)
-    assert str(info.value) == f"Exercise {exercise_id} is not done yet: {ex.get(exercise_id).hint}"
+        exmp.verify_file(exercise_id, path)
+    assert str(info.value) == f"Exercise {exercise_id} is not done yet: {ex.get(exercise_id).hints[0]}"
+    ex.check_in_workers(exercise_id, path)  # prints, does not raise: Run All goes on
+    out = capsys.readouterr().out
+    assert out.startswith(f"○ {exercise_id} (") and out.count("\n") == 1
     assert launches == []  # a stub is reported by the kernel at once
 
 
 def test_a_missing_file_or_name_is_named(tmp_path, launches):
-    with pytest.raises(FileNotFoundError, match="run the %%writefile cell"):
-        exmp.check_in_workers("03.one_f_one_b", tmp_path / "nope.py")
+    with pytest.raises(ex.ExerciseFailed, match="run the %%writefile cell"):
+        exmp.verify_file("03.one_f_one_b", tmp_path / "nope.py")
     path = write(tmp_path, "mp_renamed", "def one_f_one_b_v2(p, m, stage):\n    return []\n")
     with pytest.raises(ex.ExerciseFailed, match=r"03\.one_f_one_b .* defines no one_f_one_b"):
-        exmp.check_in_workers("03.one_f_one_b", path)
+        exmp.verify_file("03.one_f_one_b", path)
     with pytest.raises(ValueError, match=r"exercise_id='03\.nope'"):
-        exmp.check_in_workers("03.nope", path)
+        exmp.verify_file("03.nope", path)
 
 
 def test_code_defined_in_the_notebook_cannot_go_to_workers():

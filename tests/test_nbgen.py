@@ -8,6 +8,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
+from labkit import exercises as ex
 from labkit import nbgen
 
 REPO = Path(__file__).resolve().parents[1]
@@ -18,7 +19,6 @@ import math
 def count_params(cfg):
     \"\"\"Parameters of the GPT.\"\"\"
     # BEGIN SOLUTION
-    # HINT: embeddings + L blocks + final LayerNorm
     h = cfg.d_model
     return cfg.vocab_size * h + cfg.n_layer * (12 * h * h + 13 * h) + 2 * h
     # END SOLUTION
@@ -32,7 +32,6 @@ class Timer:
         return self.end
 
 # BEGIN SOLUTION
-# HINT: use "math.pi" \\ here
 x = math.pi
 # END SOLUTION
 print(x)"""
@@ -42,15 +41,15 @@ import math
 
 def count_params(cfg):
     \"\"\"Parameters of the GPT.\"\"\"
-    raise NotImplementedError("Exercise: embeddings + L blocks + final LayerNorm")
+    raise NotImplementedError("exercise not done yet: replace this line with your code")
 
 class Timer:
     def stop(self):
         if True:
-            raise NotImplementedError("Exercise: replace this line with your code")
+            raise NotImplementedError("exercise not done yet: replace this line with your code")
         return self.end
 
-raise NotImplementedError("Exercise: use \\"math.pi\\" \\\\ here")
+raise NotImplementedError("exercise not done yet: replace this line with your code")
 print(x)"""
 
 
@@ -85,13 +84,20 @@ def write(path: Path, nb: nbformat.NotebookNode) -> Path:
     return path
 
 
-def test_code_regions_become_stubs_at_their_indentation_with_the_hint():
+def test_code_regions_become_stubs_at_their_indentation_that_give_nothing_away():
     out = nbgen.generate(solution_notebook(), name="x.ipynb")
     assert out.cells[1].source == STUB_CODE
-    # The stub is valid Python that raises the hint (escaping of quotes and backslashes works).
     namespace: dict = {}
-    with pytest.raises(NotImplementedError, match=r'^Exercise: use "math.pi" \\ here$'):
+    with pytest.raises(NotImplementedError, match=r"^exercise not done yet: replace this line"):
         exec(compile(out.cells[1].source, "stub", "exec"), namespace)
+
+
+def test_a_hint_inside_a_region_is_refused_because_the_stub_would_carry_it():
+    nb = new_notebook(cells=[new_code_cell(
+        "def f():\n    # BEGIN SOLUTION\n    # HINT: return 42\n    return 42\n    # END SOLUTION",
+        id="c")])  # fmt: skip
+    with pytest.raises(nbgen.MarkerError, match=r"'# HINT:' on line 3: a stub carries no hint"):
+        nbgen.generate(nb, name="x.ipynb")
 
 
 def test_markdown_answer_regions_are_replaced():
@@ -170,7 +176,7 @@ def test_magics_do_not_count_as_invalid_python():
     )
     out = nbgen.generate(nb)
     assert (
-        'raise NotImplementedError("Exercise: replace this line with your code")'
+            f'raise NotImplementedError("{ex.STUB_MESSAGE}")'
         in out.cells[0].source
     )
 

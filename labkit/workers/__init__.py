@@ -8,7 +8,8 @@ Python processes, which can import a module but cannot reach into the notebook's
     dp_train     data-parallel training with a chosen strategy, bytes and memory counted (02)
     pp_train     pipeline schedules (naive, GPipe, 1F1B, torch's) with per-micro-batch timelines (03)
     tp_train     tensor-parallel layers and GPT (Megatron f/g, and DTensor), bytes counted (03)
-    dp_exercise  runs a learner's notebook-02 exercise file and its check on every rank
-    mp_exercise  the same for notebook 03
     _faults      misbehaving workers for the launcher's tests (raise, hang, ignore SIGTERM)
+
+The exercise checks' own workers live with the checks (``labkit.exercises.dp_worker`` and
+``mp_worker``): workers here know nothing of exercises.
 """

@@ -1,26 +1,11 @@
-"""Self-checks for the exercises in the notebooks.
+"""Exercise checks for notebook 01 (single-GPU training), run in the kernel.
 
-A learner finishes an exercise, then runs its check::
+* ``01.param_count``  ``count_params(cfg) -> int``: a GPT's parameters from its config alone;
+* ``01.timed``        ``timed(fn, device) -> float``: the device time of one call, checked on a
+  simulated asynchronous device (a virtual clock; nothing sleeps, nothing needs a GPU);
+* ``01.adam_bytes``   ``adamw_state_bytes(n_params) -> int``: bytes of fp32 AdamW model states.
 
-    from labkit import exercises as ex
-    ex.check("01.param_count", count_params)
-    # ✓ 01.param_count: count_params(cfg) equals the parameters of labkit.model.GPT(cfg) ...
-
-A check either prints one ``✓`` line or raises:
-
-- :class:`ExerciseIncomplete` (a ``NotImplementedError``) while the learner's code is still the
-  stub that :mod:`labkit.nbgen` generated: the message names the exercise and gives a hint;
-- :class:`ExerciseFailed` (an ``AssertionError``) for a wrong answer: the message says what was
-  expected, what came back, and what the usual mistake behind that value is.
-
-The registry is data: each exercise is an :class:`Exercise` (id, title, hint, and a ``verify``
-function that takes the learner's object and returns a sentence saying what it verified).
-A notebook's exercises are registered with the :func:`exercise` decorator below, under a
-heading per notebook. ``verify`` functions are plain callables that raise, so the same checks
-can run inside worker processes (:func:`verify` prints nothing).
-
-Checks import the modules they compare against (``labkit.model``, ``labkit.timing``) only when
-they run: importing this module stays cheap and side-effect free.
+Each registers with :func:`labkit.exercises.exercise`; importing this module does nothing else.
 """
 
 from __future__ import annotations
@@ -33,152 +18,31 @@ import threading
 import time
 import timeit
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from labkit.config import ModelConfig
+from labkit.exercises import (
+    ExerciseFailed,
+    _name,
+    _require_callable,
+    _require_int,
+    call,
+    exercise,
+)
 
-# --------------------------------------------------------------------------- framework
-
-
-class ExerciseError(Exception):
-    """Base of the two ways a check can end without a ✓."""
-
-    exercise_id: str | None = None
-
-
-class ExerciseIncomplete(ExerciseError, NotImplementedError):
-    """The learner's code still raises ``NotImplementedError`` (the generated stub)."""
-
-
-class ExerciseFailed(ExerciseError, AssertionError):
-    """The learner's code ran and gave a wrong answer; the message says how to fix it."""
+# --------------------------------------------------------------------------- references
+# What later cells use while the learner's answer is not done or wrong (only exercises that
+# later cells depend on have one). It calls labkit's tested formula; the exercise is to write
+# it from first principles.
 
 
-@dataclass(frozen=True)
-class Exercise:
-    """One exercise: what it is, a hint for the stub, and how to verify an answer."""
+def reference_adamw_state_bytes(n_params: int) -> int:
+    from labkit import formulas
 
-    id: str
-    """``"NN.name"``: NN is the notebook (``"01"``), name says what is built."""
-    title: str
-    """Short description, e.g. "Count a GPT's parameters by formula"."""
-    hint: str
-    """Shown while the exercise is not done yet."""
-    verify: Callable[[Any], str]
-    """Takes the learner's object; raises :class:`ExerciseFailed` or returns what it verified."""
-
-    @property
-    def notebook(self) -> str:
-        return self.id.split(".", 1)[0]
+    return int(formulas.memory_breakdown(n_params, param_dtype="float32", optimizer="adamw").total)
 
 
-_REGISTRY: dict[str, Exercise] = {}
-
-
-def exercise(id: str, title: str, hint: str) -> Callable[[Callable[[Any], str]], Callable]:
-    """Register the decorated function as the ``verify`` of exercise ``id``."""
-    notebook, _, name = id.partition(".")
-    if not (len(notebook) == 2 and notebook.isdigit() and name.isidentifier()):
-        raise ValueError(f"exercise id={id!r} is not allowed: use 'NN.name', e.g. '01.param_count'")
-    if id in _REGISTRY:
-        raise ValueError(f"exercise id={id!r} is already registered")
-
-    def register(fn: Callable[[Any], str]) -> Callable[[Any], str]:
-        _REGISTRY[id] = Exercise(id=id, title=title, hint=hint, verify=fn)
-        return fn
-
-    return register
-
-
-def get(exercise_id: str) -> Exercise:
-    """The registered exercise called ``exercise_id``.
-
-    Notebooks 02 and 03 register theirs in ``labkit.exercises_dp`` / ``labkit.exercises_mp``;
-    those modules are imported here on first need, so any id can be looked up.
-    """
-    if exercise_id not in _REGISTRY:
-        extra = {"02": "labkit.exercises_dp", "03": "labkit.exercises_mp"}.get(exercise_id[:2])
-        if extra:
-            importlib.import_module(extra)
-    try:
-        return _REGISTRY[exercise_id]
-    except KeyError:
-        raise ValueError(
-            f"exercise_id={exercise_id!r} is not registered; known: {sorted(_REGISTRY)}"
-        ) from None
-
-
-def catalogue(notebook: str | None = None) -> list[Exercise]:
-    """All exercises (of one notebook, e.g. ``"01"``), in id order."""
-    return [e for _, e in sorted(_REGISTRY.items()) if notebook in (None, e.notebook)]
-
-
-def verify(exercise_id: str, answer: Any) -> str:
-    """Run the check; return what was verified, or raise (never prints; usable in workers)."""
-    __tracebackhide__ = True  # pytest and IPython hide this frame: the message is the point
-    ex = get(exercise_id)
-    try:
-        return ex.verify(answer)
-    except ExerciseFailed as err:
-        if err.exercise_id is None:
-            err.exercise_id = ex.id
-            err.args = (f"Exercise {ex.id} ({ex.title}) failed: {err.args[0] if err.args else ''}",)
-        raise
-    except ExerciseIncomplete:
-        raise
-    except NotImplementedError:
-        err = ExerciseIncomplete(f"Exercise {ex.id} is not done yet: {ex.hint}")
-        err.exercise_id = ex.id
-        raise err from None
-
-
-def check(exercise_id: str, answer: Any) -> None:
-    """Verify ``answer`` and print ``✓ <id>: <what was verified>``; raise if it is wrong."""
-    __tracebackhide__ = True
-    print(f"✓ {exercise_id}: {verify(exercise_id, answer)}")
-
-
-def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Call the learner's ``fn``; any error but the stub's becomes an :class:`ExerciseFailed`.
-
-    ``NotImplementedError`` passes through, so :func:`verify` reports the exercise as not done.
-    """
-    __tracebackhide__ = True
-    try:
-        return fn(*args, **kwargs)
-    except NotImplementedError:
-        raise
-    except Exception as err:
-        shown = ", ".join([*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())])
-        raise ExerciseFailed(
-            f"{_name(fn)}({shown}) raised {type(err).__name__}: {err} (traceback above)"
-        ) from err
-
-
-def _name(fn: object) -> str:
-    return getattr(fn, "__name__", type(fn).__name__)
-
-
-def _require_callable(answer: object, signature: str) -> Callable[..., Any]:
-    if not callable(answer):
-        raise ExerciseFailed(
-            f"expected the function {signature}, got {type(answer).__name__} "
-            f"{answer!r}; pass the function itself, without calling it"
-        )
-    return answer
-
-
-def _require_int(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ExerciseFailed(
-            f"{what} returned {type(value).__name__} {value!r}; return an int (counts are whole "
-            "numbers: use // instead of /, and int(...) on tensors)"
-        )
-    return int(value)
-
-
-# --------------------------------------------------------------------------- 01 single GPU
+# --------------------------------------------------------------------------- 01.param_count
 
 # Three shapes that differ in every dimension (and with vocab_size != seq_len, so the two
 # embedding tables cannot be confused). Small: building them takes milliseconds.
@@ -257,9 +121,17 @@ def _param_count_diagnosis(cfg: ModelConfig, kinds: dict[str, int], got: int) ->
 @exercise(
     "01.param_count",
     "Count a GPT's parameters by formula",
-    "write count_params(cfg) -> int from cfg.vocab_size, cfg.seq_len, cfg.n_layer and "
-    "cfg.d_model: token and position embeddings, L blocks (attention, MLP, two LayerNorms), "
-    "the final LayerNorm; the output head is tied to the token embedding",
+    hints=(
+        "every weight matrix, bias vector, LayerNorm and embedding table of the model is a "
+        "parameter tensor; count each kind from the config and add them up",
+        "outside the blocks there are two embedding tables (one row per vocabulary entry, one "
+        "per position) and one final LayerNorm; the output head reuses the token table, so it "
+        "adds nothing. print(GPT(cfg)) lists every layer",
+        "inside one block of width h: four h×h attention projections, an MLP from h to 4h and "
+        "back, a bias on every Linear, and two LayerNorms with a gain and a bias each",
+        "recipe: V·h + s·h + L·(12h² + 13h) + 2h, with V = vocab_size, s = seq_len, "
+        "L = n_layer, h = d_model",
+    ),
 )
 def _verify_param_count(count_params: Any) -> str:
     fn = _require_callable(count_params, "count_params(cfg: ModelConfig) -> int")
@@ -362,9 +234,14 @@ TIMED_EARLIER_S = 0.020  # work already queued when timed() is called (from earl
 @exercise(
     "01.timed",
     "Time an asynchronous operation correctly",
-    "write timed(fn, device) -> float: call labkit.timing.synchronize(device), read "
-    "time.perf_counter(), call fn(), synchronize again, read the clock, return the difference "
-    "in seconds",
+    hints=(
+        "a GPU call returns to Python when the work is queued, not when it is done: what must "
+        "be true before you read the clock at the end, and at the start?",
+        "labkit.timing.synchronize(device) waits until the device has finished everything "
+        "queued so far, including work earlier cells left running",
+        "recipe: synchronize, read time.perf_counter(), call fn(), synchronize again, read the "
+        "clock, return the difference in seconds",
+    ),
 )
 def _verify_timed(timed: Any) -> str:
     import torch
@@ -440,8 +317,14 @@ _ADAM_MISTAKES = {
 @exercise(
     "01.adam_bytes",
     "Bytes of model state for fp32 AdamW training",
-    "write adamw_state_bytes(n_params) -> int: fp32 weights, fp32 gradients and AdamW's two "
-    "fp32 moments, 4 bytes per number",
+    hints=(
+        "list the fp32 numbers that exist for each parameter while training: the weight "
+        "itself, what backward adds, what the optimizer keeps",
+        "backward adds one gradient per parameter; AdamW keeps two running averages per "
+        "parameter (exp_avg and exp_avg_sq); an fp32 number is 4 bytes",
+        "recipe: 4 (weight) + 4 (gradient) + 4 + 4 (the two moments) = 16 bytes per parameter",
+    ),
+    reference=reference_adamw_state_bytes,
 )
 def _verify_adam_bytes(adamw_state_bytes: Any) -> str:
     fn = _require_callable(adamw_state_bytes, "adamw_state_bytes(n_params: int) -> int")

@@ -1,18 +1,18 @@
 """Run a learner's notebook-03 exercise code inside real ranks and report what each rank saw.
 
-    labkit.launch.run("labkit.workers.mp_exercise", nproc=2, config={"cases": [
+    labkit.launch.run("labkit.exercises.mp_worker", nproc=2, config={"cases": [
         {"exercise": "03.f_and_g", "path": ".../mp_fg.py", "module": "mp_fg",
          "names": ["Enter", "Leave"]},
     ]})
 
-The notebook's checks (``labkit.exercises_mp``) build each case from the learner's objects;
-this worker imports the learner's file itself (``exercises_mp.resolve``), because a process
+The notebook's checks (``labkit.exercises.model_parallel``) build each case from the learner's objects;
+this worker imports the learner's file itself (``model_parallel.resolve``), because a process
 cannot import code that exists only in the notebook kernel. Several cases run one after the
 other in one launch (the tests use that to check a solution, a stub and a wrong answer at the
 cost of one start-up).
 
 Config:
-    cases   list of {"exercise", "path", "module", "names"} (see ``exercises_mp.answer_spec``)
+    cases   list of {"exercise", "path", "module", "names"} (see ``model_parallel.answer_spec``)
 
 Result per rank: {"rank", "cases": [{"exercise", "status", "message"}, ...]}, status "ok",
 "incomplete" (the stub) or "failed" (with the likely mistake). A learner's mistake is a result,
@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from labkit import dist, exercises_mp
+from labkit import dist
+from labkit.exercises import model_parallel
 
 
 @dist.entrypoint
@@ -36,12 +37,12 @@ def main(ctx: dist.Context) -> dict[str, Any]:
     results = []
     for i, spec in enumerate(cases):
         try:
-            objs = exercises_mp.resolve(spec)
+            objs = model_parallel.resolve(spec)
         except Exception as err:  # the learner's file does not import: report, do not crash
             res = {"exercise": spec.get("exercise"), "status": "failed",
                    "message": f"importing {spec.get('path')} raised {type(err).__name__}: {err}"}  # fmt: skip
         else:
-            res = exercises_mp.rank_check(spec["exercise"], objs, ctx)
+            res = model_parallel.rank_check(spec["exercise"], objs, ctx)
         results.append(res)
         ctx.heartbeat(step=i + 1, total=len(cases))
     return {"rank": ctx.rank, "cases": results}

@@ -3,19 +3,19 @@
 Parallel code is only proven by running it in parallel, so two of these exercises run the
 learner's code inside real ranks, and the third (a pure function) is also executed there, as
 the schedule of a real pipeline. A worker process cannot import code that exists only in a
-notebook kernel (pitfalls.md, "Launching multi-process jobs from a notebook"), so the learner
-writes each answer to a file with ``%%writefile``, as in notebook 02 (``labkit.exercises_dp``)::
+notebook kernel (pytorch #20375), so the learner writes each answer to a file with
+``%%writefile``, as in notebook 02 (``labkit.exercises.data_parallel``)::
 
-    ex_dir = exmp.workspace()                  # labkit_home()/exercises/03
+    ex_dir = ex.workspace("03")               # labkit_home()/exercises/03
     %%writefile {ex_dir}/mp_fg.py
     ...
-    exmp.check_in_workers("03.f_and_g", ex_dir / "mp_fg.py")
+    ex.check_in_workers("03.f_and_g", ex_dir / "mp_fg.py")
     # ✓ 03.f_and_g: your f and g carry a column-then-row-parallel MLP on 2 ranks: ...
 
-``check_in_workers`` imports the file in the kernel and runs the exercise's registered check
+``check_in_workers`` (through :func:`verify_file`) imports the file in the kernel and runs the exercise's registered check
 (``labkit.exercises.verify``): first what can be checked here (a stub is reported at once, an
 order of operations is compared action by action, a shard is checked for every rank of 2, 3
-and 4), then a launch of ``labkit.workers.mp_exercise`` on 2 ranks, each of which imports the
+and 4), then a launch of ``labkit.exercises.mp_worker`` on 2 ranks, each of which imports the
 same file and runs the rank-side check (``rank_check``). A rank's verdict comes back as the
 notebook's ``ExerciseIncomplete`` or ``ExerciseFailed``, naming the rank.
 
@@ -53,10 +53,12 @@ from labkit.exercises import (
     call,
     exercise,
     get,
+    incomplete,
+    learner_frame,
     verify,
 )
 
-WORKER = "labkit.workers.mp_exercise"
+WORKER = "labkit.exercises.mp_worker"
 NPROC = 2  # ranks the worker-run checks use
 DEVICE = "cpu"  # gloo ranks: every machine has them, and the checks are about correctness
 LAUNCH_TIMEOUT_S = 180.0
@@ -70,19 +72,6 @@ EXERCISES: dict[str, tuple[str, ...]] = {
 """Exercise id -> the names the learner's file must define (the answer, in this order)."""
 
 # --------------------------------------------------------------------------- learner files
-
-
-def workspace(notebook: str = "03") -> Path:
-    """The folder the notebook's ``%%writefile`` cells write the learner's files to.
-
-    ``labkit_home()/exercises/<notebook>`` (created if missing), outside the repository, so
-    running the solutions in CI leaves no files behind in it.
-    """
-    from labkit.procs import labkit_home  # the launcher's cache folder; loaded on first use
-
-    path = labkit_home() / "exercises" / notebook
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def load_file(path: str | Path, name: str | None = None) -> ModuleType:
@@ -129,20 +118,27 @@ def answer_from_file(exercise_id: str, path: str | Path) -> Any:
     return objs[0] if len(objs) == 1 else objs
 
 
-def check_in_workers(exercise_id: str, path: str | Path) -> None:
+def verify_file(exercise_id: str, path: str | Path) -> tuple[str, str]:
     """Check the learner's file ``path`` for ``exercise_id``, in the kernel and on 2 ranks.
 
-    Prints ``✓ <id>: ...`` or raises ``ExerciseIncomplete`` (still the stub) or
+    Returns (what was verified, where) or raises ``ExerciseIncomplete`` (still the stub) or
     ``ExerciseFailed`` (what was expected, what came back, the likely mistake, which rank).
+    Notebooks call it through :func:`labkit.exercises.check_in_workers`.
     """
     __tracebackhide__ = True
+    if exercise_id not in EXERCISES:
+        raise ValueError(f"exercise_id={exercise_id!r}: use one of {sorted(EXERCISES)}")
     try:
         answer = answer_from_file(exercise_id, path)
     except ExerciseFailed as err:
         err.args = (f"Exercise {exercise_id} ({get(exercise_id).title}) failed: {err}",)
         err.exercise_id = exercise_id
         raise
-    print(f"✓ {exercise_id}: {verify(exercise_id, answer)}")
+    except Exception as err:  # the file does not import: a learner's mistake, reported
+        raise ExerciseFailed(
+            f"importing {path} raised {type(err).__name__}: {err}{learner_frame(err)}"
+        ) from err
+    return verify(exercise_id, answer), f"checked in the kernel and on {NPROC} ranks"
 
 
 def _source_file(obj: Any, what: str) -> tuple[str, str, str]:
@@ -155,7 +151,7 @@ def _source_file(obj: Any, what: str) -> tuple[str, str, str]:
     if module is None or not path or module.__name__ == "__main__":
         raise ExerciseFailed(
             f"{what} was defined in the notebook itself, so worker processes cannot import it; "
-            "write it with the %%writefile cell and check the file with exmp.check_in_workers"
+            "write it with the %%writefile cell and check the file with ex.check_in_workers"
         )
     return module.__name__, str(path), obj.__qualname__
 
@@ -249,7 +245,7 @@ def rank_check(exercise_id: str, objs: Sequence[Any], ctx: Any) -> dict[str, Any
         return {**out, "status": "failed", "message": str(err)}
     except NotImplementedError:
         return {**out, "status": "incomplete",
-                "message": f"Exercise {exercise_id} is not done yet: {get(exercise_id).hint}"}  # fmt: skip
+                "message": str(incomplete(exercise_id))}  # fmt: skip
     except Exception as err:  # the learner's code raised: report it, with where
         import traceback
 
@@ -359,8 +355,18 @@ def check_order(fn: Any) -> str:
 @exercise(
     "03.one_f_one_b",
     "The 1F1B order of operations for one pipeline stage",
-    "write one_f_one_b(p, m, stage) -> list of ('F' or 'B', micro-batch): min(p−1−stage, m) "
-    "warm-up forwards, then one forward and one backward at a time, then the backwards left",
+    hints=(
+        "a stage can run a micro-batch's backward only after the later stages have run its "
+        "forward and backward; 1F1B starts each backward as early as that allows, so a stage "
+        "never holds more micro-batches than it must",
+        "the schedule has three phases: a warm-up of forwards only (longer for earlier stages, "
+        "which wait longest for their first backward), a steady phase alternating one forward "
+        "and one backward, and a cool-down of the backwards left; the last stage needs no "
+        "warm-up",
+        "recipe: warm-up = min(p − 1 − stage, m) forwards; then, while forwards remain, one "
+        "forward followed by one backward; then the remaining backwards, oldest micro-batch "
+        "first",
+    ),
 )
 def _verify_one_f_one_b(answer: Any) -> str:
     said = check_order(answer)
@@ -528,9 +534,16 @@ def _probe_backward(cls: Any, role: str) -> None:
 @exercise(
     "03.f_and_g",
     "Megatron's f and g operators as autograd Functions",
-    "f (Enter): identity forward, all-reduce of a copy of the gradient backward; g (Leave): "
-    "all-reduce of a copy of x forward, gradient unchanged backward "
-    "(torch.distributed.all_reduce sums in place)",
+    hints=(
+        "f and g are conjugates: where one communicates in the forward pass the other "
+        "communicates in the backward pass; ask which quantities each rank already holds in "
+        "full and which it holds only a part of",
+        "before the column-parallel layer every rank has all of x, but each computes only part "
+        "of dL/dx; after the row-parallel layer each rank has a partial sum of the output, and "
+        "the gradient of a sum is passed to every term unchanged",
+        "recipe: Enter (f): forward returns x unchanged, backward all-reduces a clone of grad; "
+        "Leave (g): forward all-reduces a clone of x, backward returns grad unchanged",
+    ),
 )
 def _verify_f_and_g(answer: Any) -> str:
     if not (isinstance(answer, (tuple, list)) and len(answer) == 2):
@@ -656,9 +669,14 @@ def _rank_column_parallel(ctx: Any, fn: Callable) -> str:
 @exercise(
     "03.column_parallel",
     "A column-parallel linear layer's forward",
-    "write column_parallel_linear(x, linear, rank, world_size): take rows rank·k to "
-    "(rank+1)·k of linear.weight (and of linear.bias), k = out_features // world_size, and "
-    "return x @ Wᵀ + b for them",
+    hints=(
+        "a column-parallel layer gives each rank an equal share of the output features and "
+        "every input feature; which dimension of nn.Linear's weight indexes output features?",
+        "nn.Linear stores weight as (out_features, in_features), so output features are rows; "
+        "the bias has one entry per output feature and is split the same way",
+        "recipe: k = out_features // world_size; take rows rank·k to (rank + 1)·k of the weight "
+        "and of the bias, and return x @ Wᵀ + b with them",
+    ),
 )
 def _verify_column_parallel(answer: Any) -> str:
     fn = _require_callable(answer, "column_parallel_linear(x, linear, rank, world_size)")

@@ -1,18 +1,18 @@
 """Check a learner's data-parallel exercise inside real ranks.
 
-    labkit.launch.run("labkit.workers.dp_exercise", nproc=2,
+    labkit.launch.run("labkit.exercises.dp_worker", nproc=2,
                       config={"exercises": ["02.allreduce_grads"],
                               "module": "dp_allreduce", "module_dir": "/path/to/folder"})
 
-Usually started by ``labkit.exercises_dp.check_in_workers``. Every rank imports the learner's
-``<module_dir>/<module>.py`` and runs each exercise's check (``labkit.exercises_dp``) in its
+Usually started by ``labkit.exercises.check_in_workers``. Every rank imports the learner's
+``<module_dir>/<module>.py`` and runs each exercise's check (``labkit.exercises.data_parallel``) in its
 own process group, so an all-reduce in the learner's code really sums over ranks. A wrong
 answer or the unfinished stub is reported in the rank's result, not raised: every rank
 finishes the job and the notebook shows one clean message. Only a crash or a hang ends the
 job with an error.
 
 Config:
-    exercises   ids from ``labkit.exercises_dp.EXERCISES`` (or ``exercise``: one id)
+    exercises   ids from ``labkit.exercises.data_parallel.EXERCISES`` (or ``exercise``: one id)
     module      the learner's module name (default "dp_exercises")
     module_dir  the folder that holds it (required)
 """
@@ -26,17 +26,17 @@ from labkit import dist
 
 @dist.entrypoint
 def main(ctx: dist.Context) -> dict[str, Any]:
-    from labkit import exercises_dp  # registers the 02.* checks
+    from labkit.exercises import data_parallel  # registers the 02.* checks
 
     cfg = ctx.config
     ids = cfg.get("exercises") or ([cfg["exercise"]] if "exercise" in cfg else [])
     if not ids or "module_dir" not in cfg:
         raise ValueError(
             f"config={cfg!r}: needs 'exercises' (a list of ids from "
-            f"{sorted(exercises_dp.EXERCISES)}) and 'module_dir' (the folder of the file)"
+            f"{sorted(data_parallel.EXERCISES)}) and 'module_dir' (the folder of the file)"
         )
     with ctx.phase("check"):
-        results = exercises_dp.run_checks(ids, cfg.get("module", "dp_exercises"), cfg["module_dir"])
+        results = data_parallel.run_checks(ids, cfg.get("module", "dp_exercises"), cfg["module_dir"])
     for r in results:
         ctx.print0(f"{r['id']}: {r['status']}")
     return {"rank": ctx.rank, "world_size": ctx.world_size, "results": results}

@@ -4,17 +4,18 @@ A data-parallel exercise is only checked for real when several ranks run it, so 
 code goes into a file (a ``%%writefile`` cell in the notebook) that a worker imports on every
 rank. The notebook then calls::
 
-    from labkit import exercises_dp as exdp
-    exdp.check_in_workers("02.allreduce_grads", ex_dir / "dp_allreduce.py")
-    # ✓ 02.allreduce_grads: ... (checked on 2 ranks, in worker processes)
+    from labkit import exercises as ex
+    ex.check_in_workers("02.allreduce_grads", ex_dir / "dp_allreduce.py")
+    # ✓ 02.allreduce_grads: ... (checked in 2 worker processes)
 
-which launches ``labkit.workers.dp_exercise`` on ``nproc`` ranks. Each rank imports the file,
+which reads the file in the kernel (a stub is reported at once) and then launches
+``labkit.exercises.dp_worker`` on ``nproc`` ranks. Each rank imports the file,
 runs the registered check (:func:`labkit.exercises.verify`) against labkit's own strategies
 and a single-process reference, and reports ok, not done (the generated stub) or failed with
-the reason. :func:`check_in_workers` turns the ranks' reports into one ``✓`` line or one
+the reason. :func:`verify_file` turns the ranks' reports into one sentence or one
 :class:`~labkit.exercises.ExerciseIncomplete` / :class:`~labkit.exercises.ExerciseFailed`,
-as ``exercises.check`` does for in-kernel exercises. Notebooks define no function a worker
-imports (a new process cannot import a notebook's memory: pitfalls.md, pytorch #20375).
+which ``check_in_workers`` prints as one line, as ``exercises.check`` does in the kernel. Notebooks define no function a worker
+imports (a new process cannot import a notebook's memory: pytorch #20375).
 
 The checks register themselves with :func:`labkit.exercises.exercise` when this module is
 imported, and need a process group: in a worker the launcher made one; a test may make a
@@ -32,7 +33,7 @@ The exercises:
   flat buffer a rank owns under ZeRO-1 (``labkit.parallel.zero1``).
 
 Importing this module has no side effects beyond the registration: no process group, no
-files (``workspace()`` makes its folder when called).
+files.
 """
 
 from __future__ import annotations
@@ -56,10 +57,12 @@ from labkit.exercises import (
     ExerciseIncomplete,
     call,
     exercise,
+    incomplete,
+    is_stub,
     verify,
 )
 
-WORKER = "labkit.workers.dp_exercise"
+WORKER = "labkit.exercises.dp_worker"
 
 EXERCISES: dict[str, str] = {
     "02.allreduce_grads": "allreduce_gradients",
@@ -83,25 +86,12 @@ BUCKET_CAP_MB = 0.02  # ~20 kB buckets: several of them in CHECK_MODEL, as in a 
 # --------------------------------------------------------------------------- shared pieces
 
 
-def workspace(notebook: str = "02") -> Path:
-    """The folder the notebook's ``%%writefile`` cells write the learner's files to.
-
-    ``labkit_home()/exercises/<notebook>``, outside the repository, so running the notebooks
-    (in CI too) leaves no files beside them. Created on call.
-    """
-    from labkit.procs import labkit_home
-
-    path = labkit_home() / "exercises" / notebook
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 def _group() -> tuple[int, int, torch.device]:
     """(rank, world size, device) of the default process group."""
     if not (tdist.is_available() and tdist.is_initialized()):
         raise RuntimeError(
             "the 02.* exercise checks run inside worker processes, where a process group "
-            "exists: use labkit.exercises_dp.check_in_workers(exercise_id, path_to_file)"
+            "exists: use labkit.exercises.check_in_workers(exercise_id, path_to_file)"
         )
     nccl = tdist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
@@ -218,8 +208,14 @@ def _compare_gradients(
 @exercise(
     "02.allreduce_grads",
     "Average the gradients over ranks with all-reduce (naive data parallelism)",
-    "write allreduce_gradients(model, world_size): for every parameter whose .grad is not "
-    "None, dist.all_reduce(p.grad) (a sum over ranks, in place), then divide it by world_size",
+    hints=(
+        "every rank computed the gradient of its own slice of the batch; the step needs the "
+        "gradient of the whole batch, which is the mean of the ranks' gradients",
+        "dist.all_reduce(t) replaces t on every rank by the sum over ranks, in place; a "
+        "parameter that does not train has no gradient at all (p.grad is None)",
+        "recipe: for each parameter with a gradient, all-reduce p.grad, then divide it by "
+        "world_size",
+    ),
 )
 def _verify_allreduce_grads(allreduce_gradients: Any) -> str:
     fn = _require_callable(allreduce_gradients, "allreduce_gradients(model, world_size) -> None")
@@ -308,10 +304,17 @@ def _bucket_harness(fill: Callable[..., Any], world_size: int, backend: str) -> 
 @exercise(
     "02.bucket_hook",
     "Fill a gradient bucket and start its all-reduce asynchronously when it is full",
-    "write on_grad_ready(bucket, p, offset): copy p.grad (flattened) into "
-    "bucket.buffer[offset : offset + p.numel()], add id(p) to bucket.ready, and once "
-    "len(bucket.ready) == len(bucket.params) set bucket.work = dist.all_reduce(bucket.buffer, "
-    "async_op=True)",
+    hints=(
+        "the hook runs once per parameter, in the order backward finishes them; it must put "
+        "the gradient where the bucket's one big message will carry it, and start that message "
+        "only when nothing else in the bucket is still missing",
+        "p's slot in the flat bucket.buffer starts at offset and is p.numel() long; bucket.ready "
+        "remembers which parameters have arrived; async_op=True makes all_reduce return a "
+        "handle at once instead of waiting",
+        "recipe: copy p.grad flattened into its slot, add id(p) to bucket.ready, and when every "
+        "parameter of the bucket is ready set bucket.work = dist.all_reduce(bucket.buffer, "
+        "async_op=True)",
+    ),
 )
 def _verify_bucket_hook(on_grad_ready: Any) -> str:
     fn = _require_callable(on_grad_ready, "on_grad_ready(bucket, p, offset) -> None")
@@ -434,9 +437,14 @@ def _check_bounds(fn: Callable[..., Any], numel: int, n: int) -> list[tuple[int,
 @exercise(
     "02.zero1_shard",
     "ZeRO-1 bookkeeping: the slice of the zero-padded flat buffer each rank owns",
-    "write shard_bounds(numel, rank, world_size) -> (start, stop): every rank owns "
-    "ceil(numel / world_size) elements (the buffer is zero-padded to world_size times that), "
-    "rank r from r * shard to (r + 1) * shard",
+    hints=(
+        "reduce-scatter and all-gather move pieces of equal size, one per rank, in rank order; "
+        "the padding exists so that numel need not divide evenly",
+        "every shard has the same length, the smallest whole number of elements that lets "
+        "world_size shards cover all numel (round up, and without floats)",
+        "recipe: shard = ceil(numel / world_size) (in integers: -(-numel // world_size)); rank r "
+        "owns [r · shard, (r + 1) · shard)",
+    ),
 )
 def _verify_zero1_shard(shard_bounds: Any) -> str:
     fn = _require_callable(shard_bounds, "shard_bounds(numel, rank, world_size) -> (start, stop)")
@@ -577,15 +585,15 @@ def _function_name(exercise_id: str) -> str:
 
 
 def summarize(exercise_id: str, ranks: Sequence[dict[str, Any]]) -> str:
-    """One line from every rank's report on ``exercise_id``: ``✓ ...`` if all are ok, else
-    raise the first problem (a failure before a stub), naming the rank."""
+    """What every rank's report on ``exercise_id`` verified, if all are ok; else raise the first
+    problem (a failure before a stub), naming the rank."""
     __tracebackhide__ = True
     n = len(ranks)
     reports = []
     for r, res in enumerate(ranks):
         mine = [x for x in res.get("results", []) if x.get("id") == exercise_id]
         if not mine:
-            raise ExerciseFailed(f"Exercise {exercise_id}: rank {r} of {n} reported nothing")
+            raise _failed(exercise_id, f"rank {r} of {n} reported nothing")
         reports.append((r, mine[0]))
     for status, kind in (("failed", ExerciseFailed), ("incomplete", ExerciseIncomplete)):
         bad = [(r, x) for r, x in reports if x["status"] == status]
@@ -593,31 +601,36 @@ def summarize(exercise_id: str, ranks: Sequence[dict[str, Any]]) -> str:
             err = kind(bad[0][1]["message"])  # a rank-specific message names its rank
             err.exercise_id = exercise_id
             raise err
-    return f"✓ {exercise_id}: {reports[0][1]['message']} (checked in {n} worker processes)"
+    return reports[0][1]["message"]
 
 
-def check_in_workers(
+def verify_file(
     exercise_id: str,
     path: str | Path,
     *,
     nproc: int = 2,
     device: str = "cpu",
     timeout_s: float = 120,
-) -> None:
+) -> tuple[str, str]:
     """Run exercise ``exercise_id``'s check on ``nproc`` ranks against the learner's file.
 
     ``path``: the file the notebook's ``%%writefile`` cell wrote (it must define the function
-    the exercise names, see :data:`EXERCISES`). Prints ``✓ <id>: ...`` or raises
-    :class:`ExerciseIncomplete` (still the stub) or :class:`ExerciseFailed` (the reason, and
-    the rank that found it). ``device="cpu"`` runs gloo ranks, which every machine can.
+    the exercise names, see :data:`EXERCISES`). Returns (what was verified, where it ran) or
+    raises :class:`ExerciseIncomplete` (still the stub: found by reading the file in the
+    kernel, without launching anything) or :class:`ExerciseFailed` (the reason, and the rank
+    that found it). ``device="cpu"`` runs gloo ranks, which every machine can.
+    Notebooks call it through :func:`labkit.exercises.check_in_workers`.
     """
     __tracebackhide__ = True
     from labkit import launch
 
-    _function_name(exercise_id)
+    name = _function_name(exercise_id)
     path = Path(path).resolve()
     if path.suffix != ".py":
         raise ValueError(f"path={str(path)!r}: the learner's file must end in .py")
+    learner = load_learner_module(path.stem, path.parent)
+    if is_stub(getattr(learner, name, None)):
+        raise incomplete(exercise_id)
     config = {"exercises": [exercise_id], "module": path.stem, "module_dir": str(path.parent)}
     try:
         # A rank stuck in a collective that another rank never called fails in 30 s, not 60.
@@ -636,7 +649,7 @@ def check_in_workers(
             exercise_id,
             f"the check job failed on rank {err.rank}: {why}. Logs: {err.result.log_dir}",
         ) from None
-    print(summarize(exercise_id, res.ranks))
+    return summarize(exercise_id, res.ranks), f"checked in {nproc} worker processes"
 
 
 def _failed(exercise_id: str, message: str) -> ExerciseError:

@@ -1,0 +1,382 @@
+"""Exercises: one registry, graded hints, and checks that never stop a learner's Run All.
+
+A learner finishes an exercise, then runs its check::
+
+    from labkit import exercises as ex
+    count_params = ex.check("01.param_count", count_params)
+    # ✓ 01.param_count: count_params(cfg) equals the parameters of labkit.model.GPT(cfg) ...
+
+:func:`check` prints one line and returns what later cells should use:
+
+- ``✓`` and the learner's own answer when it is right (later cells then run on it, and say so);
+- ``○ … not done yet`` while the code is still the stub :mod:`labkit.nbgen` generated: the
+  first, conceptual hint and how to ask for more; it returns the exercise's reference answer,
+  so "Run All" carries on and the learner still sees the whole lab;
+- ``✗`` and a diagnosis for a wrong answer (what was expected, what came back, the usual mistake
+  behind that value, never the code), and again the reference.
+
+Hints come in steps (:func:`hint`): the first is conceptual, each call gives one more, the last
+is the recipe. A stub's own message carries no hint at all, so nothing is given away by
+running a cell.
+
+Exercises whose code must run on several ranks (notebooks 02 and 03) are written to a file by a
+``%%writefile`` cell and checked with :func:`check_in_workers`, which reports the same way.
+
+The registry is data: each :class:`Exercise` has an id, a title, its hints, a ``verify``
+function (takes the learner's answer, raises :class:`ExerciseFailed` or returns a sentence
+saying what it verified) and optionally the reference answer. Each notebook's checks live in
+their own module of this package (:data:`MODULES`), imported on first need: importing this
+package stays cheap and has no side effects. :func:`verify` prints nothing and raises, so the
+same checks also run inside worker processes.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import numbers
+import textwrap
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MODULES: dict[str, str] = {
+    "01": "labkit.exercises.single_gpu",
+    "02": "labkit.exercises.data_parallel",
+    "03": "labkit.exercises.model_parallel",
+}
+"""Notebook -> the module that registers its exercises."""
+
+STUB_MESSAGE = "exercise not done yet: replace this line with your code"
+"""What the stubs :mod:`labkit.nbgen` generates raise: deliberately no hint, no answer."""
+
+# --------------------------------------------------------------------------- the registry
+
+
+class ExerciseError(Exception):
+    """Base of the two ways a check can end without a ✓."""
+
+    exercise_id: str | None = None
+
+
+class ExerciseIncomplete(ExerciseError, NotImplementedError):
+    """The learner's code is still the generated stub (it raises ``NotImplementedError``)."""
+
+
+class ExerciseFailed(ExerciseError, AssertionError):
+    """The learner's code ran and gave a wrong answer; the message says what is wrong."""
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """One exercise: what it is, its hints in steps, how to verify an answer."""
+
+    id: str
+    """``"NN.name"``: NN is the notebook (``"01"``), name says what is built."""
+    title: str
+    """Short description, e.g. "Count a GPT's parameters by formula"."""
+    hints: tuple[str, ...]
+    """From conceptual (first, shown with "not done yet") to the recipe (last, on request)."""
+    verify: Callable[[Any], str]
+    """Takes the learner's answer; raises :class:`ExerciseFailed` or returns what it verified."""
+    reference: Any = None
+    """The answer later cells use while the learner's is not done or wrong (None: later cells
+    do not depend on this exercise, labkit's own implementation runs there)."""
+
+    def __post_init__(self) -> None:
+        if not self.hints or not all(isinstance(h, str) and h.strip() for h in self.hints):
+            raise ValueError(f"exercise {self.id!r}: give at least one non-empty hint")
+
+    @property
+    def notebook(self) -> str:
+        return self.id.split(".", 1)[0]
+
+
+_REGISTRY: dict[str, Exercise] = {}
+_HINTS_SHOWN: dict[str, int] = {}  # id -> how many hints this kernel has shown
+_PASSED: dict[str, bool] = {}  # id -> did its last check in this kernel pass
+
+
+def exercise(
+    id: str, title: str, hints: tuple[str, ...] | list[str], reference: Any = None
+) -> Callable[[Callable[[Any], str]], Callable[[Any], str]]:
+    """Register the decorated function as the ``verify`` of exercise ``id``."""
+    notebook, _, name = id.partition(".")
+    if not (len(notebook) == 2 and notebook.isdigit() and name.isidentifier()):
+        raise ValueError(f"exercise id={id!r} is not allowed: use 'NN.name', e.g. '01.param_count'")
+    if id in _REGISTRY:
+        raise ValueError(f"exercise id={id!r} is already registered")
+
+    def register(fn: Callable[[Any], str]) -> Callable[[Any], str]:
+        _REGISTRY[id] = Exercise(id=id, title=title, hints=tuple(hints), verify=fn,
+                                 reference=reference)  # fmt: skip
+        return fn
+
+    return register
+
+
+def _load(notebook: str) -> None:
+    if notebook in MODULES:
+        importlib.import_module(MODULES[notebook])
+
+
+def get(exercise_id: str) -> Exercise:
+    """The registered exercise called ``exercise_id`` (its notebook's module loads on need)."""
+    if exercise_id not in _REGISTRY:
+        _load(str(exercise_id)[:2])
+    try:
+        return _REGISTRY[exercise_id]
+    except KeyError:
+        raise ValueError(
+            f"exercise_id={exercise_id!r} is not registered; known: {sorted(_REGISTRY)}"
+        ) from None
+
+
+def catalogue(notebook: str | None = None) -> list[Exercise]:
+    """All exercises (of one notebook, e.g. ``"01"``), in id order."""
+    for nb in [notebook] if notebook else MODULES:
+        _load(nb)
+    return [e for _, e in sorted(_REGISTRY.items()) if notebook in (None, e.notebook)]
+
+
+# --------------------------------------------------------------------------- hints
+
+
+def hint(exercise_id: str, level: int | None = None) -> None:
+    """Print the next hint for ``exercise_id`` (or hint number ``level``, 1-based).
+
+    The first hint is conceptual; each call shows one more; the last is the recipe.
+    """
+    hints = get(exercise_id).hints
+    if level is None:  # the next one: "not done yet" already showed the first
+        level = min(_HINTS_SHOWN.get(exercise_id, 0) + 1, len(hints))
+    if isinstance(level, bool) or not isinstance(level, int) or not 1 <= level <= len(hints):
+        raise ValueError(f"level={level!r} is not allowed: {exercise_id} has hints 1 to {len(hints)}")
+    _HINTS_SHOWN[exercise_id] = max(level, _HINTS_SHOWN.get(exercise_id, 0))
+    last = level == len(hints)
+    more = (
+        "this is the last hint: the recipe"
+        if last
+        else f'ex.hint("{exercise_id}") again for hint {level + 1}'
+    )
+    print(f"Hint {level} of {len(hints)} for {exercise_id}: {hints[level - 1]}\n({more})")
+
+
+# --------------------------------------------------------------------------- stubs
+
+
+def _body_raises_not_implemented(fn: Any) -> bool | None:
+    """Whether ``fn``'s body has a top-level ``raise NotImplementedError``; None if unknown."""
+    try:
+        source = textwrap.dedent(inspect.getsource(fn))
+        tree = ast.parse(source)
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return None
+    node = tree.body[0] if tree.body else None
+    if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+        return None
+    for stmt in node.body:
+        if isinstance(stmt, ast.Raise) and stmt.exc is not None:
+            exc = stmt.exc.func if isinstance(stmt.exc, ast.Call) else stmt.exc
+            if isinstance(exc, ast.Name) and exc.id == "NotImplementedError":
+                return True
+    return False
+
+
+def is_stub(answer: Any) -> bool:
+    """True if ``answer`` (a function, a class, or a tuple of them) still has a generated stub.
+
+    Read from the source, so a check can say "not done yet" without running the learner's code
+    (in a worker job, or where running it needs a process group). A function whose source
+    cannot be read counts as done: its check will run it.
+    """
+    if isinstance(answer, tuple):
+        return any(is_stub(a) for a in answer)
+    if str(getattr(answer, "__module__", "")).split(".")[0] in ("torch", "labkit"):
+        return False  # library code (torch.autograd.Function.forward raises by design)
+    if inspect.isclass(answer):
+        return any(is_stub(v.__func__ if isinstance(v, staticmethod | classmethod) else v)
+                   for v in vars(answer).values() if inspect.isfunction(v)
+                   or isinstance(v, staticmethod | classmethod))  # fmt: skip
+    if inspect.isfunction(answer) or inspect.ismethod(answer):
+        return bool(_body_raises_not_implemented(inspect.unwrap(answer)))
+    return False
+
+
+def incomplete(exercise_id: str) -> ExerciseIncomplete:
+    """The error for a stub: "not done yet" and the first hint."""
+    err = ExerciseIncomplete(f"Exercise {exercise_id} is not done yet: {get(exercise_id).hints[0]}")
+    err.exercise_id = exercise_id
+    return err
+
+
+# --------------------------------------------------------------------------- checking
+
+
+def verify(exercise_id: str, answer: Any) -> str:
+    """Run the check; return what was verified, or raise (never prints; usable in workers)."""
+    __tracebackhide__ = True  # pytest and IPython hide this frame: the message is the point
+    ex = get(exercise_id)
+    if is_stub(answer):
+        raise incomplete(exercise_id)
+    try:
+        return ex.verify(answer)
+    except ExerciseFailed as err:
+        if err.exercise_id is None:
+            err.exercise_id = ex.id
+            err.args = (f"Exercise {ex.id} ({ex.title}) failed: {err.args[0] if err.args else ''}",)
+        raise
+    except ExerciseIncomplete:
+        raise
+    except NotImplementedError:
+        raise incomplete(exercise_id) from None
+
+
+def report(exercise_id: str, outcome: str | ExerciseError, *, workers: str = "") -> bool:
+    """Print the one line a check ends with; True if the exercise passed.
+
+    ``outcome``: the sentence :func:`verify` returned, or the error it raised.
+    """
+    ex = get(exercise_id)
+    _PASSED[exercise_id] = isinstance(outcome, str)
+    uses = "your answer" if ex.reference is not None else None
+    if isinstance(outcome, str):
+        tail = f" ({workers})" if workers else ""
+        extra = f" Later cells use {uses}." if uses else ""
+        print(f"✓ {exercise_id}: {outcome}{tail}.{extra}".replace("..", "."))
+        return True
+    later = (
+        "Later cells use the reference answer meanwhile."
+        if ex.reference is not None
+        else "The rest of the lab does not depend on it."
+    )
+    if isinstance(outcome, ExerciseIncomplete):
+        _HINTS_SHOWN[exercise_id] = max(1, _HINTS_SHOWN.get(exercise_id, 0))
+        first = ex.hints[0] + ("" if ex.hints[0].endswith((".", "?", "!")) else ".")
+        print(f"○ {exercise_id} ({ex.title}) is not done yet. Hint: {first} "
+              f'More help: ex.hint("{exercise_id}"). {later}')  # fmt: skip
+    else:
+        text = str(outcome)
+        prefix = f"Exercise {exercise_id} ({ex.title}) failed: "
+        text = text[len(prefix):] if text.startswith(prefix) else text
+        print(f"✗ {exercise_id} ({ex.title}): {text}\n  {later} "
+              f'Stuck? ex.hint("{exercise_id}").')  # fmt: skip
+    return False
+
+
+def check(exercise_id: str, answer: Any) -> Any:
+    """Verify ``answer``, print one line, and return what later cells should use.
+
+    Where later cells depend on the exercise (it has a reference answer), returns ``answer``
+    when it passes, else the reference; otherwise returns None (so a cell that ends in a check
+    displays nothing more). Never raises for an unfinished or
+    wrong answer, so "Run All" reaches the end of the notebook; :func:`verify` raises.
+    """
+    __tracebackhide__ = True
+    try:
+        outcome: str | ExerciseError = verify(exercise_id, answer)
+    except ExerciseError as err:
+        outcome = err
+    passed = report(exercise_id, outcome)
+    reference = get(exercise_id).reference
+    return None if reference is None else answer if passed else reference
+
+
+def whose(exercise_id: str) -> str:
+    """"your answer" if the exercise's last check in this kernel passed, else "the reference
+    answer": a later cell that uses the result says which it ran on."""
+    get(exercise_id)
+    return "your answer" if _PASSED.get(exercise_id) else "the reference answer"
+
+
+def check_in_workers(exercise_id: str, path: str | Path, **options: Any) -> None:
+    """Check the learner's file ``path`` (a ``%%writefile`` cell wrote it) on several ranks.
+
+    The exercise's notebook module does the work (``verify_file``); this prints one line as
+    :func:`check` does and never raises for the learner's mistakes. Later cells run labkit's
+    own implementation whatever the outcome (a job cannot import a notebook's answer).
+    """
+    __tracebackhide__ = True
+    ex = get(exercise_id)
+    module = importlib.import_module(MODULES[ex.notebook])
+    verify_file = getattr(module, "verify_file", None)
+    if verify_file is None:
+        raise ValueError(f"exercise_id={exercise_id!r} is checked in the kernel: use ex.check")
+    try:
+        message, where = verify_file(exercise_id, path, **options)
+    except ExerciseError as err:
+        report(exercise_id, err)
+    else:
+        report(exercise_id, message, workers=where)
+
+
+def workspace(notebook: str) -> Path:
+    """The folder a notebook's ``%%writefile`` cells write the learner's files to.
+
+    ``labkit_home()/exercises/<notebook>`` (created if missing), outside the repository, so
+    running the notebooks (in CI too) leaves no files beside them.
+    """
+    from labkit.procs import labkit_home  # the launcher's cache folder; loaded on first use
+
+    path = labkit_home() / "exercises" / notebook
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+# --------------------------------------------------------------------------- helpers for checks
+
+
+def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call the learner's ``fn``; any error but the stub's becomes an :class:`ExerciseFailed`.
+
+    The message names the call, the error and the learner's own line that raised it (frames
+    inside labkit and torch are left out): the check prints it instead of a traceback.
+    ``NotImplementedError`` passes through, so :func:`verify` reports the exercise as not done.
+    """
+    __tracebackhide__ = True
+    try:
+        return fn(*args, **kwargs)
+    except NotImplementedError:
+        raise
+    except Exception as err:
+        shown = ", ".join([*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())])
+        raise ExerciseFailed(
+            f"{_name(fn)}({shown}) raised {type(err).__name__}: {err}{learner_frame(err)}"
+        ) from err
+
+
+def learner_frame(err: BaseException) -> str:
+    """" (at <file>, line N: <code>)" for the last frame outside labkit and torch, or ""."""
+    frames = [
+        f for f in traceback.extract_tb(err.__traceback__)
+        if not any(part in f.filename for part in ("/labkit/", "/torch/", "/site-packages/"))
+    ]  # fmt: skip
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" (at {Path(f.filename).name}, line {f.lineno}: {(f.line or '').strip()})"
+
+
+def _name(fn: object) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def _require_callable(answer: object, signature: str) -> Callable[..., Any]:
+    if not callable(answer):
+        raise ExerciseFailed(
+            f"expected the function {signature}, got {type(answer).__name__} "
+            f"{answer!r}; pass the function itself, without calling it"
+        )
+    return answer
+
+
+def _require_int(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ExerciseFailed(
+            f"{what} returned {type(value).__name__} {value!r}; return an int (counts are whole "
+            "numbers: use // instead of /, and int(...) on tensors)"
+        )
+    return int(value)
