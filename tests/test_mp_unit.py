@@ -264,6 +264,22 @@ def test_plot_timeline_draws_one_bar_per_event():
     plt.close(ax.figure)
 
 
+def test_plot_timeline_labels_a_modelled_clock_in_forwards_not_seconds():
+    import matplotlib.pyplot as plt
+
+    events = schedules.simulate("gpipe", 2, 2, t_f=1.0, t_b=2.0)
+    ax = timeline.plot_timeline(events, unit="forward")
+    assert ax.get_xlabel() == "time (units of one forward)"
+    # GPipe takes (m + p − 1)(t_f + t_b) = 3 · 3 forwards, and the axis counts them unscaled
+    assert max(p.get_x() + p.get_width() for p in ax.patches) == 9.0
+    plt.close(ax.figure)
+    ax = timeline.plot_timeline(events, unit="ms")
+    assert ax.get_xlabel() == "time (ms)"
+    plt.close(ax.figure)
+    with pytest.raises(ValueError, match="'forward'"):
+        timeline.plot_timeline(events, unit="hours")
+
+
 # --- tensor parallelism, sliced by hand in one process -------------------------------------------
 
 

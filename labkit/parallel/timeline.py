@@ -115,14 +115,16 @@ def plot_timeline(
 ) -> Any:
     """Draw a Gantt chart: one row per rank, forwards light, backwards dark, labelled by mb.
 
-    White space in a row is that rank's bubble. Returns the matplotlib Axes. matplotlib is
+    White space in a row is that rank's bubble. ``unit``: "s", "ms" or "us" for measured
+    timestamps (in seconds), or "forward" for a modelled schedule whose clock counts units of
+    one forward (``schedules.simulate``). Returns the matplotlib Axes. matplotlib is
     imported here, not at module import, so recording events needs no plotting library.
     """
     import matplotlib.pyplot as plt  # lazy: importing labkit must stay cheap
 
-    scale = {"s": 1.0, "ms": 1e3, "us": 1e6}.get(unit)
+    scale = {"s": 1.0, "ms": 1e3, "us": 1e6, "forward": 1.0}.get(unit)
     if scale is None:
-        raise ValueError(f"unit={unit!r}: use 's', 'ms' or 'us'")
+        raise ValueError(f"unit={unit!r}: use 's', 'ms', 'us' or 'forward'")
     events = list(events)
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 0.6 + 0.5 * len({e["rank"] for e in events})))
@@ -150,7 +152,7 @@ def plot_timeline(
     ranks = sorted({e["rank"] for e in events})
     ax.set_yticks(ranks, [f"stage {r}" for r in ranks])
     ax.invert_yaxis()  # stage 0 on top, as in the GPipe and Megatron figures
-    ax.set_xlabel(f"time ({unit})")
+    ax.set_xlabel("time (units of one forward)" if unit == "forward" else f"time ({unit})")
     if title:
         ax.set_title(title)
     return ax
