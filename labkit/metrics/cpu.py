@@ -93,12 +93,21 @@ class CpuBackend(Backend):
         return ranks
 
     def _process(self, pid: int) -> tuple[psutil.Process | None, bool]:
-        """(process, primed): a cached Process keeps its cpu_percent state between samples."""
+        """(process, primed): a cached Process keeps its cpu_percent state between samples.
+
+        A process that has exited but is not reaped yet (a zombie: a rank whose torchrun
+        agent has not collected it) counts as gone: psutil reads its memory as 0 B and its CPU
+        as 0 %, and a line dropping to zero would say the rank freed its memory.
+        """
         p = self._procs.get(pid)
-        if p is not None and p.is_running():  # is_running also catches a reused PID
-            return p, True
         try:
+            if p is not None and p.is_running():  # is_running also catches a reused PID
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    return p, True
+                raise psutil.ZombieProcess(pid)
             p = psutil.Process(pid)
+            if p.status() == psutil.STATUS_ZOMBIE:
+                raise psutil.ZombieProcess(pid)
             p.cpu_percent(None)  # primes: psutil's first reading is always 0.0
         except psutil.Error:
             self._procs.pop(pid, None)
