@@ -1,0 +1,90 @@
+"""labkit's dependencies point one way: a module imports only from layers below its own.
+
+Each top-level module or subpackage of labkit has a layer here; an import of another labkit
+unit (at module level or inside a function: a lazy import is still a dependency) must go to a
+strictly lower layer. The table is the house plan: a new module gets a row, and an import that
+would point upward (say, a worker importing the exercise checks) fails this test, naming the
+edge, instead of quietly tangling the package.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "labkit"
+
+LAYERS: dict[str, int] = {
+    # foundations: no labkit imports
+    "config": 0, "timing": 0, "formulas": 0, "_spawn": 0, "quiz": 0,
+    # facts about the machine, the data, the model, the worker side of a job
+    "hardware": 1, "data": 1, "dist": 1, "model": 1,
+    # training, processes, metric collection
+    "train": 2, "procs": 2, "metrics": 2,
+    # measuring memory, launching jobs, judging measurements
+    "memory": 3, "launch": 3, "verdict": 3,
+    # parallel strategies; live plots
+    "parallel": 4, "monitor": 4,
+    # the jobs notebooks launch
+    "workers": 5,
+    # what notebooks and instructors call
+    "exercises": 6, "record": 6, "doctor": 6,
+    # tools over all of it
+    "nbgen": 7,
+    # the command line
+    "__main__": 8,
+}  # fmt: skip
+
+
+def unit_of(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return parts[0]
+
+
+def labkit_imports(path: Path) -> set[str]:
+    """The labkit units ``path`` imports, anywhere in the file."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "labkit":
+                found |= {alias.name for alias in node.names}
+            elif node.module.startswith("labkit."):
+                found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("labkit.")}
+    return found
+
+
+SOURCES = sorted(p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py" or p.parent != PACKAGE)
+
+
+def test_every_unit_has_a_layer():
+    units = {unit_of(p) for p in SOURCES}
+    missing = sorted(units - set(LAYERS))
+    assert not missing, f"give {missing} a layer in tests/test_layers.py (where it sits is a design choice)"
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_point_down(path):
+    me = unit_of(path)
+    upward = sorted(
+        other for other in labkit_imports(path) - {me}
+        if other in LAYERS and LAYERS[other] >= LAYERS.get(me, -1)
+    )  # fmt: skip
+    assert not upward, (
+        f"labkit/{path.relative_to(PACKAGE)} (layer {LAYERS.get(me)}) imports "
+        + ", ".join(f"{u} (layer {LAYERS[u]})" for u in upward)
+        + ": a lower layer must not depend on a higher one; move the shared piece down"
+    )
+
+
+def test_the_rule_catches_an_upward_import(tmp_path, monkeypatch):
+    fake = tmp_path / "labkit"
+    (fake / "workers").mkdir(parents=True)
+    bad = fake / "workers" / "bad.py"
+    bad.write_text("def f():\n    from labkit.exercises import data_parallel\n")
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", fake)
+    with pytest.raises(AssertionError, match=r"imports exercises \(layer 6\)"):
+        test_imports_point_down(bad)
