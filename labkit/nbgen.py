@@ -66,6 +66,23 @@ MD_END = re.compile(r"^\s*<!--\s*END SOLUTION\s*-->\s*$")
 MD_STUB = "*Your answer here.*"
 NOTEBOOK_GLOB = "[0-9][0-9]_*.ipynb"
 
+LANGUAGE_INFO = {
+    "codemirror_mode": {"name": "ipython", "version": 3},
+    "file_extension": ".py",
+    "mimetype": "text/x-python",
+    "name": "python",
+    "nbconvert_exporter": "python",
+    "pygments_lexer": "ipython3",
+    "version": "3.11.7",
+}
+"""The ``language_info`` ipykernel reports on the course's reference Python (CI's machine).
+
+When a kernel starts, JupyterLab copies the kernel's ``language_info`` into the notebook and
+marks the notebook modified if that changed anything (jupyter/notebook #2123), so a notebook
+carrying only ``{"name": "python"}`` showed as modified the moment it opened. Carrying the
+whole dict, it opens clean; on another Python only ``version`` differs, and JupyterLab updates
+it as it would for any notebook. The browser test checks a learner's copy opens clean."""
+
 # Keys that record a run rather than the notebook: JupyterLab's per-cell timing, papermill's
 # bookkeeping and saved widget state. They are cleared with the outputs.
 RUN_CELL_METADATA = ("execution", "papermill")
@@ -231,6 +248,7 @@ def generate(nb: nbformat.NotebookNode, name: str = "<notebook>") -> nbformat.No
     ``name`` only labels errors: ``MarkerError`` names the notebook, the cell index and line.
     """
     out = strip_outputs(nb)
+    out.metadata["language_info"] = copy.deepcopy(LANGUAGE_INFO)  # opens unmodified
     for index, cell in enumerate(out.cells):
         where = f"{name}, cell {index} ({cell.cell_type})"
         if cell.cell_type == "code":

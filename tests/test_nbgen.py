@@ -100,6 +100,16 @@ def test_a_hint_inside_a_region_is_refused_because_the_stub_would_carry_it():
         nbgen.generate(nb, name="x.ipynb")
 
 
+def test_generated_notebooks_carry_the_kernels_whole_language_info():
+    # With only {"name": "python"}, JupyterLab rewrites the field as the kernel starts and
+    # the notebook shows as modified before anything ran.
+    out = nbgen.generate(solution_notebook())
+    assert out.metadata["language_info"] == nbgen.LANGUAGE_INFO
+    assert set(nbgen.LANGUAGE_INFO) >= {"codemirror_mode", "mimetype", "pygments_lexer", "version"}
+    for path in sorted((REPO / "solutions").glob(nbgen.NOTEBOOK_GLOB)):  # instructors open these
+        assert json.loads(path.read_text())["metadata"]["language_info"] == nbgen.LANGUAGE_INFO
+
+
 def test_markdown_answer_regions_are_replaced():
     out = nbgen.generate(solution_notebook())
     assert out.cells[0].source == "# Title\n\nWhy?\n*Your answer here.*\nDone."
