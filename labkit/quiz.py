@@ -5,23 +5,30 @@ Each notebook ends with::
     from labkit import quiz
     quiz.show("01")
 
-In JupyterLab every question is a set of radio buttons with nothing selected; choosing one
-shows "Correct." or "Not quite." and the explanation, and the learner may try again. Where
-widgets cannot render (a terminal, a headless run under papermill or nbval) the quiz prints as
-plain text, questions first and an "Answers" section after them; a displayed widget also
-carries that text as its ``text/plain`` fallback.
+In JupyterLab every question lists its choices, each with a round selector beside its text and
+nothing selected. A wrong choice says why *that* choice is wrong and leaves the learner to try
+again; the full explanation appears only with the right answer, or when the learner presses
+"Show answer". Where widgets cannot render (a terminal, a headless run under papermill or nbval)
+the quiz prints as plain text, questions first and an "Answers" section after them; a displayed
+widget also carries that text as its ``text/plain`` fallback.
 
 A bank is ``labkit/quizbank/NN.json``::
 
     {"notebook": "01", "title": "Single-GPU training",
      "questions": [{"id": "01.async_timing",
-                    "question": "...", "choices": ["...", "..."], "answer": 1,
+                    "question": "...", "choices": ["...", "...", "..."], "answer": 1,
+                    "why_wrong": ["why the first choice is wrong", null, "why the third is"],
                     "explanation": "... (source: ...)",
                     "domain": "NCP-GENL: performance profiling and troubleshooting"}]}
 
-``answer`` is the 0-based index of the right choice. Text may use `backticks` for code. Banks
-are validated when loaded (:class:`Question` and :func:`load_file`): a mistake raises a
-:class:`QuizBankError` naming the file, the question and the field.
+``answer`` is the 0-based index of the right choice. ``why_wrong`` runs parallel to
+``choices``: ``null`` (or ``""``) at the answer, and at every other index what is wrong with that
+choice, written so that it does not give the answer away. ``explanation`` says why the answer is
+right and cites sources a learner can open (papers with a section, documentation pages, source
+files in public repositories). Text may use `backticks` for code. Banks are validated when
+loaded (:class:`Question` and :func:`load_file`): a mistake raises a :class:`QuizBankError`
+naming the file, the question and the field. How well the items are *written* (no option
+conspicuously longer than the rest, public citations) is checked by ``tests/test_quizbank.py``.
 """
 
 from __future__ import annotations
@@ -44,16 +51,17 @@ DOMAINS: tuple[str, ...] = (
 )
 """The certification sub-topics a question may be tagged with.
 
-The four NCP-GENL entries are the sub-topics of that exam's "GPU Acceleration and Optimization"
-area; the NCP-ADS entry is the Accelerated Data Science exam's "single- and multi-GPU
-training" (course notes, facts.md, "Certification context"). Sources disagree on how much
-each area weighs in the exam, so the course prints no weights.
+The four NCP-GENL entries are the sub-topics of the "GPU Acceleration and Optimization" area of
+NVIDIA-Certified Professional: Generative AI LLMs; the NCP-ADS entry is "single- and multi-GPU
+training" in NVIDIA-Certified Professional: Accelerated Data Science. Both exams' pages are
+linked from https://www.nvidia.com/en-us/learn/certification/. Third-party study guides disagree
+on how much each area weighs, so the course prints no weights.
 """
 
 LETTERS = "abcdef"
 MIN_CHOICES, MAX_CHOICES = 2, len(LETTERS)
 _ID = re.compile(r"^\d\d\.[a-z][a-z0-9_]*$")
-_FIELDS = ("id", "question", "choices", "answer", "explanation", "domain")
+_FIELDS = ("id", "question", "choices", "answer", "why_wrong", "explanation", "domain")
 
 
 class QuizBankError(ValueError):
@@ -71,8 +79,10 @@ class Question:
     """2 to 6 distinct answers, shown lettered a), b), ..."""
     answer: int
     """Index into ``choices`` of the right answer (0-based)."""
+    why_wrong: tuple[str | None, ...]
+    """Parallel to ``choices``: ``None`` at the answer, else why that choice is wrong."""
     explanation: str
-    """Why the answer is right (and the others wrong), citing the source of any number."""
+    """Why the answer is right, citing public sources for any fact or number."""
     domain: str
     """One of :data:`DOMAINS`."""
 
@@ -104,8 +114,32 @@ class Question:
             raise QuizBankError(
                 f"answer={self.answer!r} is not allowed: an index from 0 to {n - 1} into choices"
             )
+        object.__setattr__(self, "why_wrong", self._checked_why_wrong())
         if self.domain not in DOMAINS:
             raise QuizBankError(f"domain={self.domain!r} is not allowed: one of {list(DOMAINS)}")
+
+    def _checked_why_wrong(self) -> tuple[str | None, ...]:
+        """``why_wrong`` as a tuple with ``None`` at the answer, or the first problem with it."""
+        entries = self.why_wrong
+        if not isinstance(entries, (list, tuple)) or len(entries) != len(self.choices):
+            count = len(entries) if isinstance(entries, (list, tuple)) else "no"
+            raise QuizBankError(
+                f"why_wrong has {count} entries for {len(self.choices)} choices: give one per "
+                "choice, in the same order (null at the answer)"
+            )
+        for i, entry in enumerate(entries):
+            where = f"why_wrong[{i}] (choice {LETTERS[i]})"
+            if i == self.answer:
+                if entry not in (None, ""):
+                    raise QuizBankError(
+                        f"{where} is the answer's entry: leave it null (the explanation says "
+                        "why the answer is right)"
+                    )
+            elif not (isinstance(entry, str) and entry.strip()):
+                raise QuizBankError(
+                    f"{where}={entry!r} is not allowed: say why that choice is wrong"
+                )
+        return tuple(None if i == self.answer else e for i, e in enumerate(entries))
 
 
 @dataclass(frozen=True)
@@ -194,21 +228,37 @@ def _html(text: str) -> str:
     return re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(text))
 
 
+_RIGHT = '<b style="color:#1a7f37">Correct.</b>'
+_WRONG = '<b style="color:#cf222e">Not quite.</b>'
+
+
 def feedback(question: Question, choice: int) -> tuple[bool, str]:
-    """Whether choice index ``choice`` is right, and the HTML the widget shows for it."""
+    """Whether choice index ``choice`` is right, and the HTML the widget shows for it.
+
+    The right choice gets the explanation. A wrong one gets only why *it* is wrong: the
+    explanation would give the answer away before the learner has found it.
+    """
     if not 0 <= choice < len(question.choices):
         raise ValueError(f"choice={choice!r} is not allowed: 0 to {len(question.choices) - 1}")
-    correct = choice == question.answer
-    verdict = (
-        '<b style="color:#1a7f37">Correct.</b>'
-        if correct
-        else '<b style="color:#cf222e">Not quite.</b> Try another answer, or read on.'
+    if choice == question.answer:
+        return True, f"<div>{_RIGHT} {_html(question.explanation)}</div>"
+    why = question.why_wrong[choice] or ""
+    return False, (
+        f"<div>{_WRONG} {_html(why)} <i>Try another answer, or press Show answer.</i></div>"
     )
-    return correct, f"<div>{verdict} {_html(question.explanation)}</div>"
+
+
+def reveal(question: Question) -> str:
+    """The HTML that "Show answer" shows: the right choice and the explanation."""
+    letter, text = LETTERS[question.answer], question.choices[question.answer]
+    return f"<div><b>Answer: {letter})</b> {_html(text)}. {_html(question.explanation)}</div>"
 
 
 def as_text(bank: Bank | str | int) -> str:
-    """The quiz as plain text: numbered questions, lettered choices, then the answers."""
+    """The quiz as plain text: numbered questions, lettered choices, then the answers.
+
+    Each answer gives the explanation, then why each other choice is wrong.
+    """
     bank = _bank(bank)
     lines = [f"Quiz {bank.notebook}: {bank.title}", ""]
     for n, q in enumerate(bank.questions, start=1):
@@ -218,41 +268,103 @@ def as_text(bank: Bank | str | int) -> str:
     lines += ["Answers", "-------"]
     for n, q in enumerate(bank.questions, start=1):
         lines.append(f"{n}. {LETTERS[q.answer]}) {q.choices[q.answer]} — {q.explanation}")
+        lines += [
+            f"   Not {LETTERS[i]}): {why}" for i, why in enumerate(q.why_wrong) if why is not None
+        ]
     return "\n".join(lines) + "\n"
 
 
-def question_widget(question: Question, number: int) -> Any:
-    """A VBox: the question, radio buttons with nothing selected, and a feedback area.
+class QuestionWidget:
+    """One question as widgets: its text, one row per choice, a feedback area, "Show answer".
 
-    Selecting a choice (a click, or setting ``.value`` to its index) fills the feedback.
+    Each choice is a Checkbox whose label renders HTML (so `code` shows as code) and wraps
+    beside its selector; the quiz's CSS draws the selector round, and :meth:`_on_pick` keeps
+    at most one row selected, as radio buttons would. (ipywidgets' RadioButtons set their
+    labels as plain text and place the input after it, so code shows with its backticks and
+    a long label pushes its button to the next line.) Selecting a choice (a click, or
+    :meth:`pick`) fills the feedback area with :func:`feedback`.
     """
-    import ipywidgets as w
 
-    text = w.HTML(
-        f"<p><b>{number}.</b> {_html(question.question)} "
-        f'<small style="color:#57606a">[{html.escape(question.domain)}]</small></p>'
-    )
-    buttons = w.RadioButtons(
-        options=[(f"{LETTERS[i]}) {c}", i) for i, c in enumerate(question.choices)],
-        value=None,
-        layout=w.Layout(width="auto"),
-    )
-    result = w.HTML("")
+    def __init__(self, question: Question, number: int) -> None:
+        import ipywidgets as w
 
-    def on_change(change: dict) -> None:
-        if change["new"] is not None:
-            result.value = feedback(question, change["new"])[1]
+        self.question = question
+        self.selected: int | None = None
+        self.text = w.HTML(
+            f"<p><b>{number}.</b> {_html(question.question)} "
+            f'<small style="color:#57606a">[{html.escape(question.domain)}]</small></p>'
+        )
+        self.choices = [
+            w.Checkbox(
+                value=False,
+                description=f"<b>{LETTERS[i]})</b> {_html(c)}",
+                description_allow_html=True,
+                indent=False,
+                layout=w.Layout(width="100%", height="auto"),
+            )
+            for i, c in enumerate(question.choices)
+        ]
+        for i, row in enumerate(self.choices):
+            row.add_class("labkit-quiz-choice")
+            row.observe(lambda change, i=i: self._on_pick(i, change["new"]), names="value")
+        self.result = w.HTML("")
+        self.result.add_class("labkit-quiz-feedback")
+        self.show_answer = w.Button(
+            description="Show answer", layout=w.Layout(width="auto", align_self="flex-start")
+        )
+        self.show_answer.add_class("labkit-quiz-reveal")
+        self.show_answer.on_click(lambda _button: self._reveal())
+        self.box = w.VBox(
+            [self.text, *self.choices, self.result, self.show_answer],
+            layout=w.Layout(margin="0 0 1em 0"),
+        )
+        self.box.add_class("labkit-quiz-question")
 
-    buttons.observe(on_change, names="value")
-    return w.VBox([text, buttons, result], layout=w.Layout(margin="0 0 1em 0"))
+    def pick(self, choice: int) -> None:
+        """Select ``choice`` as a click on its row does."""
+        self.choices[choice].value = True
+
+    def _on_pick(self, choice: int, checked: bool) -> None:
+        if not checked:
+            if choice == self.selected:  # a click on the selected row: keep it, as a radio does
+                self.choices[choice].value = True
+            return
+        self.selected = choice
+        for i, row in enumerate(self.choices):
+            if i != choice:
+                row.value = False
+        self.result.value = feedback(self.question, choice)[1]
+
+    def _reveal(self) -> None:
+        self.result.value = reveal(self.question)
 
 
-# Radio labels are one fixed-height line by default; answers here are sentences, so let them
-# wrap (scoped to the quiz by its CSS class).
-_CSS = (
-    "<style>.labkit-quiz .widget-radio-box label {height: auto; white-space: normal; "
-    "line-height: 1.4; margin-bottom: 0.3em;}</style>"
-)
+def question_widget(question: Question, number: int) -> Any:
+    """The VBox of a :class:`QuestionWidget` (its widgets stay reachable as ``.children``)."""
+    return QuestionWidget(question, number).box
+
+
+# Scoped to the quiz by its CSS class. Each choice row is a Checkbox: let its label wrap beside
+# the selector (flex; the selector neither shrinks nor centres itself on a long label), and
+# draw the selector as a radio button, since only one choice can be selected. ipywidgets sets
+# the label's `title` to the raw description, HTML tags and all: with pointer events off on
+# the text, hovering shows no such tooltip, and a click lands on the <label>, which toggles
+# its input as before.
+_CSS = """<style>
+.labkit-quiz .widget-html-content {line-height: 1.45;}
+.labkit-quiz .labkit-quiz-choice {height: auto; width: 100%; margin: 0 0 0.35em 0;}
+.labkit-quiz .labkit-quiz-choice label.widget-label-basic {
+  display: flex; align-items: flex-start; gap: 0.5em; height: auto; width: 100%;
+  white-space: normal; overflow: visible; line-height: 1.45; cursor: pointer;}
+.labkit-quiz .labkit-quiz-choice label.widget-label-basic > span {pointer-events: none;}
+.labkit-quiz .labkit-quiz-choice input[type="checkbox"] {
+  appearance: none; -webkit-appearance: none; flex: none; align-self: flex-start;
+  box-sizing: border-box; width: 1em; height: 1em; margin: 0.22em 0 0 0;
+  border: 1px solid #767676; border-radius: 50%; background: #fff; cursor: pointer;}
+.labkit-quiz .labkit-quiz-choice input[type="checkbox"]:checked {
+  border: 0.3em solid var(--jp-brand-color1, #1976d2);}
+.labkit-quiz .labkit-quiz-feedback {margin: 0.2em 0 0.4em 0;}
+</style>"""
 
 
 def widget(bank: Bank | str | int) -> Any:

@@ -15,8 +15,9 @@ def good_question(**changes) -> dict:
     q = {
         "id": "05.demo",
         "question": "Which is `right`?",
-        "choices": ["this one", "that one", "neither"],
+        "choices": ["this one", "`that` one", "neither"],
         "answer": 0,
+        "why_wrong": [None, "That <one> is off.", "Neither is too cautious."],
         "explanation": "Because <it> is.",
         "domain": quiz.DOMAINS[0],
     }
@@ -61,6 +62,22 @@ def test_domains_are_the_certification_sub_topics():
         ({"choices": ["only"]}, r"choices has 1 entries: 2 to 6 allowed"),
         ({"id": "demo"}, r"id='demo' is not allowed"),
         ({"id": "04.demo"}, r"must start with the bank's notebook '05.'"),
+        # Per-choice feedback: one entry per choice, null at the answer, text at every other.
+        (
+            {"why_wrong": [None, "too short"]},
+            r"why_wrong has 2 entries for 3 choices: give one per choice",
+        ),
+        (
+            {"why_wrong": [None, "a", "b", "extra"]},
+            r"why_wrong has 4 entries for 3 choices",
+        ),
+        ({"why_wrong": "a, b"}, r"why_wrong has no entries for 3 choices"),
+        ({"why_wrong": [None, " ", "b"]}, r"why_wrong\[1\] \(choice b\)=' ' is not allowed"),
+        ({"why_wrong": [None, "a", None]}, r"why_wrong\[2\] \(choice c\)=None is not allowed"),
+        (
+            {"why_wrong": ["the key", "a", "b"]},
+            r"why_wrong\[0\] \(choice a\) is the answer's entry: leave it null",
+        ),
     ],
 )
 def test_invalid_questions_name_file_question_and_problem(tmp_path, change, problem):
@@ -77,6 +94,15 @@ def test_missing_and_misspelt_fields_are_named(tmp_path):
     with pytest.raises(
         quiz.QuizBankError,
         match=r"missing fields \['explanation'\], unknown fields \['explaination'\]",
+    ):
+        quiz.load_file(write_bank(tmp_path, [q]))
+
+
+def test_a_question_without_per_choice_feedback_is_rejected(tmp_path):
+    q = good_question()
+    del q["why_wrong"]
+    with pytest.raises(
+        quiz.QuizBankError, match=r"question '05\.demo': missing fields \['why_wrong'\]"
     ):
         quiz.load_file(write_bank(tmp_path, [q]))
 
@@ -109,17 +135,30 @@ def test_unknown_notebook_lists_the_available_ones():
     assert quiz.load(1).notebook == "01"
 
 
-def test_feedback_for_right_and_wrong_answers():
+def test_a_wrong_choice_says_why_it_is_wrong_without_giving_the_answer_away():
     q = quiz.Question(**good_question())
     right, html = quiz.feedback(q, 0)
     assert right and "Correct." in html and "Because &lt;it&gt; is." in html
-    wrong, html = quiz.feedback(q, 2)
-    assert not wrong and "Not quite." in html and "Because &lt;it&gt; is." in html
+    wrong, html = quiz.feedback(q, 1)
+    assert not wrong and "Not quite." in html and "That &lt;one&gt; is off." in html
+    assert "Because" not in html and "this one" not in html  # neither explanation nor key
+    assert "Neither is too cautious." in quiz.feedback(q, 2)[1]
     with pytest.raises(ValueError, match="choice=3 is not allowed"):
         quiz.feedback(q, 3)
 
 
-def test_text_has_every_question_then_every_answer():
+def test_show_answer_reveals_the_key_and_the_explanation():
+    q = quiz.Question(**good_question(answer=1, why_wrong=["not this", None, "nor this"]))
+    html = quiz.reveal(q)
+    assert "Answer: b)" in html and "<code>that</code> one" in html and "Because" in html
+
+
+def test_the_answer_keeps_no_feedback_and_others_keep_theirs():
+    q = quiz.Question(**good_question(why_wrong=["", "x", "y"]))
+    assert q.why_wrong == (None, "x", "y")  # "" at the answer is read as null
+
+
+def test_text_has_every_question_then_every_answer_and_why_the_others_are_wrong():
     bank = quiz.load("01")
     text = quiz.as_text("01")
     questions, answers = text.split("\nAnswers\n")
@@ -128,7 +167,11 @@ def test_text_has_every_question_then_every_answer():
         assert all(f") {c}" in questions for c in q.choices)
         right = f"{n}. {quiz.LETTERS[q.answer]}) {q.choices[q.answer]} — {q.explanation}"
         assert right in answers
+        for i, why in enumerate(q.why_wrong):
+            if i != q.answer:
+                assert f"   Not {quiz.LETTERS[i]}): {why}" in answers
         assert q.explanation not in questions
+        assert not any(why and why in questions for why in q.why_wrong)
 
 
 def test_show_prints_text_outside_a_kernel(capsys):
@@ -136,19 +179,52 @@ def test_show_prints_text_outside_a_kernel(capsys):
     assert capsys.readouterr().out == quiz.as_text("00")
 
 
-def test_widget_starts_blank_and_a_selection_shows_feedback():
+def _checked(view: quiz.QuestionWidget) -> list[int]:
+    return [i for i, row in enumerate(view.choices) if row.value]
+
+
+def test_question_widget_starts_blank_and_renders_code_in_choices():
+    q = quiz.Question(**good_question())
+    view = quiz.QuestionWidget(q, 1)
+    assert view.box.children == (view.text, *view.choices, view.result, view.show_answer)
+    assert _checked(view) == [] and view.selected is None and view.result.value == ""
+    assert all(row.description_allow_html for row in view.choices)
+    assert "<code>that</code> one" in view.choices[1].description  # not `that`
+    assert "`" not in view.choices[1].description
+
+
+def test_a_wrong_pick_gives_its_feedback_and_a_right_pick_the_explanation():
+    q = quiz.Question(**good_question())
+    view = quiz.QuestionWidget(q, 1)
+    view.pick(1)  # what a click does: the row's value becomes True
+    assert _checked(view) == [1] and view.selected == 1
+    assert view.result.value == quiz.feedback(q, 1)[1] and "Because" not in view.result.value
+    view.pick(2)  # try again: the previous choice is cleared, as with radio buttons
+    assert _checked(view) == [2] and "Neither is too cautious." in view.result.value
+    view.choices[2].value = False  # a second click on the selected row keeps it selected
+    assert _checked(view) == [2]
+    view.pick(0)
+    assert _checked(view) == [0] and view.result.value == quiz.feedback(q, 0)[1]
+    assert "Correct." in view.result.value and "Because &lt;it&gt; is." in view.result.value
+
+
+def test_show_answer_button_reveals_without_a_pick():
+    q = quiz.Question(**good_question())
+    view = quiz.QuestionWidget(q, 1)
+    view.show_answer.click()
+    assert view.result.value == quiz.reveal(q) and _checked(view) == []
+
+
+def test_whole_quiz_widget_has_a_heading_and_one_box_per_question():
     bank = quiz.load("01")
     box = quiz.widget(bank)
     heading, *questions = box.children
     assert "Single-GPU training" in heading.value and len(questions) == len(bank.questions)
-    q, (text, buttons, result) = bank.questions[0], questions[0].children
-    assert "<code>" in text.value  # backticks became code
-    assert buttons.value is None and buttons.index is None and result.value == ""
-    wrong = (q.answer + 1) % len(q.choices)
-    buttons.value = wrong  # what a click does
-    assert "Not quite." in result.value
-    buttons.value = q.answer
-    assert result.value == quiz.feedback(q, q.answer)[1] and "Correct." in result.value
+    assert "labkit-quiz" in box._dom_classes
+    assert all("labkit-quiz-question" in q._dom_classes for q in questions)
+    text, *rows = questions[0].children[: 1 + len(bank.questions[0].choices)]
+    assert "<code>" in text.value  # backticks in the question became code
+    assert all("labkit-quiz-choice" in row._dom_classes for row in rows)
 
 
 def test_displayed_quiz_carries_a_text_fallback():
@@ -160,7 +236,8 @@ def test_displayed_quiz_carries_a_text_fallback():
 
 def test_question_is_immutable_and_choices_become_a_tuple():
     q = quiz.Question(**good_question())
-    assert q.choices == ("this one", "that one", "neither")
+    assert q.choices == ("this one", "`that` one", "neither")
+    assert q.why_wrong == (None, "That <one> is off.", "Neither is too cautious.")
     with pytest.raises(AttributeError):
         q.answer = 1  # type: ignore[misc]
     assert copy.deepcopy(q) == q
