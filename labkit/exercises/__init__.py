@@ -235,28 +235,32 @@ def verify(exercise_id: str, answer: Any) -> str:
         raise incomplete(exercise_id) from None
 
 
-def report(exercise_id: str, outcome: str | ExerciseError, *, workers: str = "") -> bool:
+def _sentence(text: str) -> str:
+    return text if text.endswith((".", "?", "!")) else text + "."
+
+
+def report(exercise_id: str, outcome: str | ExerciseError, *, where: str = "") -> bool:
     """Print the one line a check ends with; True if the exercise passed.
 
-    ``outcome``: the sentence :func:`verify` returned, or the error it raised.
+    ``outcome``: the sentence :func:`verify` returned, or the error it raised; ``where``: where
+    the check ran, if not in the kernel ("checked in 2 worker processes").
     """
     ex = get(exercise_id)
-    _PASSED[exercise_id] = isinstance(outcome, str)
-    uses = "your answer" if ex.reference is not None else None
-    if isinstance(outcome, str):
-        tail = f" ({workers})" if workers else ""
-        extra = f" Later cells use {uses}." if uses else ""
-        print(f"✓ {exercise_id}: {outcome}{tail}.{extra}".replace("..", "."))
+    passed = isinstance(outcome, str)
+    _PASSED[exercise_id] = passed
+    depends = ex.reference is not None
+    if passed:
+        said = _sentence(f"{outcome} ({where})" if where else outcome)
+        print(f"✓ {exercise_id}: {said}" + (" Later cells use your answer." if depends else ""))
         return True
     later = (
         "Later cells use the reference answer meanwhile."
-        if ex.reference is not None
+        if depends
         else "The rest of the lab does not depend on it."
     )
     if isinstance(outcome, ExerciseIncomplete):
         _HINTS_SHOWN[exercise_id] = max(1, _HINTS_SHOWN.get(exercise_id, 0))
-        first = ex.hints[0] + ("" if ex.hints[0].endswith((".", "?", "!")) else ".")
-        print(f"○ {exercise_id} ({ex.title}) is not done yet. Hint: {first} "
+        print(f"○ {exercise_id} ({ex.title}) is not done yet. Hint: {_sentence(ex.hints[0])} "
               f'More help: ex.hint("{exercise_id}"). {later}')  # fmt: skip
     else:
         text = str(outcome)
@@ -310,7 +314,7 @@ def check_in_workers(exercise_id: str, path: str | Path, **options: Any) -> None
     except ExerciseError as err:
         report(exercise_id, err)
     else:
-        report(exercise_id, message, workers=where)
+        report(exercise_id, message, where=where)
 
 
 def workspace(notebook: str) -> Path:
