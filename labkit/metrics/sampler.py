@@ -94,7 +94,7 @@ class Sampler:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._last_poll: float | None = None
+        self._next_due: float | None = None  # poll_due's next sample time
 
     # -- results ----------------------------------------------------------------------------
 
@@ -134,13 +134,27 @@ class Sampler:
         if self.state != "running":
             self.backend.open()
             self.state = "running"
-        return self._tick(self.clock() if now is None else now)
+        now = self.clock() if now is None else now
+        if self._next_due is None:  # the first sample starts poll_due's grid
+            self._next_due = now + self.period_s
+        return self._tick(now)
 
     def poll_due(self, now: float | None = None) -> list[Sample]:
-        """``poll_once()`` if ``period_s`` has passed since the last poll, else []."""
+        """``poll_once()`` if a sample is due, else [].
+
+        Samples fall due on a grid of ``period_s`` from the first one, so a caller that
+        polls now and then (the launcher's loop, every ~0.25 s or a little more) still gets
+        one sample per period on average. Counting the period from the last sample instead
+        lost the remainder at every sample: a poll every 0.26 s got a sample every 0.78 s
+        for a period of 0.5 s. A caller late by more than a period restarts the grid (no
+        burst of catch-up samples).
+        """
         now = self.clock() if now is None else now
-        if self._last_poll is not None and now - self._last_poll < self.period_s:
+        due = self._next_due
+        if due is not None and now < due:
             return []
+        late = due is None or now >= due + self.period_s
+        self._next_due = now + self.period_s if late else due + self.period_s
         return self.poll_once(now)
 
     # -- thread mode ------------------------------------------------------------------------
@@ -188,7 +202,6 @@ class Sampler:
                 return
 
     def _tick(self, now: float) -> list[Sample]:
-        self._last_poll = now
         try:
             samples = self.backend.sample(now)
         except Exception as e:  # never into the job: record, mark failed, stop sampling
