@@ -23,7 +23,8 @@ The launcher and the workers talk through files in the job directory (path in th
 
     job.json                 the job spec the launcher wrote: config, backend, timeouts
     rank{r}.json             what rank r passed to ``ctx.write_result``
-    heartbeat/rank{r}.json   rank r's latest heartbeat: pid, step, phase, in a collective or not
+    heartbeat/rank{r}.json   rank r's latest heartbeat: pid, step, phase, in a collective or
+                             not, and the part of the job running (if the worker names one)
 
 Files, not sockets: they survive a crash, need no port, and a human can read them.
 """
@@ -129,13 +130,21 @@ class Context:
             print(*args, flush=True, **kwargs)
 
     def heartbeat(
-        self, step: int | None = None, total: int | None = None, phase: str | None = None
+        self,
+        step: int | None = None,
+        total: int | None = None,
+        phase: str | None = None,
+        part: str | None = None,
     ) -> None:
         """Tell the launcher this rank is alive and how far it got.
 
         Call it once per training step (``ctx.heartbeat(step=i, total=steps)``): the launcher
-        shows progress from it and, when a job hangs, names the rank that fell behind.
-        Arguments left as None keep their previous value. Costs one small file write (~0.1 ms).
+        shows progress from it and, when a job hangs, names the rank that fell behind. Count
+        ``step`` and ``total`` over the whole job, so that "step 12/12" means the job is done.
+        A job that does several things one after another names the one running in ``part``
+        (e.g. "ddp (3/8)"): the live monitor shows it in its title and marks where each part
+        begins. Arguments left as None keep their previous value. Costs one small file write
+        (~0.1 ms).
         """
         if step is not None:
             self._beat["step"] = int(step)
@@ -144,6 +153,8 @@ class Context:
         if phase is not None:
             self._beat["phase"] = phase
             self._beat["in_collective"] = False
+        if part is not None:
+            self._beat["part"] = part
         self._write_heartbeat()
 
     @contextlib.contextmanager

@@ -233,8 +233,10 @@ def measure_memory(
 
 
 def _one_strategy(
-    ctx: dist.Context, cfg: dict[str, Any], name: str, batches: list[Batch]
+    ctx: dist.Context, cfg: dict[str, Any], name: str, batches: list[Batch], done: int = 0
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Train with strategy ``name`` on ``batches``. ``done``: steps of the job so far (the
+    strategies before this one), so the heartbeat counts steps over the whole job."""
     n, device = ctx.world_size, ctx.device
     train = TrainConfig(**cfg["train"])
     strategy = make_strategy(name, cfg, ctx.rank, n, device.type)
@@ -273,7 +275,7 @@ def _one_strategy(
         tdist.all_reduce(loss)  # (not counted: reporting, not training)
         losses.append(loss.item() / n)
         seconds.append(stats.seconds)
-        ctx.heartbeat(step=step + 1, total=len(batches))
+        ctx.heartbeat(step=done + step + 1)
     params = full_params(base)
     memory = measure_memory(
         strategy, model, opt, rank_micro_batches(batches[0], ctx.rank, cfg)[0], device
@@ -304,9 +306,13 @@ def main(ctx: dist.Context) -> dict[str, Any]:
     probe = build_model(cfg)
     runs: dict[str, Any] = {}
     saved: dict[str, dict[str, torch.Tensor]] = {}
-    for name in cfg["strategies"]:
+    strategies = cfg["strategies"]
+    for i, name in enumerate(strategies):
         ctx.print0(f"--- {name}")
-        runs[name], saved[name] = _one_strategy(ctx, cfg, name, batches)
+        # Steps count over the whole job: "step 12/12" must not show while 7 strategies wait.
+        part = f"{name} ({i + 1}/{len(strategies)})"
+        ctx.heartbeat(total=len(strategies) * len(batches), part=part)
+        runs[name], saved[name] = _one_strategy(ctx, cfg, name, batches, done=i * len(batches))
         ctx.print0(
             f"{name}: loss {runs[name]['loss'][0]:.4f} -> {runs[name]['loss'][-1]:.4f}, "
             f"{runs[name]['bytes']['sent_per_rank_last_step'] / 1e3:.1f} kB sent/rank "
