@@ -21,8 +21,12 @@ tiers; ``rank0``, ``rank1``... and ``host`` on the CPU tier), each rank's step e
 tick marks in its colour along the top of every panel, and a bottom panel of step against time
 per rank (a rank that falls behind shows as a lagging line). The title carries the backend's
 own description: the GPUs read through NVML, "CPU only ...; no NVIDIA GPU found: <reason>", or
-"recording of <hardware> on <date>" for a replayed trace. Nothing is ever invented: a value the
-device did not report (N/A) is a gap in the line, never a zero (``labkit.metrics.base``).
+"recording of <hardware> on <date>" for a replayed trace, and the step of the slowest rank out
+of the job's total; a worker that runs several things one after another (notebook 02's
+strategies) names the one running (``ctx.heartbeat(part=...)``), and each part's start is a
+dotted line across the panels. Nothing is ever invented: a value the device did not report
+(N/A) is a gap in the line, never a zero (``labkit.metrics.base``), and a panel whose ranks
+have not started yet says "waiting for ranks", not N/A.
 
 Who drives the sampling, and why:
 
@@ -38,8 +42,11 @@ Who drives the sampling, and why:
 Either way the sampler is stopped when the job ends or the block exits, on success, error,
 timeout or interrupt.
 
-Live or headless. Live (a person watching JupyterLab): the figure under the cell is redrawn at
-most once per ``redraw_s`` through a display handle, and its final update is the final figure.
+Live or headless. Live (a person watching JupyterLab): the figure under the cell is redrawn
+through a display handle with each new sample, as long as drawing takes at most
+``RENDER_SHARE`` of one core (the ranks being measured need the rest), and its final update is
+the final figure. A live frame redraws only the lines over a saved picture of the axes, whose
+limits grow in steps (see ``_Plot``): a few hundredths of a second of CPU per frame.
 Headless (papermill, nbval, a script): no updates at all, then exactly one static figure. nbval
 ignores display updates and papermill has no person watching, so redrawing there only costs
 time. Either way the cell ends with one figure and one summary table. ``live`` defaults to
@@ -85,8 +92,11 @@ from labkit.metrics import (
 from labkit.metrics.base import Clock
 
 LIVE_ENV = "LABKIT_LIVE_PLOTS"  # "1": live plots, "0": headless, "auto" (default): guess
-REDRAW_S = 1.0  # at most one live redraw per this many seconds (a render takes 0.1-0.3 s)
-RENDER_SHARE = 0.2  # ...and at most this share of the time spent rendering on a slow machine
+# Live frames: one per new sample, but at most RENDER_SHARE of one core's time spent drawing
+# them, counted in CPU time (a frame costs ~0.2 s of CPU here). On a busy machine a frame's
+# wall time is mostly other processes' turns on the cores; budgeting wall time kept frames
+# ~9 s apart on two loaded cores, behind the text printed under the same cell.
+RENDER_SHARE = 0.2
 MAX_TICKS = 300  # step tick marks drawn per rank; more would be a solid bar anyway
 # Processes that run notebooks with nobody watching; the kernel's parent tells (see module doc).
 HEADLESS_EXECUTORS = ("papermill", "pytest", "nbval", "nbconvert", "nbclient", "jupyter-execute")
@@ -121,6 +131,20 @@ class StepEvent:
 
     rank: int
     step: int
+    time_s: float
+
+
+@dataclass(frozen=True)
+class PartEvent:
+    """The job began ``part`` at ``time_s`` (seconds on the sampler's clock).
+
+    A worker that does several things one after another names the one running in its
+    heartbeat (``ctx.heartbeat(part="ddp (3/8)")``, see ``labkit.dist``). The time is that of
+    the first heartbeat naming it that the monitor read, so it can be up to one heartbeat and
+    one supervision tick (~0.25 s) late.
+    """
+
+    part: str
     time_s: float
 
 
@@ -309,6 +333,267 @@ def _source_style(source: str) -> dict[str, Any]:
     return style
 
 
+# Fixed layout, in inches. matplotlib's constrained layout measured every text on every frame
+# (~0.7 s of a ~1 s frame on two busy cores); a stack of panels needs no solver.
+LEFT_IN, RIGHT_IN, BOTTOM_IN = 0.85, 0.2, 0.5  # y labels and ticks; x label and ticks
+PANEL_IN, GAP_IN = 1.4, 0.15  # height of a panel, and between panels
+TITLE_LINE_IN, TOP_IN = 0.17, 0.14  # per line of the title (9 pt), and above it
+WAITING_SAMPLE = "waiting for the first sample"
+WAITING_RANKS = "waiting for ranks"
+NOT_REPORTED = "N/A: not reported by this device"
+ENDED_FIRST = "no sample: the run ended first"
+
+
+def _scope(source: str) -> str:
+    """The ``Metric.scope`` of a sample's source: "gpu0" -> "gpu", "gpu0/rank1" -> "gpu
+    process", "rank1" -> "rank", "host" -> "host"."""
+    if "/" in source:
+        return "gpu process"
+    return source.rstrip("0123456789") if source != "host" else "host"
+
+
+def empty_panel_note(
+    samples: Sequence[Sample], metric: str, kind: str, waiting: str | None
+) -> str:
+    """What a panel without a line says, so that N/A is never shown for "not yet".
+
+    N/A when the device does not report ``metric`` (another backend's metric, or sources of its
+    scope were sampled without it); ``waiting`` while the run goes on and no source of its
+    scope has been sampled yet (ranks spend seconds importing torch); ``ENDED_FIRST`` when the
+    run ended before any was (``waiting`` is None once the run is over).
+    """
+    spec = METRICS.get(metric)
+    produced_by = "nvml" if kind == "replay" else kind
+    if spec is not None and kind and spec.backend != produced_by:
+        return NOT_REPORTED
+    scope = spec.scope if spec is not None else None
+    if any(_scope(s.source) == scope and s.status == "ok" for s in samples):
+        return NOT_REPORTED  # its sources were read, without this metric
+    return waiting if waiting is not None else ENDED_FIRST
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What fixes a figure's artists; a frame with the same shape only moves their data."""
+
+    metrics: tuple[str, ...]
+    sources: tuple[tuple[str, ...], ...]  # per metric
+    ranks: tuple[int, ...]  # ranks with step events: the step panel, and ticks per panel
+    title_lines: int
+    recording: bool
+
+
+def _shape(samples: Sequence[Sample], steps: Sequence[StepEvent], metrics: Sequence[str],
+           title: str, recording: bool) -> _Shape:  # fmt: skip
+    return _Shape(tuple(metrics), tuple(tuple(sources_of(samples, m)) for m in metrics),
+                  tuple(sorted({e.rank for e in steps})), title.count("\n") + 1,
+                  recording)  # fmt: skip
+
+
+class _Plot:
+    """One monitor figure: its panels, lines and ranks made once, then updated in place.
+
+    ``live``: a frame under a running cell. Its axis limits only grow, in steps of "nice"
+    numbers, so that most frames change nothing but the data; those frames redraw only the
+    moving artists (lines, step ticks, part marks, title) over a saved picture of the rest
+    (blitting: matplotlib.org/stable/users/explain/animations/blitting.html). On two busy
+    cores a frame then costs a few hundredths of a second of CPU instead of ~0.3 s (a full
+    draw) or ~1 s (a new figure laid out by the constrained-layout solver), which is what
+    kept live frames seconds apart. Not live: one figure drawn in full, fitted to the data.
+    """
+
+    def __init__(self, shape: _Shape, *, live: bool = False, dpi: int = 80) -> None:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure  # lazy: importing labkit.monitor loads none
+
+        self.shape, self.live = shape, live
+        n = max(1, len(shape.metrics) + (1 if shape.ranks else 0))
+        height = (BOTTOM_IN + n * PANEL_IN + (n - 1) * GAP_IN + TOP_IN
+                  + shape.title_lines * TITLE_LINE_IN)  # fmt: skip
+        width = 9.0
+        self.fig = fig = Figure(figsize=(width, height), dpi=dpi)
+        self.canvas = FigureCanvasAgg(fig)
+        fig.subplots_adjust(left=LEFT_IN / width, right=1 - RIGHT_IN / width,
+                            bottom=BOTTOM_IN / height,
+                            top=1 - (TOP_IN + shape.title_lines * TITLE_LINE_IN) / height,
+                            hspace=GAP_IN / PANEL_IN)  # fmt: skip
+        self.axes = list(fig.subplots(n, 1, sharex=True, squeeze=False)[:, 0])
+        # Animated artists are left out of a full draw and drawn on top of it, each frame.
+        moving = {"animated": live}
+        self.lines: list[dict[str, Any]] = []  # per metric panel: source -> Line2D
+        self.notes: list[Any] = []  # per metric panel: the note of an empty panel
+        self.ticks: list[dict[int, Any]] = []  # per metric panel: rank -> LineCollection
+        for ax, metric, sources in zip(self.axes, shape.metrics, shape.sources, strict=False):
+            lines = {}
+            for source in sources:
+                (lines[source],) = ax.plot([], [], marker=".", markersize=3, linewidth=1.2,
+                                           label=source, **_source_style(source), **moving)  # fmt: skip
+            self.lines.append(lines)
+            self.notes.append(ax.text(0.5, 0.5, "", ha="center", va="center", color="grey",
+                                      transform=ax.transAxes))  # fmt: skip
+            # Each rank's steps as short ticks along the top edge, in the rank's colour.
+            self.ticks.append({r: ax.vlines([], 0.9, 1.0, transform=ax.get_xaxis_transform(),
+                                            colors=_color(r), linewidth=0.8, alpha=0.7,
+                                            **moving)
+                               for r in shape.ranks})  # fmt: skip
+            unit = METRICS[metric].unit if metric in METRICS else ""
+            ax.set_ylabel(f"{metric}\n({unit})" if unit else metric, fontsize=8)
+            if len(lines) > 1:
+                ax.legend(fontsize=7, loc="upper left", ncol=min(len(lines), 6), framealpha=0.6)
+        self.step_lines: dict[int, Any] = {}
+        if shape.ranks:
+            ax = self.axes[len(shape.metrics)]
+            for rank in shape.ranks:
+                (self.step_lines[rank],) = ax.plot([], [], marker=".", markersize=3,
+                                                   linewidth=1.0, color=_color(rank),
+                                                   label=f"rank{rank}", drawstyle="steps-post",
+                                                   **moving)  # fmt: skip
+            ax.set_ylabel("step", fontsize=8)
+            # Lower right: the step lines climb from the lower left, and the part names
+            # hang from the top.
+            ax.legend(fontsize=7, loc="lower right", ncol=min(len(shape.ranks), 6),
+                      framealpha=0.6)  # fmt: skip
+        for ax in self.axes:
+            ax.tick_params(labelsize=7)
+            ax.grid(alpha=0.25)
+            if shape.recording:  # beside the title's "recording of <hardware> on <date>"
+                ax.text(0.995, 0.04, "recording", ha="right", va="bottom", fontsize=7,
+                        color="#b22222", transform=ax.transAxes)  # fmt: skip
+        self.axes[-1].set_xlabel("seconds since start", fontsize=8)
+        self.title = fig.suptitle("", fontsize=9, y=1 - TOP_IN / 2 / height, va="top", **moving)
+        self.parts: list[PartEvent] = []  # parts marked so far
+        self.part_marks: list[Any] = []  # their lines and names
+        self._background: Any = None  # the last full draw, without the animated artists
+        self._background_key: tuple | None = None  # what that draw showed besides them
+        self._limits_set = False  # a live figure's limits then only grow
+        self.full_draws = 0  # frames drawn in full (the others redrew only what moved)
+
+    def update(
+        self,
+        samples: Sequence[Sample],
+        steps: Sequence[StepEvent],
+        parts: Sequence[PartEvent],
+        *,
+        title: str,
+        t0: float,
+        kind: str,
+        waiting: str | None,
+    ) -> None:
+        """Show these samples, steps and parts: move the lines, rescale the axes."""
+        xs_seen: list[float] = []
+        by_rank: dict[int, list[StepEvent]] = {}
+        for e in steps:
+            by_rank.setdefault(e.rank, []).append(e)
+        for i, metric in enumerate(self.shape.metrics):
+            top = 0.0
+            for source, line in self.lines[i].items():
+                xs, ys = series(samples, source, metric, t0)
+                line.set_data(xs, ys)
+                xs_seen += xs[:1] + xs[-1:]
+                top = max([top, *(y for y in ys if not math.isnan(y))])
+            empty = not self.lines[i]
+            self.notes[i].set_text(empty_panel_note(samples, metric, kind, waiting) if empty
+                                   else "")  # fmt: skip
+            for rank, ticks in self.ticks[i].items():
+                ticks.set_segments([[(e.time_s - t0, 0.9), (e.time_s - t0, 1.0)]
+                                    for e in by_rank.get(rank, [])[-MAX_TICKS:]])  # fmt: skip
+            # Every metric here is >= 0, and an axis cropped to the data exaggerates small
+            # changes; the headroom keeps lines clear of the step ticks along the top.
+            self._set_top(self.axes[i], top * 1.15 if top > 0 else 1.0)
+        top_step = 0
+        for rank, line in self.step_lines.items():
+            events = by_rank.get(rank, [])
+            line.set_data([e.time_s - t0 for e in events], [e.step for e in events])
+            xs_seen += [e.time_s - t0 for e in events[:1] + events[-1:]]
+            top_step = max([top_step, *(e.step for e in events)])
+        if self.step_lines:
+            self._set_top(self.axes[len(self.shape.metrics)], max(top_step, 1) * 1.1)
+        self._mark_parts(parts, t0)
+        xs_seen += [p.time_s - t0 for p in self.parts]
+        self._set_x(xs_seen)
+        self.title.set_text(title)
+        self._limits_set = True
+
+    def _set_top(self, ax: Any, top: float) -> None:
+        if self.live:  # grows only, in nice steps: most frames keep the same axes
+            top = _nice_ceil(top)
+            if self._limits_set:
+                top = max(top, ax.get_ylim()[1])
+        ax.set_ylim(0, top)
+
+    def _set_x(self, xs: Sequence[float]) -> None:
+        lo, hi = (min(xs), max(xs)) if xs else (0.0, 1.0)
+        if self.live:  # from the first point to a nice span beyond the last, growing only
+            span = _nice_ceil(max(hi - lo, 1.0) * 1.02)
+            if self._limits_set:
+                span = max(span, self.axes[0].get_xlim()[1] - lo)
+            hi = lo + span
+        pad = 0.02 * (hi - lo) if hi > lo else 0.5
+        self.axes[0].set_xlim(lo - pad, hi if self.live else hi + pad)  # shared by all panels
+
+    def _mark_parts(self, parts: Sequence[PartEvent], t0: float) -> None:
+        """A dotted line across every panel where each part began, named on the step panel
+        (or the last panel): e.g. where each data-parallel strategy starts in notebook 02."""
+        for part in parts[len(self.parts) :]:
+            x = part.time_s - t0
+            for ax in self.axes:
+                self.part_marks.append(ax.axvline(x, color="0.55", linestyle=":",
+                                                  linewidth=0.9, animated=self.live))  # fmt: skip
+            ax = self.axes[-1]
+            self.part_marks.append(ax.annotate(
+                part.part, (x, 0.97), xycoords=ax.get_xaxis_transform(), xytext=(2, 0),
+                textcoords="offset points", rotation=90, ha="left", va="top", fontsize=6.5,
+                color="0.3", animated=self.live,
+                bbox={"facecolor": "white", "alpha": 0.75, "edgecolor": "none", "pad": 0.5},
+            ))  # the box keeps the name readable where the step line runs behind it
+            self.parts.append(part)
+
+    def png(self) -> bytes:
+        """The figure as PNG bytes; a live frame redraws only what moved since the last one."""
+        if not self.live:
+            return figure_png(self.fig, dpi=int(self.fig.dpi))
+        key = (self.axes[0].get_xlim(), tuple(ax.get_ylim() for ax in self.axes),
+               tuple(t.get_text() for t in self.notes))  # fmt: skip
+        if key != self._background_key:
+            self.canvas.draw()  # everything but the animated artists
+            self.full_draws += 1
+            self._background = self.canvas.copy_from_bbox(self.fig.bbox)
+            self._background_key = key
+        else:
+            self.canvas.restore_region(self._background)
+        for artist in self._moving():
+            self.fig.draw_artist(artist)
+        return _png_of_canvas(self.canvas)
+
+    def _moving(self) -> list[Any]:
+        ticks = [t for per_rank in self.ticks for t in per_rank.values()]
+        lines = [ln for per_source in self.lines for ln in per_source.values()]
+        return [*self.part_marks, *ticks, *lines, *self.step_lines.values(), self.title]
+
+
+_NICE = (1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0)
+
+
+def _nice_ceil(v: float) -> float:
+    """The smallest of 1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8 times a power of ten that is >= v:
+    a live axis grows by at most a third at a time, and rarely."""
+    if not v > 0 or math.isinf(v):
+        return 1.0
+    scale = 10.0 ** math.floor(math.log10(v))
+    return next(m * scale for m in _NICE if m * scale >= v * (1 - 1e-12))
+
+
+def _png_of_canvas(canvas: Any) -> bytes:
+    """PNG bytes of what the Agg canvas holds now (without drawing it again)."""
+    from PIL import Image  # matplotlib depends on Pillow
+
+    width, height = canvas.get_width_height()
+    image = Image.frombuffer("RGBA", (width, height), canvas.buffer_rgba(), "raw", "RGBA", 0, 1)
+    buf = io.BytesIO()
+    image.save(buf, format="png", compress_level=1)  # see figure_png
+    return buf.getvalue()
+
+
 def build_figure(
     samples: Sequence[Sample],
     steps: Sequence[StepEvent],
@@ -317,69 +602,32 @@ def build_figure(
     title: str,
     t0: float = 0.0,
     recording: bool = False,
+    parts: Sequence[PartEvent] = (),
+    kind: str = "",
+    waiting: str | None = WAITING_SAMPLE,
 ) -> Any:
     """A matplotlib ``Figure`` (not registered with pyplot): one panel per metric, one line per
     source, step ticks per rank on top of every panel, and a step-vs-time panel.
 
     x is seconds since ``t0``. ``recording`` marks every panel "recording", beside the title's
     "recording of <hardware> on <date>": replayed numbers are never mistaken for live ones.
+    ``parts`` are marked where each began. A panel without a line says why
+    (``empty_panel_note``: ``kind`` is the backend's, ``waiting`` what to say before its
+    sources are sampled, None once the run is over).
     """
-    from matplotlib.figure import Figure  # lazy: importing labkit.monitor loads no matplotlib
-
-    by_rank: dict[int, list[StepEvent]] = {}
-    for e in steps:
-        by_rank.setdefault(e.rank, []).append(e)
-    n = max(1, len(metrics) + (1 if by_rank else 0))
-    fig = Figure(figsize=(9.0, 1.55 * n + 0.9), layout="constrained")
-    axes = list(fig.subplots(n, 1, sharex=True, squeeze=False)[:, 0])
-    for ax, metric in zip(axes, metrics, strict=False):
-        lines = 0
-        for source in sources_of(samples, metric):
-            xs, ys = series(samples, source, metric, t0)
-            ax.plot(xs, ys, marker=".", markersize=3, linewidth=1.2, label=source,
-                    **_source_style(source))  # fmt: skip
-            lines += 1
-        if lines == 0:
-            what = "no samples yet" if not samples else "N/A: not reported by this device"
-            ax.text(0.5, 0.5, what, ha="center", va="center", color="grey",
-                    transform=ax.transAxes)  # fmt: skip
-        for rank, events in sorted(by_rank.items()):  # short ticks along the top edge
-            xs = [e.time_s - t0 for e in events[-MAX_TICKS:]]
-            ax.vlines(xs, 0.9, 1.0, transform=ax.get_xaxis_transform(), colors=_color(rank),
-                      linewidth=0.8, alpha=0.7)  # fmt: skip
-        if lines:
-            # Every metric here is >= 0, and an axis cropped to the data exaggerates small
-            # changes; the headroom keeps lines clear of the step ticks along the top.
-            top = ax.get_ylim()[1]
-            ax.set_ylim(0, top * 1.15 if top > 0 else 1.0)
-        unit = METRICS[metric].unit if metric in METRICS else ""
-        ax.set_ylabel(f"{metric}\n({unit})" if unit else metric, fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.grid(alpha=0.25)
-        if lines > 1:
-            ax.legend(fontsize=7, loc="upper left", ncol=min(lines, 6), framealpha=0.6)
-        if recording:
-            ax.text(0.995, 0.04, "recording", ha="right", va="bottom", fontsize=7,
-                    color="#b22222", transform=ax.transAxes)  # fmt: skip
-    if by_rank:
-        ax = axes[len(metrics)]
-        for rank, events in sorted(by_rank.items()):
-            ax.plot([e.time_s - t0 for e in events], [e.step for e in events], marker=".",
-                    markersize=3, linewidth=1.0, color=_color(rank), label=f"rank{rank}",
-                    drawstyle="steps-post")  # fmt: skip
-        ax.set_ylabel("step", fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.grid(alpha=0.25)
-        ax.legend(fontsize=7, loc="upper left", ncol=min(len(by_rank), 6), framealpha=0.6)
-    axes[-1].set_xlabel("seconds since start", fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    return fig
+    plot = _Plot(_shape(samples, steps, metrics, title, recording))
+    plot.update(samples, steps, parts, title=title, t0=t0, kind=kind, waiting=waiting)
+    return plot.fig
 
 
 def figure_png(fig: Any, dpi: int = 80) -> bytes:
-    """PNG bytes of ``fig`` through the Agg canvas (no GUI, no pyplot)."""
+    """PNG bytes of ``fig`` through the Agg canvas (no GUI, no pyplot).
+
+    zlib level 1: live frames are encoded often, and at level 6 (the default) the same
+    frame is barely smaller.
+    """
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
+    fig.savefig(buf, format="png", dpi=dpi, pil_kwargs={"compress_level": 1})
     return buf.getvalue()
 
 
@@ -478,7 +726,8 @@ class Monitor:
         live: redraw under the cell while running; None: ``live_default()``.
         title: first line of the figure's title; default: the job's module (or "this
             kernel's process", or "replay").
-        redraw_s: at least this many seconds between live redraws.
+        redraw_s: at least this many seconds between live redraws; None: a redraw with each
+            new sample, as long as drawing takes at most ``RENDER_SHARE`` of one core.
         total_steps: for the ``with`` form, the step count shown as "step k/n".
         record_to: also write every sample and step event to this trace file
             (``labkit.metrics.replay`` format), so the run can be replayed, labelled, where
@@ -496,7 +745,7 @@ class Monitor:
         metrics: Sequence[str] | None = None,
         live: bool | None = None,
         title: str | None = None,
-        redraw_s: float = REDRAW_S,
+        redraw_s: float | None = None,
         total_steps: int | None = None,
         record_to: str | Path | None = None,
         record_notes: str = "",
@@ -511,12 +760,15 @@ class Monitor:
             if isinstance(metrics, str) or unknown:
                 raise ValueError(f"metrics={metrics!r}: pass a list of names from "
                                  f"labkit.metrics.METRICS; unknown: {unknown}")  # fmt: skip
-        if isinstance(redraw_s, bool) or not isinstance(redraw_s, (int, float)) or redraw_s < 0:
-            raise ValueError(f"redraw_s={redraw_s!r}: need seconds >= 0")
+        if redraw_s is not None and (
+            isinstance(redraw_s, bool) or not isinstance(redraw_s, (int, float)) or redraw_s < 0
+        ):
+            raise ValueError(f"redraw_s={redraw_s!r}: need seconds >= 0, or None")
         self.period_s = clamp_period(period_s)  # a bad value fails here, not at the launch
         self.backend_spec, self.metrics = backend, metrics
         self.live = live_default()[0] if live is None else bool(live)
-        self.title, self.redraw_s, self.total_steps = title, float(redraw_s), total_steps
+        self.title, self.total_steps = title, total_steps
+        self.redraw_s = 0.0 if redraw_s is None else float(redraw_s)
         self.record_to = None if record_to is None else Path(record_to)
         self.record_notes = record_notes
         self.recorder: Recorder | None = None
@@ -526,13 +778,17 @@ class Monitor:
         self.status = "idle"
         self._steps: list[StepEvent] = []
         self._last_step: dict[int, int] = {}
+        self._parts: list[PartEvent] = []
+        self._last_part: dict[int, str] = {}  # rank -> the part its last heartbeat named
         self._lock = threading.Lock()  # guards _steps (the sampler thread reads them to draw)
         self._render_lock = threading.Lock()
         self._handle: Any = None
         self._t0 = 0.0
         self._wall_offset = 0.0  # time.time() - clock(): turns heartbeat stamps into our clock
         self._last_draw: float | None = None
-        self._render_cost_s = 0.0
+        self._drawn: tuple[int, int, int] | None = None  # (samples, steps, parts) drawn last
+        self._render_cpu_s = 0.0  # CPU seconds the last live frame took
+        self._plot: _Plot | None = None  # the live figure, updated in place
         self._module: str | None = None
         self._progress: Callable[[], tuple[int | None, int | None]] | None = None
         self._in_with = False
@@ -551,6 +807,12 @@ class Monitor:
         """Every step event seen, in order."""
         with self._lock:
             return list(self._steps)
+
+    @property
+    def parts(self) -> list[PartEvent]:
+        """Where each named part of the job began (see ``PartEvent``), in order."""
+        with self._lock:
+            return list(self._parts)
 
     @property
     def kind(self) -> str:
@@ -572,10 +834,9 @@ class Monitor:
                          status=self.status, last_step=self._last_step)  # fmt: skip
 
     def figure(self) -> Any:
-        """The current figure as a matplotlib ``Figure`` (``.savefig(path)`` to keep it)."""
+        """The current figure as a new matplotlib ``Figure`` (``.savefig(path)`` to keep it)."""
         self._sync_replay_steps()
-        return build_figure(self.samples, self.steps, self.shown_metrics(), title=self._title(),
-                            t0=self._t0, recording=self.kind == "replay")  # fmt: skip
+        return build_figure(self.samples, self.steps, self.shown_metrics(), **self._drawing())
 
     # -- launcher observer (labkit.launch.run(..., observers=[mon])) --------------------------
 
@@ -687,8 +948,9 @@ class Monitor:
     ) -> None:
         self._stop_sampler()  # a Monitor reused for a second run starts afresh
         with self._lock:
-            self._steps, self._last_step = [], {}
+            self._steps, self._last_step, self._parts, self._last_part = [], {}, [], {}
         self.status, self._handle, self._last_draw, self.redraws = "running", None, None, 0
+        self._plot, self._drawn = None, None
         self._described = None
         backend = self._make_backend(pids_fn, job_device)
         self.sampler = Sampler(backend, self.period_s, clock=self.clock,
@@ -705,8 +967,7 @@ class Monitor:
         else:
             self.sampler.poll_once()
         if self.live:  # the sampler thread skips redraws until the handle exists
-            self._handle = _display(self._text_bundle("waiting for the first samples…"),
-                                    display_id=True)  # fmt: skip
+            self._handle = _display(self._text_bundle(f"{self._waiting()}…"), display_id=True)
 
     def _make_recorder(self, backend: Backend) -> Recorder | None:
         """The Recorder for ``record_to``, opened (so a machine without a GPU fails here)."""
@@ -757,12 +1018,17 @@ class Monitor:
 
     def _note_heartbeats(self, beats: Mapping[int, Mapping[str, Any]]) -> None:
         for rank, beat in dict(beats).items():
-            step = beat.get("step")
-            if not isinstance(step, int) or self._last_step.get(rank) == step:
-                continue
             stamp = beat.get("time")
             t = stamp - self._wall_offset if isinstance(stamp, (int, float)) else self.clock()
-            self._add_step(int(rank), step, t)
+            part = beat.get("part")
+            if isinstance(part, str) and self._last_part.get(rank) != part:
+                with self._lock:
+                    self._last_part[rank] = part
+                    if part not in {p.part for p in self._parts}:  # the first rank to begin it
+                        self._parts.append(PartEvent(part, t))
+            step = beat.get("step")
+            if isinstance(step, int) and self._last_step.get(rank) != step:
+                self._add_step(int(rank), step, t)
 
     def _add_step(self, rank: int, step: int, t: float) -> None:
         with self._lock:
@@ -813,21 +1079,26 @@ class Monitor:
                 break
 
     def _maybe_redraw(self) -> None:
-        """Redraw the live figure if ``redraw_s`` has passed (and rendering stays cheap)."""
+        """Redraw the live figure when there is something new to show, at most once per
+        ``redraw_s``, and so that drawing takes at most ``RENDER_SHARE`` of one core."""
         if not self.live or self._handle is None:
             return
         now = self.clock()
-        wait = max(self.redraw_s, self._render_cost_s / RENDER_SHARE)
-        if self._last_draw is not None and now - self._last_draw < wait:
-            return
+        shown = (len(self.samples), len(self.steps), len(self.parts))
+        if self._last_draw is not None:
+            wait = max(self.redraw_s, self._render_cpu_s / RENDER_SHARE)
+            if shown == self._drawn or now - self._last_draw < wait:
+                return
         if not self._render_lock.acquire(blocking=False):
             return  # the other thread is drawing: skip this turn
         try:
-            started = time.perf_counter()
+            # CPU time of this thread, not wall time: on a busy machine a frame's wall time
+            # is mostly waiting for a core, and it is our share of the cores that is budgeted.
+            started = time.thread_time()
             bundle = self._figure_bundle()
             self._handle.update(bundle, raw=True)
-            self._render_cost_s = time.perf_counter() - started
-            self._last_draw = now
+            self._render_cpu_s = time.thread_time() - started
+            self._last_draw, self._drawn = now, shown
             self.redraws += 1
         finally:
             self._render_lock.release()
@@ -835,20 +1106,50 @@ class Monitor:
     def _title(self) -> str:
         default = "replay" if self.kind == "replay" else "this kernel's process"
         head = self.title or self._module or default
-        step = None
+        step, rank = None, None
         if self._last_step:  # a launched job moves at its slowest rank's pace
-            step = (min if self._progress else max)(self._last_step.values())
+            pick = min if self._progress else max
+            rank = pick(sorted(self._last_step), key=self._last_step.__getitem__)
+            step = self._last_step[rank]
         total = self._progress()[1] if self._progress else self.total_steps
         if step is not None:
             head += f" — step {step}" + (f"/{total}" if total else "")
+        # The part the slowest rank is in (before any step: the first rank to name one).
+        part = self._last_part.get(rank) if rank is not None else None
+        if part is None and self._last_part:
+            part = self._last_part[min(self._last_part)]
+        if part and self.status == "running":
+            head += f" — {part}"
         if self.status != "running":
             head += f" — {self.status}"
         body = textwrap.fill(self.describe(), width=110, break_on_hyphens=False)
         return f"{head}\n{body}"
 
+    def _waiting(self) -> str:
+        """What panels say before their sources are sampled: a launched job's ranks take
+        seconds to start (importing torch), and "N/A" would say they are never reported."""
+        return WAITING_RANKS if self._progress is not None else WAITING_SAMPLE
+
+    def _drawing(self) -> dict[str, Any]:
+        """Everything but the data that a figure of this run is drawn with."""
+        return {"title": self._title(), "t0": self._t0, "recording": self.kind == "replay",
+                "parts": self.parts, "kind": self.kind,
+                "waiting": self._waiting() if self.status == "running" else None}  # fmt: skip
+
     def _figure_bundle(self) -> Bundle:
-        png = figure_png(self.figure())
-        return {"image/png": png, "text/plain": f"<labkit monitor figure: {self._title()}>"}
+        """The figure as shown under the cell: the live figure, moved to the latest data (a
+        new one only when panels, lines or ranks changed)."""
+        self._sync_replay_steps()
+        samples, steps, metrics = self.samples, self.steps, self.shown_metrics()
+        drawing = self._drawing()
+        shape = _shape(samples, steps, metrics, drawing["title"], drawing["recording"])
+        live = self.status == "running"  # the final figure is drawn in full, fitted
+        if self._plot is None or self._plot.shape != shape or self._plot.live != live:
+            self._plot = _Plot(shape, live=live)
+        del drawing["recording"]
+        self._plot.update(samples, steps, **drawing)
+        png = self._plot.png()
+        return {"image/png": png, "text/plain": f"<labkit monitor figure: {drawing['title']}>"}
 
     def _text_bundle(self, text: str) -> Bundle:
         return {"text/plain": f"labkit monitor: {self.describe()}; {text}"}

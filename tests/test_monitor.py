@@ -455,3 +455,208 @@ def test_papermill_run_leaves_exactly_one_figure_and_one_table(tmp_path):
         assert sum("image/png" in d for d in data) == 1, cell.source
         assert sum("text/html" in d for d in data) == 1, cell.source
     assert out.cells[3].outputs[0]["text"].split() == ["False", "True", "True"]
+
+
+# --- what a learner sees first, and last ---------------------------------------------------
+
+
+def panel_notes(fig) -> dict[str, list[str]]:
+    """{metric: the grey notes written across its panel} (the y label's first line names it)."""
+    return {ax.get_ylabel().split("\n")[0]: [t.get_text() for t in ax.texts if t.get_text()]
+            for ax in fig.axes}  # fmt: skip
+
+
+def test_panels_wait_for_ranks_until_a_rank_is_sampled(shown):
+    """Ranks spend seconds importing torch: their panels are not "N/A" then, only not yet."""
+    import os
+
+    clock = Clock()
+    mon = Monitor(period_s=0.5, backend="cpu", metrics=["cpu_pct", "rss_gib", "power_w"],
+                  live=False, clock=clock)  # fmt: skip
+    job = fake_job()  # no heartbeat yet: no rank PIDs
+    mon.on_start(job)
+    mon.on_tick(job)
+    notes = panel_notes(mon.figure())
+    assert notes["cpu_pct"] == ["waiting for ranks"] and notes["rss_gib"] == ["waiting for ranks"]
+    # power_w is not a CPU metric: that one is N/A for good, not waiting.
+    assert notes["power_w"] == ["N/A: not reported by this device"]
+    job.heartbeats[0] = {"pid": os.getpid(), "step": 0, "time": 0.0}
+    clock.t = 1.0
+    mon.on_tick(job)
+    notes = panel_notes(mon.figure())
+    assert notes["rss_gib"] == [] and notes["power_w"] == ["N/A: not reported by this device"]
+    mon.on_end(job, SimpleNamespace(status="ok"))
+
+
+def test_a_figure_before_any_sample_says_it_waits():
+    notes = panel_notes(monitor.build_figure([], [], ["cpu_pct"], title="t"))
+    assert notes["cpu_pct"] == ["waiting for the first sample"]
+
+
+def test_an_exited_process_ends_its_line_and_never_reads_as_zero_memory():
+    """A rank that has exited stays a zombie until torchrun reaps it, and psutil reads a
+    zombie's memory as 0 B: the rank's memory line fell to 0 at the end of every job."""
+    import time
+
+    import psutil
+
+    from labkit.metrics import CpuBackend
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 60  # exits in well under a second
+        while psutil.Process(proc.pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the child never exited"
+            time.sleep(0.05)
+        backend = CpuBackend(lambda: {1: proc.pid})
+        backend.open()
+        (rank1,) = [s for s in backend.sample() if s.source == "rank1"]
+        assert rank1.status == "exited" and "rss_gib" not in rank1.values
+    finally:
+        proc.wait()
+
+
+def test_a_job_of_several_parts_counts_steps_over_the_job_and_names_the_part(shown):
+    clock = Clock()
+    mon = Monitor(period_s=0.5, backend=FakeCpu(clock), live=False, clock=clock)
+    job = fake_job()
+    job.nproc = 2
+    job.progress = lambda: (min(b["step"] for b in job.heartbeats.values()), 96)
+    mon.on_start(job)
+    for t, step, part in [(1.0, 12, "naive (1/8)"), (2.0, 13, "bucketed (2/8)"),
+                          (3.0, 14, "bucketed (2/8)")]:  # fmt: skip
+        clock.t = t
+        for rank in (0, 1):
+            job.heartbeats[rank] = {"pid": 1, "step": step - rank, "total": 96, "part": part,
+                                    "time": 0.0}  # fmt: skip
+        mon.on_tick(job)
+    title = mon.figure()._suptitle.get_text()
+    assert "step 13/96 — bucketed (2/8)" in title  # the slowest rank's step and part
+    assert [p.part for p in mon.parts] == ["naive (1/8)", "bucketed (2/8)"]
+    steps_panel = mon.figure().axes[-1]
+    assert {"naive (1/8)", "bucketed (2/8)"} <= {t.get_text() for t in steps_panel.texts}
+    mon.on_end(job, SimpleNamespace(status="ok"))
+
+
+class FakeTime:
+    """Stands in for the ``time`` module inside labkit.monitor: a machine so busy that a
+    redraw takes ``wall`` seconds of wall-clock time for ``cpu`` seconds of our CPU time."""
+
+    def __init__(self, clock: Clock, wall: float, cpu: float) -> None:
+        self.clock, self.wall, self.cpu = clock, wall, cpu
+        self.cpu_used = self.wall_used = 0.0
+
+    def perf_counter(self) -> float:
+        return self.wall_used
+
+    def thread_time(self) -> float:
+        return self.cpu_used
+
+    def monotonic(self) -> float:
+        return self.clock.t
+
+    def time(self) -> float:
+        return 1e9 + self.clock.t
+
+    def render(self) -> dict:
+        self.wall_used += self.wall
+        self.cpu_used += self.cpu
+        return {"image/png": b"x"}
+
+
+# CPU seconds per frame in binary fractions, so sums of them compare exactly.
+@pytest.mark.parametrize(("cpu", "redraws"), [(0.0625, 21), (0.375, 6)])
+def test_live_redraws_follow_the_samples_within_a_cpu_budget(shown, monkeypatch, cpu, redraws):
+    """Redraw with each new sample, but spend at most RENDER_SHARE of one core on drawing,
+    counted in CPU time: on a busy machine a draw's wall time is mostly other processes'
+    turns, and budgeting wall time left the figure ~9 s behind the text in notebook 02."""
+    clock = Clock()
+    fake = FakeTime(clock, wall=2.0, cpu=cpu)
+    monkeypatch.setattr(monitor, "time", fake)
+    monkeypatch.setattr(Monitor, "_figure_bundle", lambda self: fake.render())
+    mon = Monitor(period_s=0.5, backend=FakeCpu(clock), live=True, clock=clock)
+    job = fake_job()
+    mon.on_start(job)
+    for i in range(41):  # the launcher ticks every 0.25 s: 10 s, a sample every 0.5 s
+        clock.t = 0.25 * i
+        mon.on_tick(job)
+    # 1/16 s of CPU a frame: a frame per sample (every 0.5 s > 0.0625 / RENDER_SHARE);
+    # 0.375 s: one frame per 2 s (>= 0.375 / RENDER_SHARE = 1.875 s, on the next sample).
+    # The 2 s of wall time per draw does not count.
+    assert monitor.RENDER_SHARE == 0.2 and mon.redraws == redraws
+    mon.on_end(job, SimpleNamespace(status="ok"))
+
+
+def test_a_live_frame_moves_the_lines_of_one_figure_and_matches_a_fresh_one(shown, monkeypatch):
+    """Building and laying out a figure cost ~3x drawing one, and drawing it ~3x redrawing
+    only what moved: live frames reuse one figure, whose axes grow in steps, and show what
+    a figure drawn afresh shows."""
+    monkeypatch.setattr(monitor, "RENDER_SHARE", 1e9)  # no CPU budget: a frame per sample
+    clock = Clock()
+    backend = FakeCpu(clock)
+    mon = Monitor(period_s=0.5, backend=backend, live=True, redraw_s=0.0, clock=clock)
+    job = fake_job()
+    mon.on_start(job)
+    figures = []
+    for i in range(6):
+        clock.t = 0.5 * i
+        backend.values = {"cpu_pct": 10.0 * i, "rss_gib": 0.1 * i}
+        job.heartbeats[0] = {"pid": 1, "step": i, "total": 5, "time": 1e9}
+        mon.on_tick(job)
+        figures.append(mon._plot.fig)
+    assert mon.redraws == 6
+    assert len({id(f) for f in figures}) == 1  # one figure, its lines moved
+    fresh = mon.figure()
+    for live_ax, fresh_ax in zip(mon._plot.fig.axes, fresh.axes, strict=True):
+        assert [list(ln.get_xdata()) for ln in live_ax.lines] == [
+            list(ln.get_xdata()) for ln in fresh_ax.lines]  # fmt: skip
+        assert [list(ln.get_ydata()) for ln in live_ax.lines] == [
+            list(ln.get_ydata()) for ln in fresh_ax.lines]  # fmt: skip
+        # The live axes hold everything the fitted ones do (and room to grow).
+        (lo, hi), (live_lo, live_hi) = fresh_ax.get_xlim(), live_ax.get_xlim()
+        assert live_lo <= lo and hi <= live_hi
+        assert fresh_ax.get_ylim()[1] <= live_ax.get_ylim()[1]
+    assert mon._plot.fig._suptitle.get_text() == fresh._suptitle.get_text()
+    assert "step 5" in fresh._suptitle.get_text()
+    # Most frames redrew only what moved, and such a frame is the frame a full draw makes.
+    plot = mon._plot
+    assert plot.full_draws < mon.redraws
+    moved_only = plot.png()
+    plot._background_key = None  # forget the saved background: draw everything again
+    assert plot.png() == moved_only and plot.full_draws >= 2
+    mon.on_end(job, SimpleNamespace(status="ok"))
+    assert png_ok(shown.handles[0].bundles[-1])
+
+
+@pytest.mark.slow
+def test_the_data_parallel_ladder_reports_steps_over_the_whole_job(shown):
+    """dp_train runs its strategies one after another in one job: the monitor's step count
+    runs over all of them, and each strategy is a named part."""
+    from labkit.workers import dp_train
+
+    mon = Monitor(period_s=0.2, live=False)
+    cfg = {"strategies": ["naive", "ddp"], "mesh": [2], "global_batch": 4,
+           "model": {"seq_len": 16, "n_layer": 1, "n_head": 2, "d_model": 32},
+           "train": {"steps": 2}}  # fmt: skip
+    res = dp_train.run(cfg, nproc=2, device="cpu", observers=[mon], stream=False)
+    assert res.status == "ok"
+    for rank in (0, 1):
+        assert [e.step for e in mon.steps if e.rank == rank][-1] == 4
+    assert mon.summary().last_step == {0: 4, 1: 4}
+    assert [p.part for p in mon.parts] == ["naive (1/2)", "ddp (2/2)"]
+    assert "step 4/4" in shown.figures()[0]["text/plain"]
+
+
+def test_late_launcher_ticks_still_get_a_sample_per_period(shown):
+    """The launcher ticks every 0.25 s or a little later on a busy machine. Samples fall due
+    on a grid, so a tick that comes late does not push every later sample back."""
+    clock = Clock()
+    mon = Monitor(period_s=0.5, backend=FakeCpu(clock), live=False, clock=clock)
+    job = fake_job()
+    mon.on_start(job)
+    for i in range(33):  # a tick every 0.375 s (binary fractions: exact sums), for 12 s
+        clock.t = 0.375 * i
+        mon.on_tick(job)
+    # 12 s / 0.5 s + the first: 25. From the last sample, a sample every 0.75 s: 17.
+    assert len(mon.samples) == 25
+    mon.on_end(job, SimpleNamespace(status="ok"))
