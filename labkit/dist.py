@@ -143,7 +143,7 @@ class Context:
         ``step`` and ``total`` over the whole job, so that "step 12/12" means the job is done.
         A job that does several things one after another names the one running in ``part``
         (e.g. "ddp (3/8)"): the live monitor shows it in its title and marks where each part
-        begins. Arguments left as None keep their previous value. Costs one small file write
+        began (the heartbeat keeps every part's name and start time in ``parts``). Arguments left as None keep their previous value. Costs one small file write
         (~0.1 ms).
         """
         if step is not None:
@@ -153,8 +153,11 @@ class Context:
         if phase is not None:
             self._beat["phase"] = phase
             self._beat["in_collective"] = False
-        if part is not None:
+        if part is not None and part != self._beat.get("part"):
             self._beat["part"] = part
+            # Every part begun, with its start: a reader that polls the file now and then
+            # (the launcher, every ~0.25 s) still sees a part shorter than that.
+            self._beat.setdefault("parts", []).append([part, time.time()])
         self._write_heartbeat()
 
     @contextlib.contextmanager

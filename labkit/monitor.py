@@ -1020,15 +1020,31 @@ class Monitor:
         for rank, beat in dict(beats).items():
             stamp = beat.get("time")
             t = stamp - self._wall_offset if isinstance(stamp, (int, float)) else self.clock()
-            part = beat.get("part")
-            if isinstance(part, str) and self._last_part.get(rank) != part:
-                with self._lock:
-                    self._last_part[rank] = part
-                    if part not in {p.part for p in self._parts}:  # the first rank to begin it
-                        self._parts.append(PartEvent(part, t))
+            self._note_parts(int(rank), beat, t)
             step = beat.get("step")
             if isinstance(step, int) and self._last_step.get(rank) != step:
                 self._add_step(int(rank), step, t)
+
+    def _note_parts(self, rank: int, beat: Mapping[str, Any], t: float) -> None:
+        """The part ``rank`` is in, and each part's start (as the first rank read reports it).
+
+        A heartbeat lists every part begun, with its time (``labkit.dist``): a part shorter
+        than a supervision tick is still marked, where it began. Without that list, the
+        part's start is taken as the time of the first heartbeat naming it.
+        """
+        part = beat.get("part")
+        if not isinstance(part, str):
+            return
+        begun = [(p[0], p[1]) for p in beat.get("parts") or []
+                 if isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
+                 and isinstance(p[1], (int, float))]  # fmt: skip
+        with self._lock:
+            self._last_part[rank] = part
+            known = {p.part for p in self._parts}
+            for name, stamp in begun or [(part, t + self._wall_offset)]:
+                if name not in known:
+                    known.add(name)
+                    self._parts.append(PartEvent(name, stamp - self._wall_offset))
 
     def _add_step(self, rank: int, step: int, t: float) -> None:
         with self._lock:

@@ -535,6 +535,16 @@ def test_a_job_of_several_parts_counts_steps_over_the_job_and_names_the_part(sho
     assert [p.part for p in mon.parts] == ["naive (1/8)", "bucketed (2/8)"]
     steps_panel = mon.figure().axes[-1]
     assert {"naive (1/8)", "bucketed (2/8)"} <= {t.get_text() for t in steps_panel.texts}
+    # A part that began and ended between two ticks: the heartbeat's list of parts has it.
+    clock.t = 4.0
+    wall = mon._wall_offset  # time.time() at the monitor's clock's zero
+    begun = [["naive (1/8)", wall + 0.5], ["bucketed (2/8)", wall + 1.5],
+             ["ddp (3/8)", wall + 3.2], ["zero1 (4/8)", wall + 3.9]]  # fmt: skip
+    job.heartbeats[0] = {"pid": 1, "step": 40, "total": 96, "part": "zero1 (4/8)",
+                         "parts": begun, "time": wall + 4.0}  # fmt: skip
+    mon.on_tick(job)
+    assert [(p.part, p.time_s) for p in mon.parts][2:] == [("ddp (3/8)", pytest.approx(3.2)),
+                                                          ("zero1 (4/8)", pytest.approx(3.9))]
     mon.on_end(job, SimpleNamespace(status="ok"))
 
 
