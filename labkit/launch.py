@@ -39,6 +39,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
 import uuid
 from collections import deque
@@ -984,6 +985,92 @@ def _root_cause(
     return rank, "", f"process {how} without a Python exception", tail
 
 
+_FRAME = re.compile(r'^  File "(?P<path>[^"]*)", line \d+, in (?P<func>.*)$')
+# Frames that start every worker, whatever it does: ``python -m`` (runpy, importlib), the
+# worker module's `if __name__ == "__main__": main()`, torchrun's @record wrapper, and
+# labkit.dist's entry point. The same in every failure: counted, not shown.
+_LAUNCHER_FILES = ("<frozen runpy>", "/runpy.py", "<frozen importlib", "/importlib/",
+                   "/torch/distributed/elastic/", "/torch/distributed/run.py")  # fmt: skip
+_STDLIB = sysconfig.get_paths()["stdlib"]
+_LABKIT = os.path.dirname(dist.__file__) + os.sep
+EXCERPT_TAIL = 8  # lines kept of a failure's text that is not a Python traceback
+
+
+def _starts_worker(path: str, func: str) -> bool:
+    return path == dist.__file__ or func == "<module>" or any(f in path for f in _LAUNCHER_FILES)
+
+
+def _in_library(path: str) -> bool:
+    """The standard library or an installed package (torch...): not code the lab wrote.
+    labkit counts as code even where it is installed among the packages."""
+    if path.startswith(_LABKIT):
+        return False
+    return path.startswith(("<", _STDLIB)) or "-packages/" in path
+
+
+def _library_name(paths: Sequence[str]) -> str:
+    names: list[str] = []
+    for path in paths:
+        _, found, rest = path.partition("-packages/")
+        name = rest.split("/", 1)[0].removesuffix(".py") if found else "the standard library"
+        if name not in names:
+            names.append(name)
+    return " and ".join(names)
+
+
+def traceback_excerpt(text: str) -> str:
+    """The lines of a failing rank's traceback that tell what went wrong, for ``JobFailed``.
+
+    Kept: the exception, every frame of code (the worker's, the learner's, labkit's), and the
+    frame that raised. Left out: the frames that start every worker (``_LAUNCHER_FILES``),
+    counted in one line; and runs of library frames between kept ones (torch's module-call
+    machinery, say), one line per run naming the library. Chained exceptions keep their
+    "During handling of..." lines. A text without frames (a rank killed by a signal leaves
+    only its log) gives its last ``EXCERPT_TAIL`` lines.
+    """
+    lines = text.rstrip().splitlines()
+    # Blocks: a frame ("  File ..." and its more-indented source and caret lines) or a line.
+    blocks: list[tuple[re.Match[str] | None, list[str]]] = []
+    for line in lines:
+        if blocks and blocks[-1][0] is not None and line.startswith("    "):
+            blocks[-1][1].append(line)
+        else:
+            blocks.append((_FRAME.match(line), [line]))
+    if not any(m for m, _ in blocks):
+        return "\n".join(lines[-EXCERPT_TAIL:])
+    out: list[str] = []
+    stack: list[tuple[re.Match[str], list[str]]] = []  # the frames of one traceback
+    for m, block in [*blocks, (None, [])]:
+        if m is not None:
+            stack.append((m, block))
+            continue
+        out += _excerpt_stack(stack)
+        stack = []
+        out += block
+    return "\n".join(out)
+
+
+def _excerpt_stack(stack: Sequence[tuple[re.Match[str], list[str]]]) -> list[str]:
+    """One traceback's frames, outermost first, as ``traceback_excerpt`` shows them."""
+    if not stack:
+        return []
+    start = 0  # the frames that start the worker come first
+    while start < len(stack) - 1 and _starts_worker(stack[start][0]["path"], stack[start][0]["func"]):
+        start += 1
+    out = [f"  … {start} frames of the launcher (torchrun, labkit.dist) left out"] if start else []
+    hidden: list[str] = []  # paths of a run of library frames not shown
+    for k, (m, block) in enumerate(stack[start:], start):
+        if _in_library(m["path"]) and k < len(stack) - 1:
+            hidden.append(m["path"])
+            continue
+        if hidden:
+            out.append(f"  … {len(hidden)} frame{'s' if len(hidden) > 1 else ''} in "
+                       f"{_library_name(hidden)}")  # fmt: skip
+            hidden = []
+        out += block
+    return out
+
+
 def _failure_error(job: Job, result: JobResult) -> JobFailed:
     beats = dist.read_heartbeats(job.job_dir, job.nproc)
     rank, exc_type, exc_msg, tb = _root_cause(job, beats, result.returncode)
@@ -1002,7 +1089,10 @@ def _failure_error(job: Job, result: JobResult) -> JobFailed:
                 f"likely hung: rank {', '.join(map(str, hung))} (not in a collective)"
             )
     if tb:
-        parts.append("  " + "\n  ".join(tb.rstrip().splitlines()[-8:]))
+        parts.append("  " + "\n  ".join(traceback_excerpt(tb).splitlines()))
+    log = rank_log_path(job.job_dir, rank, "stderr") if rank is not None else None
+    if log is not None:
+        parts.append(f"full traceback: {log}")
     parts.append(f"logs in {job.job_dir}")
     return JobFailed(
         "\n".join(parts),

@@ -203,6 +203,69 @@ def test_diagnose_other_cases():
     assert launch.diagnose_hang({0: beat(9, "done"), 1: beat(2)}, 2, now=100.0)[0] == [1]
 
 
+# Tracebacks as a failing rank leaves them (paths shortened): what torch's @record writes in
+# error.json, and what the rank prints to its stderr log. Test data, written for these tests.
+SITE = "/venv/lib/python3.11/site-packages"
+LABKIT = str(Path(launch.__file__).parent)
+RECORDED = f"""Traceback (most recent call last):
+  File "{SITE}/torch/distributed/elastic/multiprocessing/errors/__init__.py", line 367, in wrapper
+    return f(*args, **kwargs)
+           ^^^^^^^^^^^^^^^^^^
+  File "{LABKIT}/dist.py", line 232, in main
+    _run(fn)
+  File "{LABKIT}/dist.py", line 273, in _run
+    result = fn(ctx)
+             ^^^^^^^
+  File "{LABKIT}/workers/allreduce.py", line 52, in main
+    raise RuntimeError(f"rank {{ctx.rank}} fails on purpose (config fail_rank={{fail_rank}})")
+RuntimeError: rank 1 fails on purpose (config fail_rank=1)
+"""
+DEEP = f"""Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File "<frozen runpy>", line 88, in _run_code
+  File "/home/me/lab/my_worker.py", line 40, in <module>
+    main()
+  File "{SITE}/torch/distributed/elastic/multiprocessing/errors/__init__.py", line 367, in wrapper
+    return f(*args, **kwargs)
+  File "{LABKIT}/dist.py", line 273, in _run
+    result = fn(ctx)
+  File "/home/me/lab/my_worker.py", line 31, in main
+    loss = model(x)
+  File "{SITE}/torch/nn/modules/module.py", line 1775, in _wrapped_call_impl
+    return self._call_impl(*args, **kwargs)
+  File "{SITE}/torch/nn/modules/module.py", line 1786, in _call_impl
+    return forward_call(*args, **kwargs)
+  File "{LABKIT}/model.py", line 88, in forward
+    return self.head(x)
+  File "{SITE}/torch/nn/modules/linear.py", line 125, in forward
+    return F.linear(input, self.weight, self.bias)
+RuntimeError: mat1 and mat2 shapes cannot be multiplied (8x64 and 32x256)
+"""
+
+
+def test_the_failure_excerpt_keeps_the_error_and_the_frames_that_matter():
+    text = launch.traceback_excerpt(RECORDED)
+    lines = text.splitlines()
+    assert lines[-1] == "RuntimeError: rank 1 fails on purpose (config fail_rank=1)"
+    assert 'raise RuntimeError(f"rank {ctx.rank} fails on purpose' in text
+    assert "allreduce.py\", line 52, in main" in text
+    # The launcher's frames are the same in every failure: counted, not shown.
+    assert "elastic" not in text and "dist.py" not in text
+    assert "3 frames of the launcher (torchrun, labkit.dist) left out" in text
+
+    text = launch.traceback_excerpt(DEEP)
+    assert "runpy" not in text and "elastic" not in text and "dist.py" not in text
+    assert "my_worker.py\", line 31, in main" in text and "loss = model(x)" in text
+    assert "model.py\", line 88, in forward" in text  # labkit code the worker called
+    # torch's own frames between two frames of code: one line; where it raised: kept.
+    assert "module.py" not in text and "… 2 frames in torch" in text
+    assert "linear.py\", line 125, in forward" in text
+    assert text.splitlines()[-1].startswith("RuntimeError: mat1 and mat2 shapes")
+    # Not a traceback (a rank killed by a signal leaves a log tail): the last lines, as is.
+    tail = "\n".join(f"line {i}" for i in range(20))
+    assert launch.traceback_excerpt(tail).splitlines() == [f"line {i}" for i in range(12, 20)]
+
+
 def test_echo_bounds_live_output_and_shows_the_tail(tmp_path):
     out: list[str] = []
     echo = launch._Echo(3, tmp_path, write=out.append)
@@ -369,9 +432,12 @@ def test_failing_rank_is_named_with_its_exception(home):
     )
     msg = str(err)
     assert "failed on rank 1: ValueError: injected failure on rank 1" in msg
-    assert 'raise ValueError(f"injected failure' in msg, (
-        "the traceback's last lines belong in the message"
-    )
+    assert 'raise ValueError(f"injected failure' in msg, "the raising line belongs in the message"
+    assert msg.count("ValueError: injected failure on rank 1") == 2  # summary, and the excerpt
+    assert "elastic" not in msg and "runpy" not in msg, "the launcher's frames are noise"
+    stderr_log = launch.rank_log_path(err.result.log_dir, 1, "stderr")
+    assert f"full traceback: {stderr_log}" in msg
+    assert "Traceback (most recent call last)" in stderr_log.read_text()
     assert str(err.result.log_dir) in msg
     assert err.result.status == "failed" and err.result.ranks[1]["rank"] == 1  # partial results
     assert_no_survivors(err.result.log_dir, [err.result.agent_pid, *err.result.worker_pids])
