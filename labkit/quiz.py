@@ -333,10 +333,16 @@ class QuestionWidget:
         for i, row in enumerate(self.choices):
             if i != choice:
                 row.value = False
-        self.result.value = feedback(self.question, choice)[1]
+        right, self.result.value = feedback(self.question, choice)
+        self._offer_answer(not right)
 
     def _reveal(self) -> None:
         self.result.value = reveal(self.question)
+        self._offer_answer(False)
+
+    def _offer_answer(self, offer: bool) -> None:
+        # Hidden, not removed, once the explanation shows: the layout does not jump.
+        self.show_answer.layout.visibility = "visible" if offer else "hidden"
 
 
 def question_widget(question: Question, number: int) -> Any:
@@ -358,7 +364,7 @@ _CSS = """<style>
   white-space: normal; overflow: visible; line-height: 1.45; cursor: pointer;}
 .labkit-quiz .labkit-quiz-choice label.widget-label-basic > span {pointer-events: none;}
 .labkit-quiz .labkit-quiz-choice input[type="checkbox"] {
-  appearance: none; -webkit-appearance: none; flex: none; align-self: flex-start;
+  appearance: none; -webkit-appearance: none; flex: none; align-self: flex-start; font: inherit;
   box-sizing: border-box; width: 1em; height: 1em; margin: 0.22em 0 0 0;
   border: 1px solid #767676; border-radius: 50%; background: #fff; cursor: pointer;}
 .labkit-quiz .labkit-quiz-choice input[type="checkbox"]:checked {

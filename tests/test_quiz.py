@@ -203,9 +203,13 @@ def test_a_wrong_pick_gives_its_feedback_and_a_right_pick_the_explanation():
     assert _checked(view) == [2] and "Neither is too cautious." in view.result.value
     view.choices[2].value = False  # a second click on the selected row keeps it selected
     assert _checked(view) == [2]
+    assert view.show_answer.layout.visibility == "visible"
     view.pick(0)
     assert _checked(view) == [0] and view.result.value == quiz.feedback(q, 0)[1]
     assert "Correct." in view.result.value and "Because &lt;it&gt; is." in view.result.value
+    assert view.show_answer.layout.visibility == "hidden"  # the explanation is showing
+    view.pick(1)
+    assert view.show_answer.layout.visibility == "visible"
 
 
 def test_show_answer_button_reveals_without_a_pick():
@@ -213,6 +217,7 @@ def test_show_answer_button_reveals_without_a_pick():
     view = quiz.QuestionWidget(q, 1)
     view.show_answer.click()
     assert view.result.value == quiz.reveal(q) and _checked(view) == []
+    assert view.show_answer.layout.visibility == "hidden"
 
 
 def test_whole_quiz_widget_has_a_heading_and_one_box_per_question():
