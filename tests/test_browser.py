@@ -1,20 +1,27 @@
-"""Notebook 00 in a real JupyterLab, driven through a real browser.
+"""Notebooks in a real JupyterLab, driven through a real browser.
 
 nbval and papermill execute notebooks without a front end: they cannot tell whether a widget
-renders, whether a figure shows, or whether clicking a quiz answer does anything. This test
-starts JupyterLab on a free localhost port, opens notebook 00 in the system Chromium through
-Playwright, runs every cell from the "Run" menu as a learner would, and checks what the
-learner sees:
+renders, whether a figure shows, or whether clicking a quiz answer does anything. These tests
+start one JupyterLab on a free localhost port, open notebooks in the system Chromium through
+Playwright, run every cell from the "Run" menu as a learner would, and check what the learner
+sees.
+
+Notebook 00 (the solution; it has no exercise):
 
 - every code cell ran, without an error;
 - the live-metrics figure rendered (an image that actually decoded, not a broken icon);
-- the quiz rendered as radio buttons, and clicking an answer shows its feedback;
+- the quiz renders as a learner should see it: code in choices as code, not backticks; a
+  choice that wraps keeps its round button beside its first line; a wrong click says why that
+  choice is wrong and does not show the explanation; a right click and "Show answer" do;
 - JupyterLab's news notification stayed off (it would cover the page, and it fetches from
   the internet).
 
-It leaves screenshots in test-artifacts/ (or $LABKIT_ARTIFACTS). The browser is the
+The learner's copy of notebook 01 (`notebooks/`, exercises unfinished), at smoke size: Run All
+reaches the last code cell and no cell shows an error.
+
+They leave screenshots in test-artifacts/ (or $LABKIT_ARTIFACTS). The browser is the
 distribution's Chromium (scripts/install_browser.sh); nothing is downloaded at test time.
-Without Chromium or Playwright the test skips, except in CI (CI=true), where it fails.
+Without Chromium or Playwright the tests skip, except in CI (CI=true), where they fail.
 """
 
 from __future__ import annotations
@@ -42,9 +49,12 @@ from labkit import quiz
 pytestmark = [pytest.mark.slow, pytest.mark.browser, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOK = "00_setup_and_first_job.ipynb"
+NOTEBOOK = "00_setup_and_first_job.ipynb"  # from solutions/
+LEARNER_NOTEBOOK = "01_single_gpu_training.ipynb"  # from notebooks/, the learner's copy
 SERVER_START_S = 60  # JupyterLab answers /api/status within a few seconds here
 RUN_ALL_S = 180  # notebook 00 launches two ~5 s jobs; generous for a loaded 2-core CI machine
+LEARNER_RUN_ALL_S = 240  # notebook 01 at smoke size: a short training run and its figures
+NARROW_VIEWPORT = {"width": 900, "height": 1000}  # a laptop window beside the slides
 # What the probe of this machine kind ran Chromium with (env/machines/python.md): no sandbox
 # (we are root in CI), and none of Chromium's own network traffic, which a closed network
 # refuses, many connections at a time.
@@ -112,12 +122,19 @@ class Lab:
         text = self.log.read_text(errors="replace") if self.log.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
 
-    def api(self, path: str) -> dict:
+    def api(self, path: str, method: str = "GET") -> dict | list | None:
         req = urllib.request.Request(
-            f"{self.url}{path}", headers={"Authorization": f"token {self.token}"}
+            f"{self.url}{path}", method=method, headers={"Authorization": f"token {self.token}"}
         )
-        with urllib.request.urlopen(req, timeout=5) as r:
-            return json.loads(r.read())
+        with urllib.request.urlopen(req, timeout=10) as r:
+            body = r.read()
+        return json.loads(body) if body else None
+
+    def shutdown_kernels(self) -> None:
+        """End every kernel, so the next notebook does not share the CPUs with an idle one."""
+        for kernel in self.api("/api/kernels") or []:
+            with contextlib.suppress(OSError):
+                self.api(f"/api/kernels/{kernel['id']}", method="DELETE")
 
 
 def _write_settings(folder: Path) -> None:
@@ -145,13 +162,17 @@ def _stop(proc: subprocess.Popen) -> None:
             p.kill()
 
 
-@pytest.fixture
-def lab(tmp_path: Path) -> Iterator[Lab]:
-    """JupyterLab serving a copy of notebook 00, on a free port, with its own settings."""
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    """One JupyterLab for every test here (starting one costs seconds), on a free port, with
+    its own settings, serving copies of notebook 00 and of the learner's notebook 01."""
+    tmp_path = tmp_path_factory.mktemp("jupyterlab")
     root = tmp_path / "notebooks"
     root.mkdir()
     # solutions/ is the source of truth; notebook 00 has no exercise, so it runs as is.
     shutil.copy(ROOT / "solutions" / NOTEBOOK, root / NOTEBOOK)
+    # The learner's copy, exercises unfinished, exactly as a learner opens it.
+    shutil.copy(ROOT / "notebooks" / LEARNER_NOTEBOOK, root / LEARNER_NOTEBOOK)
     _write_settings(tmp_path / "lab-settings")
     port, token = _free_port(), secrets.token_hex(16)
     env = dict(os.environ)
@@ -198,9 +219,9 @@ def lab(tmp_path: Path) -> Iterator[Lab]:
         _stop(proc)
 
 
-@pytest.fixture
-def browser_page():
-    """A Chromium page (1400×1000) from the system browser; closed after the test."""
+@pytest.fixture(scope="module")
+def browser():
+    """The system Chromium, started once for every test here."""
     executable = find_chromium()
     if executable is None:
         _unavailable("no Chromium found (/usr/bin/chromium, chromium-browser, $LABKIT_CHROMIUM)")
@@ -209,28 +230,37 @@ def browser_page():
     except ImportError:
         _unavailable("Playwright is not installed")
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+        chromium = pw.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            yield page
+            yield chromium
         finally:
-            browser.close()
+            chromium.close()
+
+
+@pytest.fixture
+def browser_page(browser, lab: Lab):
+    """A fresh Chromium page (1400×1000); afterwards it closes and every kernel is ended."""
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        yield page
+    finally:
+        page.close()
+        lab.shutdown_kernels()
 
 
 # --- what the learner sees ---------------------------------------------------------------------
 
-# True once every code cell shows an execution count ([3]:) and none waits ([*]:) or was
-# skipped ([ ]:) and the kernel is idle; also returns early if an error output appeared, since
-# "Run All Cells" stops at an error and the remaining cells would never run.
+# True once the run is over: the kernel is idle and no cell waits ([*]:). Every cell then shows
+# an execution count ([3]:), or, after an error (Run All stops there), the cells after it show
+# none ([ ]:). The page cannot tell which cell failed: JupyterLab 4 renders an error like a
+# stderr stream (both application/vnd.jupyter.stderr), so `saved_run` reads the saved notebook.
 _RUN_FINISHED_JS = """() => {
   const prompts = [...document.querySelectorAll('.jp-Notebook .jp-CodeCell .jp-InputPrompt')]
     .map(p => p.textContent.trim());
   const idle = document.querySelector('.jp-Notebook-ExecutionIndicator[data-status="idle"]');
-  const error = document.querySelector('.jp-Notebook [data-mime-type="application/vnd.jupyter.error"]');
-  const busy = prompts.some(p => p.includes('*'));
-  if (error && !busy && idle) return true;
-  return prompts.length > 0 && !busy && !!idle && prompts.every(p => /^\\[\\d+\\]:$/.test(p));
+  return prompts.length > 0 && !!idle && !prompts.some(p => p.includes('*'));
 }"""
+SAVE_S = 30  # saving a notebook of a few MB of figures to the local server
 
 
 def _cell_prompts(page) -> list[str]:
@@ -248,9 +278,22 @@ def wait_for_kernel(page) -> None:
     ).first.wait_for(timeout=60_000)
 
 
-def run_all_cells(page) -> None:
+def open_notebook(page, lab: Lab, name: str) -> None:
+    """Open ``name`` alone. ``reset`` starts from an empty workspace: JupyterLab would otherwise
+    reopen the notebooks of the previous page, start their kernels, and keep their cells in the
+    DOM beside this one's."""
+    page.goto(f"{lab.url}/lab/tree/{name}?reset&token={lab.token}")
+    page.locator(".jp-Notebook .jp-CodeCell").first.wait_for(timeout=60_000)
+    wait_for_kernel(page)
+    titles = page.locator(".jp-NotebookPanel").evaluate_all(
+        "panels => panels.map(p => p.querySelector('.jp-Notebook') ? p.id : null)"
+    )
+    assert len(titles) == 1, f"{len(titles)} notebooks open, expected only {name}"
+
+
+def run_all_cells(page, timeout_s: float = RUN_ALL_S) -> None:
     """Run > Run All Cells, from the menu bar (matched exactly: the same menu also holds
-    'Restart Kernel and Run All Cells...'), then wait until every cell has run."""
+    'Restart Kernel and Run All Cells...'), then wait until every cell has run, or one failed."""
     page.locator("#jp-MainMenu .lm-MenuBar-item", has_text=re.compile(r"^Run$")).click()
     page.locator(
         ".lm-Menu-item .lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")
@@ -262,15 +305,41 @@ def run_all_cells(page) -> None:
         ".some(p => /\\[(\\*|\\d+)\\]/.test(p.textContent))",
         timeout=30_000,
     )
-    page.wait_for_function(_RUN_FINISHED_JS, timeout=RUN_ALL_S * 1000, polling=500)
+    page.wait_for_function(_RUN_FINISHED_JS, timeout=timeout_s * 1000, polling=500)
 
 
-def assert_every_cell_ran(page) -> None:
-    errors = page.locator('.jp-Notebook [data-mime-type="application/vnd.jupyter.error"]')
-    assert errors.count() == 0, f"a cell raised:\n{errors.first.inner_text()[:2000]}"
-    prompts = _cell_prompts(page)
-    not_run = [i for i, p in enumerate(prompts) if not re.fullmatch(r"\[\d+\]:", p)]
-    assert prompts and not not_run, f"code cells not run: {not_run} (prompts {prompts})"
+def saved_run(page, lab: Lab, name: str) -> tuple[list[int | None], list[str]]:
+    """Save the notebook (Ctrl+S) and read it back from the server: each code cell's execution
+    count, and 'code cell N: Error: message' for every error output."""
+    shown = [
+        int(m.group(1)) if (m := re.fullmatch(r"\[(\d+)\]:", p)) else None
+        for p in _cell_prompts(page)
+    ]
+    page.keyboard.press("Control+s")
+    deadline = time.monotonic() + SAVE_S
+    while True:  # until the file holds what the page shows
+        content = lab.api(f"/api/contents/{name}?content=1")
+        cells = [c for c in content["content"]["cells"] if c["cell_type"] == "code"]
+        counts = [c["execution_count"] for c in cells]
+        if counts == shown:
+            break
+        if time.monotonic() > deadline:
+            pytest.fail(f"the saved {name} never matched the page: {counts} against {shown}")
+        time.sleep(0.5)
+    errors = [
+        f"code cell {i}: {out['ename']}: {out['evalue']}"
+        for i, cell in enumerate(cells)
+        for out in cell["outputs"]
+        if out["output_type"] == "error"
+    ]
+    return counts, errors
+
+
+def assert_every_cell_ran(page, lab: Lab, name: str) -> None:
+    counts, errors = saved_run(page, lab, name)
+    assert not errors, "Run All stopped at an error:\n" + "\n".join(errors)
+    not_run = [i for i, count in enumerate(counts) if count is None]
+    assert counts and not not_run, f"code cells not run: {not_run} (counts {counts})"
 
 
 def assert_live_metrics_figure(page) -> None:
@@ -287,34 +356,92 @@ def assert_live_metrics_figure(page) -> None:
     assert width > 0, "the figure's <img> did not decode (a broken image)"
 
 
+def _shown(text: str) -> str:
+    """What a learner reads of bank text: code spans render without their backticks."""
+    return text.replace("`", "")
+
+
 def _question_boxes(page):
-    """One locator per quiz question: the VBox holding its text, radio buttons and feedback."""
-    return page.locator(".labkit-quiz .widget-vbox:has(> .widget-radio)")
+    """One locator per quiz question: its text, choice rows, feedback and "Show answer"."""
+    return page.locator(".labkit-quiz .labkit-quiz-question")
 
 
-def assert_quiz_answers_give_feedback(page) -> None:
-    bank = quiz.load("00")
+def assert_quiz_renders(page, bank: quiz.Bank) -> None:
     boxes = _question_boxes(page)
     boxes.first.wait_for(state="visible", timeout=30_000)
     assert boxes.count() == len(bank.questions), (
         f"{boxes.count()} quiz questions rendered, the bank has {len(bank.questions)}"
     )
+    for n, q in enumerate(bank.questions):
+        box = boxes.nth(n)
+        rows = box.locator(".labkit-quiz-choice")
+        assert rows.count() == len(q.choices)
+        assert box.locator(".labkit-quiz-feedback").inner_text().strip() == ""
+        assert box.locator('input[type="checkbox"]:checked').count() == 0
+        for i, choice in enumerate(q.choices):
+            label = rows.nth(i)
+            shown = label.inner_text()
+            assert "`" not in shown, f"question {q.id}, choice {i} shows raw backticks: {shown!r}"
+            assert _shown(choice)[:40] in shown, (q.id, i, shown)
+            if "`" in choice:
+                assert label.locator("code").count() >= 1, f"{q.id}, choice {i}: no <code>"
+
+
+def assert_long_choice_keeps_its_button_beside_it(page, bank: quiz.Bank) -> None:
+    """The longest choice wraps in a narrow window; its button sits left of its text, on the
+    first line, not on a line of its own (as ipywidgets' RadioButtons put it)."""
+    page.set_viewport_size(NARROW_VIEWPORT)
+    n, i = max(
+        ((n, i) for n, q in enumerate(bank.questions) for i in range(len(q.choices))),
+        key=lambda ni: len(_shown(bank.questions[ni[0]].choices[ni[1]])),
+    )
+    row = _question_boxes(page).nth(n).locator(".labkit-quiz-choice").nth(i)
+    row.scroll_into_view_if_needed()
+    button = row.locator('input[type="checkbox"]').bounding_box()
+    text = row.locator("label.widget-label-basic > span").bounding_box()
+    line = row.locator("label.widget-label-basic > span").evaluate(
+        "e => parseFloat(getComputedStyle(e).lineHeight)"
+    )
+    assert button and text and line > 0
+    assert text["height"] >= 1.8 * line, (
+        f"the longest choice did not wrap at {NARROW_VIEWPORT['width']} px, so this check "
+        f"proves nothing: text {text}, line height {line}"
+    )
+    assert button["x"] + button["width"] <= text["x"] + 1, f"button {button} not left of {text}"
+    centre = button["y"] + button["height"] / 2
+    assert text["y"] <= centre <= text["y"] + line, (
+        f"button {button} is not on the first line of its text {text} (line height {line})"
+    )
+
+
+def assert_quiz_feedback(page, bank: quiz.Bank) -> None:
+    """A wrong click: that choice's feedback, no explanation; a right click: the explanation.
+    "Show answer" on another question: the explanation, without a click."""
     first, second = bank.questions[0], bank.questions[1]
-    box = boxes.nth(0)
+    box = _question_boxes(page).nth(0)
     box.scroll_into_view_if_needed()
-    assert "Correct." not in box.inner_text() and "Not quite." not in box.inner_text()
-    # A wrong answer, then the right one: each click must change the feedback.
+    feedback = box.locator(".labkit-quiz-feedback")
+    explanation = _shown(first.explanation)[:50]
     wrong = next(i for i in range(len(first.choices)) if i != first.answer)
-    box.locator(".widget-radio-box label").nth(wrong).click()
-    box.get_by_text("Not quite.", exact=False).wait_for(timeout=10_000)
-    box.locator(".widget-radio-box label").nth(first.answer).click()
-    box.get_by_text("Correct.", exact=False).wait_for(timeout=10_000)
-    assert "Not quite." not in box.inner_text()
-    # The explanation comes with it (first words, as rendered: code spans lose their backticks).
-    assert first.explanation.split(".")[0].replace("`", "")[:40] in box.inner_text()
-    # Questions are independent: the second shows nothing yet.
-    assert "Correct." not in boxes.nth(1).inner_text()
-    assert second.question[:20].replace("`", "") in boxes.nth(1).inner_text()
+    box.locator(".labkit-quiz-choice").nth(wrong).click()
+    feedback.get_by_text("Not quite.", exact=False).wait_for(timeout=10_000)
+    said = feedback.inner_text()
+    assert _shown(first.why_wrong[wrong] or "")[:50] in said, said
+    assert explanation not in said, f"a wrong click gave the explanation away: {said!r}"
+    assert box.locator('input[type="checkbox"]:checked').count() == 1
+    box.screenshot(path=str(artifacts_dir() / "browser-00-quiz-wrong.png"))
+    box.locator(".labkit-quiz-choice").nth(first.answer).click()
+    feedback.get_by_text("Correct.", exact=False).wait_for(timeout=10_000)
+    said = feedback.inner_text()
+    assert explanation in said and "Not quite." not in said, said
+    assert box.locator('input[type="checkbox"]:checked').count() == 1  # one choice at a time
+    # The next question still shows nothing; "Show answer" reveals its key and explanation.
+    other = _question_boxes(page).nth(1)
+    assert other.locator(".labkit-quiz-feedback").inner_text().strip() == ""
+    other.locator(".labkit-quiz-reveal").click()
+    other.get_by_text("Answer:", exact=False).wait_for(timeout=10_000)
+    said = other.locator(".labkit-quiz-feedback").inner_text()
+    assert _shown(second.explanation)[:50] in said, said
 
 
 def assert_no_news_toast(page, lab: Lab) -> None:
@@ -328,23 +455,49 @@ def assert_no_news_toast(page, lab: Lab) -> None:
 # --- the test ----------------------------------------------------------------------------------
 
 
+def _fresh_shots(prefix: str) -> Path:
+    shots = artifacts_dir()
+    for old in shots.glob(f"{prefix}*.png"):
+        old.unlink()  # the artefacts describe this run only
+    return shots
+
+
 def test_notebook_00_runs_in_jupyterlab_and_its_widgets_work(lab: Lab, browser_page):
     page = browser_page
-    shots = artifacts_dir()
-    for old in shots.glob("browser-00*.png"):
-        old.unlink()  # the artefacts describe this run only
+    shots = _fresh_shots("browser-00")
+    bank = quiz.load("00")
     try:
-        page.goto(f"{lab.url}/lab/tree/{NOTEBOOK}?token={lab.token}")
-        page.locator(".jp-Notebook .jp-CodeCell").first.wait_for(timeout=60_000)
-        wait_for_kernel(page)
+        open_notebook(page, lab, NOTEBOOK)
         run_all_cells(page)
-        assert_every_cell_ran(page)
+        assert_every_cell_ran(page, lab, NOTEBOOK)
         assert_live_metrics_figure(page)
         page.screenshot(path=str(shots / "browser-00-figure.png"))
-        assert_quiz_answers_give_feedback(page)
+        assert_quiz_renders(page, bank)
+        assert_quiz_feedback(page, bank)
         assert_no_news_toast(page, lab)
         page.screenshot(path=str(shots / "browser-00.png"))
+        assert_long_choice_keeps_its_button_beside_it(page, bank)
+        page.screenshot(path=str(shots / "browser-00-quiz-narrow.png"))
     except BaseException:
         page.screenshot(path=str(shots / "browser-00-failure.png"))
+        print(f"JupyterLab log (tail):\n{lab.log_tail()}")
+        raise
+
+
+def test_learner_copy_of_notebook_01_runs_all_to_the_end(lab: Lab, browser_page):
+    """Run All on the learner's copy, exercises unfinished, at smoke size: a learner who has
+    not done the exercises yet still sees the whole lab, with no cell in red."""
+    page = browser_page
+    shots = _fresh_shots("browser-learner-01")
+    try:
+        open_notebook(page, lab, LEARNER_NOTEBOOK)
+        run_all_cells(page, timeout_s=LEARNER_RUN_ALL_S)
+        counts, errors = saved_run(page, lab, LEARNER_NOTEBOOK)
+        assert not errors, "Run All stopped at an error:\n" + "\n".join(errors)
+        assert counts and counts[-1] is not None, f"the last code cell did not run: {counts}"
+        assert None not in counts, f"code cells not run: {counts}"
+        page.screenshot(path=str(shots / "browser-learner-01.png"))
+    except BaseException:
+        page.screenshot(path=str(shots / "browser-learner-01-failure.png"))
         print(f"JupyterLab log (tail):\n{lab.log_tail()}")
         raise
