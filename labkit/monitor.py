@@ -907,6 +907,14 @@ class Monitor:
             self.total_steps = total
         self._add_step(rank, int(step), self.clock())
 
+    def part(self, name: str) -> None:
+        """Mark that a named part of the work begins now (the ``with`` form's part marks):
+        a dotted line across the panels, named on the step panel, as a job's parts are."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name={name!r}: give the part a non-empty name")
+        with self._lock:
+            self._parts.append(PartEvent(name, self.clock()))
+
     def on_step(self, step: int, stats: Any = None) -> None:
         """``labkit.train.train(..., on_step=mon.on_step)``: one step event per step."""
         self.step(step)

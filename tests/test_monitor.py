@@ -548,6 +548,22 @@ def test_a_job_of_several_parts_counts_steps_over_the_job_and_names_the_part(sho
     mon.on_end(job, SimpleNamespace(status="ok"))
 
 
+def test_the_with_form_names_its_parts_where_they_begin(shown):
+    clock = Clock()
+    with Monitor(period_s=0.5, backend=FakeCpu(clock), live=False, clock=clock) as mon:
+        clock.t = 1.0
+        mon.part("tiny element-wise ops")
+        clock.t = 2.5
+        mon.part("large matmuls")
+        clock.t = 4.0
+    assert [(p.part, p.time_s) for p in mon.parts] == [("tiny element-wise ops", 1.0),
+                                                      ("large matmuls", 2.5)]
+    steps_panel = mon.figure().axes[-1]
+    assert {"tiny element-wise ops", "large matmuls"} <= {t.get_text() for t in steps_panel.texts}
+    with pytest.raises(ValueError, match="non-empty name"):
+        mon.part("")
+
+
 class FakeTime:
     """Stands in for the ``time`` module inside labkit.monitor: a machine so busy that a
     redraw takes ``wall`` seconds of wall-clock time for ``cpu`` seconds of our CPU time."""
