@@ -491,6 +491,12 @@ def test_learner_copy_of_notebook_01_runs_all_to_the_end(lab: Lab, browser_page)
     shots = _fresh_shots("browser-learner-01")
     try:
         open_notebook(page, lab, LEARNER_NOTEBOOK)
+        # Opened, kernel idle, nothing run: the tab must not say "modified" (a notebook whose
+        # language_info differs from the kernel's is rewritten as it opens; labkit.nbgen).
+        page.wait_for_timeout(1_000)  # JupyterLab applies the kernel's info just after idle
+        assert page.locator(".lm-TabBar-tab.jp-mod-dirty").count() == 0, (
+            "the notebook shows as modified before anything ran"
+        )
         run_all_cells(page, timeout_s=LEARNER_RUN_ALL_S)
         counts, errors = saved_run(page, lab, LEARNER_NOTEBOOK)
         assert not errors, "Run All stopped at an error:\n" + "\n".join(errors)
