@@ -202,7 +202,7 @@ BUCKET_MISTAKES = {
             if len(bucket.ready) == len(bucket.params):
                 bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
         """,
-        "the parameter's own slot",
+        "its own slot of the bucket",
     ),
 }
 

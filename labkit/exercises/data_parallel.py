@@ -224,7 +224,7 @@ def _verify_allreduce_grads(allreduce_gradients: Any) -> str:
     local = _local_backward(s)
     call(fn, s.model, n)
     _compare_gradients(s.model, s.reference, local, n,
-                       "all-reduce every p.grad in place (SUM), then p.grad /= world_size")  # fmt: skip
+                       "compare with what one process computes on the whole batch")  # fmt: skip
     return (
         f"after allreduce_gradients(model, {n}) each rank holds the gradient of the whole "
         f"{n * ROWS_PER_RANK}-sequence batch, as one process would (frozen {FROZEN} skipped, "
@@ -342,22 +342,20 @@ def _verify_bucket_hook(on_grad_ready: Any) -> str:
         if work is None:
             raise ExerciseFailed(
                 f"bucket {k} ({size} gradients) was full but its all-reduce was never started "
-                "from on_grad_ready: bucket.work was still None when backward ended. Set "
-                "bucket.work = dist.all_reduce(bucket.buffer, async_op=True) when the last "
-                "gradient arrives (without async_op=True the call blocks and returns None, "
-                "so nothing overlaps with backward)"
+                "from on_grad_ready: bucket.work was still None when backward ended (without "
+                "async_op the call blocks and returns None, so there is no handle and nothing "
+                "overlaps with backward)"
             )
         if not callable(getattr(work, "wait", None)):
             raise ExerciseFailed(
-                f"bucket.work of bucket {k} is {type(work).__name__} {work!r}; store the "
-                "handle that dist.all_reduce(bucket.buffer, async_op=True) returns"
+                f"bucket.work of bucket {k} is {type(work).__name__} {work!r}, not the handle "
+                "of an asynchronous all-reduce (something with .wait())"
             )
         if launches and not launches[0].full:
             got = mine.index(launches[0]) + 1
             raise ExerciseFailed(
                 f"bucket {k}'s all-reduce started when {got} of its {size} gradients had "
-                "arrived: the rest would be missing from the sum. Start it only when "
-                "len(bucket.ready) == len(bucket.params)"
+                "arrived: the rest would be missing from the sum"
             )
     # The values: what labkit copied back from the buckets must be the whole-batch gradient.
     _compare_gradients(
@@ -365,8 +363,7 @@ def _verify_bucket_hook(on_grad_ready: Any) -> str:
         s.reference,
         local,
         n,
-        "copy p.grad.reshape(-1) into bucket.buffer[offset : offset + p.numel()] (the "
-        "parameter's own slot) before marking it ready",
+        "is each gradient copied into its own slot of the bucket, before it is marked ready?",
     )
     overlapped = sum(1 for a in harness.arrivals if a.launched and a.seen_before < total - 1)
     return (
@@ -423,13 +420,13 @@ def _check_bounds(fn: Callable[..., Any], numel: int, n: int) -> list[tuple[int,
     if padded < numel:
         lost = f"element {padded}" if numel - padded == 1 else f"elements {padded}..{numel - 1}"
         raise ExerciseFailed(
-            f"{where}: {lost} belong(s) to no rank, so no rank would update it. Round the "
-            f"shard size up, ceil(numel / world_size) = {-(-numel // n)}, and pad the buffer"
+            f"{where}: {lost} belong(s) to no rank, so no rank would update it: the shards "
+            "are too small to cover numel"
         )
     if padded - numel >= n:
         raise ExerciseFailed(
             f"{where}: {padded - numel} padding elements, but fewer than world_size={n} are "
-            f"ever needed: the shard size is ceil(numel / world_size) = {-(-numel // n)}"
+            "ever needed: the shards are larger than they must be"
         )
     return bounds
 

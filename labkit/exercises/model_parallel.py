@@ -314,8 +314,8 @@ def order_diagnosis(p: int, m: int, stage: int, got: list[tuple[str, int]]) -> s
         return ("every micro-batch 0..m−1 needs exactly one ('F', j) and one ('B', j); "
                 "count what your list holds")  # fmt: skip
     if got == gpipe_order(p, m, stage):
-        return ("this is GPipe's order (every forward, then every backward). 1F1B runs only "
-                "p−1−stage warm-up forwards, then alternates one forward and one backward")  # fmt: skip
+        return ("this is GPipe's order (every forward, then every backward); 1F1B starts each "
+                "backward as soon as the stage can, so it holds fewer micro-batches")  # fmt: skip
     for w, why in (
         (p - stage, "one warm-up forward too many: the last stage needs none, so stage s runs "
                     "p−1−s"),
@@ -344,8 +344,12 @@ def check_order(fn: Any) -> str:
         got = _normalise_order(call(fn, p, m, stage), call_text)
         expected = _reference_order(p, m, stage)
         if got != expected:
+            # Where the orders part, not the whole expected order: that would be the answer.
+            at = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b),
+                      min(len(got), len(expected)))  # fmt: skip
             raise ExerciseFailed(
-                f"{call_text}: expected {expected}, got {got}. Likely: "
+                f"{call_text} returned {got}: it goes wrong at position {at} "
+                f"({got[at] if at < len(got) else 'the list ends'}). Likely: "
                 + order_diagnosis(p, m, stage, got)
             )
     return (f"one_f_one_b(p, m, stage) gives the 1F1B order for {len(ORDER_CASES)} cases "
@@ -473,8 +477,8 @@ def fg_diagnosis(got: dict, ref: dict, local: dict, n: int) -> str | None:
         if _close(got["out"], local["out"]):
             return ("the output is this rank's partial sum: g's forward must all-reduce (sum) "
                     "its input across ranks")  # fmt: skip
-        return ("the output differs from the unsplit MLP's: f's forward is the identity (every "
-                "rank already has all of x) and g's forward all-reduces a copy of its input")  # fmt: skip
+        return ("the output differs from the unsplit MLP's: check what each forward does "
+                "with a tensor every rank holds in full, and with one it holds a part of")  # fmt: skip
     if _close(got["w2_grad"], n * ref["w2_grad"]):
         return (f"the weight gradients are {n}× too large: g's backward must return the gradient "
                 "unchanged (the gradient of a sum with respect to each term is the gradient "
@@ -483,7 +487,8 @@ def fg_diagnosis(got: dict, ref: dict, local: dict, n: int) -> str | None:
         if _close(got["x_grad"], local["x_grad"]):
             return ("x.grad holds only this rank's part of dL/dx: f's backward must all-reduce "
                     "(sum) the gradient, since every rank's slice of the weights used x")  # fmt: skip
-        return "x.grad differs from the unsplit MLP's: f's backward all-reduces a copy of grad"
+        return ("x.grad differs from the unsplit MLP's: check f's backward against the sum "
+                "of every rank's part of dL/dx")  # fmt: skip
     for key in ("w1_grad", "w2_grad"):
         if not _close(got[key], ref[key]):
             return f"{key} differs from the unsplit MLP's slice"
@@ -586,12 +591,11 @@ def column_diagnosis(
         want = full[..., cols]
         if got.shape != want.shape:
             if got.shape == full.shape:
-                return (f"the output has all {out_f} features; keep this rank's {per}: rows "
-                        f"{cols.start}:{cols.stop} of linear.weight (and of the bias)")  # fmt: skip
-            return (f"shape {tuple(got.shape)}, expected {tuple(want.shape)}: this rank's "
-                    f"k = out_features // world_size = {per} output features, rows "
-                    f"{cols.start}:{cols.stop} of linear.weight (nn.Linear stores weight as "
-                    "(out_features, in_features))")  # fmt: skip
+                return (f"the output has all {out_f} features; a rank keeps only its {per} "
+                        "(and the matching part of the bias)")  # fmt: skip
+            return (f"shape {tuple(got.shape)}, expected {tuple(want.shape)}: a rank computes "
+                    f"out_features / world_size = {per} output features for every input "
+                    "row")  # fmt: skip
         got = got.detach()
         if _close(got, want):
             return None
@@ -604,9 +608,9 @@ def column_diagnosis(
         if in_f == out_f:  # square: a slice of the wrong dimension still has the right shape
             b = lin.bias[cols] if lin.bias is not None else 0
             if _close(got, x @ lin.weight[:, cols] + b):
-                return ("you sliced columns of linear.weight (its input dimension) and skipped "
-                        "the transpose; nn.Linear stores weight as (out_features, in_features) "
-                        "and computes x @ weight.T: take rows, then transpose")  # fmt: skip
+                return ("you sliced the input dimension of linear.weight: the shapes happen to "
+                        "fit because the layer is square, but a rank's share is of the output "
+                        "features")  # fmt: skip
     return "values differ from the same columns of linear(x)"
 
 
@@ -641,8 +645,8 @@ def check_column(fn: Callable, rank: int, n: int, device: Any = "cpu") -> None:
         except ExerciseFailed as err:
             if isinstance(err.__cause__, RuntimeError):  # a shape mismatch, almost always
                 raise ExerciseFailed(
-                    f"{err}. Likely: nn.Linear stores weight as (out_features, in_features), so "
-                    "this rank's output features are rows of linear.weight: x @ W[rows].T"
+                    f"{err}. Likely: the slice of linear.weight does not line up with x; "
+                    "check which of its two dimensions holds the output features"
                 ) from err.__cause__
             raise
         why = column_diagnosis(got, x, lin, rank, n) or _column_grad_problem(got, x, lin, rank, n)

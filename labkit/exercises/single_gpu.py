@@ -95,8 +95,8 @@ def _param_count_diagnosis(cfg: ModelConfig, kinds: dict[str, int], got: int) ->
         ),
         (
             -kinds["linear_bias"],
-            "you left out the biases of the Linear layers (h per output "
-            "feature: 3h + h in attention, 4h + h in the MLP)",
+            "you left out the biases of the Linear layers (one per output feature of "
+            "each)",
         ),
         (-kinds["linear_bias"] - kinds["layernorm"], "you left out all biases and LayerNorms"),
         (
@@ -306,12 +306,13 @@ ADAM_BYTES_CASES = (1, 3, 124_000_000, 7_000_000_000)
 
 # Bytes per parameter that the usual mistakes give, and what each one left out or added.
 _ADAM_MISTAKES = {
-    4: "that is the fp32 weights alone; add their gradients and Adam's two moments",
-    8: "two of the four fp32 tensors; AdamW keeps weights, gradients, exp_avg and exp_avg_sq",
-    12: "one of the four fp32 tensors is missing (weights, gradients, exp_avg, exp_avg_sq)",
+    4: "that is the fp32 weights alone; what do backward and the optimizer add beside them?",
+    8: "too few: you counted two kinds of fp32 tensor per parameter; training keeps more",
+    12: "one kind of fp32 tensor per parameter is missing (count AdamW's state again)",
     2: "that is 16-bit weights; this exercise is fp32 training (4 bytes per number)",
-    128: "that is bits; divide by 8 for bytes",
 }
+"""Bytes per parameter that the usual mistakes give, and what each one suggests checking. The
+messages diagnose without stating the answer (the bits-for-bytes mistake is caught apart)."""
 
 
 @exercise(
@@ -320,8 +321,9 @@ _ADAM_MISTAKES = {
     hints=(
         "list the fp32 numbers that exist for each parameter while training: the weight "
         "itself, what backward adds, what the optimizer keeps",
-        "backward adds one gradient per parameter; AdamW keeps two running averages per "
-        "parameter (exp_avg and exp_avg_sq); an fp32 number is 4 bytes",
+        "what does backward leave beside each parameter, and which state does AdamW keep per "
+        "parameter (the algorithm box of torch.optim.AdamW's documentation lists it)? How "
+        "many bytes is one fp32 number?",
         "recipe: 4 (weight) + 4 (gradient) + 4 + 4 (the two moments) = 16 bytes per parameter",
     ),
     reference=reference_adamw_state_bytes,
@@ -333,11 +335,16 @@ def _verify_adam_bytes(adamw_state_bytes: Any) -> str:
         expected = 16 * n  # 4 (weights) + 4 (grads) + 4 + 4 (exp_avg, exp_avg_sq): Playbook
         if got != expected:
             per_param = got / n
-            why = _ADAM_MISTAKES.get(round(per_param)) if per_param == round(per_param) else None
+            if got == 8 * expected:
+                why = "that is bits; divide by 8 for bytes"
+            elif per_param == round(per_param) and round(per_param) in _ADAM_MISTAKES:
+                why = _ADAM_MISTAKES[round(per_param)]
+            else:
+                why = ("that is not the model states of fp32 AdamW training: list the fp32 "
+                       "numbers kept per parameter again")  # fmt: skip
             raise ExerciseFailed(
-                f"for n_params={n:,} expected {expected:,} bytes (16 per parameter: 4 weights + "
-                f"4 gradients + 8 for the two Adam moments), got {got:,} "
-                f"({per_param:g} per parameter)" + (f": {why}" if why else "")
+                f"adamw_state_bytes({n:,}) returned {got:,} bytes, {per_param:g} per "
+                f"parameter: {why}"
             )
     return (
         "adamw_state_bytes(n) = 16·n bytes (fp32 weights, gradients, exp_avg, exp_avg_sq) "
