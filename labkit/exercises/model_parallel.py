@@ -345,7 +345,7 @@ def check_order(fn: Any) -> str:
         expected = _reference_order(p, m, stage)
         if got != expected:
             # Where the orders part, not the whole expected order: that would be the answer.
-            at = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b),
+            at = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b),
                       min(len(got), len(expected)))  # fmt: skip
             raise ExerciseFailed(
                 f"{call_text} returned {got}: it goes wrong at position {at} "
