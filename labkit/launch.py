@@ -267,6 +267,41 @@ class Job:
         return min(steps), (max(totals) if totals else None)  # type: ignore[type-var]
 
 
+class ProgressLines:
+    """An observer that prints a line when a job starts, every ``every_s`` seconds while it
+    runs, and when it ends: for jobs launched with ``stream=False`` (or a monitor-less cell),
+    so a cell never sits silent for long. ``launch.run(..., observers=[ProgressLines("DDP")])``.
+
+    ``write`` is ``print`` by default (kept under nbval and papermill); tests inject their own.
+    """
+
+    def __init__(self, label: str, every_s: float = 3.0, write: Callable[[str], None] = print):
+        if not every_s > 0:
+            raise ValueError(f"every_s={every_s!r}: give a number of seconds > 0")
+        self.label, self.every_s, self.write = label, every_s, write
+        self.said_at = 0.0
+
+    def on_start(self, job: Job) -> None:
+        self.said_at = 0.0
+        self.write(f"{self.label}: starting {job.nproc} rank{'s' if job.nproc != 1 else ''}")
+
+    def on_tick(self, job: Job) -> None:
+        elapsed = job.elapsed_s
+        if elapsed - self.said_at < self.every_s:
+            return
+        self.said_at = elapsed
+        step, total = job.progress()
+        if step is None:
+            doing = "starting up (importing torch, joining the process group)"
+        else:
+            doing = f"step {step}" + (f" of {total}" if total else "")
+        self.write(f"{self.label}: {elapsed:3.0f} s, {doing}")
+
+    def on_end(self, job: Job, result: Any) -> None:
+        status = getattr(result, "status", "ok")
+        self.write(f"{self.label}: {'done' if status == 'ok' else status} in {job.elapsed_s:.0f} s")
+
+
 def _notify(observers: list[Any], method: str, *args: Any) -> None:
     """Call ``method`` on each observer that has it; a broken observer is dropped, not fatal."""
     for obs in list(observers):

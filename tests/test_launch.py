@@ -16,6 +16,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
 
 import psutil
 import pytest
@@ -592,3 +594,28 @@ def test_rank_pids_are_known_before_the_first_heartbeat(home):
     early = [pids for beats, pids in seen if not beats and len(pids) == 2]
     assert early, "no tick saw both ranks' PIDs before their heartbeats"
     assert early[-1] == {r: result.rank(r)["pid"] for r in (0, 1)}
+
+
+def test_progress_lines_speak_at_start_every_few_seconds_and_at_the_end(tmp_path):
+    lines: list[str] = []
+    obs = launch.ProgressLines("DDP on 2 ranks", every_s=3.0, write=lines.append)
+    job = launch.Job(job_id="j", module="m", nproc=2, backend="gloo", device="cpu", config={},
+                     job_dir=tmp_path, started=100.0)  # fmt: skip
+    clock = [100.0]
+    with mock.patch.object(launch.time, "monotonic", lambda: clock[0]):
+        obs.on_start(job)
+        for t in (1.0, 2.9, 3.1, 4.0, 6.2):
+            clock[0] = 100.0 + t
+            if t >= 4.0:
+                job.heartbeats = {0: {"step": 5, "total": 12}, 1: {"step": 4, "total": 12}}
+            obs.on_tick(job)
+        clock[0] = 107.0
+        obs.on_end(job, SimpleNamespace(status="ok"))
+    assert lines == [
+        "DDP on 2 ranks: starting 2 ranks",
+        "DDP on 2 ranks:   3 s, starting up (importing torch, joining the process group)",
+        "DDP on 2 ranks:   6 s, step 4 of 12",  # the slowest rank's step
+        "DDP on 2 ranks: done in 7 s",
+    ]
+    with pytest.raises(ValueError, match="every_s=0"):
+        launch.ProgressLines("x", every_s=0)
