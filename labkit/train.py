@@ -58,6 +58,42 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
 
 
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """The learning rate of optimiser step ``step`` (counted from 1) under ``cfg``'s schedule.
+
+    nanoGPT's ``get_lr`` (karpathy/nanoGPT, train.py), counted from step 1: a linear warm-up
+    from lr/warmup_steps to lr over ``warmup_steps`` steps, then, if ``min_lr`` is set, a
+    cosine from lr down to min_lr at step ``cfg.steps``.
+
+    Why a warm-up and a modest peak: Adam moves each weight by at most about lr per step,
+    and by about lr whenever its gradient keeps its sign, however small that gradient is
+    (Kingma & Ba 2015, section 2.1). A fresh model first learns the
+    byte frequencies, one prediction for every position, so each layer sees nearly the same
+    input everywhere; then the steps on a row's fan_in weights share their signs and move
+    its output by about lr x fan_in at once (why muP scales Adam's rate as 1/fan_in: Yang et
+    al., "Tensor Programs V", arXiv:2203.03466). The lab preset at a constant 3e-3 built a
+    context-free vector 27 times the token-dependent part of its residual stream by step 7;
+    LayerNorm rescales whatever that sum is, and at step 9 one update turned the vector
+    round: the model predicted the rarest bytes, and the loss leapt from 3.5 to 9.7, above
+    ln 256, for four steps. See the presets in labkit.config for the rates that avoid it.
+    """
+    if step < 1:
+        raise ValueError(f"step={step!r} is not allowed: optimiser steps count from 1")
+    if step <= cfg.warmup_steps:
+        return cfg.lr * step / cfg.warmup_steps
+    if cfg.min_lr is None:
+        return cfg.lr
+    span = cfg.steps - cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / span) if span > 0 else 1.0
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set every parameter group's learning rate (what nanoGPT does before each step)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
 def make_scaler(device: torch.device, dtype: str) -> torch.amp.GradScaler | None:
     """A loss scaler for float16 only: bfloat16 has float32's exponent range and needs none."""
     return torch.amp.GradScaler(device.type) if dtype == "float16" else None
@@ -153,14 +189,17 @@ class History:
     loss: list[float] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
+    lr: list[float] = field(default_factory=list)
+    """Learning rate the step used (:func:`lr_at`)."""
     val_steps: list[int] = field(default_factory=list)
     val_loss: list[float] = field(default_factory=list)
 
-    def record(self, step: int, stats: StepStats) -> None:
+    def record(self, step: int, stats: StepStats, *, lr: float) -> None:
         self.steps.append(step)
         self.loss.append(stats.loss)
         self.seconds.append(stats.seconds)
         self.tokens.append(stats.tokens)
+        self.lr.append(lr)
 
     def tokens_per_s(self, skip: int = 1) -> float:
         """Steady-state throughput: total tokens / total time, skipping warm-up steps."""
@@ -190,7 +229,8 @@ def train(
     on_step: Callable[[int, StepStats], None] | None = None,
     no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
 ) -> History:
-    """Train ``model`` for ``cfg.train.steps`` steps on random windows of ``train_data``."""
+    """Train ``model`` for ``cfg.train.steps`` steps on random windows of ``train_data``,
+    with the learning rate of :func:`lr_at` at each step."""
     from labkit.data import get_batch  # data depends on nothing here; import where used
 
     t = cfg.train
@@ -203,9 +243,11 @@ def train(
     history = History()
     stream = batch_stream(train_data, cfg, gen, get_batch)
     for step in range(1, t.steps + 1):
+        lr = lr_at(step, t)
+        set_lr(optimizer, lr)
         stats = train_step(model, optimizer, next(stream), device=device, dtype=t.dtype,
                            scaler=scaler, grad_clip=t.grad_clip, no_sync=no_sync)
-        history.record(step, stats)
+        history.record(step, stats, lr=lr)
         if val_data is not None and t.eval_every and (step % t.eval_every == 0 or step == t.steps):
             val_batches = [get_batch(val_data, t.micro_batch, cfg.model.seq_len, val_gen)
                            for _ in range(4)]

@@ -40,6 +40,10 @@ def test_bad_model_values_name_field_value_and_rule(kwargs, field, allowed):
         ({"device": "tpu"}, "device"),
         ({"lr": -1.0}, "lr"),
         ({"grad_clip": 0.0}, "grad_clip"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"warmup_steps": 2.5}, "warmup_steps"),
+        ({"min_lr": -1e-4}, "min_lr"),
+        ({"min_lr": 1e-2}, "min_lr"),  # above lr=3e-3: a "decay" that would rise
     ],
 )
 def test_bad_train_values_raise(kwargs, field):
