@@ -14,6 +14,9 @@ Presets are functions (as in torchtitan's ``config/``), one per size:
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 SIZES = ("smoke", "lab", "gpu")
@@ -202,7 +205,52 @@ def gpu() -> RunConfig:
 _PRESETS = {"smoke": smoke, "lab": lab, "gpu": gpu}
 
 
+ENVIRONMENT: dict[str, str] = {
+    "LABKIT_SIZE": "the notebooks' size: smoke, lab or gpu (read by each parameters cell)",
+    "LABKIT_HOME": "where jobs, logs and exercise files go (default ~/.cache/labkit)",
+    "LABKIT_KEEP_RUNS": "how many job folders to keep (default 50)",
+    "LABKIT_LIVE_PLOTS": "0 or 1: force the monitor's live plots off or on",
+    "LABKIT_VENV": "the virtual environment ./course makes",
+    "LABKIT_KEEP_TORCH": "1: ./course keeps the torch already installed",
+    "LABKIT_CHROMIUM": "the browser the browser test drives",
+    "LABKIT_ARTIFACTS": "where the browser test leaves its screenshots",
+    "LABKIT_JOB_DIR": "set by the launcher for each job (internal)",
+    "LABKIT_AGENT_PID": "set by the launcher for each job (internal)",
+    "LABKIT_TEST_SESSION": "set by the test suite (internal)",
+}
+"""Every ``LABKIT_*`` environment variable labkit reads, with what it sets. There is one size
+switch, ``LABKIT_SIZE``; another spelling (``LABKIT_SMOKE=1``) would be silently ignored, so
+:func:`check_environment` refuses it."""
+
+
+def check_environment(environ: Mapping[str, str] | None = None) -> None:
+    """Raise ValueError for a ``LABKIT_*`` variable labkit does not read, naming the fix."""
+    environ = os.environ if environ is None else environ
+    unknown = sorted(k for k in environ if k.startswith("LABKIT_") and k not in ENVIRONMENT)
+    if not unknown:
+        return
+    name = unknown[0]
+    # Compared without the shared prefix, which would make every name look close.
+    close = [f"LABKIT_{m}" for m in difflib.get_close_matches(
+        name.removeprefix("LABKIT_"), [k.removeprefix("LABKIT_") for k in ENVIRONMENT], n=1)]
+    if name in ("LABKIT_SMOKE", "LABKIT_LAB", "LABKIT_GPU", "LABKIT_PRESET"):
+        fix = f"use LABKIT_SIZE={name.removeprefix('LABKIT_').lower()} (smoke, lab or gpu)"
+        if name == "LABKIT_PRESET":
+            fix = "use LABKIT_SIZE=smoke, lab or gpu"
+    elif close:
+        fix = f"did you mean {close[0]} ({ENVIRONMENT[close[0]]})?"
+    else:
+        fix = f"labkit reads only {', '.join(ENVIRONMENT)}"
+    raise ValueError(f"the environment sets {name}, which labkit does not read: {fix}; "
+                     f"unset {name}")  # fmt: skip
+
+
 def preset(size: str) -> RunConfig:
-    """The preset called ``size`` (one of :data:`SIZES`)."""
+    """The preset called ``size`` (one of :data:`SIZES`).
+
+    Also checks the environment (:func:`check_environment`): every notebook asks for its
+    preset first, so a misspelt size switch stops it before anything runs.
+    """
     _require(size in _PRESETS, "size", size, f"one of {SIZES}")
+    check_environment()
     return _PRESETS[size]()

@@ -63,3 +63,40 @@ def test_replace_routes_fields_and_rejects_unknown_names():
         config.preset("smoke").replace(stepz=7)
     with pytest.raises(ValueError, match=r"^n_head="):
         config.preset("smoke").replace(n_head=5)
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({"LABKIT_SMOKE": "1"}, r"LABKIT_SMOKE, which labkit does not read: use LABKIT_SIZE=smoke"),
+        ({"LABKIT_SIZ": "smoke"}, r"did you mean LABKIT_SIZE"),
+        ({"LABKIT_WHATEVER": "x"}, r"labkit reads only LABKIT_SIZE, "),
+    ],
+)
+def test_an_unknown_labkit_variable_is_refused_with_the_fix(environ, message, monkeypatch):
+    with pytest.raises(ValueError, match=message):
+        config.check_environment(environ)
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=message):
+        config.preset("smoke")  # the notebooks' first call
+
+
+def test_the_known_variables_pass():
+    config.check_environment({"LABKIT_SIZE": "smoke", "LABKIT_HOME": "/tmp", "PATH": "/bin"})
+
+
+def test_every_labkit_variable_the_project_uses_is_known():
+    """A new LABKIT_* variable must be listed in config.ENVIRONMENT, or check_environment
+    would refuse it."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = [p for pattern in ("labkit/**/*.py", "tests/*.py", "scripts/*", "benchmarks/*.py",
+                               "solutions/*.ipynb", "README.md", "course", ".ci/run")
+             for p in root.glob(pattern) if p.is_file()]  # fmt: skip
+    used = {m for p in files for m in re.findall(r"LABKIT_[A-Z][A-Z_]*[A-Z]", p.read_text())}
+    examples = {"LABKIT_SMOKE", "LABKIT_SIZ", "LABKIT_WHATEVER", "LABKIT_LAB", "LABKIT_GPU",
+                "LABKIT_PRESET"}  # the refused spellings the tests and docstrings name
+    assert used - examples <= set(config.ENVIRONMENT), sorted(used - examples - set(config.ENVIRONMENT))
