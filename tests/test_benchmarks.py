@@ -298,3 +298,37 @@ def test_sampler_benchmark_writes_a_throughput_record(tmp_path):
     _common.check_record(record)
     assert record["throughput_ratio"] == pytest.approx(1 / record["ratio"])
     assert set(record["samples_s"]) == {"with_sampler", "without"}
+
+
+# --------------------------------------------------------------------------- notebook run times
+
+
+def readme_run_times() -> dict[str, tuple[int, int]]:
+    """{"00_setup_and_first_job": (smoke_s, lab_s)} from the README's curriculum table."""
+    import re
+
+    rows = re.findall(r"^\| \d\d \| `(\d\d_\w+)` \|.*\| ~(\d+) s / ~(\d+) s \|$",
+                      (ROOT / "README.md").read_text(), flags=re.M)  # fmt: skip
+    return {name: (int(smoke), int(lab)) for name, smoke, lab in rows}
+
+
+def test_readme_run_times_are_the_recorded_measurement():
+    """The README's run times are the medians `bench_notebooks --record` measured, rounded to
+    5 s: a table typed by hand drifts (notebook 02 was listed at 85 s and took 98–116 s)."""
+    from benchmarks import bench_notebooks
+
+    record = json.loads((ROOT / "benchmarks" / "results" / "notebooks-cpu.json").read_text())
+    _common.check_record(record)
+    table = readme_run_times()
+    notebooks = [p.stem for p in bench_notebooks.SOLUTIONS]
+    assert sorted(table) == notebooks, "one README row per notebook in solutions/"
+    for name, shown in table.items():
+        measured = tuple(
+            5 * round(record["summary"][bench_notebooks.key(size, Path(name))]["median_s"] / 5)
+            for size in ("smoke", "lab")
+        )  # fmt: skip
+        assert shown == measured, (
+            f"README says {name} takes ~{shown[0]} s / ~{shown[1]} s; the record measured "
+            f"~{measured[0]} s / ~{measured[1]} s: copy the record's numbers into the README, or "
+            "run `python -m benchmarks.bench_notebooks --record` again"
+        )

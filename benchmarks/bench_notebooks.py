@@ -1,0 +1,106 @@
+"""How long each notebook takes, top to bottom, as a learner runs it: the README's run times.
+
+    python -m benchmarks.bench_notebooks                       # smoke and lab, every notebook
+    python -m benchmarks.bench_notebooks --sizes lab --rounds 2 --record
+
+Each notebook in ``solutions/`` (the complete ones: every exercise check runs too, so this is
+the longest a learner's copy takes) is executed in a fresh kernel with papermill, exactly as
+``tests/test_notebooks.py`` does, at each size, and timed from the call to its return: kernel
+start, imports, every cell, the launched jobs. Rounds alternate the order of the notebooks, so
+a neighbour's burst of load does not always land on the same one. The record keeps every
+sample and the machine's load average before and after (a workshop server is busy, and the
+same notebook on the same machine took 55 s and 73 s in two runs), and
+``tests/test_benchmarks.py`` checks that the README's run-time column says what the record
+measured. Nothing here is a pass or fail: it is a report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import _common
+
+ROOT = Path(__file__).resolve().parents[1]
+SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
+
+
+def run_notebook(path: Path, size: str, out_dir: Path) -> float:
+    """Execute ``path`` at ``size`` in a fresh kernel; its wall time in seconds."""
+    import papermill as pm  # lazy: only this benchmark needs it
+
+    start = time.perf_counter()
+    pm.execute_notebook(
+        str(path), str(out_dir / f"{size}-{path.name}"), parameters={"size": size},
+        cwd=str(path.parent), kernel_name="python3", progress_bar=False, log_output=False,
+    )  # fmt: skip
+    return time.perf_counter() - start
+
+
+def key(size: str, path: Path) -> str:
+    """The record's name for one notebook at one size: "lab/01_single_gpu_training"."""
+    return f"{size}/{path.stem}"
+
+
+def measure(sizes: list[str], rounds: int, notebooks: list[Path]) -> dict[str, Any]:
+    samples: dict[str, list[float]] = {key(s, p): [] for s in sizes for p in notebooks}
+    load = {"before": list(os.getloadavg())}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(rounds):
+            order = notebooks if r % 2 == 0 else notebooks[::-1]
+            for size in sizes:
+                for path in order:
+                    seconds = run_notebook(path, size, Path(tmp))
+                    samples[key(size, path)].append(seconds)
+                    print(f"round {r + 1}/{rounds}  {size:<5} {path.stem:<28} {seconds:6.1f} s",
+                          flush=True)  # fmt: skip
+    load["after"] = list(os.getloadavg())
+    return {"samples_s": samples, "load_average_1_5_15_min": load}
+
+
+def summary(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    return {name: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v)}
+            for name, v in samples.items()}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", nargs="+", default=["smoke", "lab"],
+                        choices=["smoke", "lab", "gpu"], help="sizes to run (default: smoke lab)")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each notebook per size")
+    parser.add_argument("--only", nargs="*", default=None,
+                        help="notebook numbers to run, e.g. 00 02 (default: all)")
+    parser.add_argument("--record", action="store_true",
+                        help="write benchmarks/results/notebooks-<machine>.json")
+    parser.add_argument("--out", type=Path, help="write the record to this file")
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: give 1 or more")
+    notebooks = [p for p in SOLUTIONS if args.only is None or p.name[:2] in args.only]
+    if not notebooks:
+        parser.error(f"--only {args.only}: no such notebook in solutions/")
+
+    measured = measure(args.sizes, args.rounds, notebooks)
+    record = _common.make_record(
+        "notebooks", device="cpu",
+        params={"sizes": args.sizes, "rounds": args.rounds, "notebooks": [p.stem for p in notebooks],
+                "how": "papermill, fresh kernel per run, solutions/ (every check included)"},
+        samples_s=measured["samples_s"],
+    )  # fmt: skip
+    record["load_average_1_5_15_min"] = measured["load_average_1_5_15_min"]
+    record["summary"] = summary(measured["samples_s"])
+    for name, s in record["summary"].items():
+        print(f"{name:<34} median {s['median_s']:6.1f} s  (min {s['min_s']:.1f}, "
+              f"max {s['max_s']:.1f})")  # fmt: skip
+    _common.emit(record, name="notebooks", out=args.out, record_it=args.record)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
