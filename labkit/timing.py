@@ -85,10 +85,7 @@ class TimingResult:
         them little. Linear interpolation between order statistics (``statistics.quantiles``
         with ``method="inclusive"``, numpy's default); one repeat gives (it, it).
         """
-        if len(self.samples_s) < 2:
-            return self.samples_s[0], self.samples_s[0]
-        q1, _, q3 = statistics.quantiles(self.samples_s, n=4, method="inclusive")
-        return q1, q3
+        return quartiles(self.samples_s)
 
     @property
     def iqr_s(self) -> float:
@@ -221,6 +218,15 @@ def benchmark(
         name=name or getattr(fn, "__name__", "fn"), samples_s=tuple(samples),
         device=str(device), method=timer.method, warmup=warmup,
     )
+
+
+def quartiles(values: Sequence[float]) -> tuple[float, float]:
+    """(first, third) quartile of ``values`` by linear interpolation (``statistics.quantiles``
+    with ``method="inclusive"``, numpy's default); one value gives (it, it)."""
+    if len(values) < 2:
+        return values[0], values[0]
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q3
 
 
 def pooled(results: Sequence[TimingResult], name: str | None = None) -> TimingResult:

@@ -49,7 +49,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from labkit.timing import TimingResult, format_seconds
+from labkit.timing import TimingResult, format_seconds, quartiles
 
 NOTCH = 1.57  # McGill, Tukey and Larsen (1978): median ± 1.57·IQR/√n
 DEFAULT_TOLERANCE = 0.10  # differences below 10% count as "agree"
@@ -93,10 +93,7 @@ def summarize(samples: TimingResult | Sequence[float], name: str | None = None) 
         raise ValueError(f"samples of {name!r} are empty: a verdict needs measurements")
     if any(not math.isfinite(v) for v in values):
         raise ValueError(f"samples of {name!r} hold a value that is not finite: {values}")
-    if len(values) < 2:
-        q1 = q3 = values[0]
-    else:
-        q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    q1, q3 = quartiles(values)
     return Summary(name=name or "sample", n=len(values), median=statistics.median(values),
                    q1=q1, q3=q3)
 
