@@ -2,7 +2,8 @@
 
 Configs are frozen, keyword-only dataclasses. Each field says its unit in its name or its
 docstring, and ``__post_init__`` rejects bad values with a ``ValueError`` that names the
-field, the value and what is allowed, before anything is built or launched.
+field, the value and what is allowed, before anything is built or launched: first its type,
+read from the field's annotation (:func:`_check_types`), then its range.
 
 Presets are functions (as in torchtitan's ``config/``), one per size:
 
@@ -15,17 +16,91 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import math
+import numbers
 import os
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 SIZES = ("smoke", "lab", "gpu")
 DTYPES = ("float32", "bfloat16", "float16")
+CORPUS_VOCAB_SIZE = 256
+"""Token ids in the course's corpus: it is tokenised as raw bytes, 0..255 (:mod:`labkit.data`),
+so a model trained on it needs ``vocab_size >= 256``."""
 
 
 def _require(ok: bool, name: str, value: object, allowed: str) -> None:
     if not ok:
         raise ValueError(f"{name}={value!r} is not allowed: {allowed}")
+
+
+# --- types, from the annotations ---------------------------------------------------------------
+# One checker for every field of every config, driven by the dataclass's own annotations, so a
+# new field is checked the day it is added. bool is not accepted as a number, although Python
+# makes it an int subclass: lr=True is a mistake, never a learning rate of 1. An int is a fine
+# float (lr=1); a float is not an int (n_layer=2.0), since a float there comes from arithmetic
+# that should have been integer. numbers.Integral and numbers.Real admit numpy's scalars (a sweep
+# over np.arange), stored as Python's int and float so that the config stays JSON-serialisable.
+
+_WANTED = {bool: "True or False", int: "an int", float: "a number", str: "a str"}
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)  # resolves the string annotations of `from __future__`
+
+
+def _check_types(config: Any) -> None:
+    """Check (and normalise) every field of the config dataclass ``config`` against its
+    annotation; raise ValueError naming the field, the value, the type wanted and an example."""
+    hints = _hints(type(config))
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        checked = _checked(f, hints[f.name], value)
+        if checked is not value:
+            object.__setattr__(config, f.name, checked)  # frozen: the documented way in
+
+
+def _checked(f: dataclasses.Field, hint: Any, value: Any) -> Any:
+    """``value`` if it is of type ``hint`` (as a Python int or float where one is meant)."""
+    optional = typing.get_origin(hint) in (types.UnionType, typing.Union)
+    if optional:
+        (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]  # X | None only
+        if value is None:
+            return None
+    if hint is bool:
+        ok = isinstance(value, bool)
+    elif hint is int:
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    elif hint is float:
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    elif hint is str or dataclasses.is_dataclass(hint):
+        ok = isinstance(value, hint)
+    else:
+        raise TypeError(f"{f.name}: labkit.config has no type check for {hint}")
+    if not ok:
+        wanted = _WANTED.get(hint, f"a {hint.__name__}") + " or None" * optional
+        what = "" if value is None else f" is {_article(type(value).__name__)}"
+        raise ValueError(f"{f.name}={value!r}{what}: give {wanted}, e.g. {_example(f, hint)}")
+    if hint is float and not math.isfinite(value):
+        raise ValueError(f"{f.name}={value!r} is not finite: give a finite number, "
+                         f"e.g. {_example(f, hint)}")  # fmt: skip
+    return int(value) if hint is int else float(value) if hint is float else value
+
+
+def _example(f: dataclasses.Field, hint: Any) -> str:
+    """``name=value`` with a right value: the field's ``example`` metadata, else its default."""
+    if dataclasses.is_dataclass(hint):
+        return f"{f.name}={hint.__name__}(...)"
+    return f"{f.name}={f.metadata.get('example', f.default)!r}"
+
+
+def _article(noun: str) -> str:
+    return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,9 +124,10 @@ class ModelConfig:
     embedding and the head on different ranks may turn it off."""
 
     def __post_init__(self) -> None:
+        _check_types(self)
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and value >= 1, name, value, "a positive integer")
+            _require(value >= 1, name, value, "a positive integer")
         _require(
             self.d_model % self.n_head == 0,
             "n_head",
@@ -81,7 +157,7 @@ class TrainConfig:
     """Optimiser steps over which the learning rate rises linearly from lr/warmup_steps to
     lr (see :func:`labkit.train.lr_at`); 0 starts at lr. A run shorter than this never
     reaches lr."""
-    min_lr: float | None = None
+    min_lr: float | None = field(default=None, metadata={"example": 3e-4})
     """After warm-up, decay the learning rate along a cosine from lr to this value at the
     last step; None keeps it at lr."""
     weight_decay: float = 0.1
@@ -98,12 +174,13 @@ class TrainConfig:
     """Evaluate on validation data every this many steps; 0 disables."""
 
     def __post_init__(self) -> None:
+        _check_types(self)
         for name in ("micro_batch", "grad_accum", "steps"):
             value = getattr(self, name)
-            _require(isinstance(value, int) and value >= 1, name, value, "a positive integer")
+            _require(value >= 1, name, value, "a positive integer")
         _require(self.lr > 0, "lr", self.lr, "a positive number")
-        _require(isinstance(self.warmup_steps, int) and self.warmup_steps >= 0,
-                 "warmup_steps", self.warmup_steps, "zero (no warm-up) or a positive integer")
+        _require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps,
+                 "zero (no warm-up) or a positive integer")
         _require(self.min_lr is None or 0 <= self.min_lr <= self.lr, "min_lr", self.min_lr,
                  f"None (no decay) or a number from 0 to lr={self.lr}")
         _require(self.weight_decay >= 0, "weight_decay", self.weight_decay, "zero or more")
@@ -120,8 +197,8 @@ class TrainConfig:
             self.device,
             "'auto', 'cpu', 'cuda' or 'cuda:N'",
         )
-        _require(isinstance(self.eval_every, int) and self.eval_every >= 0, "eval_every",
-                 self.eval_every, "zero (off) or a positive integer")
+        _require(self.eval_every >= 0, "eval_every", self.eval_every,
+                 "zero (off) or a positive integer")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,6 +207,19 @@ class RunConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        # Every lab trains on the byte corpus. A smaller vocabulary would fail only at the first
+        # forward pass, as an IndexError from the embedding (a device-side assert on a GPU). A
+        # ModelConfig alone may be smaller: it is a shape, counted or split without data.
+        vocab = self.model.vocab_size
+        if vocab < CORPUS_VOCAB_SIZE:
+            raise ValueError(
+                f"vocab_size={vocab} is too small for the corpus: it is tokenised as raw bytes "
+                f"(token ids 0..{CORPUS_VOCAB_SIZE - 1}), so vocab_size must be >= "
+                f"{CORPUS_VOCAB_SIZE}; use vocab_size={CORPUS_VOCAB_SIZE}"
+            )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

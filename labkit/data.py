@@ -35,6 +35,8 @@ from typing import NamedTuple
 
 import torch
 
+from labkit.config import CORPUS_VOCAB_SIZE
+
 __all__ = [
     "CORPUS_BYTES",
     "CORPUS_PYTHON",
@@ -66,7 +68,7 @@ CORPUS_SOURCE_SHA256 = "bff1527db71686ccec1046c88a77d4110eff1d7e2be8747ec16f3b05
 """Fingerprint of the stdlib files read: equal here means a rebuild must match exactly."""
 
 CORPUS_RESOURCE = "data/corpus.txt.gz"  # relative to the labkit package
-VOCAB_SIZE = 256  # one token per byte value
+VOCAB_SIZE = CORPUS_VOCAB_SIZE  # 256, one token per byte value; config checks runs against it
 
 _REBUILD_HINT = (
     "reinstall labkit, or rebuild the file with `python scripts/build_corpus.py` "

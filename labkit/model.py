@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.config import ModelConfig
+from labkit.config import CORPUS_VOCAB_SIZE, ModelConfig
 
 
 class CausalSelfAttention(nn.Module):
@@ -124,7 +124,15 @@ class GPT(nn.Module):
                 "crop the input or build the model with a larger seq_len"
             )
         pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        try:
+            tok = self.wte(idx)  # (B, T, C)
+        except IndexError:
+            # An id outside 0..V-1 raises here on a CPU (on a GPU it is a device-side assert,
+            # which cannot be caught: RunConfig refuses a vocabulary smaller than the corpus's
+            # before anything runs). Catching costs nothing; checking every batch would cost a
+            # device-to-host sync per step.
+            raise self._vocab_error(idx) from None
+        x = self.drop(tok + self.wpe(pos))  # (B, T, C)
         for block in self.blocks:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))  # (B, T, V)
@@ -132,6 +140,14 @@ class GPT(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         return logits, loss
+
+    def _vocab_error(self, idx: torch.Tensor) -> ValueError:
+        low, high, V = int(idx.min()), int(idx.max()), self.cfg.vocab_size
+        return ValueError(
+            f"token ids run from {low} to {high}, but vocab_size={V} takes only 0..{V - 1}: "
+            f"build the model with vocab_size >= {high + 1} (labkit's corpus is raw bytes, "
+            f"0..{CORPUS_VOCAB_SIZE - 1}: vocab_size={CORPUS_VOCAB_SIZE})"
+        )
 
     def num_params(self, *, exclude_position_embedding: bool = False) -> int:
         """Parameters, each tied tensor counted once.

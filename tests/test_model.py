@@ -93,3 +93,17 @@ def test_generate_extends_the_sequence():
     out = model.generate(torch.zeros(1, 4, dtype=torch.long), 5,
                          generator=torch.Generator().manual_seed(0))
     assert out.shape == (1, 9)
+
+
+def test_token_ids_outside_the_vocabulary_are_named_not_an_index_error():
+    """A model built alone (not through RunConfig, which refuses it up front) with fewer
+    tokens than the byte corpus meets its first byte >= vocab_size at the embedding."""
+    from labkit import data
+
+    model = GPT(ModelConfig(vocab_size=100, seq_len=32, n_layer=1, n_head=2, d_model=16))
+    idx = data.encode("a byte is 0..255")[None]  # 'a' is 97, 'b' 98, 'y' 121
+    with pytest.raises(ValueError, match=(
+        r"^token ids run from 32 to 121, but vocab_size=100 takes only 0\.\.99: build the model "
+        r"with vocab_size >= 122 \(labkit's corpus is raw bytes, 0\.\.255: vocab_size=256\)")):
+        model(idx)
+    model(idx.clamp(max=99))  # in range: no error
