@@ -79,6 +79,14 @@ def test_default_period_and_clamping():
             Sampler(CountingBackend(), period_s=bad)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_period_that_is_not_a_finite_number_is_refused(bad):
+    # nan compares False with everything, so it passed the range checks and the thread's
+    # wait(nan) returned at once: a busy loop. inf would never sample.
+    with pytest.raises(ValueError, match=rf"^period_s={bad!r}: need a finite number of seconds"):
+        Sampler(CountingBackend(), period_s=bad)
+
+
 @pytest.mark.parametrize("make", [
     lambda: CpuBackend(lambda: {0: os.getpid()}),
     lambda: NvmlBackend(nvml=FakeNvml([FakeGpu(), FakeGpu(uuid="GPU-2")])),

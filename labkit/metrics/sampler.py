@@ -28,6 +28,7 @@ warning.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 import warnings
@@ -49,8 +50,12 @@ OnSample = Callable[[list[Sample]], Any]
 
 def clamp_period(period_s: float) -> float:
     """``period_s`` checked and raised to ``MIN_PERIOD_S`` (with a warning) if below it."""
-    if isinstance(period_s, bool) or not isinstance(period_s, (int, float)) or period_s < 0:
-        raise ValueError(f"period_s={period_s!r}: need a number of seconds >= {MIN_PERIOD_S}")
+    # nan passes every comparison's negation (and made the thread's wait return at once, a
+    # busy loop); inf would never sample. Both are refused, with the rest that is not seconds.
+    if (isinstance(period_s, bool) or not isinstance(period_s, (int, float))
+            or not math.isfinite(period_s) or period_s < 0):  # fmt: skip
+        raise ValueError(f"period_s={period_s!r}: need a finite number of seconds >= "
+                         f"{MIN_PERIOD_S} (e.g. period_s={DEFAULT_PERIOD_S})")  # fmt: skip
     if period_s < MIN_PERIOD_S:
         warnings.warn(f"period_s={period_s} is below the {MIN_PERIOD_S} s minimum (faster "
                       f"sampling re-reads NVML's own window and holds the driver lock); "
