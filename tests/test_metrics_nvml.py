@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gzip
 import json
+import re
 import subprocess
 import sys
 
@@ -463,3 +465,35 @@ def test_not_a_trace_is_rejected(tmp_path):
         load_trace(path)
     with pytest.raises(TraceError, match="cannot read"):
         load_trace(tmp_path / "missing.jsonl")
+
+
+def test_a_compressed_or_binary_trace_is_named_not_a_unicode_error(tmp_path):
+    good = tmp_path / "trace.jsonl"
+    record(good)
+    packed = tmp_path / "trace.jsonl.gz"
+    packed.write_bytes(gzip.compress(good.read_bytes()))
+    with pytest.raises(TraceError, match=(
+            rf"^{re.escape(str(packed))}: gzip-compressed; a trace is plain UTF-8 JSON Lines: "
+            rf"decompress it first \(gunzip {re.escape(str(packed))}\)")):  # fmt: skip
+        load_trace(packed)
+    binary = tmp_path / "trace.bin"
+    binary.write_bytes(good.read_bytes()[:40] + b"\n\xff\xfe\x00 not text\n")
+    with pytest.raises(TraceError, match=(
+            rf"^{re.escape(str(binary))}:2: not UTF-8 text \(byte 0xff at column 1\); a trace "
+            "is UTF-8 JSON Lines written by labkit.metrics.Recorder")):  # fmt: skip
+        load_trace(binary)
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_a_trace_with_nan_or_infinity_is_refused_naming_the_line(tmp_path, constant):
+    # Python's json module reads (and writes) these, but they are not JSON (RFC 8259, section 6)
+    # and a recorded reading is a finite number or null (N/A).
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"format": "labkit-metrics-trace", "version": 1,
+                                "metadata": GOOD_META}) + "\n"
+                    + '{"t": 0, "source": "gpu0", "values": {"power_w": 100.0}}\n'
+                    + f'{{"t": 1, "source": "gpu0", "values": {{"power_w": {constant}}}}}\n')  # fmt: skip
+    with pytest.raises(TraceError, match=(
+            rf"^{re.escape(str(path))}:3: {constant} is not a JSON number: a trace holds "
+            r"finite numbers, and null where a reading is N/A")):  # fmt: skip
+        load_trace(path)

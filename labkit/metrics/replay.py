@@ -148,17 +148,44 @@ def _parse_sample(obj: Any, where: str, label: str) -> Sample:
     return Sample(t, source, dict(values), str(status), kind="replay", label=label)
 
 
+def _text(raw: bytes, path: Path) -> str:
+    """``raw`` decoded as UTF-8, or a TraceError that says what the file is instead."""
+    if raw.startswith(b"\x1f\x8b"):  # gzip's magic number (RFC 1952, section 2.3.1)
+        raise TraceError(f"{path}: gzip-compressed; a trace is plain UTF-8 JSON Lines: "
+                         f"decompress it first (gunzip {path})")  # fmt: skip
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise TraceError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
+                         f"{column}); a trace is UTF-8 JSON Lines written by "
+                         "labkit.metrics.Recorder (see labkit.metrics.replay)") from None  # fmt: skip
+
+
+def _json(line: str, where: str) -> Any:
+    """One JSON value. Python's json reads NaN, Infinity and -Infinity, which JSON itself has
+    not (RFC 8259, section 6) and a reading never is: refused, naming the line."""
+
+    def refuse(constant: str) -> Any:
+        raise TraceError(f"{where}: {constant} is not a JSON number: a trace holds finite "
+                         "numbers, and null where a reading is N/A")  # fmt: skip
+
+    return json.loads(line, parse_constant=refuse)
+
+
 def load_trace(path: str | Path) -> Trace:
     """Read and validate a trace file (see the module docstring for the format)."""
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        raw = path.read_bytes()
     except OSError as e:
         raise TraceError(f"{path}: cannot read the trace ({e.strerror})") from None
+    lines = _text(raw, path).splitlines()
     if not lines:
         raise TraceError(f"{path}: empty file; a trace starts with a header line")
     try:
-        header = json.loads(lines[0])
+        header = _json(lines[0], f"{path}:1")
     except json.JSONDecodeError as e:
         raise TraceError(f"{path}:1: header is not JSON ({e.msg})") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
@@ -174,7 +201,7 @@ def load_trace(path: str | Path) -> Trace:
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            obj = _json(line, f"{path}:{n}")
         except json.JSONDecodeError as e:
             raise TraceError(f"{path}:{n}: not JSON ({e.msg})") from None
         if isinstance(obj, dict) and "step" in obj:
