@@ -232,14 +232,23 @@ _RIGHT = '<b style="color:#1a7f37">Correct.</b>'
 _WRONG = '<b style="color:#cf222e">Not quite.</b>'
 
 
+def _check_choice(question: Question, choice: object) -> None:
+    """Refuse anything but the 0-based index of one of ``question``'s choices. bool is refused
+    although Python makes it an int, and so is 1.0: neither is an index a learner means."""
+    n = len(question.choices)
+    if isinstance(choice, bool) or not isinstance(choice, int) or not 0 <= choice < n:
+        letters = ", ".join(f"{i} for {LETTERS[i]})" for i in range(n))
+        raise ValueError(f"choice={choice!r} is not allowed: give the index of a choice, an int "
+                         f"from 0 to {n - 1} ({letters})")  # fmt: skip
+
+
 def feedback(question: Question, choice: int) -> tuple[bool, str]:
     """Whether choice index ``choice`` is right, and the HTML the widget shows for it.
 
     The right choice gets the explanation. A wrong one gets only why *it* is wrong: the
     explanation would give the answer away before the learner has found it.
     """
-    if not 0 <= choice < len(question.choices):
-        raise ValueError(f"choice={choice!r} is not allowed: 0 to {len(question.choices) - 1}")
+    _check_choice(question, choice)
     if choice == question.answer:
         return True, f"<div>{_RIGHT} {_html(question.explanation)}</div>"
     why = question.why_wrong[choice] or ""
@@ -322,6 +331,7 @@ class QuestionWidget:
 
     def pick(self, choice: int) -> None:
         """Select ``choice`` as a click on its row does."""
+        _check_choice(self.question, choice)
         self.choices[choice].value = True
 
     def _on_pick(self, choice: int, checked: bool) -> None:
