@@ -237,7 +237,7 @@ def _check_choice(question: Question, choice: object) -> None:
     although Python makes it an int, and so is 1.0: neither is an index a learner means."""
     n = len(question.choices)
     if isinstance(choice, bool) or not isinstance(choice, int) or not 0 <= choice < n:
-        letters = ", ".join(f"{i} for {LETTERS[i]})" for i in range(n))
+        letters = ", ".join(f"{i} for {LETTERS[i]}" for i in range(n))
         raise ValueError(f"choice={choice!r} is not allowed: give the index of a choice, an int "
                          f"from 0 to {n - 1} ({letters})")  # fmt: skip
 
