@@ -35,11 +35,9 @@ import os
 import re
 import select
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import time
 import uuid
 from collections import deque
@@ -51,7 +49,10 @@ from typing import Any
 import psutil
 import torch
 
-from labkit import dist, procs
+from labkit import diagnosis, dist, procs
+from labkit.diagnosis import diagnose_hang as diagnose_hang
+from labkit.diagnosis import rank_log_path as rank_log_path
+from labkit.diagnosis import traceback_excerpt as traceback_excerpt
 
 # Re-exported: part of launch's API.
 from labkit.procs import cleanup as cleanup
@@ -65,7 +66,6 @@ TREE_SCAN_S = 1.0  # how often to record the agent's descendants (a /proc walk)
 AGENT_SHUTDOWN_S = 3
 RANK_PREFIX = "[rank${rank}] "  # torchrun substitutes ${rank}
 _RANK_LINE = re.compile(r"^\[rank(\d+)\] ?")
-_AGENT_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -188,7 +188,9 @@ class JobError(RuntimeError):
 
 
 class JobFailed(JobError):
-    """A rank raised or died. ``.rank`` is the root cause (None if it cannot be told)."""
+    """A rank raised or died. ``.rank`` is the root cause (None if it cannot be told), with
+    ``.exc_type``/``.exc_message``/``.traceback`` if it raised, ``.exitcode`` if it died (-9:
+    SIGKILL); ``.consequences`` are the ranks that failed because of it."""
 
     def __init__(
         self,
@@ -200,10 +202,14 @@ class JobFailed(JobError):
         exc_message: str = "",
         traceback: str = "",
         hung_ranks: Sequence[int] = (),
+        exitcode: int | None = None,
+        consequences: Sequence[int] = (),
     ) -> None:
         super().__init__(message, result=result)
         self.rank, self.exc_type, self.exc_message = rank, exc_type, exc_message
         self.traceback, self.hung_ranks = traceback, list(hung_ranks)
+        self.exitcode = exitcode  # the root cause's exit status (negative: killed by a signal)
+        self.consequences = list(consequences)  # ranks whose failure followed from it
 
 
 class JobTimeout(JobError):
@@ -623,6 +629,7 @@ class _Supervisor:
         self._milestone = 0
         self._log = None
         self._exit_seen: float | None = None
+        self._tracebacks: dict[int, list[str]] = {}  # rank -> lines of a traceback being printed
 
     # -- start ---------------------------------------------------------------------------
 
@@ -737,13 +744,28 @@ class _Supervisor:
         # Only rank lines go under the cell; the agent's own chatter (banners, its failure
         # traceback) stays in agent.log: JobFailed reports the root cause more clearly.
         m = _RANK_LINE.match(text)
-        if m:
-            # torch's excepthook already prefixes tracebacks with "[rankN]:"; once is enough.
-            rest = text[m.end() :]
-            dup = f"[rank{m.group(1)}]:"
-            self.echo.line(
-                text[: m.end()] + rest[len(dup) :].lstrip() if rest.startswith(dup) else text
-            )
+        if not m:
+            return
+        rank, rest = int(m.group(1)), text[m.end() :]
+        # torch's excepthook prefixes each line of a rank's uncaught traceback with "[rankN]:".
+        # A traceback is held until it is complete, then shown as an excerpt: the frames that
+        # start every worker and torch's internals are noise under a learner's cell.
+        dup = f"[rank{rank}]:"
+        held = self._tracebacks.get(rank)
+        if rest.startswith(dup):
+            body = rest[len(dup) :].removeprefix(" ")
+            if held is not None or body.startswith("Traceback (most recent call last)"):
+                self._tracebacks.setdefault(rank, []).append(body)
+                return
+            rest = body
+        elif held is not None:
+            self._flush_traceback(rank)
+        self.echo.line(f"[rank{rank}] {rest}")
+
+    def _flush_traceback(self, rank: int) -> None:
+        lines = self._tracebacks.pop(rank, [])
+        for line in diagnosis.traceback_excerpt("\n".join(lines)).splitlines():
+            self.echo.line(f"[rank{rank}] {line}")
 
     def _tick(self, now: float, timeout_s: float, heartbeat_timeout_s: float | None) -> bool:
         """One supervision step; True when the job must be ended for time."""
@@ -837,6 +859,8 @@ class _Supervisor:
                 self.proc.stdout.close()
         if self.ended_at is None:
             self.ended_at = time.monotonic()
+            for rank in list(self._tracebacks):  # in the order they began
+                self._flush_traceback(rank)
             self.echo.finish()
         if self._log:
             self._log.close()
@@ -871,80 +895,7 @@ def _interfaces() -> list[tuple[int, str]]:
         return []
 
 
-# --- telling what went wrong ------------------------------------------------------------------
-
-
-def rank_log_path(job_dir: Path, rank: int, stream: str = "stdout") -> Path | None:
-    """Rank ``rank``'s log file written by torchrun (``--log-dir``), or None."""
-    if stream not in ("stdout", "stderr"):
-        raise ValueError(f"stream={stream!r}: use 'stdout' or 'stderr'")
-    found = sorted(Path(job_dir).glob(f"torchrun/*/attempt_*/{rank}/{stream}.log"))
-    return found[-1] if found else None
-
-
-def _ago(beat: dict, now: float) -> str:
-    t = beat.get("time")
-    return f"{now - t:.1f} s ago" if isinstance(t, (int, float)) else "at an unknown time"
-
-
-def _where(beat: dict) -> str:
-    step, total = beat.get("step"), beat.get("total")
-    at = (
-        "before its first step"
-        if step is None
-        else f"at step {step}" + (f"/{total}" if total else "")
-    )
-    return at
-
-
-def diagnose_hang(
-    heartbeats: dict[int, dict], nproc: int, now: float | None = None
-) -> tuple[list[int], list[str]]:
-    """Name the ranks that most likely hold a stalled job up, from their last heartbeats.
-
-    A rank waiting in a collective is a victim: it waits for a peer. So a rank that is *not*
-    in a collective while others are is the likely culprit; among several, the one with the
-    lowest step. Ranks that never wrote a heartbeat (stuck importing or before setup) come
-    first. ``now`` (``time.time()`` by default) dates the heartbeats. Returns (likely hung
-    ranks, one explanatory line per rank).
-    """
-    now = time.time() if now is None else now
-    lines = []
-    for r in range(nproc):
-        beat = heartbeats.get(r)
-        if beat is None:
-            lines.append(f"rank {r}: no heartbeat (never reached setup: slow or stuck start)")
-        elif beat.get("phase") == "done":
-            lines.append(f"rank {r}: finished")
-        elif beat.get("in_collective"):
-            lines.append(
-                f"rank {r}: waiting in collective '{beat.get('phase')}' {_where(beat)} "
-                f"(last heartbeat {_ago(beat, now)})"
-            )
-        else:
-            lines.append(
-                f"rank {r}: {_where(beat)} in phase '{beat.get('phase')}', not in a "
-                f"collective (last heartbeat {_ago(beat, now)})"
-            )
-    missing = [r for r in range(nproc) if r not in heartbeats]
-    if missing:
-        return missing, lines
-    active = {r: b for r, b in heartbeats.items() if b.get("phase") != "done"}
-    outside = {r: b for r, b in active.items() if not b.get("in_collective")}
-    # Some ranks wait in a collective for the others: those others are the suspects.
-    pool = outside if outside and len(outside) < len(active) else active
-    if not pool:
-        return [], lines
-
-    def step_of(r: int) -> int:
-        s = pool[r].get("step")
-        return -1 if s is None else int(s)
-
-    lowest = min(step_of(r) for r in pool)
-    behind = sorted(r for r in pool if step_of(r) == lowest)
-    if pool is active and len(behind) == len(active) == len(heartbeats):
-        return [], lines  # nobody is behind anybody: no rank to blame
-    return behind, lines
+# --- telling what went wrong (the wording lives in labkit.diagnosis) -------------------------
 
 
 def _timeout_error(job: Job, result: JobResult, reason: str) -> JobTimeout:
@@ -965,176 +916,17 @@ def _timeout_error(job: Job, result: JobResult, reason: str) -> JobTimeout:
     return JobTimeout(msg, result=result, ranks=hung, heartbeats=beats)
 
 
-def _signal_name(code: int) -> str:
-    with contextlib.suppress(ValueError):
-        return signal.Signals(-code).name
-    return f"signal {-code}"
-
-
-def _root_cause(
-    job: Job, beats: dict[int, dict], returncode: int | None
-) -> tuple[int | None, str, str, str]:
-    """(rank, exception type, message, traceback) of the failure that started it all.
-
-    torch's ``@record`` leaves one error.json per failed rank. When several ranks failed, a
-    rank that failed *inside* a collective is usually reacting to another's death, so those
-    rank last; then the earliest file wins.
-    """
-    found = []
-    for r in range(job.nproc):
-        for path in job.job_dir.glob(f"torchrun/*/attempt_*/{r}/error.json"):
-            err = (dist.read_json(path) or {}).get("message", {})
-            if isinstance(err, str):  # older torch wrote a plain string
-                err = {"message": err, "extraInfo": {}}
-            victim = bool(beats.get(r, {}).get("in_collective"))
-            found.append((victim, path.stat().st_mtime_ns, r, err))
-    if found:
-        _, _, rank, err = min(found, key=lambda t: t[:3])
-        text = str(err.get("message", ""))
-        exc_type, _, exc_msg = text.partition(": ")
-        if not re.fullmatch(r"[\w.]+", exc_type):
-            exc_type, exc_msg = "", text
-        tb = str(err.get("extraInfo", {}).get("py_callstack", ""))
-        return rank, exc_type, exc_msg, tb
-    # No error file: the rank died without a Python exception (a signal, os._exit).
-    agent_log = (job.job_dir / "agent.log").read_text(errors="replace")
-    m = _AGENT_FAILED.search(agent_log)
-    if not m:
-        banner = ("*****", "Setting OMP_NUM_THREADS")  # torchrun's standard chatter
-        lines = [s for s in agent_log.strip().splitlines() if not s.startswith(banner)]
-        how = (
-            f"was killed by {_signal_name(returncode)}"
-            if returncode is not None and returncode < 0
-            else f"exited with code {returncode}"
-        )
-        return (
-            None,
-            "",
-            f"the torchrun agent {how} before any rank reported an error",
-            "\n".join(lines[-15:]),
-        )
-    code, rank = int(m.group(1)), int(m.group(2))
-    how = f"killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
-    log = rank_log_path(job.job_dir, rank, "stderr")
-    tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:]) if log else ""
-    return rank, "", f"process {how} without a Python exception", tail
-
-
-_FRAME = re.compile(r'^  File "(?P<path>[^"]*)", line \d+, in (?P<func>.*)$')
-# Frames that start every worker, whatever it does: ``python -m`` (runpy, importlib), the
-# worker module's `if __name__ == "__main__": main()`, torchrun's @record wrapper, and
-# labkit.dist's entry point. The same in every failure: counted, not shown.
-_LAUNCHER_FILES = ("<frozen runpy>", "/runpy.py", "<frozen importlib", "/importlib/",
-                   "/torch/distributed/elastic/", "/torch/distributed/run.py")  # fmt: skip
-_STDLIB = sysconfig.get_paths()["stdlib"]
-_LABKIT = os.path.dirname(dist.__file__) + os.sep
-EXCERPT_TAIL = 8  # lines kept of a failure's text that is not a Python traceback
-
-
-def _starts_worker(path: str, func: str) -> bool:
-    return path == dist.__file__ or func == "<module>" or any(f in path for f in _LAUNCHER_FILES)
-
-
-def _in_library(path: str) -> bool:
-    """The standard library or an installed package (torch...): not code the lab wrote.
-    labkit counts as code even where it is installed among the packages."""
-    if path.startswith(_LABKIT):
-        return False
-    return path.startswith(("<", _STDLIB)) or "-packages/" in path
-
-
-def _library_name(paths: Sequence[str]) -> str:
-    names: list[str] = []
-    for path in paths:
-        _, found, rest = path.partition("-packages/")
-        name = rest.split("/", 1)[0].removesuffix(".py") if found else "the standard library"
-        if name not in names:
-            names.append(name)
-    return " and ".join(names)
-
-
-def traceback_excerpt(text: str) -> str:
-    """The lines of a failing rank's traceback that tell what went wrong, for ``JobFailed``.
-
-    Kept: the exception, every frame of code (the worker's, the learner's, labkit's), and the
-    frame that raised. Left out: the frames that start every worker (``_LAUNCHER_FILES``),
-    counted in one line; and runs of library frames between kept ones (torch's module-call
-    machinery, say), one line per run naming the library. Chained exceptions keep their
-    "During handling of..." lines. A text without frames (a rank killed by a signal leaves
-    only its log) gives its last ``EXCERPT_TAIL`` lines.
-    """
-    lines = text.rstrip().splitlines()
-    # Blocks: a frame ("  File ..." and its more-indented source and caret lines) or a line.
-    blocks: list[tuple[re.Match[str] | None, list[str]]] = []
-    for line in lines:
-        if blocks and blocks[-1][0] is not None and line.startswith("    "):
-            blocks[-1][1].append(line)
-        else:
-            blocks.append((_FRAME.match(line), [line]))
-    if not any(m for m, _ in blocks):
-        return "\n".join(lines[-EXCERPT_TAIL:])
-    out: list[str] = []
-    stack: list[tuple[re.Match[str], list[str]]] = []  # the frames of one traceback
-    for m, block in [*blocks, (None, [])]:
-        if m is not None:
-            stack.append((m, block))
-            continue
-        out += _excerpt_stack(stack)
-        stack = []
-        out += block
-    return "\n".join(out)
-
-
-def _excerpt_stack(stack: Sequence[tuple[re.Match[str], list[str]]]) -> list[str]:
-    """One traceback's frames, outermost first, as ``traceback_excerpt`` shows them."""
-    if not stack:
-        return []
-    start = 0  # the frames that start the worker come first
-    while start < len(stack) - 1 and _starts_worker(stack[start][0]["path"], stack[start][0]["func"]):
-        start += 1
-    out = [f"  … {start} frames of the launcher (torchrun, labkit.dist) left out"] if start else []
-    hidden: list[str] = []  # paths of a run of library frames not shown
-    for k, (m, block) in enumerate(stack[start:], start):
-        if _in_library(m["path"]) and k < len(stack) - 1:
-            hidden.append(m["path"])
-            continue
-        if hidden:
-            out.append(f"  … {len(hidden)} frame{'s' if len(hidden) > 1 else ''} in "
-                       f"{_library_name(hidden)}")  # fmt: skip
-            hidden = []
-        out += block
-    return out
-
-
 def _failure_error(job: Job, result: JobResult) -> JobFailed:
-    beats = dist.read_heartbeats(job.job_dir, job.nproc)
-    rank, exc_type, exc_msg, tb = _root_cause(job, beats, result.returncode)
-    what = f"{exc_type}: {exc_msg}" if exc_type else exc_msg
-    parts = [
-        f"{job.module} failed" + (f" on rank {rank}" if rank is not None else "") + f": {what}"
-    ]
-    hung: list[int] = []
-    if rank is not None and beats.get(rank, {}).get("in_collective"):
-        # The root cause failed waiting in a collective (e.g. its process-group timeout): it is
-        # a victim, and the rank that kept it waiting is the real suspect.
-        hung = [r for r in diagnose_hang(beats, job.nproc)[0] if r != rank]
-        if hung:
-            parts.append(
-                f"rank {rank} failed waiting in collective '{beats[rank].get('phase')}'; "
-                f"likely hung: rank {', '.join(map(str, hung))} (not in a collective)"
-            )
-    if tb:
-        parts.append("  " + "\n  ".join(traceback_excerpt(tb).splitlines()))
-    log = rank_log_path(job.job_dir, rank, "stderr") if rank is not None else None
-    if log is not None:
-        parts.append(f"full traceback: {log}")
-    parts.append(f"logs in {job.job_dir}")
+    report = diagnosis.failure_report(job.job_dir, job.nproc, result.returncode)
+    cause = report.cause
     return JobFailed(
-        "\n".join(parts),
+        "\n".join([f"{job.module} {report.headline}", *report.lines, f"logs in {job.job_dir}"]),
         result=result,
-        rank=rank,
-        exc_type=exc_type,
-        exc_message=exc_msg,
-        traceback=tb,
-        hung_ranks=hung,
+        rank=report.rank,
+        exc_type=cause.exc_type if cause else "",
+        exc_message=cause.exc_message if cause else report.headline,
+        traceback=cause.traceback if cause else "",
+        hung_ranks=report.hung_ranks,
+        exitcode=cause.exitcode if cause else result.returncode,
+        consequences=[e.rank for e in report.consequences],
     )

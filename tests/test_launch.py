@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -420,12 +421,17 @@ def test_allreduce_job_returns_per_rank_results_and_logs(home, capsys):
 
 
 @pytest.mark.slow
-def test_failing_rank_is_named_with_its_exception(home):
+def test_failing_rank_is_named_with_its_exception(home, capsys):
     with pytest.raises(launch.JobFailed) as info:
-        launch.run(
-            FAULTS, nproc=2, config={"mode": "raise", "fail_rank": 1}, stream=False, timeout_s=120
-        )
+        launch.run(FAULTS, nproc=2, config={"mode": "raise", "fail_rank": 1}, timeout_s=120)
     err = info.value
+    # Under the cell, each rank's traceback appears once it is complete, as an excerpt, the
+    # one that began first (rank 1's, the cause) first.
+    out = capsys.readouterr().out
+    assert "[rank1] ValueError: injected failure on rank 1" in out
+    assert re.search(r"\[rank1\]   … \d+ frames of the launcher \(torchrun, labkit.dist\)", out)
+    assert "runpy" not in out and "[rank1]:" not in out
+    assert out.index("[rank1] Traceback") < out.index("[rank0] Traceback")
     assert isinstance(err, RuntimeError)
     assert (err.rank, err.exc_type, err.exc_message) == (
         1,
@@ -619,3 +625,111 @@ def test_progress_lines_speak_at_start_every_few_seconds_and_at_the_end(tmp_path
     ]
     with pytest.raises(ValueError, match="every_s=0"):
         launch.ProgressLines("x", every_s=0)
+
+
+# --- a rank that dies without a Python exception is the cause, not its survivors ---------------
+
+
+def _assert_dead_rank_is_the_cause(err: launch.JobFailed, how: str) -> str:
+    """Rank 1 died; rank 0 failed after it, in its all_reduce. The message must say so."""
+    msg = str(err)
+    assert err.rank == 1, msg
+    assert msg.startswith(f"{FAULTS} failed on rank 1: {how}"), msg
+    assert err.consequences == [0], msg
+    assert "rank 0: failed in collective 'all_reduce' because rank 1 was gone" in msg
+    assert "likely hung" not in msg, "a dead rank is not a hung one"
+    assert msg.index("what followed from rank 1's failure") > msg.index("failed on rank 1")
+    assert_no_survivors(err.result.log_dir, [err.result.agent_pid, *err.result.worker_pids])
+    return msg
+
+
+@pytest.mark.slow
+def test_a_rank_that_exits_is_the_cause_not_its_survivor(home):
+    with pytest.raises(launch.JobFailed) as info:
+        launch.run(FAULTS, nproc=2, config={"mode": "exit", "code": 3}, stream=False,
+                   timeout_s=120)  # fmt: skip
+    assert info.value.exitcode == 3 and info.value.exc_type == ""
+    _assert_dead_rank_is_the_cause(
+        info.value, "the process exited with code 3 without raising an exception"
+    )
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_named_with_its_signal_and_what_it_usually_means(home):
+    with pytest.raises(launch.JobFailed) as info:
+        launch.run(FAULTS, nproc=2, config={"mode": "kill"}, stream=False, timeout_s=120)
+    assert info.value.exitcode == -9
+    msg = _assert_dead_rank_is_the_cause(info.value, "the process was killed by SIGKILL")
+    assert "most often the out-of-memory killer" in msg and "`dmesg`" in msg
+
+
+@contextlib.contextmanager
+def memory_cgroup(limit_mb: int):
+    """A fresh memory cgroup limited to ``limit_mb`` MiB (v1 or v2), or None where this machine
+    does not let us make one (not root, no writable cgroup file system)."""
+    name = f"labkit-test-{os.getpid()}-{time.monotonic_ns()}"
+    made = None
+    for base, limits in (
+        (Path("/sys/fs/cgroup/memory"), ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes")),
+        (Path("/sys/fs/cgroup"), ("memory.max", "memory.swap.max")),
+    ):
+        path = base / name
+        try:
+            if limits[0] == "memory.max" and "memory" not in (
+                base / "cgroup.subtree_control"
+            ).read_text().split():
+                continue  # v2 without the memory controller delegated here
+            path.mkdir()
+        except OSError:
+            continue
+        try:
+            (path / limits[0]).write_text(str(limit_mb << 20))
+            with contextlib.suppress(OSError):  # no swap accounting: there is no swap to use
+                (path / limits[1]).write_text(str(limit_mb << 20) if "memsw" in limits[1] else "0")
+            made = path
+            break
+        except OSError:
+            path.rmdir()
+    try:
+        yield made
+    finally:
+        if made is not None:
+            deadline = time.monotonic() + 10
+            while True:  # a cgroup can be removed once its last process has been reaped
+                try:
+                    made.rmdir()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+
+
+def _oom_kills(cgroup: Path) -> int | None:
+    for name, key in (("memory.oom_control", "oom_kill"), ("memory.events", "oom_kill")):
+        with contextlib.suppress(OSError):
+            for line in (cgroup / name).read_text().splitlines():
+                if line.startswith(key + " "):
+                    return int(line.split()[1])
+    return None
+
+
+@pytest.mark.slow
+def test_out_of_memory_inside_a_real_memory_limit_is_named(home):
+    """A rank outgrows a real memory limit. In a cgroup the kernel's OOM killer ends it with
+    SIGKILL; under RLIMIT_AS (where this machine allows no cgroup) the allocation fails and
+    torch raises. Either way the message must name rank 1 and say it ran out of memory."""
+    with memory_cgroup(256) as cgroup:
+        config = {"mode": "oom", "chunk_mb": 32}
+        config |= {"cgroup": str(cgroup)} if cgroup else {"rlimit_as_mb": 256}
+        with pytest.raises(launch.JobFailed) as info:
+            launch.run(FAULTS, nproc=2, config=config, stream=False, timeout_s=120)
+        err = info.value
+        if cgroup:
+            assert _oom_kills(cgroup) in (None, 1), "the kernel's OOM killer did not act"
+            assert err.exitcode == -9
+            msg = _assert_dead_rank_is_the_cause(err, "the process was killed by SIGKILL")
+            assert "most often the out-of-memory killer" in msg
+        else:
+            msg = _assert_dead_rank_is_the_cause(err, "RuntimeError: ")
+            assert "can't allocate memory" in msg and "rank 1 ran out of memory" in msg

@@ -22,7 +22,7 @@ LAYERS: dict[str, int] = {
     # facts about the machine, the data, the model, the worker side of a job
     "hardware": 1, "data": 1, "dist": 1, "model": 1,
     # training, processes, metric collection
-    "train": 2, "procs": 2, "metrics": 2,
+    "train": 2, "procs": 2, "metrics": 2, "diagnosis": 2,
     # measuring memory, launching jobs, judging measurements
     "memory": 3, "launch": 3, "verdict": 3,
     # parallel strategies; live plots

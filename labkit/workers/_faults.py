@@ -3,6 +3,13 @@
 Config ``mode`` picks the behaviour:
     "ok"     every rank heartbeats ``steps`` steps, prints ``lines`` lines, writes a result
     "raise"  rank ``fail_rank`` raises ValueError; the others wait in an all_reduce
+    "exit"   rank ``fail_rank`` ends with ``os._exit(code)`` (no Python exception); the others wait
+             in an all_reduce
+    "kill"   rank ``fail_rank`` sends itself ``signal`` (default SIGKILL); the others wait
+    "oom"    rank ``fail_rank`` allocates ``chunk_mb`` MiB at a time until its memory limit stops
+             it: a cgroup's (``cgroup``: a memory cgroup folder it joins; the kernel's OOM
+             killer then SIGKILLs it) or RLIMIT_AS (``rlimit_as_mb`` MiB above the address
+             space it already has; an allocation then fails and torch raises)
     "hang"   rank ``hang_rank`` sleeps forever outside any collective after step 1; the others
              reach step 2 and wait in an all_reduce for it (a hung rank and its victims)
 Options for "hang": ``ignore_sigterm`` (every rank ignores SIGTERM, so only SIGKILL ends it),
@@ -55,6 +62,11 @@ def main(ctx: dist.Context) -> None:
         with ctx.phase("all_reduce"):
             # waits for the failed rank until killed
             tdist.all_reduce(torch.ones(1, device=dist.collective_device()))
+    elif mode in ("exit", "kill", "oom"):
+        if ctx.rank == int(cfg.get("fail_rank", 1)):
+            _die(mode, cfg)
+        with ctx.phase("all_reduce"):
+            tdist.all_reduce(torch.ones(1, device=dist.collective_device()))
     elif mode == "hang":
         ctx.heartbeat(step=1, total=3, phase="compute")
         if ctx.rank == int(cfg.get("hang_rank", 1)):
@@ -64,7 +76,29 @@ def main(ctx: dist.Context) -> None:
             # the victim: waits for the hung rank
             tdist.all_reduce(torch.ones(1, device=dist.collective_device()))
     else:
-        raise ValueError(f"unknown mode {mode!r}: use 'ok', 'raise' or 'hang'")
+        raise ValueError(f"unknown mode {mode!r}: use 'ok', 'raise', 'exit', 'kill', 'oom' or 'hang'")
+
+
+def _die(mode: str, cfg: dict) -> None:
+    """End this rank without a Python exception, the way ``mode`` says."""
+    time.sleep(float(cfg.get("delay_s", 0.5)))  # let the others enter their all_reduce
+    if mode == "exit":
+        os._exit(int(cfg.get("code", 3)))
+    if mode == "kill":
+        os.kill(os.getpid(), getattr(signal, cfg.get("signal", "SIGKILL")))
+    if cfg.get("cgroup"):  # the kernel's OOM killer ends us when the cgroup's limit is reached
+        with open(os.path.join(cfg["cgroup"], "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+    if cfg.get("rlimit_as_mb"):  # allocations past the limit fail: torch raises, no kill
+        import resource
+
+        with open("/proc/self/status") as f:
+            vm_kib = next(int(line.split()[1]) for line in f if line.startswith("VmSize:"))
+        limit = (vm_kib << 10) + (int(cfg["rlimit_as_mb"]) << 20)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    hoard = []
+    while True:  # touch every page, so the memory is really used
+        hoard.append(torch.ones(int(cfg.get("chunk_mb", 64)) << 18))
 
 
 if __name__ == "__main__":

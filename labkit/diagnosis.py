@@ -1,0 +1,486 @@
+"""Telling what went wrong in a job: which rank caused it, how it ended, who merely followed.
+
+A multi-process job rarely fails alone. When one rank dies, its peers fail a moment later in
+the collective they were waiting in ("Connection closed by peer"), and torchrun then ends the
+rest with SIGTERM. Every rank's failure is real, but only one is the cause; the others are its
+consequences. Blaming a consequence teaches the wrong lesson, so this module sorts the
+evidence a job leaves behind:
+
+- ``error.json`` per rank, written by torch's ``@record`` when a rank raises a Python
+  exception (its type, message, traceback and time);
+- torchrun's agent log (``agent.log`` in the job directory): each failed rank's exit code, and
+  the processes the agent itself sent SIGTERM when the job was being shut down;
+- labkit's heartbeats (``labkit.dist``): the step and phase each rank was in, and whether it
+  was waiting in a collective.
+
+:func:`failure_report` ranks the failures (:data:`CAUSE_ORDER`) and words the root cause and
+its consequences; :func:`diagnose_hang` names the rank holding up a stalled job;
+:func:`traceback_excerpt` keeps the lines of a traceback that matter. The launcher
+(:mod:`labkit.launch`) turns these into ``JobFailed`` and ``JobTimeout``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import sysconfig
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from labkit import dist
+
+# --- the evidence ------------------------------------------------------------------------------
+
+
+def rank_log_path(job_dir: Path, rank: int, stream: str = "stdout") -> Path | None:
+    """Rank ``rank``'s log file written by torchrun (``--log-dir``), or None."""
+    if stream not in ("stdout", "stderr"):
+        raise ValueError(f"stream={stream!r}: use 'stdout' or 'stderr'")
+    found = sorted(Path(job_dir).glob(f"torchrun/*/attempt_*/{rank}/{stream}.log"))
+    return found[-1] if found else None
+
+
+def _tail(path: Path | None, n: int) -> str:
+    if path is None:
+        return ""
+    with contextlib.suppress(OSError):
+        return "\n".join(path.read_text(errors="replace").rstrip().splitlines()[-n:])
+    return ""
+
+
+# torchrun's agent, when a worker fails (torch/distributed/elastic/multiprocessing/api.py and
+# errors/__init__.py): one "failed (exitcode: ...)" line for the first failure it sees, a
+# "Sending process PID closing signal SIGTERM" line per worker it stops, and the
+# ChildFailedError summary with one "rank/exitcode (pid)" entry per failed rank.
+_AGENT_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
+_AGENT_STOPS = re.compile(r"Sending process (\d+) closing signal (SIG\w+)")
+_SUMMARY_ENTRY = re.compile(
+    r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+) \(pid: (\d+)\)"
+)
+# A rank that saw its peer vanish fails with one of these (gloo's TCP transport, NCCL's
+# "remote process exited", a closed TCPStore socket). Its failure is a consequence.
+_PEER_GONE = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|remote process exited"
+    r"|failed to recv, got 0 bytes|Socket closed|peer .* (?:died|crashed)",
+    re.IGNORECASE,
+)
+_OUT_OF_MEMORY = re.compile(
+    r"out of memory|can't allocate memory|Cannot allocate memory|MemoryError|OutOfMemoryError",
+    re.IGNORECASE,
+)
+
+
+@dataclass
+class RankEnd:
+    """How one rank of a failed job ended, as far as the evidence tells.
+
+    Attributes:
+        rank: the rank.
+        exitcode: its exit status from torchrun's report (negative: killed by that signal);
+            None if torchrun did not report it (it exited cleanly, or the agent died first).
+        pid: its process ID, where known.
+        exc_type, exc_message, traceback: its Python exception, from ``error.json``.
+        raised_at: when it raised (``time.time()``), from ``error.json``.
+        heartbeat: its last labkit heartbeat ({} if none).
+        stopped_by_agent: torchrun sent it SIGTERM while shutting the job down.
+    """
+
+    rank: int
+    exitcode: int | None = None
+    pid: int | None = None
+    exc_type: str = ""
+    exc_message: str = ""
+    traceback: str = ""
+    raised_at: float | None = None
+    heartbeat: dict = field(default_factory=dict)
+    stopped_by_agent: bool = False
+
+    @property
+    def raised(self) -> bool:
+        return bool(self.exc_type or self.exc_message)
+
+    @property
+    def in_collective(self) -> bool:
+        return bool(self.heartbeat.get("in_collective"))
+
+    @property
+    def signal_name(self) -> str | None:
+        """"SIGKILL" for a rank killed by a signal, else None."""
+        if self.exitcode is None or self.exitcode >= 0:
+            return None
+        return signal_name(self.exitcode)
+
+    @property
+    def kind(self) -> str:
+        """What the evidence says, most telling first (see :data:`CAUSE_ORDER`)."""
+        if self.raised:
+            if _PEER_GONE.search(self.exc_message):
+                return "peer gone"
+            return "raised in collective" if self.in_collective else "raised"
+        if self.exitcode not in (None, 0):
+            if self.stopped_by_agent and self.signal_name in ("SIGTERM", "SIGKILL"):
+                return "stopped"
+            return "died"
+        return "unknown"
+
+
+CAUSE_ORDER = ("raised", "died", "raised in collective", "peer gone", "stopped", "unknown")
+"""How likely each kind of ending is to be the root cause, most likely first.
+
+A Python exception outside a collective is the rank's own failure. A rank that died without
+one (an exit code, a signal: the out-of-memory killer) comes next: nobody else makes a process
+exit. An exception inside a collective (a process-group timeout, a shape mismatch) may be the
+rank's own or its peer's doing. "Connection closed by peer" and its kin are always a peer's
+doing, and a rank torchrun stopped during shutdown is the last thing that happened."""
+
+
+def signal_name(exitcode: int) -> str:
+    """"SIGKILL" for an exit status of -9 (torchrun's convention for a killed process)."""
+    with contextlib.suppress(ValueError):
+        return signal.Signals(-exitcode).name
+    return f"signal {-exitcode}"
+
+
+def read_rank_ends(job_dir: Path, nproc: int) -> dict[int, RankEnd]:
+    """Every rank's ending, from the job directory's ``error.json`` files, torchrun's agent log
+    and the heartbeats."""
+    job_dir = Path(job_dir)
+    beats = dist.read_heartbeats(job_dir, nproc)
+    ends = {r: RankEnd(r, heartbeat=beats.get(r, {})) for r in range(nproc)}
+    try:
+        agent_log = (job_dir / "agent.log").read_text(errors="replace")
+    except OSError:
+        agent_log = ""
+    stopped = {int(pid) for pid, _ in _AGENT_STOPS.findall(agent_log)}
+    reports = _SUMMARY_ENTRY.findall(agent_log) + [
+        (rank, code, pid) for code, rank, pid in _AGENT_FAILED.findall(agent_log)
+    ]
+    for rank, code, pid in reports:
+        end = ends.get(int(rank))
+        if end is not None:
+            end.exitcode, end.pid = int(code), int(pid)
+            end.stopped_by_agent = int(pid) in stopped
+    for r, end in ends.items():
+        if end.pid is None and isinstance(end.heartbeat.get("pid"), int):
+            end.pid = end.heartbeat["pid"]
+        for path in sorted(job_dir.glob(f"torchrun/*/attempt_*/{r}/error.json")):
+            err = (dist.read_json(path) or {}).get("message", {})
+            if isinstance(err, str):  # older torch wrote a plain string
+                err = {"message": err, "extraInfo": {}}
+            if not isinstance(err, dict):
+                continue
+            text = str(err.get("message", ""))
+            exc_type, _, exc_msg = text.partition(": ")
+            if not re.fullmatch(r"[\w.]+", exc_type):
+                exc_type, exc_msg = "", text
+            extra = err.get("extraInfo") or {}
+            end.exc_type, end.exc_message = exc_type, exc_msg or text
+            end.traceback = str(extra.get("py_callstack", ""))
+            try:
+                end.raised_at = float(extra.get("timestamp"))
+            except (TypeError, ValueError):
+                end.raised_at = path.stat().st_mtime
+    return ends
+
+
+def root_cause(ends: dict[int, RankEnd]) -> RankEnd | None:
+    """The rank whose ending most likely caused the others (:data:`CAUSE_ORDER`; among equals,
+    the one that raised first, then the lowest rank). None if no rank failed."""
+    failed = [e for e in ends.values() if e.kind != "unknown"]
+    if not failed:
+        return None
+
+    def order(e: RankEnd) -> tuple[int, float, int]:
+        return CAUSE_ORDER.index(e.kind), e.raised_at or float("inf"), e.rank
+
+    return min(failed, key=order)
+
+
+# --- wording ----------------------------------------------------------------------------------
+
+# What a signal usually means when it ends a training process, for the learner who sees it.
+_SIGNAL_MEANING = {
+    "SIGKILL": "on Linux that is most often the out-of-memory killer; `dmesg` says so if it was "
+    "('Out of memory: Killed process <pid>'): then make the batch, the sequence or the model "
+    "smaller, or run fewer ranks",
+    "SIGSEGV": "a segmentation fault in native code (torch, a C extension or a driver); its "
+    "stderr log may show where",
+    "SIGABRT": "native code called abort(), usually a failed C++ check; its stderr log says which",
+    "SIGBUS": "a bad memory access; in PyTorch jobs most often a full /dev/shm (shared memory "
+    "for tensors passed between processes)",
+    "SIGTERM": "something outside the job asked it to stop (another program, a user, a "
+    "scheduler's time limit)",
+    "SIGINT": "an interrupt (Ctrl-C) reached it",
+}
+
+
+def how_it_ended(end: RankEnd) -> str:
+    """"was killed by SIGKILL: on Linux ..." / "exited with code 3 without a Python exception"."""
+    sig = end.signal_name
+    if sig is not None:
+        meaning = _SIGNAL_MEANING.get(sig)
+        return f"was killed by {sig}" + (f": {meaning}" if meaning else "")
+    return (
+        f"exited with code {end.exitcode} without raising an exception (sys.exit, os._exit, or "
+        "an exit from native code)"
+    )
+
+
+def _one_line(text: str, limit: int = 160) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+# gloo and c10d put their C++ source location first: "[/path/pair.cc:553] Connection closed..."
+_SOURCE_LOCATION = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
+
+
+def _consequence(end: RankEnd, cause: RankEnd) -> str:
+    if end.kind == "stopped":
+        return f"rank {end.rank}: stopped by torchrun ({end.signal_name}) once rank {cause.rank} had failed"
+    where = f" in collective '{end.heartbeat.get('phase')}'" if end.in_collective else ""
+    if end.raised:
+        text = _SOURCE_LOCATION.sub("", end.exc_message)
+        what = _one_line(f"{end.exc_type}: {text}" if end.exc_type else text)
+        why = f" because rank {cause.rank} was gone" if end.kind == "peer gone" else ""
+        return f"rank {end.rank}: failed{where}{why} ({what})"
+    return f"rank {end.rank}: {how_it_ended(end)}"
+
+
+@dataclass
+class FailureReport:
+    """The root cause of a failed job and what followed from it, worded for the learner."""
+
+    rank: int | None
+    headline: str  # "failed on rank 1: ..." (the job's module is prefixed by the launcher)
+    lines: list[str]  # the rest of the message
+    cause: RankEnd | None
+    hung_ranks: list[int]
+    consequences: list[RankEnd] = field(default_factory=list)
+
+
+def failure_report(job_dir: Path, nproc: int, returncode: int | None) -> FailureReport:
+    """Find and word a failed job's root cause, its consequences and its evidence."""
+    ends = read_rank_ends(job_dir, nproc)
+    cause = root_cause(ends)
+    if cause is None:
+        return _agent_failure(Path(job_dir), returncode)
+    lines: list[str] = []
+    if cause.raised:
+        what = f"{cause.exc_type}: {cause.exc_message}" if cause.exc_type else cause.exc_message
+        if _OUT_OF_MEMORY.search(what):
+            lines.append(
+                f"rank {cause.rank} ran out of memory: make the batch, the sequence or the model "
+                "smaller, or use fewer ranks on this machine"
+            )
+    else:
+        what = f"the process {how_it_ended(cause)}"
+    headline = f"failed on rank {cause.rank}: {what}"
+
+    hung: list[int] = []
+    if cause.kind in ("raised in collective", "peer gone"):
+        # It failed waiting for a peer that never came (a process-group timeout, say): the rank
+        # that kept it waiting, outside any collective, is the real suspect.
+        beats = {r: e.heartbeat for r, e in ends.items() if e.heartbeat}
+        hung = [r for r in diagnose_hang(beats, nproc)[0] if r != cause.rank]
+        if hung:
+            lines.append(
+                f"rank {cause.rank} failed waiting in collective "
+                f"'{cause.heartbeat.get('phase')}'; likely hung: rank "
+                f"{', '.join(map(str, hung))} (not in a collective)"
+            )
+    log = rank_log_path(job_dir, cause.rank, "stderr")
+    if cause.traceback:
+        lines.append("  " + "\n  ".join(traceback_excerpt(cause.traceback).splitlines()))
+    elif (tail := _tail(log, EXCERPT_TAIL)) and not cause.raised:
+        lines.append(f"the last lines rank {cause.rank} wrote to stderr:")
+        lines.append("  " + "\n  ".join(tail.splitlines()))
+    if log is not None:
+        lines.append(f"full {'traceback' if cause.raised else 'stderr'}: {log}")
+    others = sorted(
+        (e for e in ends.values() if e is not cause and e.kind != "unknown"),
+        key=lambda e: e.rank,
+    )
+    if others:
+        lines.append(f"what followed from rank {cause.rank}'s failure:")
+        lines += [f"  {_consequence(e, cause)}" for e in others]
+    return FailureReport(cause.rank, headline, lines, cause, hung, others)
+
+
+def _agent_failure(job_dir: Path, returncode: int | None) -> FailureReport:
+    """No rank failed: torchrun's agent itself did (a bad port, a rendezvous error)."""
+    try:
+        agent_log = (job_dir / "agent.log").read_text(errors="replace")
+    except OSError:
+        agent_log = ""
+    banner = ("*****", "Setting OMP_NUM_THREADS")  # torchrun's standard chatter
+    kept = [s for s in agent_log.strip().splitlines() if not s.startswith(banner)]
+    how = (
+        f"was killed by {signal_name(returncode)}"
+        if returncode is not None and returncode < 0
+        else f"exited with code {returncode}"
+    )
+    excerpt = traceback_excerpt("\n".join(kept)) if kept else ""
+    lines = ["  " + "\n  ".join(excerpt.splitlines())] if excerpt else []
+    return FailureReport(
+        None, f"the torchrun agent {how} before any rank reported an error", lines, None, []
+    )
+
+
+# --- a stalled job ----------------------------------------------------------------------------
+
+
+def _ago(beat: dict, now: float) -> str:
+    t = beat.get("time")
+    return f"{now - t:.1f} s ago" if isinstance(t, (int, float)) else "at an unknown time"
+
+
+def _where(beat: dict) -> str:
+    step, total = beat.get("step"), beat.get("total")
+    return (
+        "before its first step"
+        if step is None
+        else f"at step {step}" + (f"/{total}" if total else "")
+    )
+
+
+def diagnose_hang(
+    heartbeats: dict[int, dict], nproc: int, now: float | None = None
+) -> tuple[list[int], list[str]]:
+    """Name the ranks that most likely hold a stalled job up, from their last heartbeats.
+
+    A rank waiting in a collective is a victim: it waits for a peer. So a rank that is *not*
+    in a collective while others are is the likely culprit; among several, the one with the
+    lowest step. Ranks that never wrote a heartbeat (stuck importing or before setup) come
+    first. ``now`` (``time.time()`` by default) dates the heartbeats. Returns (likely hung
+    ranks, one explanatory line per rank).
+    """
+    now = time.time() if now is None else now
+    lines = []
+    for r in range(nproc):
+        beat = heartbeats.get(r)
+        if beat is None:
+            lines.append(f"rank {r}: no heartbeat (never reached setup: slow or stuck start)")
+        elif beat.get("phase") == "done":
+            lines.append(f"rank {r}: finished")
+        elif beat.get("in_collective"):
+            lines.append(
+                f"rank {r}: waiting in collective '{beat.get('phase')}' {_where(beat)} "
+                f"(last heartbeat {_ago(beat, now)})"
+            )
+        else:
+            lines.append(
+                f"rank {r}: {_where(beat)} in phase '{beat.get('phase')}', not in a "
+                f"collective (last heartbeat {_ago(beat, now)})"
+            )
+    missing = [r for r in range(nproc) if r not in heartbeats]
+    if missing:
+        return missing, lines
+    active = {r: b for r, b in heartbeats.items() if b.get("phase") != "done"}
+    outside = {r: b for r, b in active.items() if not b.get("in_collective")}
+    # Some ranks wait in a collective for the others: those others are the suspects.
+    pool = outside if outside and len(outside) < len(active) else active
+    if not pool:
+        return [], lines
+
+    def step_of(r: int) -> int:
+        s = pool[r].get("step")
+        return -1 if s is None else int(s)
+
+    lowest = min(step_of(r) for r in pool)
+    behind = sorted(r for r in pool if step_of(r) == lowest)
+    if pool is active and len(behind) == len(active) == len(heartbeats):
+        return [], lines  # nobody is behind anybody: no rank to blame
+    return behind, lines
+
+
+# --- a traceback, shortened -------------------------------------------------------------------
+
+_FRAME = re.compile(r'^  File "(?P<path>[^"]*)", line \d+, in (?P<func>.*)$')
+# Frames that start every worker, whatever it does: ``python -m`` (runpy, importlib), the
+# worker module's `if __name__ == "__main__": main()`, torchrun's @record wrapper, and
+# labkit.dist's entry point. The same in every failure: counted, not shown.
+_LAUNCHER_FILES = ("<frozen runpy>", "/runpy.py", "<frozen importlib", "/importlib/",
+                   "/torch/distributed/elastic/", "/torch/distributed/run.py")  # fmt: skip
+_STDLIB = sysconfig.get_paths()["stdlib"]
+_LABKIT = os.path.dirname(dist.__file__) + os.sep
+EXCERPT_TAIL = 8  # lines kept of a failure's text that is not a Python traceback
+
+
+def _starts_worker(path: str, func: str) -> bool:
+    return path == dist.__file__ or func == "<module>" or any(f in path for f in _LAUNCHER_FILES)
+
+
+def _in_library(path: str) -> bool:
+    """The standard library or an installed package (torch...): not code the lab wrote.
+    labkit counts as code even where it is installed among the packages."""
+    if path.startswith(_LABKIT):
+        return False
+    return path.startswith(("<", _STDLIB)) or "-packages/" in path
+
+
+def _library_name(paths: Sequence[str]) -> str:
+    names: list[str] = []
+    for path in paths:
+        _, found, rest = path.partition("-packages/")
+        name = rest.split("/", 1)[0].removesuffix(".py") if found else "the standard library"
+        if name not in names:
+            names.append(name)
+    return " and ".join(names)
+
+
+def traceback_excerpt(text: str) -> str:
+    """The lines of a failing rank's traceback that tell what went wrong, for ``JobFailed``.
+
+    Kept: the exception, every frame of code (the worker's, the learner's, labkit's), and the
+    frame that raised. Left out: the frames that start every worker (``_LAUNCHER_FILES``),
+    counted in one line; and runs of library frames between kept ones (torch's module-call
+    machinery, say), one line per run naming the library. Chained exceptions keep their
+    "During handling of..." lines. A text without frames (a rank killed by a signal leaves
+    only its log) gives its last ``EXCERPT_TAIL`` lines.
+    """
+    lines = text.rstrip().splitlines()
+    # Blocks: a frame ("  File ..." and its more-indented source and caret lines) or a line.
+    blocks: list[tuple[re.Match[str] | None, list[str]]] = []
+    for line in lines:
+        if blocks and blocks[-1][0] is not None and line.startswith("    "):
+            blocks[-1][1].append(line)
+        else:
+            blocks.append((_FRAME.match(line), [line]))
+    if not any(m for m, _ in blocks):
+        return "\n".join(lines[-EXCERPT_TAIL:])
+    out: list[str] = []
+    stack: list[tuple[re.Match[str], list[str]]] = []  # the frames of one traceback
+    for m, block in [*blocks, (None, [])]:
+        if m is not None:
+            stack.append((m, block))
+            continue
+        out += _excerpt_stack(stack)
+        stack = []
+        out += block
+    return "\n".join(out)
+
+
+def _excerpt_stack(stack: Sequence[tuple[re.Match[str], list[str]]]) -> list[str]:
+    """One traceback's frames, outermost first, as ``traceback_excerpt`` shows them."""
+    if not stack:
+        return []
+    start = 0  # the frames that start the worker come first
+    while start < len(stack) - 1 and _starts_worker(stack[start][0]["path"], stack[start][0]["func"]):
+        start += 1
+    out = [f"  … {start} frames of the launcher (torchrun, labkit.dist) left out"] if start else []
+    hidden: list[str] = []  # paths of a run of library frames not shown
+    for k, (m, block) in enumerate(stack[start:], start):
+        if _in_library(m["path"]) and k < len(stack) - 1:
+            hidden.append(m["path"])
+            continue
+        if hidden:
+            out.append(f"  … {len(hidden)} frame{'s' if len(hidden) > 1 else ''} in "
+                       f"{_library_name(hidden)}")  # fmt: skip
+            hidden = []
+        out += block
+    return out
