@@ -151,7 +151,7 @@ def test_a_wrong_choice_says_why_it_is_wrong_without_giving_the_answer_away():
 def test_a_choice_that_is_not_an_index_names_the_range_and_the_letters(choice):
     q = quiz.Question(**good_question())  # three choices
     message = (rf"^choice={re.escape(repr(choice))} is not allowed: give the index of a choice, "
-               r"an int from 0 to 2 \(0 for a\), 1 for b\), 2 for c\)\)")  # fmt: skip
+               r"an int from 0 to 2 \(0 for a, 1 for b, 2 for c\)$")  # fmt: skip
     with pytest.raises(ValueError, match=message):
         quiz.feedback(q, choice)
     with pytest.raises(ValueError, match=message):
