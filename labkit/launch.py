@@ -35,13 +35,15 @@ import os
 import re
 import select
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,11 +52,11 @@ import psutil
 import torch
 
 from labkit import diagnosis, dist, procs
+
+# Re-exported: part of launch's API.
 from labkit.diagnosis import diagnose_hang as diagnose_hang
 from labkit.diagnosis import rank_log_path as rank_log_path
 from labkit.diagnosis import traceback_excerpt as traceback_excerpt
-
-# Re-exported: part of launch's API.
 from labkit.procs import cleanup as cleanup
 from labkit.procs import labkit_home as labkit_home
 
@@ -504,10 +506,10 @@ def run(
     if note and stream:
         print(note)
 
-    for ended in cleanup():
+    for ended in cleanup(supervised=_SUPERVISED):
         print(
             f"labkit: ended {len(ended['pids'])} leftover process(es) of job {ended['job_id']}"
-            " (the process that launched it had died)"
+            " (nothing supervised it any more)"
         )
     if not log_dir:  # a folder the caller chose is the caller's to tidy
         # After cleanup(), so jobs it just ended count as finished. The new job is one of the
@@ -542,6 +544,7 @@ def run(
         observers=list(observers),
         echo=_Echo(tail_lines if stream else 0, job_dir, quiet=not stream),
     )
+    _SUPERVISED.add(job_id)
     try:
         sup.start()
         sup.wait(timeout_s, heartbeat_timeout_s)
@@ -549,16 +552,50 @@ def run(
         sup.status = "interrupted"
         raise
     finally:
-        ended = sup.stop()
-        if sup.status == "interrupted":
-            print(f"labkit: interrupted; ended {len(ended)} process(es) of job {job_id}")
-        result = sup.result()
-        _notify(sup.observers, "on_end", job, result)
+        with _interrupts_deferred(job_id):
+            ended = sup.stop()
+            _SUPERVISED.discard(job_id)
+            if sup.status == "interrupted":
+                print(f"labkit: interrupted; ended {len(ended)} process(es) of job {job_id}")
+            result = sup.result()
+            _notify(sup.observers, "on_end", job, result)
     if sup.status == "timeout":
         raise _timeout_error(job, result, sup.timeout_reason)
     if sup.status == "failed":
         raise _failure_error(job, result)
     return result
+
+
+_SUPERVISED: set[str] = set()  # ids of the jobs this process is supervising right now
+
+
+@contextlib.contextmanager
+def _interrupts_deferred(job_id: str) -> Iterator[None]:
+    """Hold off Ctrl-C (Jupyter's ■) while a job's processes are being ended.
+
+    A learner who presses ■ twice would otherwise cut the cleanup short, and the job would
+    run on in the background. An interrupt that arrives meanwhile is announced, and raised as
+    ``KeyboardInterrupt`` once the job is gone (unless one is already on its way). Signal
+    handlers belong to the main thread: elsewhere (a job launched from a thread) nothing is
+    deferred, and the next ``run`` ends what was left (``procs.cleanup(supervised=...)``).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+
+    def hold(signum: int, frame: Any) -> None:
+        if not caught:
+            print(f"labkit: still ending the processes of job {job_id}; one moment")
+        caught.append(signum)
+
+    previous = signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught and sys.exc_info()[0] is None:
+        raise KeyboardInterrupt
 
 
 class _Echo:

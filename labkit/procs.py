@@ -14,7 +14,7 @@ import os
 import shutil
 import stat
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,16 @@ def find(rec: dict[str, Any] | None) -> psutil.Process | None:
         return None
 
 
+def _same(rec: Any, other: dict[str, Any]) -> bool:
+    """Whether process record ``rec`` names the process ``other`` records."""
+    try:
+        return int(rec["pid"]) == other["pid"] and abs(
+            float(rec["create_time"]) - other["create_time"]
+        ) <= 0.01
+    except (TypeError, KeyError, ValueError):
+        return False
+
+
 def alive(p: psutil.Process) -> bool:
     try:
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
@@ -111,21 +121,35 @@ def end_tree(procs: Iterable[psutil.Process], grace_s: float = GRACE_S) -> list[
     return sorted(set(ended) | set(survivors))
 
 
-def cleanup() -> list[dict[str, Any]]:
-    """End the processes of jobs whose launching process has died; return what was ended.
+def cleanup(supervised: Collection[str] | None = None) -> list[dict[str, Any]]:
+    """End the processes of jobs nobody supervises any more; return what was ended.
 
     Each ``run`` registers its job (owner, agent and worker PIDs with their start times) in
     ``labkit_home()/jobs`` and removes the record when done. A record left behind means the
     launcher was killed (e.g. a Jupyter kernel restart); the parent-death signals usually
     took the job down already, this catches the rest. ``run`` calls it before each job.
 
+    ``supervised``: the job ids this process is supervising right now. Given, a job this very
+    process launched but no longer supervises (its ending was cut short) is ended too;
+    without it, every job whose launcher lives is left alone.
+
     Returns one dict per job with processes ended: {"job_id", "module", "pids"}.
     """
+    me = record(psutil.Process())
     report = []
     for path in sorted(registry_dir().glob("*.json")):
         rec = dist.read_json(path)
-        if rec is None or find(rec.get("owner")) is not None:
-            continue  # unreadable, or its launcher is alive and in charge
+        if rec is None:
+            continue  # unreadable: not ours to judge
+        owner = find(rec.get("owner"))
+        abandoned = (
+            supervised is not None
+            and owner is not None
+            and _same(rec.get("owner"), me)
+            and rec.get("job_id") not in supervised
+        )
+        if owner is not None and not abandoned:
+            continue  # its launcher is alive and in charge
         procs = [p for p in map(find, [rec.get("agent"), *rec.get("workers", [])]) if p]
         pids = end_tree(procs) if procs else []
         path.unlink(missing_ok=True)

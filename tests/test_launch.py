@@ -733,3 +733,71 @@ def test_out_of_memory_inside_a_real_memory_limit_is_named(home):
         else:
             msg = _assert_dead_rank_is_the_cause(err, "RuntimeError: ")
             assert "can't allocate memory" in msg and "rank 1 ran out of memory" in msg
+
+
+# --- interrupts --------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_second_interrupt_does_not_cut_the_cleanup_short(home, capsys, monkeypatch):
+    """A learner presses ■ twice. The ranks ignore SIGTERM, so ending them takes the grace
+    period; two more SIGINTs arrive meanwhile, as a real ■ delivers them (a signal to this
+    process, default handler). When run() raises, no process of the job may be left."""
+    assert threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGINT)
+    ending = threading.Event()
+    real_end_tree = procs.end_tree
+
+    def end_tree(*args, **kwargs):
+        ending.set()
+        try:
+            return real_end_tree(*args, **kwargs)
+        finally:
+            ending.clear()
+
+    monkeypatch.setattr(procs, "end_tree", end_tree)
+
+    def press_again() -> None:
+        ending.wait(60)
+        for _ in range(2):
+            time.sleep(0.3)
+            if ending.is_set():  # never after run() is over: pytest itself would get it
+                os.kill(os.getpid(), signal.SIGINT)
+
+    class Interrupter:
+        def on_tick(self, job):
+            if len(job.heartbeats) == job.nproc:
+                threading.Thread(target=press_again, daemon=True).start()
+                raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        launch.run(FAULTS, nproc=2, config={"mode": "hang", "ignore_sigterm": True},
+                   observers=[Interrupter()], timeout_s=120)  # fmt: skip
+    out = capsys.readouterr().out
+    (job_dir,) = (home / "runs").iterdir()
+    assert_no_survivors(job_dir)  # at once: run() returned only once they were gone
+    assert "labkit: still ending the processes of job" in out
+    assert "labkit: interrupted; ended" in out
+    assert signal.getsignal(signal.SIGINT) is before, "the kernel's own handler is back"
+    assert not list((home / "jobs").glob("*.json"))
+
+
+def test_the_next_launch_ends_a_job_this_process_no_longer_supervises(home):
+    """A job whose ending was cut short (launched from a thread, where no signal can be held
+    off) belongs to a live launcher, so cleanup() alone spares it; the next run() must not."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        me = psutil.Process()
+        dist.write_json_atomic(
+            home / "jobs" / "cut-short.json",
+            {"job_id": "cut-short", "module": "m", "owner": procs.record(me),
+             "agent": procs.record(psutil.Process(sleeper.pid)), "workers": []},
+        )  # fmt: skip
+        assert procs.cleanup() == [] and sleeper.poll() is None
+        assert procs.cleanup(supervised={"cut-short"}) == [] and sleeper.poll() is None
+        report = procs.cleanup(supervised=set())
+        assert report == [{"job_id": "cut-short", "module": "m", "pids": [sleeper.pid]}]
+        assert sleeper.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        sleeper.kill()
+        sleeper.wait()
