@@ -45,8 +45,10 @@ timeout or interrupt.
 Live or headless. Live (a person watching JupyterLab): the figure under the cell is redrawn
 through a display handle with each new sample, as long as drawing takes at most
 ``RENDER_SHARE`` of one core (the ranks being measured need the rest), and its final update is
-the final figure. A live frame redraws only the lines over a saved picture of the axes, whose
-limits grow in steps (see ``_Plot``): a few hundredths of a second of CPU per frame.
+the final figure; if the cell's output was cleared meanwhile (``clear_output()``, which takes
+the live figure with it), the final figure is displayed afresh instead. A live frame redraws
+only the lines over a saved picture of the axes, whose limits grow in steps (see ``_Plot``):
+a few hundredths of a second of CPU per frame.
 Headless (papermill, nbval, a script): no updates at all, then exactly one static figure. nbval
 ignores display updates and papermill has no person watching, so redrawing there only costs
 time. Either way the cell ends with one figure and one summary table. ``live`` defaults to
@@ -708,6 +710,47 @@ def _display(bundle: Bundle, *, display_id: bool = False) -> Any:
     return None
 
 
+def _display_publisher() -> Any | None:
+    """The kernel's display publisher when it takes message hooks (ipykernel's
+    ``ZMQDisplayPublisher.register_hook``), else None. Tests replace this function."""
+    if "IPython" not in sys.modules:
+        return None
+    from IPython import get_ipython
+
+    publisher = getattr(get_ipython(), "display_pub", None)
+    return publisher if hasattr(publisher, "register_hook") else None
+
+
+class _ClearWatch:
+    """Counts ``IPython.display.clear_output()`` calls while a live figure is shown.
+
+    A clear removes every output of the cell, the live figure with them, and the frontend
+    forgets their display ids: JupyterLab's ``OutputArea._clear`` empties its display-id map
+    (jupyterlab, packages/outputarea/src/widget.ts), nbclient's ``clear_display_id_mapping``
+    does the same. Updates of the live handle then change nothing shown, and the final
+    figure, sent as one more update, would never appear. ipykernel passes every message a
+    thread publishes, ``clear_output`` included, through the hooks that thread registered
+    (ipykernel/zmqshell.py), so the cell's thread (where ``launch.run`` and a ``with`` block
+    run) sees its clears here. A clear from another thread is not seen.
+    """
+
+    def __init__(self, publisher: Any) -> None:
+        self.clears = 0
+        self._publisher = publisher
+        publisher.register_hook(self)
+
+    def __call__(self, msg: dict[str, Any]) -> dict[str, Any]:
+        if msg.get("header", {}).get("msg_type") == "clear_output":
+            self.clears += 1
+        return msg  # every message is sent on, unchanged
+
+    def close(self) -> None:
+        """Unregister (once; from the thread that registered, as the hooks are per thread)."""
+        publisher, self._publisher = self._publisher, None
+        if publisher is not None:
+            publisher.unregister_hook(self)
+
+
 # --- the monitor -------------------------------------------------------------------------------
 
 
@@ -783,6 +826,7 @@ class Monitor:
         self._lock = threading.Lock()  # guards _steps (the sampler thread reads them to draw)
         self._render_lock = threading.Lock()
         self._handle: Any = None
+        self._clear_watch: _ClearWatch | None = None  # live runs in a kernel (see the class)
         self._t0 = 0.0
         self._wall_offset = 0.0  # time.time() - clock(): turns heartbeat stamps into our clock
         self._last_draw: float | None = None
@@ -958,7 +1002,7 @@ class Monitor:
         with self._lock:
             self._steps, self._last_step, self._parts, self._last_part = [], {}, [], {}
         self.status, self._handle, self._last_draw, self.redraws = "running", None, None, 0
-        self._plot, self._drawn = None, None
+        self._plot, self._drawn, self._clear_watch = None, None, None
         self._described = None
         backend = self._make_backend(pids_fn, job_device)
         self.sampler = Sampler(backend, self.period_s, clock=self.clock,
@@ -975,6 +1019,8 @@ class Monitor:
         else:
             self.sampler.poll_once()
         if self.live:  # the sampler thread skips redraws until the handle exists
+            publisher = _display_publisher()
+            self._clear_watch = _ClearWatch(publisher) if publisher is not None else None
             self._handle = _display(self._text_bundle(f"{self._waiting()}…"), display_id=True)
 
     def _make_recorder(self, backend: Backend) -> Recorder | None:
@@ -1066,6 +1112,12 @@ class Monitor:
                 self.sampler.stop()
         finally:
             self._close_recorder()
+            if self._clear_watch is not None:  # its count stays readable for _finish
+                self._clear_watch.close()
+
+    def _cleared(self) -> bool:
+        """True once ``clear_output()`` was called in the cell since the live figure was shown."""
+        return self._clear_watch is not None and self._clear_watch.clears > 0
 
     def _close_recorder(self) -> None:
         recorder, self.recorder = self.recorder, None
@@ -1085,9 +1137,15 @@ class Monitor:
         self.status = status
         with self._render_lock:  # a redraw in the sampler thread may still be finishing
             final = self._figure_bundle()
-        if self._handle is not None:
+        if self._handle is not None and not self._cleared():
             self._handle.update(final, raw=True)  # the live figure becomes the final one
         else:
+            if self._handle is not None:
+                # Cleared: the live figure is gone, and an update of its handle would show
+                # nothing (see _ClearWatch), so the final figure is displayed afresh. The
+                # handle is blanked first, in case the clear did not reach it (a clear inside
+                # an output widget): one figure either way.
+                self._handle.update({"text/plain": ""}, raw=True)
             _display(final)
         summary = self.summary()
         _display({"text/plain": str(summary), "text/html": summary._repr_html_()})
@@ -1105,8 +1163,8 @@ class Monitor:
     def _maybe_redraw(self) -> None:
         """Redraw the live figure when there is something new to show, at most once per
         ``redraw_s``, and so that drawing takes at most ``RENDER_SHARE`` of one core."""
-        if not self.live or self._handle is None:
-            return
+        if not self.live or self._handle is None or self._cleared():
+            return  # after a clear the live figure is gone: drawing it is wasted (_ClearWatch)
         now = self.clock()
         shown = (len(self.samples), len(self.steps), len(self.parts))
         if self._last_draw is not None:

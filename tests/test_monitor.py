@@ -43,22 +43,55 @@ class FakeHandle:
 
 
 class Shown:
-    """Everything the monitor displayed: plain displays, and handles for live ones."""
+    """Everything the monitor displayed, and the cell's output area as Jupyter keeps it.
+
+    Also the kernel's display publisher (``monitor._display_publisher``): like ipykernel's
+    ``ZMQDisplayPublisher``, ``clear_output`` passes its message through the registered hooks
+    before it is sent. Like JupyterLab's output area and nbclient, a clear removes every
+    output of the cell and forgets their display ids, so a removed handle's updates change
+    nothing shown; ``wait=True`` defers the clear to the next output.
+    """
 
     def __init__(self) -> None:
         self.plain: list[dict] = []
         self.handles: list[FakeHandle] = []
+        self.outputs: list[dict | FakeHandle] = []  # what the cell shows, in order
+        self.hooks: list = []
+        self._clear_next = False
 
     def __call__(self, bundle: dict, *, display_id: bool = False):
+        if self._clear_next:
+            self.outputs, self._clear_next = [], False
         if display_id:
             self.handles.append(FakeHandle(bundle))
+            self.outputs.append(self.handles[-1])
             return self.handles[-1]
         self.plain.append(bundle)
+        self.outputs.append(bundle)
         return None
 
+    def register_hook(self, hook) -> None:
+        self.hooks.append(hook)
+
+    def unregister_hook(self, hook) -> bool:
+        self.hooks.remove(hook)
+        return True
+
+    def clear_output(self, wait: bool = False) -> None:
+        msg = {"header": {"msg_type": "clear_output"}, "content": {"wait": wait}}
+        for hook in list(self.hooks):
+            msg = hook(msg)
+            if msg is None:
+                return
+        if wait:
+            self._clear_next = True
+        else:
+            self.outputs = []
+
     def final_bundles(self) -> list[dict]:
-        """What the cell's output holds at the end: each handle's last bundle, then plain."""
-        return [h.bundles[-1] for h in self.handles] + self.plain
+        """What the cell's output holds at the end: each shown handle's last bundle, and
+        each plain display, in the order they were displayed."""
+        return [o.bundles[-1] if isinstance(o, FakeHandle) else o for o in self.outputs]
 
     def figures(self) -> list[dict]:
         return [b for b in self.final_bundles() if "image/png" in b]
@@ -77,6 +110,7 @@ def auto_live(monkeypatch):
 def shown(monkeypatch) -> Shown:
     rec = Shown()
     monkeypatch.setattr(monitor, "_display", rec)
+    monkeypatch.setattr(monitor, "_display_publisher", lambda: rec)
     return rec
 
 
@@ -235,6 +269,62 @@ def test_live_mode_redraws_at_most_once_per_redraw_s(shown, monkeypatch):
     assert len(shown.figures()) == 1 and len(shown.tables()) == 1
     assert [e.step for e in mon.steps] == list(range(11))  # each new step once
     assert backend.closed >= 1 and mon.sampler.state == "stopped"
+
+
+def run_live_job(shown, *, between) -> tuple[FakeHandle, int]:
+    """A live monitor watching a fake job: 10 s of launcher ticks, ``between()`` halfway.
+    Returns the live handle, and the frames it got after ``between()``."""
+    clock = Clock()
+    mon = Monitor(period_s=0.5, backend=FakeCpu(clock), live=True, redraw_s=1.0, clock=clock)
+    job = fake_job()
+    mon.on_start(job)
+    (handle,) = shown.handles
+    for i in range(41):
+        clock.t = 0.25 * i
+        job.heartbeats[0] = {"pid": 1, "step": i // 4, "time": 0.0}
+        mon.on_tick(job)
+        if i == 20:
+            assert shown.figures() == [handle.bundles[-1]]  # the live figure, step 5
+            frames = len(handle.bundles)
+            between()
+    after = len(handle.bundles) - frames
+    mon.on_end(job, SimpleNamespace(status="ok"))
+    return handle, after
+
+
+@pytest.mark.parametrize("wait", [False, True])
+def test_clear_output_during_a_live_run_still_ends_with_the_final_figure(shown, wait):
+    """A learner's clear_output (or another observer's) removes the live figure; updating
+    its handle would show nothing, so the final figure is displayed afresh."""
+
+    def learner_clears():
+        shown.clear_output(wait=wait)
+        shown({"text/plain": "the learner's own line"})
+
+    _, frames_after = run_live_job(shown, between=learner_clears)
+    (figure,) = shown.figures()
+    assert png_ok(figure) and "step 10 — ok" in figure["text/plain"]
+    assert len(shown.tables()) == 1 and "ok; " in shown.tables()[0]["text/plain"]
+    assert shown.final_bundles()[0]["text/plain"] == "the learner's own line"
+    assert frames_after == 0  # no live frame drawn for an output Jupyter removed
+    assert len(shown.handles) == 1 and not shown.hooks  # the clear watch is unregistered
+
+
+def test_a_clear_that_leaves_the_live_figure_still_ends_with_one_figure(shown):
+    """A clear the monitor sees but that never reaches this cell's outputs (a later hook
+    takes it, as an output widget may): the live figure is blanked, not left beside the
+    final one."""
+
+    def clear_elsewhere():
+        shown.register_hook(lambda msg: None)  # takes every later message: nothing is cleared
+        shown.clear_output()
+        shown.hooks.pop()
+
+    handle, _ = run_live_job(shown, between=clear_elsewhere)
+    (figure,) = shown.figures()
+    assert "step 10 — ok" in figure["text/plain"] and figure is not handle.bundles[-1]
+    assert shown.final_bundles()[0] is handle.bundles[-1] and "image/png" not in handle.bundles[-1]
+    assert len(shown.tables()) == 1
 
 
 def test_headless_mode_shows_nothing_until_one_figure_and_one_table(shown):
@@ -455,6 +545,45 @@ def test_papermill_run_leaves_exactly_one_figure_and_one_table(tmp_path):
         assert sum("image/png" in d for d in data) == 1, cell.source
         assert sum("text/html" in d for d in data) == 1, cell.source
     assert out.cells[3].outputs[0]["text"].split() == ["False", "True", "True"]
+
+
+CLEARING_CELLS = [
+    f"import sys, time\nsys.path.insert(0, {str(ROOT)!r})\n"
+    "from IPython.display import clear_output\nfrom labkit.monitor import Monitor",
+    # A learner's loop that clears the cell as it goes, under a live monitor: Jupyter removes
+    # the live figure with the rest, and a display handle's later updates find nothing.
+    "with Monitor(period_s=0.1, live=True, redraw_s=0.1) as mon:\n"
+    "    deadline = time.monotonic() + 30\n"
+    "    while mon.redraws < 1 and time.monotonic() < deadline:\n"
+    "        time.sleep(0.05)\n"
+    "    for i in range(3):\n"
+    "        clear_output(wait=i > 0)\n"
+    "        print(f'step {i}')\n"
+    "        mon.step(i + 1, total=3)\n"
+    "        time.sleep(0.2)",
+    "print(mon.redraws >= 1)",
+]
+
+
+@pytest.mark.slow
+def test_clear_output_under_a_live_monitor_keeps_the_final_figure(tmp_path):
+    """In a real kernel, run by nbclient (which drops a cleared display_id's updates, as
+    JupyterLab's output area does): after the learner's clear_output the final figure and
+    the table are still under the cell, once each, below what the learner printed last."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in CLEARING_CELLS]
+    path = tmp_path / "clearing.ipynb"
+    nbformat.write(nb, path)
+    out = pm.execute_notebook(str(path), str(tmp_path / "out.ipynb"), kernel_name="python3",
+                              cwd=str(tmp_path), execution_timeout=120, progress_bar=False)  # fmt: skip
+    assert out.cells[2].outputs[0]["text"].split() == ["True"]  # a live frame was shown
+    outputs = out.cells[1].outputs
+    data = [o.get("data", {}) for o in outputs]
+    assert sum("image/png" in d for d in data) == 1, outputs
+    assert sum("text/html" in d for d in data) == 1, outputs
+    figure = next(d for d in data if "image/png" in d)
+    assert "step 3/3" in figure["text/plain"] and "— ok" in figure["text/plain"]
+    assert [o.get("text") for o in outputs if o["output_type"] == "stream"] == ["step 2\n"]
 
 
 # --- what a learner sees first, and last ---------------------------------------------------
