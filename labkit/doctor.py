@@ -35,6 +35,7 @@ import platform
 import re
 import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -44,7 +45,7 @@ from typing import Any
 import psutil
 import torch
 
-from labkit import hardware, launch
+from labkit import hardware, launch, procs
 
 VERDICTS = ("ok", "info", "warning", "fail")
 SYMBOLS = {"ok": "✓", "info": "i", "warning": "!", "fail": "✗"}
@@ -777,6 +778,48 @@ def _existing(path: Path) -> Path:
     return Path(path.anchor or ".")
 
 
+_NOT_A_FOLDER = "it is a file, not a folder"
+
+
+def _cannot_write(folder: Path) -> str | None:
+    """None if a file can be created and deleted in ``folder``, else the error, in words.
+
+    A real file, not ``os.access``: root passes every mode-bit check, yet a read-only mount,
+    a file in the way or a filesystem that takes no new files still stop it.
+    """
+    try:
+        fd, name = tempfile.mkstemp(prefix=".labkit-doctor-", dir=folder)
+    except OSError as e:
+        return f"{type(e).__name__}: {e.strerror or e}"
+    os.close(fd)
+    try:
+        os.unlink(name)
+    except OSError as e:
+        return f"created {name} but cannot delete it: {type(e).__name__}: {e.strerror or e}"
+    return None
+
+
+def _unwritable_places() -> list[dict[str, str]]:
+    """The folders under the labkit home that a job writes to and this user cannot.
+
+    A folder not made yet is probed in its nearest existing parent, where labkit would make
+    it; the registry and runs folders are probed too when they exist (made once with `sudo`,
+    they belong to root however writable the home is).
+    """
+    home = procs.labkit_home()
+    found, seen = [], set()
+    for path in (home, procs.registry_dir(), procs.default_runs_dir()):
+        where = _existing(path)
+        if where in seen:
+            continue
+        seen.add(where)
+        if where.exists() and not where.is_dir():
+            found.append({"path": str(where), "for": str(path), "error": _NOT_A_FOLDER})
+        elif (error := _cannot_write(where)) is not None:
+            found.append({"path": str(where), "for": str(path), "error": error})
+    return found
+
+
 def check_disk(probe: Probe) -> Check:
     places = {"labkit home (job logs)": launch.labkit_home(), "course folder": _repo_root()}
     seen, lines, data = set(), [], []
@@ -793,11 +836,33 @@ def check_disk(probe: Probe) -> Check:
         lowest = usage.free if lowest is None else min(lowest, usage.free)
     fix = "free space there, or set LABKIT_HOME to a folder on a disk with room"
     detail = "\n".join(lines)
+    unwritable = _unwritable_places()
+    if unwritable:
+        # Free space means nothing where no file can be created: jobs fail at their first log.
+        why = []
+        for u in unwritable:
+            line = f"cannot create a file in {u['path']}: {u['error']}"
+            why.append(line if u["path"] == u["for"] else f"{line} (labkit makes {u['for']} there)")
+        named = unwritable[0]["path"]
+        remedy = (
+            f"move the file {named} out of the way (labkit needs a folder there)"
+            if unwritable[0]["error"] == _NOT_A_FOLDER
+            else f"make {named} writable for your user (`ls -ld {named}` shows its owner and "
+            "mode; a folder made once with `sudo` belongs to root)"
+        )
+        return _fail(
+            "\n".join([*why, "jobs cannot write their logs", *lines]),
+            f"{remedy}, or set LABKIT_HOME to a folder you can write, e.g. "
+            "`export LABKIT_HOME=$HOME/labkit-cache`",
+            places=data,
+            unwritable=unwritable,
+        )
     if lowest is not None and lowest < FULL_DISK_BYTES:
-        return _fail(detail + "\njobs cannot write their logs", fix, places=data)
+        return _fail(detail + "\njobs cannot write their logs", fix, places=data, unwritable=[])
     if lowest is not None and lowest < LOW_DISK_BYTES:
-        return _warning(detail + f"\nbelow {_gib(LOW_DISK_BYTES)}", fix, places=data)
-    return _ok(detail, places=data)
+        return _warning(detail + f"\nbelow {_gib(LOW_DISK_BYTES)}", fix, places=data,
+                        unwritable=[])  # fmt: skip
+    return _ok(detail, places=data, unwritable=[])
 
 
 def check_allreduce(probe: Probe) -> Check:

@@ -7,7 +7,10 @@ the GPU or NVML. Fake numbers stay inside these tests.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -204,6 +207,107 @@ def test_low_memory_disk_and_cores_warn_or_fail(monkeypatch):
     monkeypatch.setattr(doctor.hardware, "cpu_info", lambda: one)
     cores = doctor.check_cpu(probe)
     assert cores.verdict == "warning" and "2 or more" in cores.fix
+
+
+def _as_nobody(fn):
+    """``fn()`` in a forked child that runs as user ``nobody``; its result, through a pipe.
+
+    Root writes whatever the mode bits say, so a test run as root (a container) drops to an
+    ordinary user to meet a folder without write permission as a learner does.
+    """
+    import pickle
+    import pwd
+
+    nobody = pwd.getpwnam("nobody")
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            os.close(read_end)
+            os.setgid(nobody.pw_gid)
+            os.setuid(nobody.pw_uid)
+            with os.fdopen(write_end, "wb") as out:
+                pickle.dump(fn(), out)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as inp:
+        data = inp.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0 and data, "the child as nobody failed"
+    return pickle.loads(data)
+
+
+def _unwritable_home(case: str, tmp_path: Path) -> tuple[Path, Path]:
+    """(LABKIT_HOME, the folder doctor must name) for a home labkit cannot write in."""
+    if case == "a file in the way":  # fails for root too: no one creates a file in a file
+        blocker = tmp_path / "cache"
+        blocker.write_text("a regular file where a folder should be\n")
+        return blocker / "labkit", blocker
+    if case == "a file where the runs folder goes":  # the home itself is fine
+        home = tmp_path / "labkit"
+        home.mkdir()
+        (home / "runs").write_text("not a folder\n")
+        return home, home / "runs"
+    if case == "a folder without write permission":
+        # Traversable by anyone (pytest's tmp_path is not), writable by no one but root.
+        top = Path(tempfile.mkdtemp(prefix="labkit-doctor-"))
+        top.chmod(0o755)
+        home = top / "labkit"
+        home.mkdir(mode=0o555)
+        return home, home
+    # Not yet created, under a folder where the kernel refuses new files even to root
+    # (sysfs: EACCES; EROFS where a container mounts it read-only).
+    if not Path("/sys/kernel").is_dir():
+        pytest.skip("no sysfs on this system")
+    return Path("/sys/labkit-doctor-test"), Path("/sys")
+
+
+def _check_disk_as_a_learner() -> doctor.Check:
+    """check_disk as this user, or, for root, as the ordinary user ``nobody``."""
+    if os.geteuid() != 0:
+        return doctor.check_disk(doctor.Probe())
+    return _as_nobody(lambda: doctor.check_disk(doctor.Probe()))
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["a file in the way", "a file where the runs folder goes", "a folder without write permission",
+     "a read-only filesystem"],
+)  # fmt: skip
+def test_disk_fails_when_the_labkit_home_cannot_be_written(monkeypatch, tmp_path, case):
+    home, named = _unwritable_home(case, tmp_path)
+    monkeypatch.setenv("LABKIT_HOME", str(home))
+    if case == "a folder without write permission":
+        try:
+            named.chmod(0o777)  # the control: the same folder, writable, passes
+            assert _check_disk_as_a_learner().data["unwritable"] == []
+            named.chmod(0o555)
+            check = _check_disk_as_a_learner()
+        finally:
+            shutil.rmtree(named.parent)
+    else:
+        check = doctor.check_disk(doctor.Probe())
+        assert doctor.run_checks(allreduce=False).exit_code == 1
+    assert check.verdict == "fail", check
+    assert f"cannot create a file in {named}" in check.detail and str(home) in check.detail
+    remedy = f"move the file {named}" if "a file" in case else f"make {named} writable"
+    assert remedy in check.fix and "set LABKIT_HOME to" in check.fix
+    assert check.data["unwritable"][0]["path"] == str(named)
+
+
+def test_disk_writes_and_removes_a_file_in_the_labkit_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("LABKIT_HOME", str(tmp_path / "not-yet" / "labkit"))
+    check = doctor.check_disk(doctor.Probe())
+    assert check.data["unwritable"] == [] and "cannot create" not in check.detail
+    assert list(tmp_path.iterdir()) == []  # probed in the nearest existing parent, then removed
+    home = tmp_path / "labkit"
+    home.mkdir()
+    monkeypatch.setenv("LABKIT_HOME", str(home))
+    assert doctor.check_disk(doctor.Probe()).data["unwritable"] == []
+    assert list(home.iterdir()) == []
 
 
 def test_widgets_missing_or_mismatched_fail(monkeypatch, tmp_path):
