@@ -272,6 +272,12 @@ def failure_report(job_dir: Path, nproc: int, returncode: int | None) -> Failure
     lines: list[str] = []
     if cause.raised:
         what = f"{cause.exc_type}: {cause.exc_message}" if cause.exc_type else cause.exc_message
+        if "No space left on device" in what or "Disk quota exceeded" in what:
+            lines.append(
+                f"rank {cause.rank} found the disk full: free space there, delete old job "
+                "folders with `python -m labkit cleanup --runs 0`, or point LABKIT_HOME at "
+                "another disk"
+            )
         if _OUT_OF_MEMORY.search(what):
             lines.append(
                 f"rank {cause.rank} ran out of memory: make the batch, the sequence or the model "
@@ -311,20 +317,25 @@ def failure_report(job_dir: Path, nproc: int, returncode: int | None) -> Failure
     return FailureReport(cause.rank, headline, lines, cause, hung, others)
 
 
-def _agent_failure(job_dir: Path, returncode: int | None) -> FailureReport:
-    """No rank failed: torchrun's agent itself did (a bad port, a rendezvous error)."""
+def agent_excerpt(job_dir: Path) -> str:
+    """The telling lines of torchrun's agent log: its banner left out, a traceback shortened."""
     try:
-        agent_log = (job_dir / "agent.log").read_text(errors="replace")
+        agent_log = (Path(job_dir) / "agent.log").read_text(errors="replace")
     except OSError:
-        agent_log = ""
+        return ""
     banner = ("*****", "Setting OMP_NUM_THREADS")  # torchrun's standard chatter
     kept = [s for s in agent_log.strip().splitlines() if not s.startswith(banner)]
+    return traceback_excerpt("\n".join(kept)) if kept else ""
+
+
+def _agent_failure(job_dir: Path, returncode: int | None) -> FailureReport:
+    """No rank failed: torchrun's agent itself did (a bad port, a rendezvous error)."""
     how = (
         f"was killed by {signal_name(returncode)}"
         if returncode is not None and returncode < 0
         else f"exited with code {returncode}"
     )
-    excerpt = traceback_excerpt("\n".join(kept)) if kept else ""
+    excerpt = agent_excerpt(job_dir)
     lines = ["  " + "\n  ".join(excerpt.splitlines())] if excerpt else []
     return FailureReport(
         None, f"the torchrun agent {how} before any rank reported an error", lines, None, []

@@ -28,9 +28,11 @@ handlers installed in the kernel. A subprocess keeps the kernel clean.
 from __future__ import annotations
 
 import contextlib
+import errno
 import html
 import importlib.util
 import json
+import math
 import os
 import re
 import select
@@ -68,6 +70,8 @@ TREE_SCAN_S = 1.0  # how often to record the agent's descendants (a /proc walk)
 AGENT_SHUTDOWN_S = 3
 RANK_PREFIX = "[rank${rank}] "  # torchrun substitutes ${rank}
 _RANK_LINE = re.compile(r"^\[rank(\d+)\] ?")
+# torchrun's agent (c10d's socket.cpp) when it cannot get a local port for its rendezvous.
+_NO_PORT = re.compile(r"errno: (?:98|99) - (Address already in use|Cannot assign requested address)")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -179,6 +183,11 @@ def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return "" if v is None else str(v)
+
+
+class LaunchError(RuntimeError):
+    """The machine cannot run the job now (no free network port, a full or unwritable disk);
+    the message names the cause and the fix. Nothing of the job is left running."""
 
 
 class JobError(RuntimeError):
@@ -435,8 +444,13 @@ def _check_inputs(
         ("pg_timeout_s", pg_timeout_s),
         ("heartbeat_timeout_s", heartbeat_timeout_s),
     ):
-        if value is not None and not (isinstance(value, (int, float)) and value > 0):
-            raise ValueError(f"{name}={value!r}: need a number of seconds > 0")
+        if value is not None and not (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and math.isfinite(value)
+            and value > 0
+        ):
+            raise ValueError(f"{name}={value!r}: need a finite number of seconds > 0, e.g. 120")
     if tail_lines is not None and (not isinstance(tail_lines, int) or tail_lines < 0):
         raise ValueError(f"tail_lines={tail_lines!r}: need an integer >= 0, or None for all")
     if env is not None and not all(
@@ -464,6 +478,7 @@ def run(
     heartbeat_timeout_s: float | None = None,
     pg_timeout_s: float = dist.DEFAULT_PG_TIMEOUT_S,
     observers: Sequence[Any] = (),
+    oversubscribe: bool = False,
 ) -> JobResult:
     """Run worker ``module`` on ``nproc`` processes and return their results.
 
@@ -487,9 +502,12 @@ def run(
             waits longer raises there.
         observers: objects with optional ``on_start(job)``, ``on_tick(job)``,
             ``on_end(job, result)`` methods (live plots).
+        oversubscribe: allow more than ``MAX_RANKS_PER_CORE`` CPU ranks per core.
 
     Raises:
         ValueError: bad arguments or a bad ``$LABKIT_KEEP_RUNS``; nothing was started.
+        LaunchError: the machine cannot run it now (no free port, a full disk); nothing was
+            started, or what was is ended.
         JobFailed: a rank raised or died; names the rank, the exception and the logs.
         JobTimeout: out of time; names the rank(s) that fell behind.
         KeyboardInterrupt: re-raised after every process of the job has been ended.
@@ -502,9 +520,12 @@ def run(
     asked = device
     backend, device = resolve_backend(nproc, device, backend, gpu_count=gpu_count)
     roots = _module_roots(module)
+    crowded = check_cpu_ranks(nproc, device, oversubscribe=oversubscribe)
     note = fallback_note(nproc, device, gpu_count) if asked == "auto" else None
-    if note and stream:
-        print(note)
+    for line in (note, crowded):
+        if line and stream:
+            print(line)
+    _check_free_port()
 
     for ended in cleanup(supervised=_SUPERVISED):
         print(
@@ -522,20 +543,17 @@ def run(
             print(f"labkit: could not delete old job folders ({e}); launching anyway")
 
     job_id = f"{module.rsplit('.', 1)[-1]}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    job_dir = Path(log_dir or procs.default_runs_dir()).resolve() / job_id
-    (job_dir / "tmp").mkdir(parents=True)
-    dist.write_json_atomic(
-        job_dir / dist.SPEC_FILE,
-        {
-            "job_id": job_id,
-            "module": module,
-            "nproc": nproc,
-            "backend": backend,
-            "device": device,
-            "pg_timeout_s": float(pg_timeout_s),
-            "config": json.loads(config_json),
-        },
-    )
+    spec = {
+        "job_id": job_id,
+        "module": module,
+        "nproc": nproc,
+        "backend": backend,
+        "device": device,
+        "pg_timeout_s": float(pg_timeout_s),
+        "config": json.loads(config_json),
+    }
+    job_dir = _make_job_dir(Path(log_dir or procs.default_runs_dir()).resolve(), spec,
+                            may_prune=not log_dir)  # fmt: skip
     job = Job(job_id, module, nproc, backend, device, config, job_dir)
     sup = _Supervisor(
         job,
@@ -551,6 +569,11 @@ def run(
     except KeyboardInterrupt:
         sup.status = "interrupted"
         raise
+    except OSError as e:
+        sup.status = "failed"
+        if e.errno in _DISK_FULL:  # the disk filled up under the job's own files
+            raise _disk_error(job_dir, e) from e
+        raise
     finally:
         with _interrupts_deferred(job_id):
             ended = sup.stop()
@@ -560,10 +583,128 @@ def run(
             result = sup.result()
             _notify(sup.observers, "on_end", job, result)
     if sup.status == "timeout":
-        raise _timeout_error(job, result, sup.timeout_reason)
+        raise _timeout_error(job, result, sup.timeout_reason, ranks_started=bool(sup.workers))
     if sup.status == "failed":
-        raise _failure_error(job, result)
+        raise _failure_error(job, result, sup.agent_problem)
+    if missing := [r for r in range(nproc) if r not in dist.read_heartbeats(job_dir, nproc)]:
+        raise _no_worker_error(job, result, missing)
     return result
+
+
+# --- the machine: cores, a port, disk ---------------------------------------------------------
+
+MAX_RANKS_PER_CORE = 4
+"""CPU ranks per core allowed without ``oversubscribe=True``: two or four ranks on a two-core
+laptop are a lesson in contention; ten thousand are a fork bomb."""
+
+
+def usable_cpus() -> int:
+    """CPU cores this process may run on (its affinity mask: a container's or taskset's limit)."""
+    with contextlib.suppress(AttributeError, OSError):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def check_cpu_ranks(nproc: int, device: str, *, oversubscribe: bool = False) -> str | None:
+    """Refuse more CPU ranks than the cores can carry; return a note when ranks share cores.
+
+    Each rank is a whole Python process with torch loaded (a few hundred MB) and a gloo
+    connection to every other rank. GPU jobs are bounded by the GPU count already
+    (``resolve_backend``).
+    """
+    if device != "cpu":
+        return None
+    cores = usable_cpus()
+    limit = MAX_RANKS_PER_CORE * cores
+    if nproc > limit and not oversubscribe:
+        raise ValueError(
+            f"nproc={nproc} CPU ranks on {cores} core{'s' if cores != 1 else ''}: at most "
+            f"{limit} ({MAX_RANKS_PER_CORE} per core) are started without oversubscribe=True. "
+            "Each rank is a process with torch loaded; this many would exhaust the machine. "
+            f"Use nproc<={limit}, or pass oversubscribe=True if you mean it"
+        )
+    if nproc > cores:
+        return (
+            f"labkit: {nproc} ranks share {cores} CPU core{'s' if cores != 1 else ''}: they take "
+            "turns, so the timings show contention, not what more hardware would give"
+        )
+    return None
+
+
+def _check_free_port() -> None:
+    """torchrun's rendezvous and gloo each need a local TCP port. With none free, torchrun
+    retries for a minute and then fails with errno 99 in its own log; this says so at once."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+    except OSError as e:
+        raise LaunchError(_no_port_message(e.strerror or str(e))) from None
+
+
+def _no_port_message(error: str) -> str:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = f.read().split()
+        span = f" ({low} to {high}, in /proc/sys/net/ipv4/ip_local_port_range)"
+    except (OSError, ValueError):
+        span = ""
+    return (
+        f"no free local network port ({error}): torchrun's rendezvous and gloo each need "
+        f"one, and every port of this machine's ephemeral range{span} is taken. See who holds "
+        "them with `ss -tanp` (`ss -s` counts them); end that program, or wait a minute for "
+        "closed connections to leave TIME_WAIT, then run the cell again"
+    )
+
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _make_job_dir(parent: Path, spec: dict[str, Any], *, may_prune: bool) -> Path:
+    """Create the job's folder and spec, and its entry in the registry of running jobs.
+
+    On a full disk, the finished job folders under the default runs folder (old logs) are
+    deleted to make room, once; if that is not enough, ``LaunchError`` names the path and the
+    ways out.
+    """
+    job_dir = parent / spec["job_id"]
+    for attempt in (1, 2):
+        try:
+            (job_dir / "tmp").mkdir(parents=True, exist_ok=True)
+            dist.write_json_atomic(job_dir / dist.SPEC_FILE, spec)
+            procs.registry_dir().mkdir(parents=True, exist_ok=True)
+            return job_dir
+        except OSError as e:
+            shutil.rmtree(job_dir, ignore_errors=True)
+            if e.errno in _DISK_FULL and may_prune and attempt == 1:
+                freed = procs.prune_runs(0)
+                if freed:
+                    print(f"labkit: the disk holding {parent} is full; deleted {len(freed)} "
+                          "old job folder(s) (their logs) to make room")  # fmt: skip
+                    continue
+            raise _disk_error(parent, e) from e
+    raise AssertionError("unreachable")
+
+
+def _disk_error(path: Path, e: OSError) -> LaunchError:
+    """The error for a job whose files could not be written under ``path``."""
+    where = Path(e.filename) if e.filename else path
+    if e.errno in _DISK_FULL:
+        try:
+            free = f", {shutil.disk_usage(path if path.exists() else path.parent).free / 2**20:.1f} MiB free"
+        except OSError:
+            free = ""
+        return LaunchError(
+            f"the disk holding {where} is full ({e.strerror}{free}): labkit writes each "
+            "job's logs and results there. Free space on it, delete the old job folders with "
+            "`python -m labkit cleanup --runs 0`, or point LABKIT_HOME at a folder on another "
+            "disk (e.g. `export LABKIT_HOME=/path/with/space`, then restart the kernel)"
+        )
+    return LaunchError(
+        f"cannot write the job's files under {where} ({e.strerror or e}): labkit keeps each "
+        "job's logs there. Make that folder writable for you, or point LABKIT_HOME at one "
+        "that is (`export LABKIT_HOME=$HOME/labkit-cache`, then restart the kernel); "
+        "`python -m labkit doctor` checks it"
+    )
 
 
 _SUPERVISED: set[str] = set()  # ids of the jobs this process is supervising right now
@@ -667,6 +808,7 @@ class _Supervisor:
         self._log = None
         self._exit_seen: float | None = None
         self._tracebacks: dict[int, list[str]] = {}  # rank -> lines of a traceback being printed
+        self.agent_problem: str | None = None  # a failure of torchrun's agent, worded
 
     # -- start ---------------------------------------------------------------------------
 
@@ -762,6 +904,9 @@ class _Supervisor:
                 self.returncode = self.proc.returncode
                 self.status = "ok" if self.returncode == 0 else "failed"
                 return
+            if self.agent_problem:
+                self.status = "failed"
+                return
             now = time.monotonic()
             if now >= next_tick:
                 next_tick = now + TICK_S
@@ -782,6 +927,8 @@ class _Supervisor:
         # traceback) stays in agent.log: JobFailed reports the root cause more clearly.
         m = _RANK_LINE.match(text)
         if not m:
+            if self.agent_problem is None and (found := _NO_PORT.search(text)):
+                self.agent_problem = _no_port_message(found.group(1))  # it would retry 60 s
             return
         rank, rest = int(m.group(1)), text[m.end() :]
         # torch's excepthook prefixes each line of a rank's uncaught traceback with "[rankN]:".
@@ -935,9 +1082,20 @@ def _interfaces() -> list[tuple[int, str]]:
 # --- telling what went wrong (the wording lives in labkit.diagnosis) -------------------------
 
 
-def _timeout_error(job: Job, result: JobResult, reason: str) -> JobTimeout:
+def _timeout_error(
+    job: Job, result: JobResult, reason: str, *, ranks_started: bool = True
+) -> JobTimeout:
     """The error for a job ended for time; diagnosed from the heartbeats at that moment."""
     beats = job.heartbeats
+    if not ranks_started and not beats:  # no rank to blame: torchrun never got that far
+        agent = diagnosis.agent_excerpt(job.job_dir)
+        msg = "\n".join([
+            f"{job.module} {reason}; no rank ever started: torchrun's agent was still setting "
+            "the job up (its rendezvous) when time ran out. Its last lines:",
+            *(f"  {s}" for s in agent.splitlines()),
+            f"job ended; logs in {job.job_dir}",
+        ])  # fmt: skip
+        return JobTimeout(msg, result=result, ranks=[], heartbeats=beats)
     hung, lines = diagnose_hang(beats, job.nproc, now=job.checked_at)
     if hung:
         verdict = f"likely hung: rank {', '.join(map(str, hung))}"
@@ -953,7 +1111,10 @@ def _timeout_error(job: Job, result: JobResult, reason: str) -> JobTimeout:
     return JobTimeout(msg, result=result, ranks=hung, heartbeats=beats)
 
 
-def _failure_error(job: Job, result: JobResult) -> JobFailed:
+def _failure_error(job: Job, result: JobResult, agent_problem: str | None = None) -> JobFailed:
+    if agent_problem:
+        return JobFailed(f"{job.module} could not start: {agent_problem}\nlogs in {job.job_dir}",
+                         result=result, rank=None, exc_message=agent_problem)  # fmt: skip
     report = diagnosis.failure_report(job.job_dir, job.nproc, result.returncode)
     cause = report.cause
     return JobFailed(
@@ -966,4 +1127,19 @@ def _failure_error(job: Job, result: JobResult) -> JobFailed:
         hung_ranks=report.hung_ranks,
         exitcode=cause.exitcode if cause else result.returncode,
         consequences=[e.rank for e in report.consequences],
+    )
+
+
+def _no_worker_error(job: Job, result: JobResult, missing: list[int]) -> JobFailed:
+    """Every process exited cleanly, but ``missing`` ranks never ran the worker function."""
+    which = "no rank" if len(missing) == job.nproc else f"rank {', '.join(map(str, missing))}"
+    return JobFailed(
+        f"{job.module}: {which} ran a worker function: the processes exited cleanly without "
+        "setting up (no heartbeat, no result). torchrun runs `python -m "
+        f"{job.module}`, so the module must call its @dist.entrypoint function itself: does "
+        'it end with `if __name__ == "__main__": main()`?\n'
+        f"logs in {job.job_dir}",
+        result=result,
+        rank=missing[0],
+        exc_message="no worker function ran",
     )

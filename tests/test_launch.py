@@ -133,6 +133,13 @@ def no_spawn(home, monkeypatch):
         ({"module": "labkit.workers.allreduce", "timeout_s": 0}, "timeout_s=0"),
         ({"module": "labkit.workers.allreduce", "device": "tpu"}, "device='tpu'"),
         ({"module": "labkit.workers.allreduce", "env": {"X": 1}}, "env must map str to str"),
+        ({"module": "labkit.workers.allreduce", "timeout_s": True}, "timeout_s=True"),
+        ({"module": "labkit.workers.allreduce", "timeout_s": float("inf")}, "timeout_s=inf"),
+        ({"module": "labkit.workers.allreduce", "pg_timeout_s": float("nan")}, "pg_timeout_s=nan"),
+        (
+            {"module": "labkit.workers.allreduce", "nproc": 10_000},
+            r"nproc=10000 CPU ranks on \d+ cores?: at most \d+ .*oversubscribe=True",
+        ),
     ],
 )
 def test_bad_input_fails_before_spawning(no_spawn, kwargs, match):
@@ -801,3 +808,164 @@ def test_the_next_launch_ends_a_job_this_process_no_longer_supervises(home):
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+# --- the machine: cores, ports, disk ---------------------------------------------------------
+
+
+def test_cpu_ranks_are_bounded_by_the_cores_unless_oversubscribed(monkeypatch):
+    monkeypatch.setattr(launch, "usable_cpus", lambda: 2)
+    assert launch.check_cpu_ranks(2, "cpu") is None
+    assert "4 ranks share 2 CPU cores" in launch.check_cpu_ranks(4, "cpu")
+    assert launch.check_cpu_ranks(8, "cpu") is not None  # 4 per core: still allowed
+    with pytest.raises(ValueError, match="nproc=9 CPU ranks on 2 cores: at most 8"):
+        launch.check_cpu_ranks(9, "cpu")
+    assert "9 ranks share" in launch.check_cpu_ranks(9, "cpu", oversubscribe=True)
+    assert launch.check_cpu_ranks(10_000, "cuda") is None  # GPUs bound those (resolve_backend)
+
+
+_HOLD_EVERY_PORT = """
+import socket, sys
+from labkit import launch
+low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+held = []
+for port in range(low, high + 1):  # take every port of the (narrowed) ephemeral range
+    s = socket.socket()
+    s.bind(("127.0.0.1", port))
+    s.listen()
+    held.append(s)
+try:
+    launch.run("labkit.workers._faults", nproc=2, config={"mode": "ok"}, timeout_s=120)
+except launch.LaunchError as e:
+    print("LaunchError:", e)
+"""
+
+
+@pytest.mark.slow
+def test_no_free_port_is_said_at_once(home, tmp_path):
+    """Every ephemeral port in use, for real: in a network namespace of its own (root only),
+    with the range narrowed to four ports, all held. torchrun alone would retry a minute and
+    then blame ranks that never existed."""
+    script = tmp_path / "ports.py"
+    script.write_text(_HOLD_EVERY_PORT)
+    netns = (
+        "ip link set lo up && echo '40000 40003' > /proc/sys/net/ipv4/ip_local_port_range && "
+        f"{sys.executable} {script}"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "LABKIT_HOME": str(home)}
+    proc = subprocess.run(["unshare", "-n", "sh", "-c", netns], env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    if proc.returncode != 0 and "unshare" in proc.stderr and "Traceback" not in proc.stderr:
+        pytest.skip(f"cannot make a network namespace here: {proc.stderr.strip()[:200]}")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "LaunchError: no free local network port (Address already in use)" in out, out
+    assert "40000 to 40003" in out and "`ss -tanp`" in out
+    assert not (home / "runs").exists(), "nothing may start without a port"
+
+
+def test_the_agent_failing_to_get_a_port_ends_the_job_at_once(tmp_path):
+    """The port check passed, but the ports were gone by the time torchrun's agent asked:
+    its first failed connection ends the job (it would otherwise retry for 60 s)."""
+    job = launch.Job("j", "m", 2, "gloo", "cpu", {}, tmp_path)
+    sup = launch._Supervisor(job, [], {}, observers=[], echo=launch._Echo(0, tmp_path))
+    sup._log = open(tmp_path / "agent.log", "w")  # noqa: SIM115
+    sup._on_line("[W1203 socket.cpp:764] [c10d] The client socket has failed to connect to "
+                 "127.0.0.1:47555 (errno: 99 - Cannot assign requested address).")  # fmt: skip
+    sup._log.close()
+    assert sup.agent_problem.startswith(
+        "no free local network port (Cannot assign requested address)"
+    )
+    err = launch._failure_error(job, sup.result(), sup.agent_problem)
+    assert str(err).startswith("m could not start: no free local network port") and err.rank is None
+
+
+def test_a_timeout_before_any_rank_started_blames_no_rank(tmp_path):
+    (tmp_path / "agent.log").write_text("[E socket.cpp:818] [c10d] rendezvous still waiting\n")
+    job = launch.Job("j", "m", 2, "gloo", "cpu", {}, tmp_path)
+    result = SimpleNamespace(status="timeout")
+    err = launch._timeout_error(job, result, "timed out after 60.0 s", ranks_started=False)
+    msg = str(err)
+    assert err.ranks == [] and "likely hung" not in msg and "rank 0" not in msg
+    assert "no rank ever started: torchrun's agent was still setting the job up" in msg
+    assert "rendezvous still waiting" in msg
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MiB tmpfs: a real disk that fills up (mounting needs root; skipped elsewhere)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)  # fmt: skip
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.strip()[:200]}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def _fill(path: Path) -> None:
+    """Write zeros to ``path`` until the disk under it is full."""
+    with contextlib.suppress(OSError), open(path, "wb") as f:
+        while True:
+            f.write(b"\0" * 65536)
+            f.flush()
+
+
+@pytest.mark.slow
+def test_a_full_disk_is_named_with_its_path_and_ways_out(small_disk, monkeypatch, capsys):
+    monkeypatch.setenv("LABKIT_HOME", str(small_disk / "labkit"))
+    (small_disk / "labkit").mkdir()
+    _fill(small_disk / "someone-elses-file")  # nothing labkit may delete
+    for _ in (1, 2):  # and again: a full disk stays full
+        with pytest.raises(launch.LaunchError) as info:
+            launch.run(FAULTS, nproc=2, config={"mode": "ok"}, timeout_s=120)
+        msg = str(info.value)
+        assert f"the disk holding {small_disk / 'labkit'}" in msg, msg
+        assert "No space left on device" in msg
+        assert "`python -m labkit cleanup --runs 0`" in msg and "LABKIT_HOME" in msg
+    assert not list((small_disk / "labkit" / "runs").glob("*")), "no half-made job folder"
+
+
+@pytest.mark.slow
+def test_a_disk_full_of_old_job_folders_is_tidied_to_make_room(small_disk, monkeypatch, capsys):
+    home = small_disk / "labkit"
+    monkeypatch.setenv("LABKIT_HOME", str(home))
+    olds = [home / "runs" / f"old-{i}" for i in range(3)]
+    for old in olds:  # old jobs' folders...
+        old.mkdir(parents=True)
+        (old / dist.SPEC_FILE).write_text("{}")
+    _fill(olds[0] / "agent.log")  # ...whose logs fill the disk
+    res = launch.run(FAULTS, nproc=2, config={"mode": "ok"}, timeout_s=120, stream=False)
+    assert res.status == "ok" and [r["sum"] for r in res.ranks] == [2.0, 2.0]
+    out = capsys.readouterr().out
+    assert f"labkit: the disk holding {home / 'runs'} is full; deleted 3 old job folder(s)" in out
+    assert sorted(p.name for p in (home / "runs").iterdir()) == [res.job_id]
+    assert_no_survivors(res.log_dir, [res.agent_pid, *res.worker_pids])
+
+
+_UNGUARDED = '''
+from labkit import dist
+
+
+@dist.entrypoint
+def main(ctx):
+    return {"rank": ctx.rank}
+
+# no `if __name__ == "__main__": main()`: under `python -m`, nothing calls main
+'''
+
+
+@pytest.mark.slow
+def test_a_worker_without_its_main_guard_is_an_error_not_an_empty_success(home, tmp_path,
+                                                                         monkeypatch):
+    (tmp_path / "unguarded_worker.py").write_text(_UNGUARDED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(launch.JobFailed) as info:
+        launch.run("unguarded_worker", nproc=2, timeout_s=120, stream=False)
+    msg = str(info.value)
+    assert msg.startswith("unguarded_worker: no rank ran a worker function"), msg
+    assert 'does it end with `if __name__ == "__main__": main()`?' in msg
+    assert info.value.result.status == "ok" and info.value.result.ranks == [{}, {}]
