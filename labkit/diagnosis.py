@@ -22,6 +22,7 @@ its consequences; :func:`diagnose_hang` names the rank holding up a stalled job;
 from __future__ import annotations
 
 import contextlib
+import linecache
 import os
 import re
 import signal
@@ -68,6 +69,14 @@ _PEER_GONE = re.compile(
     r"|failed to recv, got 0 bytes|Socket closed|peer .* (?:died|crashed)",
     re.IGNORECASE,
 )
+
+
+def is_peer_gone(text: str) -> bool:
+    """Whether an error message says a peer rank vanished ("Connection closed by peer"...):
+    the failure of a rank that was waiting for another, not its own."""
+    return bool(_PEER_GONE.search(text))
+
+
 _OUT_OF_MEMORY = re.compile(
     r"out of memory|can't allocate memory|Cannot allocate memory|MemoryError|OutOfMemoryError",
     re.IGNORECASE,
@@ -360,7 +369,10 @@ def _where(beat: dict) -> str:
 
 
 def diagnose_hang(
-    heartbeats: dict[int, dict], nproc: int, now: float | None = None
+    heartbeats: dict[int, dict],
+    nproc: int,
+    now: float | None = None,
+    where: dict[int, str] | None = None,
 ) -> tuple[list[int], list[str]]:
     """Name the ranks that most likely hold a stalled job up, from their last heartbeats.
 
@@ -368,9 +380,11 @@ def diagnose_hang(
     in a collective while others are is the likely culprit; among several, the one with the
     lowest step. Ranks that never wrote a heartbeat (stuck importing or before setup) come
     first. ``now`` (``time.time()`` by default) dates the heartbeats. Returns (likely hung
-    ranks, one explanatory line per rank).
+    ranks, one explanatory line per rank, followed by where the rank was if ``where`` (from
+    :func:`read_stacks`) says).
     """
     now = time.time() if now is None else now
+    where = where or {}
     lines = []
     for r in range(nproc):
         beat = heartbeats.get(r)
@@ -388,6 +402,8 @@ def diagnose_hang(
                 f"rank {r}: {_where(beat)} in phase '{beat.get('phase')}', not in a "
                 f"collective (last heartbeat {_ago(beat, now)})"
             )
+    lines = [line + (f"\n    stuck at {where[r]}" if r in where else "")
+             for r, line in enumerate(lines)]  # fmt: skip
     missing = [r for r in range(nproc) if r not in heartbeats]
     if missing:
         return missing, lines
@@ -407,6 +423,50 @@ def diagnose_hang(
     if pool is active and len(behind) == len(active) == len(heartbeats):
         return [], lines  # nobody is behind anybody: no rank to blame
     return behind, lines
+
+
+# --- where a stuck rank is ---------------------------------------------------------------------
+
+# faulthandler's dump: a header per thread, then its frames, most recent call first.
+_DUMP_THREAD = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-f]+", re.MULTILINE)
+_DUMP_FRAME = re.compile(r'^\s+File "(?P<path>[^"]*)", line (?P<line>\d+) in (?P<func>.+)$',
+                         re.MULTILINE)  # fmt: skip
+
+
+def where_stuck(dump: str) -> str | None:
+    """"_faults.py, line 73, in main: `time.sleep(...)`" from a rank's faulthandler dump.
+
+    The thread running the worker (the one with labkit.dist's frame in it, else the first) is
+    read from its innermost frame out: the first frame of code (not the standard library's or
+    an installed package's) is where the rank is; a library call it is inside is named too.
+    """
+    threads = [t for t in _DUMP_THREAD.split(dump) if _DUMP_FRAME.search(t)]
+    if not threads:
+        return None
+    main = next((t for t in threads if _LABKIT + "dist.py" in t), threads[0])
+    frames = list(_DUMP_FRAME.finditer(main))
+    inside = [f for f in frames if _in_library(f["path"])]
+    for f in frames:
+        if _in_library(f["path"]):
+            continue
+        source = linecache.getline(f["path"], int(f["line"])).strip()
+        where = f"{os.path.basename(f['path'])}, line {f['line']}, in {f['func']}"
+        where += f": `{source}`" if source else ""
+        if frames[0] is not f and inside and inside[0] is frames[0]:
+            where += f", inside {frames[0]['func']} ({_library_name([frames[0]['path']])})"
+        return where
+    return None
+
+
+def read_stacks(job_dir: Path, nproc: int) -> dict[int, str]:
+    """{rank: where it is} for the ranks that wrote a stack dump (``dist.STACK_SIGNAL``)."""
+    found = {}
+    for rank in range(nproc):
+        with contextlib.suppress(OSError):
+            where = where_stuck(dist.stack_path(job_dir, rank).read_text(errors="replace"))
+            if where:
+                found[rank] = where
+    return found
 
 
 # --- a traceback, shortened -------------------------------------------------------------------

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import functools
 import json
 import os
@@ -67,6 +68,17 @@ def result_path(job_dir: Path, rank: int) -> Path:
 
 def heartbeat_path(job_dir: Path, rank: int) -> Path:
     return Path(job_dir) / "heartbeat" / f"rank{rank}.json"
+
+
+def stack_path(job_dir: Path, rank: int) -> Path:
+    """Where rank ``rank`` writes its Python stacks when sent ``STACK_SIGNAL``."""
+    return Path(job_dir) / "stacks" / f"rank{rank}.txt"
+
+
+STACK_SIGNAL = signal.SIGUSR1
+"""Sent by the launcher to a rank it is about to end for time: the rank writes where every
+one of its threads is (``faulthandler``) to ``stack_path``, so the timeout can say where each
+rank was stuck."""
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -273,6 +285,8 @@ def _run(fn: Callable[[Context], dict[str, Any] | None]) -> None:
         phase="setup",
         in_collective=False,
     )
+    if job_dir is not None:  # before the first beat: a rank that has beaten can be asked
+        _arm_stack_dump(stack_path(job_dir, rank))
     ctx._write_heartbeat()  # first beat: the launcher records our PID from it
 
     if device.type == "cuda":  # also the GPU NCCL and collective_device() use
@@ -309,6 +323,19 @@ def _arm_parent_death_signal() -> None:
     if agent and os.getppid() != int(agent):
         print(f"labkit.dist: torchrun agent {agent} is gone; exiting", file=sys.stderr)
         os._exit(1)
+
+
+_STACK_FILE: Any = None  # kept open for faulthandler, which writes to its descriptor
+
+
+def _arm_stack_dump(path: Path) -> None:
+    """On ``STACK_SIGNAL``, write every thread's Python stack to ``path``. faulthandler does it
+    from C, so it works while the rank is stuck in a C call (a collective, a sleep) or in a
+    Python loop that never yields."""
+    global _STACK_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _STACK_FILE = open(path, "w")  # noqa: SIM115 (open for the life of the process)
+    faulthandler.register(STACK_SIGNAL, file=_STACK_FILE, all_threads=True)
 
 
 def _fill_single_process_env() -> None:

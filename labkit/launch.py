@@ -224,15 +224,23 @@ class JobFailed(JobError):
 
 
 class JobTimeout(JobError):
-    """The job ran out of time. ``.ranks``: the ranks that fell behind (likely hung)."""
+    """The job ran out of time. ``.ranks``: the ranks that fell behind (likely hung);
+    ``.where``: where each rank was when it was stopped, from its own stack dump."""
 
     def __init__(
-        self, message: str, *, result: JobResult, ranks: Sequence[int], heartbeats: dict[int, dict]
+        self,
+        message: str,
+        *,
+        result: JobResult,
+        ranks: Sequence[int],
+        heartbeats: dict[int, dict],
+        where: dict[int, str] | None = None,
     ) -> None:
         super().__init__(message, result=result)
         self.ranks = list(ranks)
         self.rank = self.ranks[0] if self.ranks else None
         self.heartbeats = heartbeats
+        self.where = dict(where or {})  # rank -> "file, line N, in f: `code`" where it was stuck
 
 
 # --- the running job, as observers see it ---------------------------------------------------
@@ -912,7 +920,25 @@ class _Supervisor:
                 next_tick = now + TICK_S
                 if self._tick(now, timeout_s, heartbeat_timeout_s):
                     self.status = "timeout"
+                    self._ask_where()
                     return
+
+    def _ask_where(self, wait_s: float = 1.0) -> None:
+        """Ask each rank that has started where it is (``dist.STACK_SIGNAL``), before the job
+        is ended for time; wait up to ``wait_s`` for the answers."""
+        asked = []
+        for rank, beat in self.job.heartbeats.items():
+            proc = self.workers.get(beat.get("pid"))  # a PID this job started, still the same
+            if proc is not None and procs.alive(proc):
+                with contextlib.suppress(psutil.Error):
+                    proc.send_signal(dist.STACK_SIGNAL)
+                    asked.append(dist.stack_path(self.job.job_dir, rank))
+        deadline = time.monotonic() + wait_s
+        while asked and time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                asked = [p for p in asked if p.stat().st_size == 0]
+            time.sleep(0.05)
+        time.sleep(0.05)  # a dump is written in one go, but give its last lines a moment
 
     def _drained(self) -> bool:
         # torchrun exited but something still holds the pipe: give it a second, not forever.
@@ -1096,7 +1122,8 @@ def _timeout_error(
             f"job ended; logs in {job.job_dir}",
         ])  # fmt: skip
         return JobTimeout(msg, result=result, ranks=[], heartbeats=beats)
-    hung, lines = diagnose_hang(beats, job.nproc, now=job.checked_at)
+    where = diagnosis.read_stacks(job.job_dir, job.nproc)
+    hung, lines = diagnose_hang(beats, job.nproc, now=job.checked_at, where=where)
     if hung:
         verdict = f"likely hung: rank {', '.join(map(str, hung))}"
     else:
@@ -1108,7 +1135,7 @@ def _timeout_error(
             f"job ended; logs in {job.job_dir}",
         ]
     )
-    return JobTimeout(msg, result=result, ranks=hung, heartbeats=beats)
+    return JobTimeout(msg, result=result, ranks=hung, heartbeats=beats, where=where)
 
 
 def _failure_error(job: Job, result: JobResult, agent_problem: str | None = None) -> JobFailed:
@@ -1122,7 +1149,9 @@ def _failure_error(job: Job, result: JobResult, agent_problem: str | None = None
         result=result,
         rank=report.rank,
         exc_type=cause.exc_type if cause else "",
-        exc_message=cause.exc_message if cause else report.headline,
+        exc_message=(cause.exc_message if cause.raised else f"the process {diagnosis.how_it_ended(cause)}")
+        if cause
+        else report.headline,
         traceback=cause.traceback if cause else "",
         hung_ranks=report.hung_ranks,
         exitcode=cause.exitcode if cause else result.returncode,

@@ -1,3 +1,5 @@
+import dataclasses
+import signal
 import time
 import timeit
 from time import perf_counter
@@ -88,7 +90,7 @@ def test_the_generated_stub_is_not_done_and_gives_nothing_away(exercise_id, caps
 def test_registry_lists_and_rejects():
     assert [e.id for e in ex.catalogue("01")] == ["01.adam_bytes", "01.param_count", "01.timed"]
     assert all(e.notebook == "01" and e.title and len(e.hints) >= 2 for e in ex.catalogue("01"))
-    with pytest.raises(ValueError, match=r"exercise_id='01.nope' is not registered; known: \["):
+    with pytest.raises(ValueError, match=r"exercise_id='01.nope' is not an exercise; known: \["):
         ex.check("01.nope", None)
     with pytest.raises(ValueError, match="already registered"):
         ex.exercise("01.timed", "t", ("h",))
@@ -350,3 +352,66 @@ def test_adam_bytes_names_the_mistake_without_giving_the_answer(per_param, messa
 def test_adam_bytes_wants_an_int():
     with pytest.raises(ex.ExerciseFailed, match="returned float"):
         ex.verify("01.adam_bytes", lambda n: n * 16.0)
+
+
+def test_an_exercise_id_that_is_not_a_string_or_not_known_is_named(capsys):
+    with pytest.raises(TypeError, match=r"exercise_id=1 is not a string: .*ex.check\(\"01.param_count\""):
+        ex.check(1, lambda cfg: 0)
+    with pytest.raises(ValueError, match=r"exercise_id='09.nope' is not an exercise; known: \[.*'02.allreduce_grads'"):
+        ex.check("09.nope", lambda cfg: 0)
+    assert capsys.readouterr().out == ""
+
+
+def test_a_learner_function_that_never_returns_is_stopped_by_the_checks_time_limit(
+    monkeypatch, capsys
+):
+    monkeypatch.setitem(ex._REGISTRY, "01.param_count",
+                        dataclasses.replace(ex.get("01.param_count"), time_limit_s=1.0))  # fmt: skip
+    # pytest-timeout's own SIGALRM timer (when it uses one) must survive the check's.
+    handler_before, timer_before = signal.getsignal(signal.SIGALRM), signal.getitimer(signal.ITIMER_REAL)
+
+    def count_params(cfg):
+        total = 0
+        while total >= 0:  # never false
+            total += 1
+        return total
+
+    assert ex.check("01.param_count", count_params) is None
+    out = capsys.readouterr().out
+    assert out.startswith("✗ 01.param_count"), out
+    assert "your code did not finish within 1 s, the check's time limit" in out
+    assert "while it ran (at test_exercises.py, line" in out
+    assert "total += 1" in out or "while total >= 0" in out
+    assert signal.getsignal(signal.SIGALRM) is handler_before, "the timer's handler is put back"
+    assert signal.getitimer(signal.ITIMER_REAL)[0] == pytest.approx(timer_before[0], abs=30)
+    # The learner's `except Exception` cannot swallow it.
+    def swallowing(cfg):
+        while True:
+            try:  # noqa: SIM105 (a learner's code, written as learners write it)
+                time.sleep(0.05)
+            except Exception:
+                pass
+
+    ex.check("01.param_count", swallowing)
+    assert "did not finish within 1 s" in capsys.readouterr().out
+
+
+def test_a_paused_time_limit_lets_a_worker_job_run_on_its_own_limit():
+    with ex.time_limit(0.3):
+        with ex.time_limit_paused():
+            time.sleep(0.5)  # longer than the limit: paused, so nothing is raised
+        with pytest.raises(ex.TimeLimitReached):
+            time.sleep(1.0)  # the clock runs again
+
+
+def test_a_raising_learner_call_shows_its_arguments_briefly():
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(8)])
+
+    def broken(m, x):
+        raise ValueError("nope")
+
+    with pytest.raises(ex.ExerciseFailed) as info:
+        ex.call(broken, model, torch.zeros(3, 4), name="x" * 500)
+    message = str(info.value)
+    assert message.startswith("broken(<Sequential model>, <tensor (3, 4) float32>, name='xxx")
+    assert "Linear(" not in message and len(message) < 400

@@ -361,3 +361,45 @@ def test_a_rank_that_dies_is_reported_as_a_failed_exercise(tmp_path, capsys):
     assert "exited with code 3" in message and "Logs: " in message
     assert info.value.exercise_id == "02.allreduce_grads"
     assert "✓" not in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_learner_loop_that_never_ends_is_found_in_the_learners_line(tmp_path):
+    path = write(tmp_path, "dp_loops", """
+        def allreduce_gradients(model, world_size):
+            done = False
+            while not done:
+                pass
+        """)  # fmt: skip
+    with pytest.raises(ex.ExerciseFailed) as info:
+        exdp.verify_file("02.allreduce_grads", path, timeout_s=25)
+    message = str(info.value)
+    assert "the check did not finish (timed out after" in message, message
+    assert "your code never returned: a loop whose condition never changes?" in message
+    for rank in (0, 1):
+        assert f"rank {rank} was at dp_loops.py, line 4, in allreduce_gradients: `while not done:`" in message  # fmt: skip
+    assert "ranks []" not in message and "waiting in a collective" not in message
+
+
+@pytest.mark.slow
+def test_an_allreduce_on_rank_0_only_shows_rank_1s_diagnosis_not_a_model_dump(tmp_path):
+    path = write(tmp_path, "dp_rank0", """
+        import torch.distributed as dist
+        def allreduce_gradients(model, world_size):
+            if dist.get_rank() != 0:
+                return
+            for p in model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad /= world_size
+        """)  # fmt: skip
+    with pytest.raises(ex.ExerciseFailed) as info:
+        exdp.verify_file("02.allreduce_grads", path, timeout_s=60)
+    message = str(info.value)
+    body = message.removeprefix("Exercise 02.allreduce_grads failed: ")
+    assert body.startswith(".grad does not equal", body.index(".grad")), message
+    assert "on rank 1 of 2: it is still this rank's own gradient: it was never all-reduced" in body
+    # Rank 0's check saw its all-reduce fail when rank 1 left: a consequence, told second.
+    assert "Rank 0 then failed in a collective that rank 1 never called" in message
+    assert "GPT(" not in message and "Linear(" not in message, "never dump the model"
+    assert len(message.splitlines()) <= 2, message

@@ -477,6 +477,10 @@ def test_hung_rank_is_named_not_its_victim(home):
     assert "heartbeat_timeout_s=2" in msg and "likely hung: rank 1" in msg
     assert "rank 0: waiting in collective 'all_reduce' at step 2/3" in msg
     assert "rank 1: at step 1/3 in phase 'compute', not in a collective" in msg
+    # Where each rank was, from its own stack dump: the code line, and the torch call it is in.
+    assert err.where[1].startswith("_faults.py, line ") and "`time.sleep(_FOREVER_S)" in err.where[1]
+    assert "`tdist.all_reduce(" in err.where[0] and err.where[0].endswith("inside all_reduce (torch)")
+    assert f"    stuck at {err.where[1]}" in msg
     child = err.result.ranks[0]["child_pid"]  # a worker's own child must be ended too
     assert_no_survivors(err.result.log_dir, [err.result.agent_pid, *err.result.worker_pids, child])
 

@@ -33,12 +33,17 @@ same checks also run inside worker processes.
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import inspect
 import numbers
+import re
+import signal
 import textwrap
+import threading
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +54,10 @@ MODULES: dict[str, str] = {
     "03": "labkit.exercises.model_parallel",
 }
 """Notebook -> the module that registers its exercises."""
+
+TIME_LIMIT_S_DEFAULT = 60.0
+"""How long an in-kernel check may run the learner's code: the checks themselves take well
+under a second, so only code that never returns reaches it, even on a busy laptop."""
 
 STUB_MESSAGE = "exercise not done yet: replace this line with your code"
 """What the stubs :mod:`labkit.nbgen` generates raise: deliberately no hint, no answer."""
@@ -85,6 +94,8 @@ class Exercise:
     reference: Any = None
     """The answer later cells use while the learner's is not done or wrong (None: later cells
     do not depend on this exercise, labkit's own implementation runs there)."""
+    time_limit_s: float = TIME_LIMIT_S_DEFAULT
+    """How long its check may run the learner's code (:func:`time_limit`)."""
 
     def __post_init__(self) -> None:
         if not self.hints or not all(isinstance(h, str) and h.strip() for h in self.hints):
@@ -101,7 +112,11 @@ _PASSED: dict[str, bool] = {}  # id -> did its last check in this kernel pass
 
 
 def exercise(
-    id: str, title: str, hints: tuple[str, ...] | list[str], reference: Any = None
+    id: str,
+    title: str,
+    hints: tuple[str, ...] | list[str],
+    reference: Any = None,
+    time_limit_s: float = TIME_LIMIT_S_DEFAULT,
 ) -> Callable[[Callable[[Any], str]], Callable[[Any], str]]:
     """Register the decorated function as the ``verify`` of exercise ``id``."""
     notebook, _, name = id.partition(".")
@@ -112,7 +127,7 @@ def exercise(
 
     def register(fn: Callable[[Any], str]) -> Callable[[Any], str]:
         _REGISTRY[id] = Exercise(id=id, title=title, hints=tuple(hints), verify=fn,
-                                 reference=reference)  # fmt: skip
+                                 reference=reference, time_limit_s=time_limit_s)  # fmt: skip
         return fn
 
     return register
@@ -125,14 +140,18 @@ def _load(notebook: str) -> None:
 
 def get(exercise_id: str) -> Exercise:
     """The registered exercise called ``exercise_id`` (its notebook's module loads on need)."""
+    if not isinstance(exercise_id, str):
+        raise TypeError(
+            f"exercise_id={exercise_id!r} is not a string: give the exercise's id as a string, e.g. ex.check(\"01.param_count\", count_params) "
+            "(ex.catalogue() lists them)"
+        )
     if exercise_id not in _REGISTRY:
-        _load(str(exercise_id)[:2])
+        _load(exercise_id[:2])
     try:
         return _REGISTRY[exercise_id]
     except KeyError:
-        raise ValueError(
-            f"exercise_id={exercise_id!r} is not registered; known: {sorted(_REGISTRY)}"
-        ) from None
+        known = [e.id for e in catalogue()]
+        raise ValueError(f"exercise_id={exercise_id!r} is not an exercise; known: {known}") from None
 
 
 def catalogue(notebook: str | None = None) -> list[Exercise]:
@@ -280,10 +299,18 @@ def check(exercise_id: str, answer: Any) -> Any:
     wrong answer, so "Run All" reaches the end of the notebook; :func:`verify` raises.
     """
     __tracebackhide__ = True
+    limit = get(exercise_id).time_limit_s
     try:
-        outcome: str | ExerciseError = verify(exercise_id, answer)
+        with time_limit(limit):
+            outcome: str | ExerciseError = verify(exercise_id, answer)
     except ExerciseError as err:
         outcome = err
+    except TimeLimitReached as stop:
+        outcome = ExerciseFailed(
+            f"your code did not finish within {limit:g} s, the check's time limit, so the "
+            f"check stopped it{learner_frame(stop, ' while it ran')}. A loop whose condition "
+            "never changes? (Nothing else needs stopping: the notebook can go on.)"
+        )
     passed = report(exercise_id, outcome)
     reference = get(exercise_id).reference
     return None if reference is None else answer if passed else reference
@@ -330,6 +357,124 @@ def workspace(notebook: str) -> Path:
     return path
 
 
+def explain_job_error(err: Exception, reports: dict[int, str]) -> str:
+    """Word a worker check's job that did not finish (``launch.JobFailed``/``JobTimeout``).
+
+    ``reports``: the messages of ranks whose own check found a mistake before the job broke
+    (they are saved in the ranks' results). Such a report is the most telling thing there is
+    ("it was never all-reduced"): it comes first, and the other rank's failure, usually a
+    consequence (a collective the reporting rank never joined), follows in one line. A timeout
+    says where each rank was stuck, from the ranks' own stack dumps.
+    """
+    from labkit import diagnosis, launch  # lazy: importing exercises stays cheap
+
+    logs = f"Logs: {err.result.log_dir}" if isinstance(err, launch.JobError) else ""
+    # A rank whose check saw its peer vanish reports a consequence, not the learner's mistake.
+    telling = {r: m for r, m in reports.items() if not diagnosis.is_peer_gone(m)}
+    died = isinstance(err, launch.JobFailed) and not err.exc_type and err.exitcode not in (None, 1)
+    if telling and not died:
+        rank = min(telling)
+        then = ""
+        if isinstance(err, launch.JobFailed) and err.rank is not None and err.rank != rank:
+            then = (f" Then rank {err.rank} failed, waiting in a collective that rank {rank} "
+                    "never called: every rank must call the same collectives in the same order.")  # fmt: skip
+        elif isinstance(err, launch.JobTimeout):
+            then = " Then the other rank hung, waiting in a collective this rank never called."
+        return f"{telling[rank]}{then} {logs}".strip()
+    if isinstance(err, launch.JobTimeout):
+        where = "; ".join(f"rank {r} was at {w}" for r, w in sorted(err.where.items()))
+        waiting = [r for r, w in err.where.items() if "(torch)" in w]
+        running = [r for r in err.where if r not in waiting]
+        if waiting and running:
+            likely = (f"rank {', '.join(map(str, sorted(waiting)))} waited in a torch call (a "
+                      f"collective?) that rank {', '.join(map(str, sorted(running)))} never "
+                      "reached")  # fmt: skip
+        elif running:
+            likely = "your code never returned: a loop whose condition never changes?"
+        else:
+            likely = ("every rank waited in a collective: do they call the same collectives "
+                      "in the same order?")  # fmt: skip
+        reason = str(err).splitlines()[0].split(" ", 1)[-1]
+        return (f"the check did not finish ({reason}): {likely}. "
+                f"{where + '. ' if where else ''}{logs}")  # fmt: skip
+    if isinstance(err, launch.JobFailed):
+        what = f"{err.exc_type}: {err.exc_message}" if err.exc_type else err.exc_message
+        frame = _last_code_frame(err.traceback)
+        on = f"on rank {err.rank}" if err.rank is not None else "before any rank ran"
+        return f"the check job failed {on}: {what}{frame}. {logs}"
+    return f"{err}"
+
+
+def _last_code_frame(tb: str) -> str:
+    """" (at file.py, line N: code)" for the innermost frame of a traceback outside labkit and
+    the installed packages: the learner's line that raised."""
+    frames = re.findall(r'  File "([^"]+)", line (\d+), in [^\n]*\n(?:    ([^\n]*)\n)?', tb + "\n")
+    mine = [f for f in frames if not any(p in f[0] for p in ("/labkit/", "-packages/", "<frozen"))]
+    if not mine:
+        return ""
+    path, line, code = mine[-1]
+    return f" (at {Path(path).name}, line {line}: {code.strip()})"
+
+
+# --------------------------------------------------------------------------- time limits
+
+
+
+class TimeLimitReached(BaseException):
+    """Raised inside the learner's code when a check's time is up. A BaseException, like
+    KeyboardInterrupt, so that ``except Exception`` in the learner's code (or in :func:`call`)
+    does not swallow it."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Raise :class:`TimeLimitReached` in this thread if the block runs longer than ``seconds``.
+
+    A real-time timer (SIGALRM, ``signal.setitimer``) interrupts a Python loop at its next
+    bytecode; a long C call (one big matmul) finishes first. Signals reach only the main
+    thread, where Jupyter runs cells; elsewhere the block runs without a limit. A timer that
+    was already set (pytest-timeout's, say) is put back afterwards with the time it has left,
+    and if it would fire first, it keeps its own handler and ours is not set.
+    """
+    if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    outer_left, outer_interval = signal.getitimer(signal.ITIMER_REAL)
+    if 0 < outer_left <= seconds:
+        yield  # the outer timer fires first anyway
+        return
+    started = time.monotonic()
+    previous = signal.signal(signal.SIGALRM, _time_is_up)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if outer_left > 0:
+            left = outer_left - (time.monotonic() - started)
+            signal.setitimer(signal.ITIMER_REAL, max(left, 0.001), outer_interval)
+
+
+def _time_is_up(signum: int, frame: Any) -> None:
+    raise TimeLimitReached("the check's time limit")
+
+
+@contextlib.contextmanager
+def time_limit_paused() -> Iterator[None]:
+    """Stop the clock of an enclosing :func:`time_limit` for the block: a check that launches a
+    job of worker processes gives it the job's own time limit instead (``launch.run``'s
+    ``timeout_s``, which also ends the processes)."""
+    if signal.getsignal(signal.SIGALRM) is not _time_is_up:
+        yield
+        return
+    remaining, _ = signal.setitimer(signal.ITIMER_REAL, 0)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, max(remaining, 0.001))
+
+
 # --------------------------------------------------------------------------- helpers for checks
 
 
@@ -346,13 +491,29 @@ def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     except NotImplementedError:
         raise
     except Exception as err:
-        shown = ", ".join([*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())])
+        shown = ", ".join([*map(short_repr, args),
+                           *(f"{k}={short_repr(v)}" for k, v in kwargs.items())])  # fmt: skip
         raise ExerciseFailed(
             f"{_name(fn)}({shown}) raised {type(err).__name__}: {err}{learner_frame(err)}"
         ) from err
 
 
-def learner_frame(err: BaseException) -> str:
+def short_repr(value: Any, limit: int = 160) -> str:
+    """A one-line repr for messages: a model or a tensor by its kind and shape, never the
+    30-line printout ``repr`` gives of a module."""
+    try:
+        import torch  # only to recognise modules and tensors: already loaded by any check
+    except ImportError:  # pragma: no cover
+        torch = None  # type: ignore[assignment]
+    if torch is not None and isinstance(value, torch.nn.Module):
+        return f"<{type(value).__name__} model>"
+    if torch is not None and isinstance(value, torch.Tensor):
+        return f"<tensor {tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}>"
+    text = " ".join(repr(value).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def learner_frame(err: BaseException, prefix: str = "") -> str:
     """" (at <file>, line N: <code>)" for the last frame outside labkit and torch, or ""."""
     frames = [
         f for f in traceback.extract_tb(err.__traceback__)
@@ -361,7 +522,7 @@ def learner_frame(err: BaseException) -> str:
     if not frames:
         return ""
     f = frames[-1]
-    return f" (at {Path(f.filename).name}, line {f.lineno}: {(f.line or '').strip()})"
+    return f"{prefix} (at {Path(f.filename).name}, line {f.lineno}: {(f.line or '').strip()})"
 
 
 def _name(fn: object) -> str:

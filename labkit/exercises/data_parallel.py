@@ -50,6 +50,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
+from labkit import diagnosis
 from labkit.config import ModelConfig
 from labkit.exercises import (
     ExerciseError,
@@ -57,6 +58,7 @@ from labkit.exercises import (
     ExerciseIncomplete,
     call,
     exercise,
+    explain_job_error,
     incomplete,
     is_stub,
     verify,
@@ -594,8 +596,18 @@ def summarize(exercise_id: str, ranks: Sequence[dict[str, Any]]) -> str:
         reports.append((r, mine[0]))
     for status, kind in (("failed", ExerciseFailed), ("incomplete", ExerciseIncomplete)):
         bad = [(r, x) for r, x in reports if x["status"] == status]
+        # A rank that saw its peer vanish reports a consequence: the other's report comes first.
+        bad.sort(key=lambda rx: diagnosis.is_peer_gone(rx[1]["message"]))
         if bad:
-            err = kind(bad[0][1]["message"])  # a rank-specific message names its rank
+            first, message = bad[0][0], bad[0][1]["message"]  # a rank's message names its rank
+            followed = [r for r, x in bad[1:] if diagnosis.is_peer_gone(x["message"])]
+            if followed and not diagnosis.is_peer_gone(message):
+                message += (
+                    f" Rank {', '.join(map(str, followed))} then failed in a collective that rank "
+                    f"{first} never called: every rank must call the same collectives in the "
+                    "same order."
+                )
+            err = kind(message)
             err.exercise_id = exercise_id
             raise err
     return reports[0][1]["message"]
@@ -607,7 +619,7 @@ def verify_file(
     *,
     nproc: int = 2,
     device: str = "cpu",
-    timeout_s: float = 120,
+    timeout_s: float = 90,
 ) -> tuple[str, str]:
     """Run exercise ``exercise_id``'s check on ``nproc`` ranks against the learner's file.
 
@@ -633,19 +645,14 @@ def verify_file(
         # A rank stuck in a collective that another rank never called fails in 30 s, not 60.
         res = launch.run(WORKER, nproc=nproc, device=device, config=config, timeout_s=timeout_s,
                          stream=False, pg_timeout_s=30)  # fmt: skip
-    except launch.JobTimeout as err:
-        raise _failed(
-            exercise_id,
-            f"ranks {err.ranks} stopped making progress, most likely waiting in a collective "
-            "that another rank never called: every rank must issue the same collectives in "
-            f"the same order. Logs: {err.result.log_dir}",
-        ) from None
-    except launch.JobFailed as err:
-        why = f"{err.exc_type}: {err.exc_message}" if err.exc_type else err.exc_message
-        raise _failed(
-            exercise_id,
-            f"the check job failed on rank {err.rank}: {why}. Logs: {err.result.log_dir}",
-        ) from None
+    except (launch.JobTimeout, launch.JobFailed) as err:
+        reports = {
+            r: x["message"].removeprefix(f"Exercise {exercise_id} failed: ")
+            for r, res in enumerate(err.result.ranks)
+            for x in res.get("results", [])
+            if x.get("id") == exercise_id and x.get("status") != "ok"
+        }
+        raise _failed(exercise_id, explain_job_error(err, reports)) from None
     return summarize(exercise_id, res.ranks), f"checked in {nproc} worker processes"
 
 

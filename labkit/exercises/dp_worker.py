@@ -35,7 +35,8 @@ def main(ctx: dist.Context) -> dict[str, Any]:
             f"config={cfg!r}: needs 'exercises' (a list of ids from "
             f"{sorted(data_parallel.EXERCISES)}) and 'module_dir' (the folder of the file)"
         )
-    with ctx.phase("check"):
+    # Not marked as a collective: the learner's code runs here, and may never reach one.
+    with ctx.phase("check", collective=False):
         results = data_parallel.run_checks(ids, cfg.get("module", "dp_exercises"), cfg["module_dir"])
     for r in results:
         ctx.print0(f"{r['id']}: {r['status']}")

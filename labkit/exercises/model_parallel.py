@@ -52,16 +52,18 @@ from labkit.exercises import (
     _require_callable,
     call,
     exercise,
+    explain_job_error,
     get,
     incomplete,
     learner_frame,
+    time_limit_paused,
     verify,
 )
 
 WORKER = "labkit.exercises.mp_worker"
 NPROC = 2  # ranks the worker-run checks use
 DEVICE = "cpu"  # gloo ranks: every machine has them, and the checks are about correctness
-LAUNCH_TIMEOUT_S = 180.0
+LAUNCH_TIMEOUT_S = 90.0  # start-up takes seconds; only a hung rank gets near it
 PG_TIMEOUT_S = 30.0  # a learner's unmatched collective fails after this, not after 30 minutes
 
 EXERCISES: dict[str, tuple[str, ...]] = {
@@ -196,16 +198,17 @@ def run_in_workers(exercise_id: str, objs: Sequence[Any]) -> str:
 
     spec = answer_spec(exercise_id, objs)
     try:
-        job = launch.run(WORKER, nproc=NPROC, device=DEVICE, config={"cases": [spec]},
-                         timeout_s=LAUNCH_TIMEOUT_S, pg_timeout_s=PG_TIMEOUT_S,
-                         stream=False)  # fmt: skip
+        with time_limit_paused():  # the job has its own limit, and ends its processes
+            job = launch.run(WORKER, nproc=NPROC, device=DEVICE, config={"cases": [spec]},
+                             timeout_s=LAUNCH_TIMEOUT_S, pg_timeout_s=PG_TIMEOUT_S,
+                             stream=False)  # fmt: skip
     except (launch.JobFailed, launch.JobTimeout) as err:
-        raise ExerciseFailed(
-            f"the {NPROC}-rank job running your code did not finish: {err}\nLikely: a rank "
-            "waited in a collective the other rank never called (every rank must call "
-            "all_reduce the same number of times, in the same order), or your code raised "
-            "outside the checked calls"
-        ) from None
+        reports = {
+            r: f"on rank {r} of {NPROC}: {res['cases'][0]['message']}"
+            for r, res in enumerate(err.result.ranks)
+            if res.get("cases") and res["cases"][0].get("status") == "failed"
+        }
+        raise ExerciseFailed(explain_job_error(err, reports)) from None
     return raise_for_results(exercise_id, [r["cases"][0] for r in job.ranks])
 
 
