@@ -94,6 +94,9 @@ def test_run_validates_before_launching(monkeypatch):
     monkeypatch.setattr(launch, "run", must_not_launch)
     with pytest.raises(ValueError, match="global_batch=3"):
         dp_train.run(base(global_batch=3), nproc=2, device="cpu")
+    # A vocabulary smaller than the byte corpus would fail only at the ranks' first forward.
+    with pytest.raises(ValueError, match=r"vocab_size=100 is too small for the corpus"):
+        dp_train.run(base(model={"vocab_size": 100}), nproc=2, device="cpu")
 
 
 # --- counting ---------------------------------------------------------------------------------

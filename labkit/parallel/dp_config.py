@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from labkit.config import ModelConfig, TrainConfig
+from labkit.config import ModelConfig, RunConfig, TrainConfig
 from labkit.memory import optimizer_state_tensors, storage_bytes
 from labkit.parallel.comm import ByteCounter
 from labkit.train import make_optimizer
@@ -212,6 +212,7 @@ def validate_dp_config(
             )
         train_in["micro_batch"] = gb // (world_size * accum)
     train = TrainConfig(**{"micro_batch": 4, "steps": 3, "lr": 1e-2, **train_in})
+    RunConfig(model=model, train=train)  # what only the pair can check (the corpus's vocabulary)
 
     if train.grad_clip is not None and "zero1" in strategies:
         _fail(

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as tdist
 
 from labkit import data, dist, formulas
-from labkit.config import ModelConfig
+from labkit.config import ModelConfig, RunConfig
 from labkit.model import GPT
 from labkit.parallel import pipeline
 from labkit.parallel.timeline import bubble_from_events, common_t0
@@ -85,7 +85,8 @@ def _counts(schedule: str, ms: list[int], p: int) -> list[int]:
 @dist.entrypoint
 def main(ctx: dist.Context) -> dict[str, Any]:
     conf = ctx.config
-    cfg = ModelConfig(**{**DEFAULT_MODEL, **conf.get("model", {})})
+    # RunConfig: a model trained on the byte corpus (vocab_size >= 256), checked before setup.
+    cfg = RunConfig(model=ModelConfig(**{**DEFAULT_MODEL, **conf.get("model", {})})).model
     B = int(conf.get("batch_size", 8))
     ms = conf.get("microbatches", 4)
     ms = [int(ms)] if isinstance(ms, (int, float)) else [int(m) for m in ms]

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from labkit import data, dist, timing
-from labkit.config import ModelConfig, TrainConfig
+from labkit.config import ModelConfig, RunConfig, TrainConfig
 from labkit.model import GPT
 from labkit.parallel import tensor
 from labkit.train import make_optimizer
@@ -142,7 +142,7 @@ def _train(
 @dist.entrypoint
 def main(ctx: dist.Context) -> dict[str, Any]:
     conf = ctx.config
-    cfg = ModelConfig(**{**DEFAULT_MODEL, **conf.get("model", {})})
+    cfg = RunConfig(model=ModelConfig(**{**DEFAULT_MODEL, **conf.get("model", {})})).model
     tensor.validate_tensor_parallel(cfg, ctx.world_size)
     B, steps, seed = (
         int(conf.get("batch_size", 4)),
