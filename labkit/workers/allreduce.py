@@ -6,7 +6,9 @@ Config (all optional):
     numel    elements in the float32 tensor each rank contributes (default 2**20 = 4 MiB)
     repeats  timed all-reduces after warm-up (default 10)
     warmup   untimed all-reduces first: connection setup and caches (default 3)
-    fail_rank  this rank raises before the all-reduce, to show what a failing rank looks like
+    fail_rank  this rank fails before the all-reduce, to show what a failing rank looks like
+    fail_how   how it fails: "raise" (default: a Python exception) or "kill" (it sends itself
+               SIGKILL, the signal Linux's out-of-memory killer sends: no code runs after it)
 
 Each rank fills its tensor with ``rank + 1``; after a sum all-reduce every element must equal
 1 + 2 + ... + n = n(n+1)/2 on every rank. The timing follows NCCL-tests (doc/PERFORMANCE.md):
@@ -19,6 +21,7 @@ Each rank fills its tensor with ``rank + 1``; after a sum all-reduce every eleme
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import statistics
 import time
@@ -47,7 +50,12 @@ def main(ctx: dist.Context) -> dict:
         )
     n = ctx.world_size
 
-    fail_rank = ctx.config.get("fail_rank")
+    fail_rank, fail_how = ctx.config.get("fail_rank"), ctx.config.get("fail_how", "raise")
+    if fail_how not in ("raise", "kill"):
+        raise ValueError(f"config fail_how={fail_how!r}: use 'raise' or 'kill'")
+    if fail_rank == ctx.rank and fail_how == "kill":
+        time.sleep(0.5)  # let the other ranks reach the all-reduce, where they wait for us
+        os.kill(os.getpid(), signal.SIGKILL)
     if fail_rank == ctx.rank:
         raise RuntimeError(f"rank {ctx.rank} fails on purpose (config fail_rank={fail_rank})")
 
