@@ -415,3 +415,45 @@ def test_a_raising_learner_call_shows_its_arguments_briefly():
     message = str(info.value)
     assert message.startswith("broken(<Sequential model>, <tensor (3, 4) float32>, name='xxx")
     assert "Linear(" not in message and len(message) < 400
+
+
+def _job_result(tmp_path):
+    from labkit import launch
+
+    return launch.JobResult(module="w", job_id="j", nproc=2, backend="gloo", device="cpu",
+                            ranks=[{}, {}], wall_s=1.0, log_dir=tmp_path, status="failed",
+                            returncode=1)  # fmt: skip
+
+
+def test_a_worker_check_that_did_not_finish_is_worded_from_the_most_telling_evidence(tmp_path):
+    from labkit import launch
+
+    result = _job_result(tmp_path)
+    # Rank 0 waits in a torch collective, rank 1 loops in the learner's code: a mismatch.
+    hung = launch.JobTimeout(
+        "w timed out after 90.0 s (timeout_s=90); likely hung: rank 1", result=result, ranks=[1],
+        heartbeats={}, where={0: "mp.py, line 3, in f: `dist.all_reduce(x)`, inside all_reduce (torch)",
+                              1: "mp.py, line 5, in f: `while True:`"},
+    )  # fmt: skip
+    text = ex.explain_job_error(hung, {})
+    assert text.startswith("the check did not finish (timed out after 90.0 s (timeout_s=90))")
+    assert "rank 0 waited in a torch call (a collective?) that rank 1 never reached" in text
+    assert "rank 1 was at mp.py, line 5, in f: `while True:`" in text
+    # Both ranks in the learner's own loop.
+    looping = launch.JobTimeout("w timed out", result=result, ranks=[], heartbeats={},
+                                where={0: "mp.py, line 5, in f", 1: "mp.py, line 5, in f"})  # fmt: skip
+    assert "your code never returned: a loop whose condition never changes?" in ex.explain_job_error(looping, {})
+    # A rank's own report beats its peer's "connection closed", which is only an echo.
+    failed = launch.JobFailed("w failed on rank 0: RuntimeError: Connection closed by peer",
+                              result=result, rank=0, exc_type="RuntimeError",
+                              exc_message="Connection closed by peer [127.0.0.1]:1")  # fmt: skip
+    reports = {0: "on rank 0: raised RuntimeError: Connection closed by peer",
+               1: "on rank 1: it was never all-reduced"}  # fmt: skip
+    text = ex.explain_job_error(failed, reports)
+    assert text.startswith("on rank 1: it was never all-reduced Then rank 0 failed, waiting in a "
+                           "collective that rank 1 never called")  # fmt: skip
+    # A rank that died outright is the cause, whatever the others reported about it.
+    died = launch.JobFailed("w failed on rank 1", result=result, rank=1, exitcode=-9,
+                            exc_message="the process was killed by SIGKILL")  # fmt: skip
+    text = ex.explain_job_error(died, reports)
+    assert text.startswith("the check job failed on rank 1: the process was killed by SIGKILL")

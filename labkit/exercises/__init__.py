@@ -394,7 +394,7 @@ def explain_job_error(err: Exception, reports: dict[int, str]) -> str:
         else:
             likely = ("every rank waited in a collective: do they call the same collectives "
                       "in the same order?")  # fmt: skip
-        reason = str(err).splitlines()[0].split(" ", 1)[-1]
+        reason = str(err).splitlines()[0].split(" ", 1)[-1].split(";")[0]  # "timed out after…"
         return (f"the check did not finish ({reason}): {likely}. "
                 f"{where + '. ' if where else ''}{logs}")  # fmt: skip
     if isinstance(err, launch.JobFailed):
