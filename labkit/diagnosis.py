@@ -77,6 +77,20 @@ def is_peer_gone(text: str) -> bool:
     return bool(_PEER_GONE.search(text))
 
 
+# A rank whose collective timed out waited for a peer that never came (gloo's "Timed out
+# waiting ... for recv", NCCL's watchdog): usually the echo of a peer stuck elsewhere.
+_WAIT_TIMEOUT = re.compile(
+    r"Timed out waiting|Watchdog caught collective operation timeout|Socket Timeout",
+    re.IGNORECASE,
+)
+
+
+def is_echo(text: str) -> bool:
+    """Whether an error message is the echo of another rank's trouble: its peer vanished, or a
+    collective timed out waiting for a peer."""
+    return is_peer_gone(text) or bool(_WAIT_TIMEOUT.search(text))
+
+
 _OUT_OF_MEMORY = re.compile(
     r"out of memory|can't allocate memory|Cannot allocate memory|MemoryError|OutOfMemoryError",
     re.IGNORECASE,
@@ -95,7 +109,7 @@ class RankEnd:
         exc_type, exc_message, traceback: its Python exception, from ``error.json``.
         raised_at: when it raised (``time.time()``), from ``error.json``.
         heartbeat: its last labkit heartbeat ({} if none).
-        stopped_by_agent: torchrun sent it SIGTERM while shutting the job down.
+        stopped_by_agent: it died of a signal torchrun sent it while shutting the job down.
     """
 
     rank: int
@@ -107,6 +121,8 @@ class RankEnd:
     raised_at: float | None = None
     heartbeat: dict = field(default_factory=dict)
     stopped_by_agent: bool = False
+    stderr: str = ""  # what it wrote last to stderr (where no error.json tells more)
+    exit_known: bool = False  # torchrun's list of failures was read: absent from it means 0
 
     @property
     def raised(self) -> bool:
@@ -127,24 +143,33 @@ class RankEnd:
     def kind(self) -> str:
         """What the evidence says, most telling first (see :data:`CAUSE_ORDER`)."""
         if self.raised:
-            if _PEER_GONE.search(self.exc_message):
+            if is_peer_gone(self.exc_message):
                 return "peer gone"
-            return "raised in collective" if self.in_collective else "raised"
+            return "waited" if _WAIT_TIMEOUT.search(self.exc_message) else "raised"
         if self.exitcode not in (None, 0):
-            if self.stopped_by_agent and self.signal_name in ("SIGTERM", "SIGKILL"):
-                return "stopped"
-            return "died"
+            return "stopped" if self.stopped_by_agent else "died"
+        if (self.exitcode is None and self.exit_known and self.heartbeat
+                and self.heartbeat.get("phase") != "done"):  # fmt: skip
+            # Not in torchrun's list of failures, so it exited with status 0: before finishing.
+            return "left early"
         return "unknown"
 
+    @property
+    def echo(self) -> bool:
+        """Its failure followed from another rank's (see :data:`ECHOES`)."""
+        return self.kind in ECHOES
 
-CAUSE_ORDER = ("raised", "died", "raised in collective", "peer gone", "stopped", "unknown")
+
+CAUSE_ORDER = ("raised", "died", "left early", "waited", "peer gone", "stopped", "unknown")
 """How likely each kind of ending is to be the root cause, most likely first.
 
-A Python exception outside a collective is the rank's own failure. A rank that died without
-one (an exit code, a signal: the out-of-memory killer) comes next: nobody else makes a process
-exit. An exception inside a collective (a process-group timeout, a shape mismatch) may be the
-rank's own or its peer's doing. "Connection closed by peer" and its kin are always a peer's
-doing, and a rank torchrun stopped during shutdown is the last thing that happened."""
+A Python exception is the rank's own failure. A rank that died without one (an exit code, a
+signal: the out-of-memory killer) comes next: nobody else makes a process exit; and so does a
+rank that exited cleanly before it had finished (``sys.exit(0)`` in the middle of the work).
+The rest are echoes: a collective that timed out waiting for a peer stuck elsewhere,
+"Connection closed by peer" and its kin, a rank torchrun stopped during shutdown."""
+
+ECHOES = ("waited", "peer gone", "stopped")
 
 
 def signal_name(exitcode: int) -> str:
@@ -154,25 +179,34 @@ def signal_name(exitcode: int) -> str:
     return f"signal {-exitcode}"
 
 
-def read_rank_ends(job_dir: Path, nproc: int) -> dict[int, RankEnd]:
+def read_rank_ends(
+    job_dir: Path, nproc: int, agent_log: str | None = None
+) -> dict[int, RankEnd]:
     """Every rank's ending, from the job directory's ``error.json`` files, torchrun's agent log
-    and the heartbeats."""
+    (``agent_log``, the text, if the launcher kept it; else ``agent.log``) and the heartbeats."""
     job_dir = Path(job_dir)
     beats = dist.read_heartbeats(job_dir, nproc)
     ends = {r: RankEnd(r, heartbeat=beats.get(r, {})) for r in range(nproc)}
-    try:
-        agent_log = (job_dir / "agent.log").read_text(errors="replace")
-    except OSError:
-        agent_log = ""
-    stopped = {int(pid) for pid, _ in _AGENT_STOPS.findall(agent_log)}
+    if agent_log is None:
+        try:
+            agent_log = (job_dir / "agent.log").read_text(errors="replace")
+        except OSError:
+            agent_log = ""
+    sent: dict[int, set[str]] = {}  # pid -> the signals torchrun sent it while shutting down
+    for pid, sig in _AGENT_STOPS.findall(agent_log):
+        sent.setdefault(int(pid), set()).add(sig)
     reports = _SUMMARY_ENTRY.findall(agent_log) + [
         (rank, code, pid) for code, rank, pid in _AGENT_FAILED.findall(agent_log)
     ]
+    for end in ends.values():  # torchrun listed the failures: a rank not among them exited 0
+        end.exit_known = bool(reports)
     for rank, code, pid in reports:
         end = ends.get(int(rank))
         if end is not None:
             end.exitcode, end.pid = int(code), int(pid)
-            end.stopped_by_agent = int(pid) in stopped
+            # Stopped by torchrun only if it died of the very signal torchrun sent: a rank the
+            # OOM killer ended (SIGKILL) may also have been sent SIGTERM, too late.
+            end.stopped_by_agent = end.signal_name in sent.get(int(pid), set())
     for r, end in ends.items():
         if end.pid is None and isinstance(end.heartbeat.get("pid"), int):
             end.pid = end.heartbeat["pid"]
@@ -193,7 +227,34 @@ def read_rank_ends(job_dir: Path, nproc: int) -> dict[int, RankEnd]:
                 end.raised_at = float(extra.get("timestamp"))
             except (TypeError, ValueError):
                 end.raised_at = path.stat().st_mtime
+        if not end.raised and end.exitcode not in (None, 0):
+            log = rank_log_path(job_dir, r, "stderr")
+            end.stderr = _tail(log, 200)
+            _read_uncaught(end)
     return ends
+
+
+_EXCEPTION_LINE = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning)?): ?(?P<msg>.*)$")
+
+
+def _read_uncaught(end: RankEnd) -> None:
+    """A rank that raised where torch's ``@record`` could not see it (while its module was
+    imported, or ``sys.exit`` with a message) leaves the traceback in its stderr: read it."""
+    beat_exit = end.heartbeat.get("exit")
+    if isinstance(beat_exit, dict):  # labkit.dist saw sys.exit(...) and said where
+        end.exc_type = "SystemExit"
+        end.exc_message = f"sys.exit({beat_exit.get('code')}) called at {beat_exit.get('where')}"
+        return
+    text = end.stderr.rstrip()
+    start = text.rfind("Traceback (most recent call last):")
+    if start < 0:
+        return
+    block = text[start:].splitlines()
+    last = block[-1] if block else ""
+    m = _EXCEPTION_LINE.match(last)
+    if m and not last.startswith(" "):
+        end.exc_type, end.exc_message = m["type"], m["msg"]
+        end.traceback = "\n".join(block)
 
 
 def root_cause(ends: dict[int, RankEnd]) -> RankEnd | None:
@@ -229,6 +290,15 @@ _SIGNAL_MEANING = {
 
 def how_it_ended(end: RankEnd) -> str:
     """"was killed by SIGKILL: on Linux ..." / "exited with code 3 without a Python exception"."""
+    if end.kind == "left early":
+        beat = end.heartbeat
+        if isinstance(beat.get("exit"), dict):
+            return (f"called sys.exit({beat['exit'].get('code')}) at {beat['exit'].get('where')} "
+                    "before it had finished")  # fmt: skip
+        return (
+            f"exited with status 0 before it had finished (last seen {_where(beat)} in phase "
+            f"'{beat.get('phase')}'): sys.exit(0) or os._exit(0) in the middle of its work?"
+        )
     sig = end.signal_name
     if sig is not None:
         meaning = _SIGNAL_MEANING.get(sig)
@@ -248,14 +318,15 @@ def _one_line(text: str, limit: int = 160) -> str:
 _SOURCE_LOCATION = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
 
 
-def _consequence(end: RankEnd, cause: RankEnd) -> str:
+def _other_failure(end: RankEnd, cause: RankEnd) -> str:
     if end.kind == "stopped":
         return f"rank {end.rank}: stopped by torchrun ({end.signal_name}) once rank {cause.rank} had failed"
     where = f" in collective '{end.heartbeat.get('phase')}'" if end.in_collective else ""
     if end.raised:
         text = _SOURCE_LOCATION.sub("", end.exc_message)
         what = _one_line(f"{end.exc_type}: {text}" if end.exc_type else text)
-        why = f" because rank {cause.rank} was gone" if end.kind == "peer gone" else ""
+        why = {"peer gone": f" because rank {cause.rank} was gone",
+               "waited": f" waiting for rank {cause.rank}"}.get(end.kind, "")  # fmt: skip
         return f"rank {end.rank}: failed{where}{why} ({what})"
     return f"rank {end.rank}: {how_it_ended(end)}"
 
@@ -272,12 +343,14 @@ class FailureReport:
     consequences: list[RankEnd] = field(default_factory=list)
 
 
-def failure_report(job_dir: Path, nproc: int, returncode: int | None) -> FailureReport:
+def failure_report(
+    job_dir: Path, nproc: int, returncode: int | None, agent_log: str | None = None
+) -> FailureReport:
     """Find and word a failed job's root cause, its consequences and its evidence."""
-    ends = read_rank_ends(job_dir, nproc)
+    ends = read_rank_ends(job_dir, nproc, agent_log)
     cause = root_cause(ends)
     if cause is None:
-        return _agent_failure(Path(job_dir), returncode)
+        return _agent_failure(Path(job_dir), returncode, agent_log)
     lines: list[str] = []
     if cause.raised:
         what = f"{cause.exc_type}: {cause.exc_message}" if cause.exc_type else cause.exc_message
@@ -297,7 +370,7 @@ def failure_report(job_dir: Path, nproc: int, returncode: int | None) -> Failure
     headline = f"failed on rank {cause.rank}: {what}"
 
     hung: list[int] = []
-    if cause.kind in ("raised in collective", "peer gone"):
+    if cause.kind in ("waited", "peer gone"):
         # It failed waiting for a peer that never came (a process-group timeout, say): the rank
         # that kept it waiting, outside any collective, is the real suspect.
         beats = {r: e.heartbeat for r, e in ends.items() if e.heartbeat}
@@ -311,40 +384,63 @@ def failure_report(job_dir: Path, nproc: int, returncode: int | None) -> Failure
     log = rank_log_path(job_dir, cause.rank, "stderr")
     if cause.traceback:
         lines.append("  " + "\n  ".join(traceback_excerpt(cause.traceback).splitlines()))
-    elif (tail := _tail(log, EXCERPT_TAIL)) and not cause.raised:
-        lines.append(f"the last lines rank {cause.rank} wrote to stderr:")
-        lines.append("  " + "\n  ".join(tail.splitlines()))
+    elif not cause.raised and (said := stderr_excerpt(cause.stderr or _tail(log, 200))):
+        lines.append(f"what rank {cause.rank} wrote to stderr last:")
+        lines.append("  " + "\n  ".join(said.splitlines()))
     if log is not None:
         lines.append(f"full {'traceback' if cause.raised else 'stderr'}: {log}")
-    others = sorted(
-        (e for e in ends.values() if e is not cause and e.kind != "unknown"),
-        key=lambda e: e.rank,
-    )
-    if others:
+    failed = sorted((e for e in ends.values() if e is not cause and e.kind != "unknown"),
+                    key=lambda e: e.rank)  # fmt: skip
+    echoes = [e for e in failed if e.echo]
+    independent = [e for e in failed if not e.echo]
+    if independent:  # their own failures, not echoes of this one's
+        lines.append("other ranks that failed on their own:")
+        lines += [f"  {_other_failure(e, cause)}" for e in independent]
+    if echoes:
         lines.append(f"what followed from rank {cause.rank}'s failure:")
-        lines += [f"  {_consequence(e, cause)}" for e in others]
-    return FailureReport(cause.rank, headline, lines, cause, hung, others)
+        lines += [f"  {_other_failure(e, cause)}" for e in echoes]
+    return FailureReport(cause.rank, headline, lines, cause, hung, echoes)
 
 
-def agent_excerpt(job_dir: Path) -> str:
-    """The telling lines of torchrun's agent log: its banner left out, a traceback shortened."""
-    try:
-        agent_log = (Path(job_dir) / "agent.log").read_text(errors="replace")
-    except OSError:
-        return ""
+def stderr_excerpt(text: str) -> str:
+    """The telling part of a rank's stderr when it died without a Python exception.
+
+    Native code that aborts (a failed gloo check, a segfault) prints its message, then Python's
+    faulthandler dumps every thread and lists the extension modules: the message is what
+    matters, and of the dump, the line of code the rank was on. Otherwise, the last lines.
+    """
+    lines = text.rstrip().splitlines()
+    fatal = next((i for i, line in enumerate(lines) if line.startswith("Fatal Python error")), None)
+    if fatal is None:
+        return "\n".join(lines[-EXCERPT_TAIL:])
+    said = [line for line in lines[max(fatal - EXCERPT_TAIL, 0) : fatal + 1] if line.strip()]
+    where = where_stuck("\n".join(lines[fatal:]))
+    return "\n".join([*said, *([f"it was at {where}"] if where else [])])
+
+
+def agent_excerpt(job_dir: Path, agent_log: str | None = None) -> str:
+    """The telling lines of torchrun's agent log (``agent_log``, else the job's agent.log): its
+    banner left out, a traceback shortened."""
+    if agent_log is None:
+        try:
+            agent_log = (Path(job_dir) / "agent.log").read_text(errors="replace")
+        except OSError:
+            return ""
     banner = ("*****", "Setting OMP_NUM_THREADS")  # torchrun's standard chatter
     kept = [s for s in agent_log.strip().splitlines() if not s.startswith(banner)]
     return traceback_excerpt("\n".join(kept)) if kept else ""
 
 
-def _agent_failure(job_dir: Path, returncode: int | None) -> FailureReport:
+def _agent_failure(
+    job_dir: Path, returncode: int | None, agent_log: str | None = None
+) -> FailureReport:
     """No rank failed: torchrun's agent itself did (a bad port, a rendezvous error)."""
     how = (
         f"was killed by {signal_name(returncode)}"
         if returncode is not None and returncode < 0
         else f"exited with code {returncode}"
     )
-    excerpt = agent_excerpt(job_dir)
+    excerpt = agent_excerpt(job_dir, agent_log)
     lines = ["  " + "\n  ".join(excerpt.splitlines())] if excerpt else []
     return FailureReport(
         None, f"the torchrun agent {how} before any rank reported an error", lines, None, []

@@ -41,6 +41,7 @@ import signal
 import socket
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -301,8 +302,12 @@ def _run(fn: Callable[[Context], dict[str, Any] | None]) -> None:
         result = fn(ctx)
         if result is not None:
             ctx.write_result(result)
-    except BaseException:
+    except BaseException as exc:
         ctx._beat["failed"] = True  # keep phase/in_collective: where it failed matters
+        if isinstance(exc, SystemExit):  # torch's @record does not report it: we do
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
+            where = f"{os.path.basename(frame.filename)}, line {frame.lineno}: {(frame.line or '').strip()}"
+            ctx._beat["exit"] = {"code": repr(exc.code), "where": where}
         ctx._write_heartbeat()
         raise
     ctx.heartbeat(phase="done")

@@ -882,6 +882,9 @@ def check_allreduce(probe: Probe) -> Check:
             device="auto" if on_gpu else "cpu",
             stream=False,
         )
+    except launch.LaunchError as e:  # no port, a full or unwritable disk: it says which
+        return _fail(f"the {nproc}-rank job could not start: {_first_line(e)}",
+                     "do what the message says, then run the doctor again")  # fmt: skip
     except launch.JobTimeout as e:
         return _fail(
             f"the {nproc}-rank job did not finish in {probe.timeout_s:g} s: {_first_line(e)}",

@@ -215,12 +215,14 @@ class JobFailed(JobError):
         hung_ranks: Sequence[int] = (),
         exitcode: int | None = None,
         consequences: Sequence[int] = (),
+        kind: str = "",
     ) -> None:
         super().__init__(message, result=result)
         self.rank, self.exc_type, self.exc_message = rank, exc_type, exc_message
         self.traceback, self.hung_ranks = traceback, list(hung_ranks)
         self.exitcode = exitcode  # the root cause's exit status (negative: killed by a signal)
         self.consequences = list(consequences)  # ranks whose failure followed from it
+        self.kind = kind  # how the cause ended: diagnosis.CAUSE_ORDER ("raised", "died", ...)
 
 
 class JobTimeout(JobError):
@@ -592,8 +594,13 @@ def run(
             _notify(sup.observers, "on_end", job, result)
     if sup.status == "timeout":
         raise _timeout_error(job, result, sup.timeout_reason, ranks_started=bool(sup.workers))
+    if sup.agent_problem:
+        raise LaunchError(f"{job.module} could not run: {sup.agent_problem}\nlogs in {job_dir}")
     if sup.status == "failed":
-        raise _failure_error(job, result, sup.agent_problem)
+        agent_log = "\n".join(sup.agent_lines)
+        if (full := _disk_full(job_dir)) is not None:  # every later write would fail too
+            raise _disk_error(job_dir, full)
+        raise _failure_error(job, result, agent_log)
     if missing := [r for r in range(nproc) if r not in dist.read_heartbeats(job_dir, nproc)]:
         raise _no_worker_error(job, result, missing)
     return result
@@ -691,6 +698,28 @@ def _make_job_dir(parent: Path, spec: dict[str, Any], *, may_prune: bool) -> Pat
                     continue
             raise _disk_error(parent, e) from e
     raise AssertionError("unreachable")
+
+
+LOW_SPACE_BYTES = 16 << 20
+"""Less free space than this under a job that failed counts as a full disk: its own tidying
+(torchrun's temp folder) frees a few pages after the fact, and a rank or torchrun that could
+not write its files fails in ways that do not say why (an empty error file, say)."""
+
+
+def _disk_full(path: Path) -> OSError | None:
+    """An ENOSPC error if the disk under ``path`` is full or nearly so, else None."""
+    probe = path / f".space-probe-{os.getpid()}"
+    try:
+        probe.write_bytes(b"\0" * 4096)
+        if shutil.disk_usage(path).free < LOW_SPACE_BYTES:
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    except OSError as e:
+        if e.errno in _DISK_FULL:
+            return e
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+    return None
 
 
 def _disk_error(path: Path, e: OSError) -> LaunchError:
@@ -817,6 +846,9 @@ class _Supervisor:
         self._exit_seen: float | None = None
         self._tracebacks: dict[int, list[str]] = {}  # rank -> lines of a traceback being printed
         self.agent_problem: str | None = None  # a failure of torchrun's agent, worded
+        # torchrun's output, also kept here: the diagnosis needs it even when agent.log could
+        # not be written (a full disk). Its failure summary comes last.
+        self.agent_lines: deque[str] = deque(maxlen=20_000)
 
     # -- start ---------------------------------------------------------------------------
 
@@ -948,13 +980,16 @@ class _Supervisor:
 
     def _on_line(self, text: str) -> None:
         assert self._log is not None
+        self.agent_lines.append(text)
         self._log.write(text + "\n")
         # Only rank lines go under the cell; the agent's own chatter (banners, its failure
         # traceback) stays in agent.log: JobFailed reports the root cause more clearly.
+        if self.agent_problem is None and (found := _NO_PORT.search(text)):
+            # The agent's rendezvous or a rank's gloo found no free port: torch would retry
+            # for a minute (and, with ports nearly gone, end in a timeout that names no cause).
+            self.agent_problem = _no_port_message(found.group(1))
         m = _RANK_LINE.match(text)
         if not m:
-            if self.agent_problem is None and (found := _NO_PORT.search(text)):
-                self.agent_problem = _no_port_message(found.group(1))  # it would retry 60 s
             return
         rank, rest = int(m.group(1)), text[m.end() :]
         # torch's excepthook prefixes each line of a rank's uncaught traceback with "[rankN]:".
@@ -1055,12 +1090,18 @@ class _Supervisor:
         )
 
     def stop(self) -> list[int]:
-        """End every process of the job still alive; idempotent. Returns the PIDs it ended."""
+        """End every process of the job still alive; idempotent. Returns the PIDs it ended.
+
+        Besides the agent's tree, any process carrying this job's ``LABKIT_JOB_DIR`` is ended:
+        a child a worker started just before the job finished is orphaned (adopted by PID 1)
+        the moment its parent exits, out of the agent's tree, but it inherited the variable.
+        """
         ended: list[int] = []
         if self.proc is not None:
             if self.proc.poll() is None:
                 self._scan_tree()
-            ended = procs.end_tree([p for p in [self.agent, *self.workers.values()] if p])
+            known = [p for p in [self.agent, *self.workers.values()] if p]
+            ended = procs.end_tree(known + procs.carrying(dist.JOB_DIR_ENV, str(self.job.job_dir)))
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=5)  # reap the agent: no zombie left in the kernel
             if self.returncode is None:
@@ -1073,8 +1114,10 @@ class _Supervisor:
                 self._flush_traceback(rank)
             self.echo.finish()
         if self._log:
-            self._log.close()
-        (procs.registry_dir() / f"{self.job.job_id}.json").unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # a full disk must not stop the tidying below
+                self._log.close()
+        with contextlib.suppress(OSError):
+            (procs.registry_dir() / f"{self.job.job_id}.json").unlink(missing_ok=True)
         shutil.rmtree(self.job.job_dir / "tmp", ignore_errors=True)
         return ended
 
@@ -1138,11 +1181,8 @@ def _timeout_error(
     return JobTimeout(msg, result=result, ranks=hung, heartbeats=beats, where=where)
 
 
-def _failure_error(job: Job, result: JobResult, agent_problem: str | None = None) -> JobFailed:
-    if agent_problem:
-        return JobFailed(f"{job.module} could not start: {agent_problem}\nlogs in {job.job_dir}",
-                         result=result, rank=None, exc_message=agent_problem)  # fmt: skip
-    report = diagnosis.failure_report(job.job_dir, job.nproc, result.returncode)
+def _failure_error(job: Job, result: JobResult, agent_log: str | None = None) -> JobFailed:
+    report = diagnosis.failure_report(job.job_dir, job.nproc, result.returncode, agent_log)
     cause = report.cause
     return JobFailed(
         "\n".join([f"{job.module} {report.headline}", *report.lines, f"logs in {job.job_dir}"]),
@@ -1156,6 +1196,7 @@ def _failure_error(job: Job, result: JobResult, agent_problem: str | None = None
         hung_ranks=report.hung_ranks,
         exitcode=cause.exitcode if cause else result.returncode,
         consequences=[e.rank for e in report.consequences],
+        kind=cause.kind if cause else "agent",
     )
 
 
@@ -1165,8 +1206,9 @@ def _no_worker_error(job: Job, result: JobResult, missing: list[int]) -> JobFail
     return JobFailed(
         f"{job.module}: {which} ran a worker function: the processes exited cleanly without "
         "setting up (no heartbeat, no result). torchrun runs `python -m "
-        f"{job.module}`, so the module must call its @dist.entrypoint function itself: does "
-        'it end with `if __name__ == "__main__": main()`?\n'
+        f"{job.module}`, so the module must call its worker function itself: is that function "
+        'decorated with @dist.entrypoint, and does the module end with `if __name__ == '
+        '"__main__": main()`?\n'
         f"logs in {job.job_dir}",
         result=result,
         rank=missing[0],

@@ -86,6 +86,26 @@ def alive(p: psutil.Process) -> bool:
         return False
 
 
+def carrying(name: str, value: str) -> list[psutil.Process]:
+    """Live processes of this user whose environment has ``name=value``.
+
+    A process inherits its parent's environment, so this finds a job's processes wherever
+    they ended up in the process tree (orphans adopted by PID 1 included). Other users'
+    processes cannot be read and are not looked at.
+    """
+    me = os.getuid()
+    found = []
+    for p in psutil.process_iter(["uids"]):
+        try:
+            if p.info["uids"] is None or p.info["uids"].real != me or p.pid == os.getpid():
+                continue
+            if p.environ().get(name) == value and alive(p):
+                found.append(p)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
 def end_tree(procs: Iterable[psutil.Process], grace_s: float = GRACE_S) -> list[int]:
     """SIGTERM ``procs`` and all their descendants, then SIGKILL what is left after ``grace_s``.
 

@@ -179,6 +179,14 @@ def test_allreduce_failure_is_a_fail_with_the_error_and_a_fix(monkeypatch, tmp_p
     assert check.verdict == "fail" and "did not finish in 7 s" in check.detail
     assert "likely hung: rank 0" in check.detail and str(tmp_path) in check.fix
 
+    def no_port(module, **kw):  # the machine, not the job: the launcher says what to change
+        raise launch.LaunchError("no free local network port (Address already in use): ...")
+
+    monkeypatch.setattr(doctor.launch, "run", no_port)
+    check = doctor.check_allreduce(doctor.Probe())
+    assert check.verdict == "fail" and "could not start: no free local network port" in check.detail
+    assert "surprised" not in check.detail + check.fix
+
 
 def test_allreduce_with_a_wrong_sum_fails(monkeypatch, tmp_path):
     ranks = [{"value": 3.0, "expected": 3.0}, {"value": 2.0, "expected": 3.0}]

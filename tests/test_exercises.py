@@ -450,10 +450,32 @@ def test_a_worker_check_that_did_not_finish_is_worded_from_the_most_telling_evid
     reports = {0: "on rank 0: raised RuntimeError: Connection closed by peer",
                1: "on rank 1: it was never all-reduced"}  # fmt: skip
     text = ex.explain_job_error(failed, reports)
-    assert text.startswith("on rank 1: it was never all-reduced Then rank 0 failed, waiting in a "
+    assert text.startswith("on rank 1: it was never all-reduced. Then rank 0 failed, waiting in a "
                            "collective that rank 1 never called")  # fmt: skip
     # A rank that died outright is the cause, whatever the others reported about it.
     died = launch.JobFailed("w failed on rank 1", result=result, rank=1, exitcode=-9,
                             exc_message="the process was killed by SIGKILL")  # fmt: skip
     text = ex.explain_job_error(died, reports)
     assert text.startswith("the check job failed on rank 1: the process was killed by SIGKILL")
+
+
+def test_code_that_swallows_every_exception_is_stopped_again_and_again(monkeypatch, capsys):
+    """A bare `except:` catches the first stop; the time limit raises again every RETRY_S, so
+    a learner's loop over such blocks still ends, and the learner is told why once."""
+    monkeypatch.setitem(ex._REGISTRY, "01.param_count",
+                        dataclasses.replace(ex.get("01.param_count"), time_limit_s=1.0))  # fmt: skip
+
+    def count_params(cfg):
+        for _ in range(2):
+            try:
+                while True:
+                    pass
+            except:  # noqa: E722 (a learner's code, written as learners write it)
+                pass
+        while True:
+            pass
+
+    ex.check("01.param_count", count_params)
+    out = capsys.readouterr().out
+    assert out.count("labkit: the check's time limit is reached and your code caught") == 1, out
+    assert "✗ 01.param_count" in out and "did not finish within 1 s" in out

@@ -10,6 +10,7 @@ ranks (a sum not averaged) are caught in one real 2-rank launch of the worker.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import textwrap
 from pathlib import Path
 
@@ -365,20 +366,26 @@ def test_a_rank_that_dies_is_reported_as_a_failed_exercise(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_a_learner_loop_that_never_ends_is_found_in_the_learners_line(tmp_path):
+    """Rank 1 loops in the learner's code; rank 0 waits for it in an all-reduce until its
+    process group times out, and its check reports that timeout. The loop is the cause."""
     path = write(tmp_path, "dp_loops", """
+        import torch.distributed as dist
         def allreduce_gradients(model, world_size):
-            done = False
+            done = dist.get_rank() == 0
             while not done:
                 pass
+            for p in model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
         """)  # fmt: skip
     with pytest.raises(ex.ExerciseFailed) as info:
-        exdp.verify_file("02.allreduce_grads", path, timeout_s=25)
+        exdp.verify_file("02.allreduce_grads", path, timeout_s=45)
     message = str(info.value)
     assert "the check did not finish (timed out after" in message, message
     assert "your code never returned: a loop whose condition never changes?" in message
-    for rank in (0, 1):
-        assert f"rank {rank} was at dp_loops.py, line 4, in allreduce_gradients: `while not done:`" in message  # fmt: skip
-    assert "ranks []" not in message and "waiting in a collective" not in message
+    assert "rank 1 was at dp_loops.py, line 5, in allreduce_gradients: `while not done:`" in message
+    assert "Timed out waiting" not in message, "rank 0's timeout is an echo of rank 1's loop"
+    assert "ranks []" not in message and "?." not in message
 
 
 @pytest.mark.slow
@@ -403,3 +410,22 @@ def test_an_allreduce_on_rank_0_only_shows_rank_1s_diagnosis_not_a_model_dump(tm
     assert "Rank 0 then failed in a collective that rank 1 never called" in message
     assert "GPT(" not in message and "Linear(" not in message, "never dump the model"
     assert len(message.splitlines()) <= 2, message
+
+
+def test_a_file_whose_top_level_never_finishes_is_stopped_by_the_time_limit(
+    tmp_path, monkeypatch, capsys
+):
+    """The kernel imports the learner's file (to spot a stub) before any job starts: a loop at
+    its top level must not hang the cell."""
+    monkeypatch.setitem(ex._REGISTRY, "02.allreduce_grads",
+                        dataclasses.replace(ex.get("02.allreduce_grads"), time_limit_s=1.0))  # fmt: skip
+    path = write(tmp_path, "dp_toplevel", """
+        while True:
+            pass
+        def allreduce_gradients(model, world_size):
+            pass
+        """)  # fmt: skip
+    ex.check_in_workers("02.allreduce_grads", path)
+    out = capsys.readouterr().out
+    assert "✗ 02.allreduce_grads" in out and "did not finish within 1 s" in out, out
+    assert "dp_toplevel.py, line 2" in out

@@ -874,14 +874,15 @@ def test_the_agent_failing_to_get_a_port_ends_the_job_at_once(tmp_path):
     job = launch.Job("j", "m", 2, "gloo", "cpu", {}, tmp_path)
     sup = launch._Supervisor(job, [], {}, observers=[], echo=launch._Echo(0, tmp_path))
     sup._log = open(tmp_path / "agent.log", "w")  # noqa: SIM115
-    sup._on_line("[W1203 socket.cpp:764] [c10d] The client socket has failed to connect to "
-                 "127.0.0.1:47555 (errno: 99 - Cannot assign requested address).")  # fmt: skip
+    sup._on_line("[rank0] hello")
+    assert sup.agent_problem is None
+    # A rank's gloo, too, when the ports are nearly gone (the agent got one, the ranks not).
+    sup._on_line("[rank1] [W1203 socket.cpp:764] [c10d] The client socket has failed to connect "
+                 "to 127.0.0.1:47555 (errno: 99 - Cannot assign requested address).")  # fmt: skip
     sup._log.close()
     assert sup.agent_problem.startswith(
         "no free local network port (Cannot assign requested address)"
     )
-    err = launch._failure_error(job, sup.result(), sup.agent_problem)
-    assert str(err).startswith("m could not start: no free local network port") and err.rank is None
 
 
 def test_a_timeout_before_any_rank_started_blames_no_rank(tmp_path):
@@ -971,5 +972,120 @@ def test_a_worker_without_its_main_guard_is_an_error_not_an_empty_success(home, 
         launch.run("unguarded_worker", nproc=2, timeout_s=120, stream=False)
     msg = str(info.value)
     assert msg.startswith("unguarded_worker: no rank ran a worker function"), msg
-    assert 'does it end with `if __name__ == "__main__": main()`?' in msg
+    assert "decorated with @dist.entrypoint" in msg
+    assert 'does the module end with `if __name__ == "__main__": main()`?' in msg
     assert info.value.result.status == "ok" and info.value.result.ranks == [{}, {}]
+
+
+# --- what the audit of these messages found -----------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_rank_that_calls_sys_exit_is_named_with_the_call_and_its_line(home):
+    for code, headline in (
+        (0, "the process called sys.exit(0) at _faults.py, line"),
+        ("I give up", "SystemExit: sys.exit('I give up') called at _faults.py, line"),
+    ):
+        with pytest.raises(launch.JobFailed) as info:
+            launch.run(FAULTS, nproc=2, config={"mode": "sysexit", "code": code}, stream=False,
+                       timeout_s=120)  # fmt: skip
+        msg = str(info.value)
+        assert info.value.rank == 1 and f"failed on rank 1: {headline}" in msg, msg
+        assert "rank 0: failed in collective 'all_reduce' because rank 1 was gone" in msg
+        assert "likely hung" not in msg and "without raising an exception" not in msg
+
+
+@pytest.mark.slow
+def test_mismatched_collectives_show_what_native_code_said_and_the_line(home):
+    """gloo's own check fails and aborts the rank (SIGABRT): its message ("Is there a
+    distributed collective mismatch") and the line the rank was on must be shown, not the
+    tail of Python's thread dump."""
+    with pytest.raises(launch.JobFailed) as info:
+        launch.run(FAULTS, nproc=2, config={"mode": "mismatch"}, stream=False, timeout_s=120)
+    msg = str(info.value)
+    assert "was killed by SIGABRT" in msg, msg
+    assert "collective mismatch" in msg or "doesn't match" in msg
+    assert "it was at _faults.py, line" in msg and "inside all_reduce (torch)" in msg
+    assert "Extension modules" not in msg
+    assert_no_survivors(info.value.result.log_dir)
+
+
+@pytest.mark.slow
+def test_a_child_started_just_before_a_job_ends_is_ended_with_it(home):
+    """Rank 0 starts a child and the job finishes at once: the child is orphaned (adopted by
+    PID 1) before any tree scan saw it; it carries the job's LABKIT_JOB_DIR all the same."""
+    res = launch.run(FAULTS, nproc=2, config={"mode": "ok", "spawn_child": True, "steps": 1},
+                     stream=False, timeout_s=120)  # fmt: skip
+    child = res.rank(0)["child_pid"]
+    assert_no_survivors(res.log_dir, [child])
+
+
+_RAISES_ON_IMPORT = '''
+import no_such_module_anywhere  # noqa: F401
+'''
+
+
+@pytest.mark.slow
+def test_a_worker_whose_import_raises_is_named_with_its_exception(home, tmp_path, monkeypatch):
+    (tmp_path / "import_fails.py").write_text(_RAISES_ON_IMPORT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(launch.JobFailed) as info:
+        launch.run("import_fails", nproc=2, timeout_s=120, stream=False)
+    msg = str(info.value)
+    assert "ModuleNotFoundError: No module named 'no_such_module_anywhere'" in msg, msg
+    assert "without raising an exception" not in msg
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_during_a_job_is_named_and_the_job_tidied(small_disk, monkeypatch):
+    home = small_disk / "labkit"
+    monkeypatch.setenv("LABKIT_HOME", str(home))
+    with pytest.raises((launch.JobFailed, launch.LaunchError)) as info:
+        launch.run(FAULTS, nproc=2, config={"mode": "fill"}, stream=False, timeout_s=120)
+    msg = str(info.value)
+    assert "No space left on device" in msg and "python -m labkit cleanup --runs 0" in msg, msg
+    assert not list((home / "jobs").glob("*.json")), "the registry record is removed"
+
+
+def _fake_job(tmp_path, ranks: dict[int, dict]) -> Path:
+    """A job directory with an error.json per raising rank and torchrun's failure summary."""
+    entries = []
+    for r, how in ranks.items():
+        err = tmp_path / "torchrun" / "x" / "attempt_0" / str(r) / "error.json"
+        err.parent.mkdir(parents=True)
+        err.write_text(json.dumps({"message": {"message": how["message"], "extraInfo": {
+            "py_callstack": "", "timestamp": str(how["t"])}}}))  # fmt: skip
+        entries.append(f"  rank      : {r} (local_rank: {r})\n  exitcode  : 1 (pid: {100 + r})")
+    (tmp_path / "agent.log").write_text("Failures:\n" + "\n".join(entries) + "\n")
+    return tmp_path
+
+
+def test_independent_failures_are_not_called_consequences(tmp_path):
+    job = _fake_job(tmp_path, {
+        0: {"message": "ValueError: bad shape on rank 0", "t": 100.0},
+        1: {"message": "KeyError: 'w' on rank 1", "t": 100.2},
+        2: {"message": "RuntimeError: Connection closed by peer [127.0.0.1]:5", "t": 100.3},
+    })  # fmt: skip
+    report = launch.diagnosis.failure_report(job, 3, 1)
+    text = "\n".join([report.headline, *report.lines])
+    assert report.rank == 0 and report.headline.startswith("failed on rank 0: ValueError")
+    assert "other ranks that failed on their own:\n  rank 1: failed (KeyError: 'w' on rank 1)" in text
+    assert "what followed from rank 0's failure:\n  rank 2: failed because rank 0 was gone" in text
+    assert [e.rank for e in report.consequences] == [2]
+
+
+def test_a_rank_killed_by_sigkill_is_the_cause_even_if_torchrun_also_sent_it_sigterm(tmp_path):
+    """The race the OOM test can hit: torchrun saw rank 0's "connection closed" first and sent
+    SIGTERM to every rank, rank 1 included, which the OOM killer had already SIGKILLed."""
+    err = tmp_path / "torchrun" / "x" / "attempt_0" / "0" / "error.json"
+    err.parent.mkdir(parents=True)
+    err.write_text(json.dumps({"message": {"message": "RuntimeError: Connection closed by peer",
+                                           "extraInfo": {"py_callstack": "", "timestamp": "1"}}}))
+    (tmp_path / "agent.log").write_text(
+        "Sending process 100 closing signal SIGTERM\nSending process 101 closing signal SIGTERM\n"
+        "  rank      : 0 (local_rank: 0)\n  exitcode  : 1 (pid: 100)\n"
+        "  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 101)\n"
+    )  # fmt: skip
+    report = launch.diagnosis.failure_report(tmp_path, 2, 1)
+    assert report.rank == 1 and "killed by SIGKILL" in report.headline
+    assert [e.rank for e in report.consequences] == [0]

@@ -497,3 +497,12 @@ def test_a_trace_with_nan_or_infinity_is_refused_naming_the_line(tmp_path, const
             rf"^{re.escape(str(path))}:3: {constant} is not a JSON number: a trace holds "
             r"finite numbers, and null where a reading is N/A")):  # fmt: skip
         load_trace(path)
+
+
+def test_a_trace_number_that_overflows_a_float_is_refused(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"format": "labkit-metrics-trace", "version": 1,
+                                "metadata": GOOD_META}) + "\n"
+                    + '{"t": 0, "source": "gpu0", "values": {"power_w": -1e999}}\n')  # fmt: skip
+    with pytest.raises(TraceError, match=rf"^{re.escape(str(path))}:2: -1e999 overflows a float"):
+        load_trace(path)

@@ -39,6 +39,7 @@ import inspect
 import numbers
 import re
 import signal
+import sysconfig
 import textwrap
 import threading
 import time
@@ -58,6 +59,8 @@ MODULES: dict[str, str] = {
 TIME_LIMIT_S_DEFAULT = 60.0
 """How long an in-kernel check may run the learner's code: the checks themselves take well
 under a second, so only code that never returns reaches it, even on a busy laptop."""
+
+_STDLIB = sysconfig.get_paths()["stdlib"]
 
 STUB_MESSAGE = "exercise not done yet: replace this line with your code"
 """What the stubs :mod:`labkit.nbgen` generates raise: deliberately no hint, no answer."""
@@ -283,8 +286,9 @@ def report(exercise_id: str, outcome: str | ExerciseError, *, where: str = "") -
               f'More help: ex.hint("{exercise_id}"). {later}')  # fmt: skip
     else:
         text = str(outcome)
-        prefix = f"Exercise {exercise_id} ({ex.title}) failed: "
-        text = text[len(prefix):] if text.startswith(prefix) else text
+        for prefix in (f"Exercise {exercise_id} ({ex.title}) failed: ",
+                       f"Exercise {exercise_id} failed: "):  # fmt: skip
+            text = text.removeprefix(prefix)
         print(f"✗ {exercise_id} ({ex.title}): {text}\n  {later} "
               f'Stuck? ex.hint("{exercise_id}").')  # fmt: skip
     return False
@@ -306,14 +310,18 @@ def check(exercise_id: str, answer: Any) -> Any:
     except ExerciseError as err:
         outcome = err
     except TimeLimitReached as stop:
-        outcome = ExerciseFailed(
-            f"your code did not finish within {limit:g} s, the check's time limit, so the "
-            f"check stopped it{learner_frame(stop, ' while it ran')}. A loop whose condition "
-            "never changes? (Nothing else needs stopping: the notebook can go on.)"
-        )
+        outcome = _timed_out(get(exercise_id), stop)
     passed = report(exercise_id, outcome)
     reference = get(exercise_id).reference
     return None if reference is None else answer if passed else reference
+
+
+def _timed_out(ex: Exercise, stop: TimeLimitReached) -> ExerciseFailed:
+    return ExerciseFailed(
+        f"your code did not finish within {ex.time_limit_s:g} s, the check's time limit, so "
+        f"the check stopped it{learner_frame(stop, ' while it ran')}. A loop whose condition "
+        "never changes? (Nothing else needs stopping: the notebook can go on.)"
+    )
 
 
 def whose(exercise_id: str) -> str:
@@ -337,9 +345,14 @@ def check_in_workers(exercise_id: str, path: str | Path, **options: Any) -> None
     if verify_file is None:
         raise ValueError(f"exercise_id={exercise_id!r} is checked in the kernel: use ex.check")
     try:
-        message, where = verify_file(exercise_id, path, **options)
+        # The kernel imports the learner's file (to spot a stub) before the job starts: a
+        # top-level loop there would hang the cell. The job's own time is its timeout_s.
+        with time_limit(ex.time_limit_s):
+            message, where = verify_file(exercise_id, path, **options)
     except ExerciseError as err:
         report(exercise_id, err)
+    except TimeLimitReached as stop:
+        report(exercise_id, _timed_out(ex, stop))
     else:
         report(exercise_id, message, where=where)
 
@@ -370,9 +383,10 @@ def explain_job_error(err: Exception, reports: dict[int, str]) -> str:
 
     logs = f"Logs: {err.result.log_dir}" if isinstance(err, launch.JobError) else ""
     # A rank whose check saw its peer vanish reports a consequence, not the learner's mistake.
-    telling = {r: m for r, m in reports.items() if not diagnosis.is_peer_gone(m)}
-    died = isinstance(err, launch.JobFailed) and not err.exc_type and err.exitcode not in (None, 1)
-    if telling and not died:
+    telling = {r: m for r, m in reports.items() if not diagnosis.is_echo(m)}
+    died = isinstance(err, launch.JobFailed) and err.kind in ("died", "left early")
+    stuck = isinstance(err, launch.JobTimeout) and any("(torch)" not in w for w in err.where.values())
+    if telling and not died and not stuck:
         rank = min(telling)
         then = ""
         if isinstance(err, launch.JobFailed) and err.rank is not None and err.rank != rank:
@@ -380,11 +394,14 @@ def explain_job_error(err: Exception, reports: dict[int, str]) -> str:
                     "never called: every rank must call the same collectives in the same order.")  # fmt: skip
         elif isinstance(err, launch.JobTimeout):
             then = " Then the other rank hung, waiting in a collective this rank never called."
-        return f"{telling[rank]}{then} {logs}".strip()
+        return f"{_sentence(telling[rank])}{then} {logs}".strip()
     if isinstance(err, launch.JobTimeout):
         where = "; ".join(f"rank {r} was at {w}" for r, w in sorted(err.where.items()))
         waiting = [r for r, w in err.where.items() if "(torch)" in w]
         running = [r for r in err.where if r not in waiting]
+        finished = [r for r, b in err.heartbeats.items() if b.get("phase") == "done"]
+        if finished:
+            where += ("; " if where else "") + f"rank {', '.join(map(str, finished))} had finished"
         if waiting and running:
             likely = (f"rank {', '.join(map(str, sorted(waiting)))} waited in a torch call (a "
                       f"collective?) that rank {', '.join(map(str, sorted(running)))} never "
@@ -395,13 +412,13 @@ def explain_job_error(err: Exception, reports: dict[int, str]) -> str:
             likely = ("every rank waited in a collective: do they call the same collectives "
                       "in the same order?")  # fmt: skip
         reason = str(err).splitlines()[0].split(" ", 1)[-1].split(";")[0]  # "timed out after…"
-        return (f"the check did not finish ({reason}): {likely}. "
-                f"{where + '. ' if where else ''}{logs}")  # fmt: skip
+        return (f"the check did not finish ({reason}): {_sentence(likely)} "
+                f"{_sentence(where) + ' ' if where else ''}{logs}")  # fmt: skip
     if isinstance(err, launch.JobFailed):
         what = f"{err.exc_type}: {err.exc_message}" if err.exc_type else err.exc_message
         frame = _last_code_frame(err.traceback)
         on = f"on rank {err.rank}" if err.rank is not None else "before any rank ran"
-        return f"the check job failed {on}: {what}{frame}. {logs}"
+        return f"the check job failed {on}: {_sentence(what + frame)} {logs}"
     return f"{err}"
 
 
@@ -443,9 +460,11 @@ def time_limit(seconds: float) -> Iterator[None]:
     if 0 < outer_left <= seconds:
         yield  # the outer timer fires first anyway
         return
+    global _TIMES_UP
+    _TIMES_UP = 0
     started = time.monotonic()
     previous = signal.signal(signal.SIGALRM, _time_is_up)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    signal.setitimer(signal.ITIMER_REAL, seconds, RETRY_S)
     try:
         yield
     finally:
@@ -457,7 +476,19 @@ def time_limit(seconds: float) -> Iterator[None]:
 
 
 def _time_is_up(signum: int, frame: Any) -> None:
+    # The timer repeats (every RETRY_S): code with a bare `except:` swallows one raise, and a
+    # loop around it would otherwise run forever. If the first did not stop it, say why once.
+    global _TIMES_UP
+    _TIMES_UP += 1
+    if _TIMES_UP == 2:
+        print("labkit: the check's time limit is reached and your code caught the stop (a bare "
+              "`except:`?); trying again every second. If it never ends, press ■, or restart "
+              "the kernel")  # fmt: skip
     raise TimeLimitReached("the check's time limit")
+
+
+_TIMES_UP = 0
+RETRY_S = 1.0  # after the time limit, raise again this often until the code gives way
 
 
 @contextlib.contextmanager
@@ -468,11 +499,11 @@ def time_limit_paused() -> Iterator[None]:
     if signal.getsignal(signal.SIGALRM) is not _time_is_up:
         yield
         return
-    remaining, _ = signal.setitimer(signal.ITIMER_REAL, 0)
+    remaining, interval = signal.setitimer(signal.ITIMER_REAL, 0)
     try:
         yield
     finally:
-        signal.setitimer(signal.ITIMER_REAL, max(remaining, 0.001))
+        signal.setitimer(signal.ITIMER_REAL, max(remaining, 0.001), interval)
 
 
 # --------------------------------------------------------------------------- helpers for checks
@@ -518,6 +549,7 @@ def learner_frame(err: BaseException, prefix: str = "") -> str:
     frames = [
         f for f in traceback.extract_tb(err.__traceback__)
         if not any(part in f.filename for part in ("/labkit/", "/torch/", "/site-packages/"))
+        and not f.filename.startswith(_STDLIB)  # a regex's or a sleep's frames: not the learner's
     ]  # fmt: skip
     if not frames:
         return ""

@@ -59,8 +59,10 @@ from labkit.exercises import (
     call,
     exercise,
     explain_job_error,
+    get,
     incomplete,
     is_stub,
+    time_limit_paused,
     verify,
 )
 
@@ -592,17 +594,21 @@ def summarize(exercise_id: str, ranks: Sequence[dict[str, Any]]) -> str:
     for r, res in enumerate(ranks):
         mine = [x for x in res.get("results", []) if x.get("id") == exercise_id]
         if not mine:
-            raise _failed(exercise_id, f"rank {r} of {n} reported nothing")
+            raise _failed(
+                exercise_id,
+                f"rank {r} of {n} reported nothing: it ended before its check was done (a "
+                "sys.exit or os._exit in your code?)",
+            )
         reports.append((r, mine[0]))
     for status, kind in (("failed", ExerciseFailed), ("incomplete", ExerciseIncomplete)):
         bad = [(r, x) for r, x in reports if x["status"] == status]
         # A rank that saw its peer vanish reports a consequence: the other's report comes first.
-        bad.sort(key=lambda rx: diagnosis.is_peer_gone(rx[1]["message"]))
+        bad.sort(key=lambda rx: diagnosis.is_echo(rx[1]["message"]))
         if bad:
             first, message = bad[0][0], bad[0][1]["message"]  # a rank's message names its rank
-            followed = [r for r, x in bad[1:] if diagnosis.is_peer_gone(x["message"])]
-            if followed and not diagnosis.is_peer_gone(message):
-                message += (
+            followed = [r for r, x in bad[1:] if diagnosis.is_echo(x["message"])]
+            if followed and not diagnosis.is_echo(message):
+                message = message.rstrip(".") + "." + (
                     f" Rank {', '.join(map(str, followed))} then failed in a collective that rank "
                     f"{first} never called: every rank must call the same collectives in the "
                     "same order."
@@ -643,17 +649,26 @@ def verify_file(
     config = {"exercises": [exercise_id], "module": path.stem, "module_dir": str(path.parent)}
     try:
         # A rank stuck in a collective that another rank never called fails in 30 s, not 60.
-        res = launch.run(WORKER, nproc=nproc, device=device, config=config, timeout_s=timeout_s,
-                         stream=False, pg_timeout_s=30)  # fmt: skip
+        with time_limit_paused():  # the job has its own limit, and ends its processes
+            res = launch.run(WORKER, nproc=nproc, device=device, config=config,
+                             timeout_s=timeout_s, stream=False, pg_timeout_s=30)  # fmt: skip
     except (launch.JobTimeout, launch.JobFailed) as err:
         reports = {
-            r: x["message"].removeprefix(f"Exercise {exercise_id} failed: ")
+            r: _without_prefix(exercise_id, x["message"])
             for r, res in enumerate(err.result.ranks)
             for x in res.get("results", [])
             if x.get("id") == exercise_id and x.get("status") != "ok"
         }
         raise _failed(exercise_id, explain_job_error(err, reports)) from None
     return summarize(exercise_id, res.ranks), f"checked in {nproc} worker processes"
+
+
+def _without_prefix(exercise_id: str, message: str) -> str:
+    """A rank's report without the "Exercise ... failed: " the message will get again."""
+    title = get(exercise_id).title
+    for prefix in (f"Exercise {exercise_id} ({title}) failed: ", f"Exercise {exercise_id} failed: "):
+        message = message.removeprefix(prefix)
+    return message
 
 
 def _failed(exercise_id: str, message: str) -> ExerciseError:

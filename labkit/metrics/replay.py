@@ -171,7 +171,14 @@ def _json(line: str, where: str) -> Any:
         raise TraceError(f"{where}: {constant} is not a JSON number: a trace holds finite "
                          "numbers, and null where a reading is N/A")  # fmt: skip
 
-    return json.loads(line, parse_constant=refuse)
+    def finite(text: str) -> float:  # 1e999 is valid JSON, but float() makes it inf
+        value = float(text)
+        if not math.isfinite(value):
+            raise TraceError(f"{where}: {text} overflows a float: a trace holds finite "
+                             "numbers, and null where a reading is N/A")  # fmt: skip
+        return value
+
+    return json.loads(line, parse_constant=refuse, parse_float=finite)
 
 
 def load_trace(path: str | Path) -> Trace:

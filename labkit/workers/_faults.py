@@ -10,6 +10,11 @@ Config ``mode`` picks the behaviour:
              it: a cgroup's (``cgroup``: a memory cgroup folder it joins; the kernel's OOM
              killer then SIGKILLs it) or RLIMIT_AS (``rlimit_as_mb`` MiB above the address
              space it already has; an allocation then fails and torch raises)
+    "sysexit"  rank ``fail_rank`` calls ``sys.exit(code)`` mid-work (``code`` 0, an int or a
+             message); the others wait in an all_reduce
+    "mismatch" every rank all-reduces a tensor of a different size: gloo's own check fails
+             and aborts the process (SIGABRT), as a learner's mismatched collectives do
+    "fill"   rank ``fail_rank`` writes zeros into the job directory until the disk is full
     "hang"   rank ``hang_rank`` sleeps forever outside any collective after step 1; the others
              reach step 2 and wait in an all_reduce for it (a hung rank and its victims)
 Options for "hang": ``ignore_sigterm`` (every rank ignores SIGTERM, so only SIGKILL ends it),
@@ -67,6 +72,23 @@ def main(ctx: dist.Context) -> None:
             _die(mode, cfg)
         with ctx.phase("all_reduce"):
             tdist.all_reduce(torch.ones(1, device=dist.collective_device()))
+    elif mode == "sysexit":
+        if ctx.rank == int(cfg.get("fail_rank", 1)):
+            time.sleep(0.5)
+            sys.exit(cfg.get("code", 0))
+        with ctx.phase("all_reduce"):
+            tdist.all_reduce(torch.ones(1, device=dist.collective_device()))
+    elif mode == "mismatch":
+        with ctx.phase("all_reduce"):
+            tdist.all_reduce(torch.ones(1 + 2047 * ctx.rank, device=dist.collective_device()))
+    elif mode == "fill":
+        if ctx.rank == int(cfg.get("fail_rank", 0)):
+            with open(ctx.job_dir / "filler", "wb") as f:
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+        with ctx.phase("all_reduce"):
+            tdist.all_reduce(torch.ones(1, device=dist.collective_device()))
     elif mode == "hang":
         ctx.heartbeat(step=1, total=3, phase="compute")
         if ctx.rank == int(cfg.get("hang_rank", 1)):
@@ -76,7 +98,7 @@ def main(ctx: dist.Context) -> None:
             # the victim: waits for the hung rank
             tdist.all_reduce(torch.ones(1, device=dist.collective_device()))
     else:
-        raise ValueError(f"unknown mode {mode!r}: use 'ok', 'raise', 'exit', 'kill', 'oom' or 'hang'")
+        raise ValueError(f"unknown mode {mode!r}: use 'ok', 'raise', 'exit', 'kill', 'oom', 'sysexit', 'mismatch', 'fill' or 'hang'")
 
 
 def _die(mode: str, cfg: dict) -> None:
