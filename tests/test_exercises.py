@@ -454,7 +454,7 @@ def test_a_worker_check_that_did_not_finish_is_worded_from_the_most_telling_evid
                            "collective that rank 1 never called")  # fmt: skip
     # A rank that died outright is the cause, whatever the others reported about it.
     died = launch.JobFailed("w failed on rank 1", result=result, rank=1, exitcode=-9,
-                            exc_message="the process was killed by SIGKILL")  # fmt: skip
+                            kind="died", exc_message="the process was killed by SIGKILL")  # fmt: skip
     text = ex.explain_job_error(died, reports)
     assert text.startswith("the check job failed on rank 1: the process was killed by SIGKILL")
 
