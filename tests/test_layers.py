@@ -24,7 +24,7 @@ LAYERS: dict[str, int] = {
     # training, processes, metric collection
     "train": 2, "procs": 2, "metrics": 2, "diagnosis": 2,
     # measuring memory, launching jobs, judging measurements
-    "memory": 3, "launch": 3, "verdict": 3,
+    "memory": 3, "launch": 3, "verdict": 3, "precision": 3, "roofline": 3,
     # parallel strategies; live plots
     "parallel": 4, "monitor": 4,
     # the jobs notebooks launch
