@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import re
 import textwrap
 from pathlib import Path
 
@@ -379,13 +380,16 @@ def test_a_learner_loop_that_never_ends_is_found_in_the_learners_line(tmp_path):
                     dist.all_reduce(p.grad)
         """)  # fmt: skip
     with pytest.raises(ex.ExerciseFailed) as info:
-        exdp.verify_file("02.allreduce_grads", path, timeout_s=45)
+        exdp.verify_file("02.allreduce_grads", path, timeout_s=20)
     message = str(info.value)
     assert "the check did not finish (timed out after" in message, message
-    assert "your code never returned: a loop whose condition never changes?" in message
-    assert "rank 1 was at dp_loops.py, line 5, in allreduce_gradients: `while not done:`" in message
-    assert "Timed out waiting" not in message, "rank 0's timeout is an echo of rank 1's loop"
-    assert "ranks []" not in message and "?." not in message
+    # Rank 0 is still waiting in its all-reduce (its process group would time out at 30 s).
+    assert "rank 0 waited in a torch call (a collective?) that rank 1 never reached" in message
+    # The dump catches the loop on either of its two lines.
+    assert re.search(r"rank 1 was at dp_loops\.py, line [56], in allreduce_gradients: "
+                     r"`(while not done:|pass)`", message), message  # fmt: skip
+    assert "Timed out waiting" not in message and "ranks []" not in message
+    assert "?." not in message
 
 
 @pytest.mark.slow
