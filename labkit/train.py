@@ -12,6 +12,7 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -94,6 +95,16 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
+class Scaler(Protocol):
+    """What ``train_step`` needs of a loss scaler: ``torch.amp.GradScaler``, or
+    ``labkit.precision.ManualScaler`` (the same algorithm, written out to be read)."""
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor: ...
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def step(self, optimizer: torch.optim.Optimizer) -> Any: ...
+    def update(self) -> None: ...
+
+
 def make_scaler(device: torch.device, dtype: str) -> torch.amp.GradScaler | None:
     """A loss scaler for float16 only: bfloat16 has float32's exponent range and needs none."""
     return torch.amp.GradScaler(device.type) if dtype == "float16" else None
@@ -122,7 +133,7 @@ def train_step(
     *,
     device: torch.device,
     dtype: str = "float32",
-    scaler: torch.amp.GradScaler | None = None,
+    scaler: Scaler | None = None,
     grad_clip: float | None = None,
     no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
 ) -> StepStats:
