@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                                     "a CPU's ratio has no target")  # fmt: skip
     for dtype, r in replicas.items():
         result[dtype].update(first_loss=r.losses[0], last_loss=r.losses[-1],
-                             steps=len(r.losses))  # fmt: skip
+                             steps_incl_warmup=len(r.losses))  # fmt: skip
         if r.scaler is not None:
             result[dtype].update(scaler_skipped_steps=r.skipped_steps,
                                  final_scale=float(r.scaler.get_scale()))  # fmt: skip
