@@ -226,30 +226,38 @@ def _non_negative_int(name: str, value: Any) -> int:
     return int(value)
 
 
-# Square sizes to choose the compute ceiling's matmul from, by device type. Large matmuls reach
-# the most FLOP/s; the largest one that fits the time budget is used.
-_COMPUTE_SIZES = {"cpu": (256, 512, 1024, 2048), "cuda": (1024, 2048, 4096, 8192, 16384)}
+# Square sizes the compute ceiling tries, by device type, each twice the last.
+_COMPUTE_SIZES = {"cpu": (64, 128, 256, 512, 1024, 2048),
+                  "cuda": (1024, 2048, 4096, 8192, 16384)}  # fmt: skip
 
 
-def _auto_matmul_size(dev: torch.device, dtype: torch.dtype, calls: int, budget_s: float) -> int:
-    """The largest size of the ladder whose ``calls`` matmuls should take ≤ ``budget_s``.
+def _budgeted_sizes(dev: torch.device, dtype: torch.dtype, calls: int,
+                    budget_s: float) -> list[int]:  # fmt: skip
+    """The sizes of the ladder whose ``calls`` matmuls each should take ≤ ``budget_s`` in all.
 
-    One call of the smallest size is timed (after one untimed call) and scaled by n³. Small
-    matmuls reach fewer FLOP/s than large ones, so this over-predicts the large sizes' time:
-    the choice errs towards staying within the budget. (bf16 on a CPU without bf16
-    instructions runs at a few GFLOP/s, fp32 at ~100: one fixed size cannot fit both.)
+    Climbs the ladder timing one call per size (after an untimed one), and stops before a
+    size whose calls would pass the budget, predicting its time as 8× the last size's (n³
+    FLOPs, and a larger matmul is no less efficient than a smaller one). Why several sizes
+    rather than the largest: the largest is not always the fastest. bf16 on a CPU without
+    bf16 instructions ran at 3 GFLOP/s at n=128 and 1.3 GFLOP/s at n=512 on a 2-core AMD
+    EPYC, while its fp32 matmuls reached ~170 GFLOP/s at n=1024.
     """
     ladder = _COMPUTE_SIZES["cuda" if dev.type == "cuda" else "cpu"]
-    n0 = ladder[0]
     gen = torch.Generator(device=dev).manual_seed(0)
-    a = torch.randn(n0, n0, generator=gen, device=dev).to(dtype)
-    torch.matmul(a, a)  # the first call selects a kernel and grows the allocator
     timer = timing.Timer(dev)
-    with timer:
-        torch.matmul(a, a)
-    t0 = max(timer.elapsed_s, 1e-9)
-    fits = [n for n in ladder if calls * t0 * (n / n0) ** 3 <= budget_s]
-    return fits[-1] if fits else n0
+    sizes: list[int] = []
+    spent = last = 0.0  # seconds of one call of every size chosen so far; of the last one
+    for n in ladder:
+        if sizes and calls * (spent + 8 * last) > budget_s:
+            break
+        a = torch.randn(n, n, generator=gen, device=dev).to(dtype)
+        torch.matmul(a, a)  # the first call selects a kernel and grows the allocator
+        with timer:
+            torch.matmul(a, a)
+        last = timer.elapsed_s
+        spent += last
+        sizes.append(n)
+    return sizes
 
 
 def measure_compute_ceiling(
@@ -261,14 +269,15 @@ def measure_compute_ceiling(
     warmup: int = 2,
     budget_s: float = 0.5,
 ) -> Ceiling:
-    """The compute roof: the most FLOP/s one large n×n ``torch.matmul`` reaches here.
+    """The compute roof: the most FLOP/s an n×n ``torch.matmul`` reaches here.
 
     Uses :func:`labkit.hardware.measured_matmul_flops` (``labkit.timing.Timer``: CUDA events
-    on a GPU, so queued kernels are counted; the **best** of ``repeats`` calls after
-    ``warmup``, since other processes only ever slow a call down). ``n=None`` picks the
-    largest size whose calls fit in about ``budget_s`` seconds on this device (256 to 2048 on
-    a CPU, 1024 to 16384 on a GPU). ``precision`` "tf32" (CUDA only) enables TF32 for the
-    measurement; "float32" on CUDA is measured with TF32 off, whatever the caller's setting.
+    on a GPU, so queued kernels are counted; the **best** call of the best size, after
+    ``warmup``, since other processes only ever slow a call down). ``n=None`` tries every
+    size of a doubling ladder (64 to 2048 on a CPU, 1024 to 16384 on a GPU) up to the largest
+    whose calls fit in about ``budget_s`` seconds; ``n`` measures that one size. "tf32" (CUDA
+    only) enables TF32 for the measurement; "float32" on CUDA is measured with TF32 off,
+    whatever the caller's setting.
     """
     dev = _device(device)
     name = precision_name(precision)
@@ -279,10 +288,11 @@ def measure_compute_ceiling(
         raise ValueError(f"budget_s={budget_s!r} is not allowed: a positive number of seconds")
     with _matmul_mode(name, dev):
         if n is None:
-            n = _auto_matmul_size(dev, _STORAGE[name], repeats + warmup + 1, budget_s)
-        n = _positive_int("n", n)
-        m = hardware.measured_matmul_flops(dtype=_STORAGE[name], n=n, device=dev,
-                                           repeats=repeats, warmup=warmup)  # fmt: skip
+            sizes = _budgeted_sizes(dev, _STORAGE[name], repeats + warmup, budget_s)
+        else:
+            sizes = [_positive_int("n", n)]
+        m = hardware.measured_matmul_flops(dtype=_STORAGE[name], device=dev, repeats=repeats,
+                                           warmup=warmup, shapes=[(k, k, k) for k in sizes])
     return Ceiling(
         value=m.value, unit=FLOPS, precision=name, device_name=device_name(dev),
         kind="measured", device=str(dev), when=_utc_now(),
@@ -420,7 +430,8 @@ class Point:
     @property
     def fraction_of_roof(self) -> float:
         """Achieved ÷ attainable. Above 1 means the model's bytes were not all from memory
-        (caches served some) or the roof was measured under heavier load than the kernel."""
+        (caches served some), or the roof was measured under heavier load than the kernel,
+        or at shapes that run slower than the kernel's."""
         return self.achieved_flops_per_s / self.attainable_flops_per_s
 
     def __str__(self) -> str:
@@ -570,10 +581,18 @@ def measure_roofline(
 # The figure
 
 
+def _near_before(xy: Sequence[tuple[float, float]], i: int) -> int:
+    """How many of the positions before ``xy[i]`` lie within a factor 1.5 of it on both log
+    axes: its label moves down one line for each, so labels of near-coincident marks (one
+    kernel in two precisions, two precisions' ridges) do not print over each other."""
+    x, y = xy[i]
+    return sum(1 for u, v in xy[:i] if max(u / x, x / u) < 1.5 and max(v / y, y / v) < 1.5)
+
+
 def plot_roofline(roofline: Roofline, points: Sequence[Point] = (), ax: Any = None, *,
                   published: Sequence[Ceiling] = ()) -> Any:  # fmt: skip
     """Draw the roofline on log-log axes: each measured roof (solid), its ridge point marked,
-    each kernel as a labelled dot, datasheet ``published`` ceilings dashed. A caption says
+    each kernel as a labelled square, datasheet ``published`` ceilings dashed. A caption says
     what was measured and what modelled. Returns the matplotlib Axes."""
     import matplotlib.pyplot as plt  # lazy: importing labkit must stay cheap
     import numpy as np
@@ -586,6 +605,11 @@ def plot_roofline(roofline: Roofline, points: Sequence[Point] = (), ax: Any = No
         raise ValueError("points must be Point objects: make them with roofline.place(...)")
     if not all(isinstance(c, Ceiling) and c.kind == "published" for c in published):
         raise ValueError("published must hold published Ceilings (published_ceilings(name))")
+    others = sorted({c.device_name for c in published} - {roofline.device_name})
+    if others:
+        raise ValueError(f"published holds figures for {others}, but the roofline is of "
+                         f"{roofline.device_name!r}: a datasheet is compared with its own "
+                         f"device; use published_ceilings({roofline.device_name!r})")  # fmt: skip
     if ax is None:
         _, ax = plt.subplots(figsize=(8, 5))
 
@@ -593,31 +617,34 @@ def plot_roofline(roofline: Roofline, points: Sequence[Point] = (), ax: Any = No
     xs = ridges + [p.intensity for p in points]
     x = np.logspace(math.log10(min(xs) / 16), math.log10(max(xs) * 16), 200)
     bw = roofline.bandwidth
-    for c, ridge in zip(roofline.compute, ridges, strict=True):
+    ridge_xy = [(r, c.value) for r, c in zip(ridges, roofline.compute, strict=True)]
+    for i, (c, ridge) in enumerate(zip(roofline.compute, ridges, strict=True)):
         (line,) = ax.plot(x, np.minimum(c.value, x * bw.value), linewidth=2,
                           label=f"{c.precision} roof: {_rate(c.value, FLOPS)} (measured)")  # fmt: skip
         ax.plot([ridge], [c.value], "o", color=line.get_color(), markersize=7)
+        near = _near_before(ridge_xy, i)
         ax.annotate(f"ridge {ridge:.3g} FLOP/B", (ridge, c.value), textcoords="offset points",
-                    xytext=(6, -14), fontsize=8, color=line.get_color())  # fmt: skip
+                    xytext=(6, -14 - 10 * near), fontsize=8, color=line.get_color())  # fmt: skip
     ax.plot([], [], " ", label=f"memory slope: {_rate(bw.value, BYTES)} (measured copy, "
                                "read + write)")  # fmt: skip
     for c in published:
         if c.unit == FLOPS:
             ax.axhline(c.value, linestyle="--", color="grey", linewidth=1,
-                       label=f"{c.precision} {_rate(c.value, FLOPS)} (published, not measured)")
+                       label=f"{c.precision} {_rate(c.value, FLOPS)} (datasheet, not measured)")
         else:
             ax.plot(x, x * c.value, linestyle="--", color="grey", linewidth=1,
-                    label=f"memory {_rate(c.value, BYTES)} (published, not measured)")
-    for p in points:
+                    label=f"memory {_rate(c.value, BYTES)} (datasheet, not measured)")
+    for i, p in enumerate(points):
         ax.plot([p.intensity], [p.achieved_flops_per_s], "s", color="black", markersize=5)
+        near = _near_before([(q.intensity, q.achieved_flops_per_s) for q in points], i)
         ax.annotate(p.name, (p.intensity, p.achieved_flops_per_s), textcoords="offset points",
-                    xytext=(5, 4), fontsize=8)  # fmt: skip
+                    xytext=(5, 4 - 10 * near), fontsize=8)  # fmt: skip
     ax.set_xscale("log")
     ax.set_yscale("log")
     top = max([c.value for c in (*roofline.compute, *published) if c.unit == FLOPS]
               + [p.achieved_flops_per_s for p in points])  # fmt: skip
     bottom = min([x[0] * bw.value] + [p.achieved_flops_per_s for p in points])
-    ax.set_ylim(bottom / 2, top * 3)
+    ax.set_ylim(bottom / 2, top * 30)  # room above the roofs for the legend
     ax.set_xlim(x[0], x[-1])
     ax.set_xlabel("arithmetic intensity (FLOPs per byte moved)")
     ax.set_ylabel("FLOP/s")

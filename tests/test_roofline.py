@@ -86,14 +86,27 @@ def test_compute_ceiling_is_flops_of_the_best_call(monkeypatch):
     assert c.precision == "bfloat16"
 
 
-@pytest.mark.parametrize(("elapsed", "expected"), [(1e-3, 512), (1e-5, 2048), (1.0, 256)])
-def test_auto_size_is_the_largest_whose_calls_fit_the_budget(monkeypatch, elapsed, expected):
-    # one call of 256² takes `elapsed`; 8 calls of n² are predicted at 8·elapsed·(n/256)³:
-    # 1 ms -> 512 takes 64 ms, 1024 takes 0.51 s > 0.5 s; 10 µs -> even 2048 (41 ms) fits;
-    # 1 s -> nothing fits, so the smallest size
-    monkeypatch.setattr(roofline.timing, "Timer", type("T", (FakeTimer,), {"elapsed": elapsed}))
-    size = roofline._auto_matmul_size(torch.device("cpu"), torch.float32, 8, 0.5)
-    assert size == expected
+def test_the_ladder_stops_before_a_size_that_would_pass_the_budget(monkeypatch):
+    # one call each of 64², 128², 256², 512² takes 0.1, 0.8, 6.4, 51.2 ms (n³). Before 512²:
+    # 8 calls x (7.3 ms so far + 8 x 6.4 ms) = 0.47 s <= 1 s, go on. Before 1024²: 8 x (58.5 ms
+    # + 8 x 51.2 ms) = 3.7 s > 1 s: stop (without the 8x for n³ it would be 0.88 s, and go on).
+    elapsed = iter([1e-4, 8e-4, 6.4e-3, 5.12e-2])
+
+    class Timer(FakeTimer):
+        def __exit__(self, *exc):
+            self.elapsed_s = next(elapsed)
+
+    monkeypatch.setattr(roofline.timing, "Timer", Timer)
+    assert roofline._budgeted_sizes(torch.device("cpu"), torch.float32, 8, 1.0) == [64, 128,
+                                                                                  256, 512]
+    elapsed = iter([1.0])  # even the smallest size is over budget: it alone is measured
+    assert roofline._budgeted_sizes(torch.device("cpu"), torch.float32, 8, 0.5) == [64]
+
+
+def test_the_ceiling_is_the_best_size_not_the_largest(monkeypatch):
+    monkeypatch.setattr(roofline, "_COMPUTE_SIZES", {"cpu": (8, 16, 32)})
+    c = roofline.measure_compute_ceiling("cpu", "float32", repeats=1, warmup=0, budget_s=10.0)
+    assert "3 shapes, fastest" in c.method
 
 
 def test_compute_ceiling_refuses_bad_arguments():
@@ -293,7 +306,7 @@ def test_the_figure_draws_log_log_marks_the_ridge_and_labels_every_point():
     assert "time measured, FLOPs and bytes modelled" in caption
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert any("(measured)" in t for t in legend)
-    assert any("published, not measured" in t for t in legend)
+    assert any("datasheet, not measured" in t for t in legend)
     # the roof is min(peak, I·BW): its right end is flat at the peak
     roof = ax.get_lines()[0]
     assert roof.get_ydata()[-1] == 100.0 and roof.get_ydata()[0] < 100.0
@@ -313,6 +326,9 @@ def test_the_figure_without_points_and_refusals():
         roofline.plot_roofline(toy(), [(1.0, 2.0)])
     with pytest.raises(ValueError, match="published"):
         roofline.plot_roofline(toy(), published=[measured(1.0, roofline.BYTES)])
+    h100 = roofline.published_ceilings("NVIDIA H100 80GB HBM3").ceilings
+    with pytest.raises(ValueError, match="its own device"):
+        roofline.plot_roofline(toy(), published=h100)  # a CPU's roof beside an H100's sheet
 
 
 # --- precisions compared ------------------------------------------------------------------------
