@@ -14,7 +14,7 @@
 #   record-trace  (not with --dry-run) notebook 01's training run recorded from NVML into
 #                 OUT/traces/, to be checked in under labkit/metrics/traces/
 #   all-tests     (only with --all-tests) the whole test suite
-#   bench-gpu-throughput, bench-train-step, bench-sampler   benchmarks/ on the GPU, JSON into OUT/
+#   bench-gpu-throughput, bench-train-step, bench-sampler, bench-precision   benchmarks/ on the GPU, JSON into OUT/
 #   notebook:NAME each solutions/NN_*.ipynb through papermill at size="gpu" into OUT/notebooks/
 #   bench-launch  (only with --dry-run or --with-launch) benchmarks/bench_launch.py: 2 ranks
 #                 over gloo, the launcher and not the GPU, so a short GPU session skips it
@@ -334,11 +334,13 @@ if [ "$DRY" = 1 ]; then
   TP_ARGS=(--allow-cpu --warmup 1 --steps 3)
   TS_ARGS=(--size smoke --rounds 3 --warmup 1)
   SA_ARGS=(--size smoke --rounds 1 --warmup 0 --block-s 0.3)
+  PR_ARGS=(--rounds 2 --warmup 1)
   LA_ARGS=(--rounds 1 --warmup 0)
 else
   TP_ARGS=()
   TS_ARGS=(--size gpu)
   SA_ARGS=(--size gpu --rounds 4)
+  PR_ARGS=(--size lab)
   LA_ARGS=()
 fi
 step bench-gpu-throughput 120 "" -- \
@@ -347,6 +349,8 @@ step bench-train-step 120 "" -- \
   "$PY" -m benchmarks.bench_train_step "${TS_ARGS[@]}" --out "$OUT/bench_train_step.json"
 step bench-sampler 90 "" -- \
   "$PY" -m benchmarks.bench_sampler "${SA_ARGS[@]}" --out "$OUT/bench_sampler.json"
+step bench-precision 120 "" -- \
+  "$PY" -m benchmarks.bench_precision "${PR_ARGS[@]}" --out "$OUT/bench_precision.json"
 
 # --- notebooks -----------------------------------------------------------------------------------
 

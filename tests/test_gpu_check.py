@@ -62,6 +62,7 @@ def test_dry_run_passes_every_step(dry_run):
         "bench-gpu-throughput",
         "bench-train-step",
         "bench-sampler",
+        "bench-precision",
         f"notebook:{SOLUTIONS[0].stem}",
         f"notebook:{SOLUTIONS[1].stem}",
         "bench-launch",
