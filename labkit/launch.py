@@ -1184,14 +1184,16 @@ def _timeout_error(
 def _failure_error(job: Job, result: JobResult, agent_log: str | None = None) -> JobFailed:
     report = diagnosis.failure_report(job.job_dir, job.nproc, result.returncode, agent_log)
     cause = report.cause
+    if cause is None:  # torchrun's agent failed, no rank
+        said = report.headline
+    else:
+        said = cause.exc_message if cause.raised else f"the process {diagnosis.how_it_ended(cause)}"
     return JobFailed(
         "\n".join([f"{job.module} {report.headline}", *report.lines, f"logs in {job.job_dir}"]),
         result=result,
         rank=report.rank,
         exc_type=cause.exc_type if cause else "",
-        exc_message=(cause.exc_message if cause.raised else f"the process {diagnosis.how_it_ended(cause)}")
-        if cause
-        else report.headline,
+        exc_message=said,
         traceback=cause.traceback if cause else "",
         hung_ranks=report.hung_ranks,
         exitcode=cause.exitcode if cause else result.returncode,

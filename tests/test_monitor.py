@@ -532,14 +532,20 @@ NOTEBOOK_CELLS = [
 ]
 
 
+def run_cells(tmp_path, cells: list[str]):
+    """The executed notebook of ``cells``, run in a fresh kernel by papermill (as nbval and the
+    course's tests run notebooks)."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in cells]
+    path = tmp_path / "in.ipynb"
+    nbformat.write(nb, path)
+    return pm.execute_notebook(str(path), str(tmp_path / "out.ipynb"), kernel_name="python3",
+                               cwd=str(tmp_path), execution_timeout=120, progress_bar=False)  # fmt: skip
+
+
 @pytest.mark.slow
 def test_papermill_run_leaves_exactly_one_figure_and_one_table(tmp_path):
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(src) for src in NOTEBOOK_CELLS]
-    path = tmp_path / "monitor.ipynb"
-    nbformat.write(nb, path)
-    out = pm.execute_notebook(str(path), str(tmp_path / "out.ipynb"), kernel_name="python3",
-                              cwd=str(tmp_path), execution_timeout=120, progress_bar=False)  # fmt: skip
+    out = run_cells(tmp_path, NOTEBOOK_CELLS)
     for cell in out.cells[1:3]:
         data = [o.get("data", {}) for o in cell.outputs]
         assert sum("image/png" in d for d in data) == 1, cell.source
@@ -570,12 +576,7 @@ def test_clear_output_under_a_live_monitor_keeps_the_final_figure(tmp_path):
     """In a real kernel, run by nbclient (which drops a cleared display_id's updates, as
     JupyterLab's output area does): after the learner's clear_output the final figure and
     the table are still under the cell, once each, below what the learner printed last."""
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(src) for src in CLEARING_CELLS]
-    path = tmp_path / "clearing.ipynb"
-    nbformat.write(nb, path)
-    out = pm.execute_notebook(str(path), str(tmp_path / "out.ipynb"), kernel_name="python3",
-                              cwd=str(tmp_path), execution_timeout=120, progress_bar=False)  # fmt: skip
+    out = run_cells(tmp_path, CLEARING_CELLS)
     assert out.cells[2].outputs[0]["text"].split() == ["True"]  # a live frame was shown
     outputs = out.cells[1].outputs
     data = [o.get("data", {}) for o in outputs]

@@ -285,13 +285,19 @@ def report(exercise_id: str, outcome: str | ExerciseError, *, where: str = "") -
         print(f"○ {exercise_id} ({ex.title}) is not done yet. Hint: {_sentence(ex.hints[0])} "
               f'More help: ex.hint("{exercise_id}"). {later}')  # fmt: skip
     else:
-        text = str(outcome)
-        for prefix in (f"Exercise {exercise_id} ({ex.title}) failed: ",
-                       f"Exercise {exercise_id} failed: "):  # fmt: skip
-            text = text.removeprefix(prefix)
+        text = without_failed_prefix(exercise_id, str(outcome))
         print(f"✗ {exercise_id} ({ex.title}): {text}\n  {later} "
               f'Stuck? ex.hint("{exercise_id}").')  # fmt: skip
     return False
+
+
+def without_failed_prefix(exercise_id: str, text: str) -> str:
+    """``text`` without the "Exercise <id> (<title>) failed: " that :func:`verify` (or a
+    worker's report) put in front of it: the line a check prints says it once."""
+    title = get(exercise_id).title
+    for prefix in (f"Exercise {exercise_id} ({title}) failed: ", f"Exercise {exercise_id} failed: "):
+        text = text.removeprefix(prefix)
+    return text
 
 
 def check(exercise_id: str, answer: Any) -> Any:
@@ -426,7 +432,7 @@ def _last_code_frame(tb: str) -> str:
     """" (at file.py, line N: code)" for the innermost frame of a traceback outside labkit and
     the installed packages: the learner's line that raised."""
     frames = re.findall(r'  File "([^"]+)", line (\d+), in [^\n]*\n(?:    ([^\n]*)\n)?', tb + "\n")
-    mine = [f for f in frames if not any(p in f[0] for p in ("/labkit/", "-packages/", "<frozen"))]
+    mine = [f for f in frames if _is_learners(f[0])]
     if not mine:
         return ""
     path, line, code = mine[-1]
@@ -544,13 +550,17 @@ def short_repr(value: Any, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def _is_learners(path: str) -> bool:
+    """Whether a traceback frame's file is the learner's code: not labkit's, not an installed
+    package's (torch...), not the standard library's (a regex's or a sleep's frames)."""
+    if any(part in path for part in ("/labkit/", "/torch/", "-packages/", "<frozen")):
+        return False
+    return not path.startswith(_STDLIB)
+
+
 def learner_frame(err: BaseException, prefix: str = "") -> str:
     """" (at <file>, line N: <code>)" for the last frame outside labkit and torch, or ""."""
-    frames = [
-        f for f in traceback.extract_tb(err.__traceback__)
-        if not any(part in f.filename for part in ("/labkit/", "/torch/", "/site-packages/"))
-        and not f.filename.startswith(_STDLIB)  # a regex's or a sleep's frames: not the learner's
-    ]  # fmt: skip
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if _is_learners(f.filename)]
     if not frames:
         return ""
     f = frames[-1]

@@ -59,11 +59,11 @@ from labkit.exercises import (
     call,
     exercise,
     explain_job_error,
-    get,
     incomplete,
     is_stub,
     time_limit_paused,
     verify,
+    without_failed_prefix,
 )
 
 WORKER = "labkit.exercises.dp_worker"
@@ -654,21 +654,13 @@ def verify_file(
                              timeout_s=timeout_s, stream=False, pg_timeout_s=30)  # fmt: skip
     except (launch.JobTimeout, launch.JobFailed) as err:
         reports = {
-            r: _without_prefix(exercise_id, x["message"])
+            r: without_failed_prefix(exercise_id, x["message"])
             for r, res in enumerate(err.result.ranks)
             for x in res.get("results", [])
             if x.get("id") == exercise_id and x.get("status") != "ok"
         }
         raise _failed(exercise_id, explain_job_error(err, reports)) from None
     return summarize(exercise_id, res.ranks), f"checked in {nproc} worker processes"
-
-
-def _without_prefix(exercise_id: str, message: str) -> str:
-    """A rank's report without the "Exercise ... failed: " the message will get again."""
-    title = get(exercise_id).title
-    for prefix in (f"Exercise {exercise_id} ({title}) failed: ", f"Exercise {exercise_id} failed: "):
-        message = message.removeprefix(prefix)
-    return message
 
 
 def _failed(exercise_id: str, message: str) -> ExerciseError:
