@@ -12,7 +12,7 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import nn
@@ -239,16 +239,27 @@ def train(
     device: torch.device | None = None,
     on_step: Callable[[int, StepStats], None] | None = None,
     no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+    scaler: Scaler | None | Literal["auto"] = "auto",
 ) -> History:
     """Train ``model`` for ``cfg.train.steps`` steps on random windows of ``train_data``,
-    with the learning rate of :func:`lr_at` at each step."""
+    with the learning rate of :func:`lr_at` at each step.
+
+    ``scaler``: "auto" gives float16 a ``torch.amp.GradScaler`` and other dtypes none
+    (:func:`make_scaler`); a scaler object is used as given (``labkit.precision.ManualScaler``
+    keeps a history of its scale); None trains without loss scaling, also in float16, to show
+    what loss scaling prevents.
+    """
     from labkit.data import get_batch  # data depends on nothing here; import where used
 
     t = cfg.train
     device = device or resolve_device(t.device)
     model.to(device).train()
     optimizer = make_optimizer(model, t)
-    scaler = make_scaler(device, t.dtype)
+    if isinstance(scaler, str):
+        if scaler != "auto":
+            raise ValueError(f"scaler={scaler!r} is not allowed: 'auto', None (no loss scaling) "
+                             "or a scaler object such as torch.amp.GradScaler")  # fmt: skip
+        scaler = make_scaler(device, t.dtype)
     gen = torch.Generator().manual_seed(t.seed)
     val_gen = torch.Generator().manual_seed(t.seed + 1)
     history = History()

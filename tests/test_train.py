@@ -100,3 +100,33 @@ def test_progress_prints_a_bounded_number_of_lines():
     for step in range(1, 101):
         progress(step, stats)
     assert len(lines) == 5 and lines[-1].startswith("step   100/100")
+
+
+def _fp16_run(scaler):
+    from labkit import config, data
+
+    cfg = config.preset("smoke").replace(steps=3, dtype="float16")
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    splits = data.load_splits()
+    return train.train(model, cfg, splits.train, device=torch.device("cpu"), scaler=scaler)
+
+
+def test_train_takes_a_scaler_or_none_or_auto(monkeypatch):
+    from labkit.precision import ManualScaler
+
+    manual = ManualScaler(growth_interval=2)  # GradScaler's defaults but a short interval
+    manual_run = _fp16_run(manual)
+    assert [h.step for h in manual.history] == [1, 2, 3]  # the scaler given was the one used
+    assert manual.history[2].scale == 2 * manual.history[0].scale  # grew after 2 clean steps
+    auto_run = _fp16_run("auto")  # GradScaler: the same rule, and no growth in 3 steps
+    assert auto_run.loss[:2] == manual_run.loss[:2]  # the scales differ only from step 3
+
+    def no_default(*args):
+        raise AssertionError("scaler=None must not fall back to the default scaler")
+
+    monkeypatch.setattr(train, "make_scaler", no_default)
+    unscaled = _fp16_run(None)  # no scaler at all: fp16 gradients as they come
+    assert len(unscaled.loss) == 3
+    with pytest.raises(ValueError, match="'auto', None"):
+        _fp16_run("yes")
