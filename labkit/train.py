@@ -239,7 +239,7 @@ def train(
     device: torch.device | None = None,
     on_step: Callable[[int, StepStats], None] | None = None,
     no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
-    scaler: Scaler | None | Literal["auto"] = "auto",
+    scaler: Scaler | Literal["auto"] | None = "auto",
 ) -> History:
     """Train ``model`` for ``cfg.train.steps`` steps on random windows of ``train_data``,
     with the learning rate of :func:`lr_at` at each step.
