@@ -27,6 +27,7 @@ LAYERS: dict[str, int] = {
     "memory": 3, "launch": 3, "verdict": 3, "precision": 3, "roofline": 3,
     # parallel strategies; live plots
     "parallel": 4, "monitor": 4,
+    "fp8": 4,  # fp8 cast numerics and torchao fp8 training, over precision
     # the jobs notebooks launch
     "workers": 5,
     # what notebooks and instructors call

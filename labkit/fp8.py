@@ -1,0 +1,347 @@
+"""fp8: what casting to 8-bit floats does to real tensors, and real fp8 training where it runs.
+
+Two parts, kept apart:
+
+1. Numerics, on any machine (``tensorwise_scale``, ``round_trip``, ``measure_fp8_error``,
+   ``fp8_error_table``): cast a tensor to e4m3 or e5m2, with and without a per-tensor scale,
+   back to fp32, and measure what was lost: relative RMS error, values flushed to zero, values
+   out of range (and what the cast made of them: ±max, inf or NaN).
+2. Training (``fp8_training_support``, ``convert_for_fp8_training``): torchao's float8
+   training swaps ``nn.Linear`` layers for ``Float8Linear``, whose matmuls run on fp8 tensor
+   cores. Those exist from compute capability 8.9 (Ada, Hopper, Blackwell); elsewhere this
+   module says why not and refuses, never falling back to bf16 while calling it fp8.
+
+Why scale: e4m3 spans only about 2**-9 to 448, e5m2 2**-16 to 57,344 [FP8]. Gradients of a
+small GPT sit near 1e-5 and would mostly flush to zero. Multiplying a tensor by
+``fp8 max / amax`` before the cast puts its largest value at the top of the range and uses
+all of it; dividing by the same scale afterwards gives back the original magnitude [FP8, §3;
+torchao-README, "tensorwise scaling"]. The scale is kept in fp32 beside the fp8 data.
+
+What ``tensor.to(torch.float8_*)`` does with a value beyond the format's max, in the torch this
+was written against (2.13; torch/headeronly/util/Float8_e4m3fn.h and Float8_e5m2.h,
+``fp8e4m3fn_from_fp32_value`` / ``fp8e5m2_from_fp32_value``), checked by casting:
+
+* e4m3fn has no infinity: a finite overflow *and* ±inf saturate to ±448; NaN stays NaN.
+* e5m2 has infinities (IEEE-like): anything from 61,440 up (halfway past 57,344) becomes ±inf.
+
+Older torch behaved differently: torchao notes that up to torch 2.11 eager casts to fp8 did
+not saturate finite overflow (torchao/float8/float8_utils.py, ``to_fp8_saturated``), e4m3fn
+then giving NaN. So the error report *measures* what each overflowing value became instead of
+assuming, and the scaled cast clamps to ±max first, as torchao does.
+
+Importing this module touches no device and does not import torchao (its import loads CUDA
+extension libraries and, on a CPU, prints that it could not); that happens only when fp8
+training is asked for.
+
+Sources cited below:
+    [FP8]      Micikevicius et al. 2022, "FP8 Formats for Deep Learning", arXiv 2209.05433:
+               e4m3 for weights and activations, e5m2 for gradients; per-tensor scaling.
+    [OFP8]     Open Compute Project, "OCP 8-bit Floating Point Specification (OFP8)", rev. 1.0
+               (2023): e4m3 has no infinities and saturates in its conversions' "saturation
+               mode"; e5m2 follows IEEE 754 with infinities.
+    [torchao-README]  pytorch/ao, torchao/float8/README.md: convert_to_float8_training,
+               tensorwise scaling (the default recipe), the module_filter_fn example that skips
+               Linear layers whose dims are not divisible by 16.
+    [torchao-src]  pytorch/ao 0.18.0, torchao/float8/float8_utils.py (``amax_to_scale``:
+               scale = finfo(fp8).max / clamp(amax, min=1e-12), computed in float64, stored as
+               float32; ``to_fp8_saturated``), float8_training_tensor.py (x_fp8 = saturate(x ·
+               scale), x ≈ x_fp8 / scale), float8_linear_utils.py (``convert_to_float8_training``,
+               ``_auto_filter_for_tensorwise``: "All dims must be divisible by 16 due to float8
+               hardware requirements").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from labkit.precision import FORMATS, autocast_formats, dtype_of, format_name
+
+FP8_FORMATS = ("fp8_e4m3", "fp8_e5m2")
+"""The two fp8 formats [FP8, OFP8], in labkit.precision's short names."""
+
+TORCHAO_VERSION = "0.18.0"
+"""The torchao version requirements.txt pins (tests/test_fp8.py checks they agree)."""
+
+MIN_CAPABILITY = (8, 9)
+"""CUDA compute capability of the first GPUs with fp8 tensor cores (Ada sm_89; Hopper 9.0)."""
+
+EPS = 1e-12
+"""Lower clamp on amax before dividing by it, torchao's ``EPS`` [torchao-src]: an all-zero
+tensor gets a large finite scale rather than inf."""
+
+DIMS_MULTIPLE = 16
+"""fp8 matmuls (``torch._scaled_mm``) need both dims of a Linear's weight divisible by 16
+[torchao-README, torchao-src]."""
+
+
+def _fp8_name(fmt: str | torch.dtype) -> str:
+    short = format_name(fmt)
+    if short not in FP8_FORMATS:
+        raise ValueError(f"fmt={fmt!r} is not an fp8 format; allowed: {', '.join(FP8_FORMATS)}")
+    return short
+
+
+# ----------------------------------------------------------------------------------------------
+# Numerics
+
+
+def tensorwise_scale(x: torch.Tensor, fmt: str | torch.dtype) -> float:
+    """The per-tensor scale torchao's tensorwise recipe uses: ``fp8 max / max(amax, 1e-12)``.
+
+    Computed in float64 and rounded to float32, as ``torchao.float8.float8_utils.amax_to_scale``
+    does (so eager and compiled code agree) [torchao-src]. amax is ``max(|x|)``.
+    """
+    dtype = dtype_of(_fp8_name(fmt))
+    amax = x.detach().abs().max().double()
+    scale = torch.finfo(dtype).max / torch.clamp(amax, min=EPS)
+    return float(scale.float())
+
+
+def _cast(x: torch.Tensor, short: str, scale: float | None) -> torch.Tensor:
+    """The fp8 values of ``x`` (times ``scale``), as fp32 for arithmetic: see round_trip."""
+    dtype = dtype_of(short)
+    x = x.detach().float()
+    if scale is None:
+        return x.to(dtype).float()
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale={scale!r}: must be a positive finite number "
+                         "(tensorwise_scale(x, fmt) gives torchao's)")  # fmt: skip
+    fp8_max = torch.finfo(dtype).max
+    # The clamp only matters for a scale that does not come from this tensor's amax (a stale
+    # or hand-picked one); torchao clamps because older torch turned overflow into NaN.
+    return (x * scale).clamp(-fp8_max, fp8_max).to(dtype).float()
+
+
+def round_trip(x: torch.Tensor, fmt: str | torch.dtype, scale: float | None = None) -> torch.Tensor:
+    """``x`` cast to fp8 and back to fp32: what survives of it.
+
+    ``scale=None``: the plain cast ``x.float().to(fp8)``, whatever torch does with values out
+    of range (see the module docstring). With a scale: torchao's recipe [torchao-src],
+    ``(x · scale)`` clamped to ±max, cast, then divided by the scale again.
+    """
+    q = _cast(x, _fp8_name(fmt), scale)
+    return q if scale is None else q / scale
+
+
+def overflow_threshold(fmt: str | torch.dtype) -> float:
+    """Where overflow starts: max + half a unit in the last place at max.
+
+    Below it, rounding to nearest lands on max, as in any binary format (IEEE 754 §7.4 counts
+    overflow after rounding); from it on (ties included) it rounds past max. e4m3: 448 + 16 = 464;
+    e5m2: 57,344 + 4,096 = 61,440. Values between max and here are not overflow: a tensorwise
+    scale in fp32 can put amax a hair above max.
+    """
+    f = FORMATS[_fp8_name(fmt)]
+    ulp_at_max = 2.0 ** math.floor(math.log2(f.max)) * f.eps
+    return f.max + ulp_at_max / 2
+
+
+@dataclass(frozen=True)
+class Fp8Error:
+    """What one cast to fp8 (and back) did to one tensor. Fractions are of the tensor's nonzero
+    values (exact zeros survive any cast and are left out), 0..1."""
+
+    name: str
+    """The tensor's name ("blocks.0.mlp.fc input", "lm_head.weight grad")."""
+    format: str
+    """"fp8_e4m3" or "fp8_e5m2"."""
+    scaled: bool
+    """True: multiplied by ``scale`` before the cast (tensorwise); False: cast as it is."""
+    scale: float
+    """The factor used (1.0 when not scaled)."""
+    amax: float
+    """max(|x|) of the original tensor."""
+    rel_rms_error: float
+    """sqrt(sum((x' - x)²) / sum(x²)), x' the round trip; inf or NaN when the cast made any."""
+    flushed_to_zero: float
+    """Nonzero values that came back as exactly 0 (underflow)."""
+    overflow: float
+    """Values (after scaling) from :func:`overflow_threshold` on: no fp8 value is near them."""
+    to_max: float
+    """Overflowing values that came back as ±max (saturated)."""
+    to_inf: float
+    """Overflowing values that came back as ±inf."""
+    to_nan: float
+    """Overflowing values that came back as NaN."""
+    count: int
+    """Nonzero values judged."""
+
+
+def measure_fp8_error(
+    x: torch.Tensor, fmt: str | torch.dtype, *, scaled: bool, name: str = ""
+) -> Fp8Error:
+    """Cast ``x`` to ``fmt`` (scaled by :func:`tensorwise_scale` or not) and measure the loss.
+
+    Everything is measured on the cast itself, not predicted from thresholds. ``x`` must be a
+    finite floating-point tensor (a non-finite one has no relative error to speak of).
+    """
+    short = _fp8_name(fmt)
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name or 'tensor'}: must be a floating-point torch.Tensor, got {got}")
+    x = x.detach().float().flatten()
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{name or 'tensor'} has inf or NaN values: measure a finite tensor "
+                         "(activations and gradients of a healthy fp32 step)")  # fmt: skip
+    fp8_max = FORMATS[short].max
+    scale = tensorwise_scale(x, short) if scaled else 1.0
+    q = _cast(x, short, scale if scaled else None)  # the fp8 values, before unscaling
+    back = q / scale
+
+    nonzero = x != 0
+    count = int(nonzero.sum())
+    went_inf, went_nan = q.isinf(), q.isnan()
+    over = ((x.double() * scale).abs() >= overflow_threshold(short)) | went_inf | went_nan
+
+    def frac(mask: torch.Tensor) -> float:
+        return int(mask.sum()) / count if count else math.nan
+
+    sum_sq = float((x.double() ** 2).sum())
+    err_sq = float(((back.double() - x.double()) ** 2).sum())
+    return Fp8Error(
+        name=name,
+        format=short,
+        scaled=scaled,
+        scale=scale,
+        amax=float(x.abs().max()) if x.numel() else 0.0,
+        rel_rms_error=math.sqrt(err_sq / sum_sq) if sum_sq > 0 else math.nan,
+        flushed_to_zero=frac(nonzero & (back == 0)),
+        overflow=frac(over),
+        to_max=frac(over & (q.abs() == fp8_max)),
+        to_inf=frac(went_inf),
+        to_nan=frac(went_nan),
+        count=count,
+    )
+
+
+def fp8_error_table(
+    tensors: Mapping[str, torch.Tensor],
+    formats: Iterable[str] = FP8_FORMATS,
+    scalings: Iterable[bool] = (False, True),
+) -> list[dict[str, Any]]:
+    """:func:`measure_fp8_error` for every named tensor × format × scaling, as rows (dicts in
+    that order), ready for pandas or printing: e4m3 against e5m2, unscaled against scaled."""
+    formats, scalings = list(formats), list(scalings)
+    return [
+        dataclasses.asdict(measure_fp8_error(t, fmt, scaled=s, name=name))
+        for name, t in tensors.items()
+        for fmt in formats
+        for s in scalings
+    ]
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+
+
+def _import_torchao_float8() -> tuple[Any, type]:
+    """torchao's ``convert_to_float8_training`` and ``Float8Linear``, imported only now (see
+    the module docstring)."""
+    from torchao.float8 import convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
+
+    return convert_to_float8_training, Float8Linear
+
+
+def fp8_training_support(device: str | torch.device, *, cuda: Any | None = None) -> str | None:
+    """None when torchao's fp8 training can run on ``device``, else the reason it cannot.
+
+    Needs: a CUDA device of compute capability ≥ 8.9 (fp8 tensor cores: Ada, Hopper,
+    Blackwell), a torch with the fp8 dtypes, and torchao importable. ``cuda`` stands in for
+    ``torch.cuda`` (tests).
+    """
+    cuda = torch.cuda if cuda is None else cuda
+    device = torch.device(device)
+    need = f"fp8 training needs an NVIDIA GPU of compute capability >= {MIN_CAPABILITY[0]}." \
+           f"{MIN_CAPABILITY[1]} (Ada, Hopper, Blackwell)"  # fmt: skip
+    if device.type != "cuda":
+        return f"device {str(device)!r} is not a CUDA device: {need}"
+    if getattr(torch.version, "hip", None):
+        return f"this torch is a ROCm build ({torch.version.hip}): {need}"
+    if not cuda.is_available():
+        return f"torch.cuda.is_available() is False (no GPU, or a CPU build of torch): {need}"
+    index = device.index if device.index is not None else cuda.current_device()
+    if index >= cuda.device_count():
+        return f"device {str(device)!r}: there are {cuda.device_count()} CUDA device(s)"
+    capability = tuple(cuda.get_device_capability(index))
+    if capability < MIN_CAPABILITY:
+        return (f"{cuda.get_device_name(index)} has compute capability "
+                f"{capability[0]}.{capability[1]} < {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}: "
+                f"{need}")  # fmt: skip
+    for name in FP8_FORMATS:
+        try:
+            dtype_of(name)
+        except ValueError as e:
+            return str(e)
+    try:
+        _import_torchao_float8()
+    except ImportError as e:
+        return (f"torchao is not importable ({e}): install the tested version with "
+                f"`pip install torchao=={TORCHAO_VERSION}` (requirements.txt)")  # fmt: skip
+    return None
+
+
+@dataclass(frozen=True)
+class Fp8Conversion:
+    """What :func:`convert_for_fp8_training` did."""
+
+    model: nn.Module
+    """The converted model (the same object, changed in place)."""
+    converted: tuple[str, ...]
+    """Names of the Linear layers now ``torchao.float8.Float8Linear``."""
+    left_out: dict[str, str]
+    """Linear layers left in high precision, with the reason."""
+
+
+def convert_for_fp8_training(model: nn.Module, device: str | torch.device) -> Fp8Conversion:
+    """Swap the model's eligible ``nn.Linear`` layers for torchao's ``Float8Linear``.
+
+    Uses ``torchao.float8.convert_to_float8_training`` with its default config (dynamic
+    tensorwise scaling: e4m3 for inputs and weights, e5m2 for gradients [torchao-README]).
+    A Linear whose weight dims are not both multiples of 16 is left out. Unlike torchao's
+    auto-filter this keeps small layers: a lab-sized GPT would otherwise convert nothing
+    (torchao skips them for speed, not correctness).
+
+    Raises ValueError where fp8 training cannot run (see :func:`fp8_training_support`), and
+    when no layer qualifies: a model with nothing in fp8 is not an fp8 run.
+    """
+    reason = fp8_training_support(device)
+    if reason is not None:
+        device_type = torch.device(device).type
+        allowed = [f"{f} autocast" for f in autocast_formats(device_type)] + ["fp32"]
+        raise ValueError(
+            f"fp8 training asked for on device {str(device)!r}, but {reason}. Allowed on "
+            f"{device_type!r}: {', '.join(allowed)} (labkit.precision.checked_autocast); the "
+            "fp8 cast numerics (labkit.fp8.fp8_error_table) run on any device."
+        )
+    if isinstance(model, nn.Linear):
+        raise ValueError("model is a bare nn.Linear, which torchao replaces instead of "
+                         "changing in place: wrap it in a module (nn.Sequential(linear))")  # fmt: skip
+    left_out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            out_f, in_f = module.weight.shape
+            if out_f % DIMS_MULTIPLE or in_f % DIMS_MULTIPLE:
+                left_out[name] = (f"weight is {out_f}x{in_f}; fp8 matmuls need both dims "
+                                  f"divisible by {DIMS_MULTIPLE}")  # fmt: skip
+
+    def eligible(module: nn.Module, fqn: str) -> bool:
+        return isinstance(module, nn.Linear) and fqn not in left_out
+
+    convert_to_float8_training, Float8Linear = _import_torchao_float8()
+    convert_to_float8_training(model, module_filter_fn=eligible)
+    converted = tuple(n for n, m in model.named_modules() if isinstance(m, Float8Linear))
+    if not converted:
+        raise ValueError(
+            "no nn.Linear of the model qualifies for fp8 (both weight dims divisible by "
+            f"{DIMS_MULTIPLE}): {left_out or 'it has none'}. Choose d_model, vocab_size and the "
+            "MLP width as multiples of 16."
+        )
+    return Fp8Conversion(model=model, converted=converted, left_out=left_out)
