@@ -83,3 +83,31 @@ def test_ruff_is_clean():
     out = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_pinned_torchao_float8_imports_with_the_installed_torch():
+    """torchao is imported lazily (labkit.fp8), so only this test shows that the pinned
+    version loads with the pinned torch: its float8 training API, in a fresh interpreter."""
+    pins = pins_from_requirements()
+    code = (
+        "import torch, torchao\n"
+        "from torchao.float8 import Float8LinearConfig, convert_to_float8_training\n"
+        "from torchao.float8.float8_linear import Float8Linear\n"
+        "print(torch.__version__, torchao.__version__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    torch_version, torchao_version = out.stdout.split()[-2:]
+    assert torchao_version == pins["torchao"], (
+        f"installed torchao {torchao_version}, pinned {pins['torchao']}"
+    )
+    if torch_version.split("+")[0] == pins["torch"]:
+        return  # the pair requirements.txt promises
+    pytest.skip(f"torchao imported, but with torch {torch_version}, not the pinned {pins['torch']}")
+
+
+def test_labkit_names_the_pinned_torchao():
+    from labkit import fp8
+
+    assert fp8.TORCHAO_VERSION == pins_from_requirements()["torchao"]
