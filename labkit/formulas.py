@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import Any
 
+from labkit import dtypes
+
 # ----------------------------------------------------------------------------------------------
 # Input validation. Errors name the argument, the value received and what is allowed.
 
@@ -82,29 +84,14 @@ def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
 # ----------------------------------------------------------------------------------------------
 # Storage size of a dtype.
 
-# Bytes per element of the storage dtypes this course uses. tf32 is missing on purpose: it is a
-# tensor-core compute mode for float32 tensors, which are still stored in 4 bytes.
-DTYPE_BYTES: dict[str, int] = {
-    "float64": 8,
-    "float32": 4,
-    "bfloat16": 2,
-    "float16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "int8": 1,
-    "uint8": 1,
-    "bool": 1,
-}
+# Bytes per element of the storage dtypes, from the one table of names (labkit.dtypes). tf32 is
+# missing on purpose: it is a tensor-core compute mode for float32 tensors, which are still
+# stored in 4 bytes.
+DTYPE_BYTES: dict[str, int] = {f.name: f.bytes for f in dtypes.FORMATS if f.storage}
 
+# Every other accepted spelling of those dtypes, lower case, mapped to the canonical name.
 _DTYPE_ALIASES: dict[str, str] = {
-    "fp64": "float64",
-    "double": "float64",
-    "fp32": "float32",
-    "float": "float32",
-    "bf16": "bfloat16",
-    "fp16": "float16",
-    "half": "float16",
-    "fp8": "float8_e4m3fn",
+    s: f.name for f in dtypes.FORMATS if f.storage for s in f.spellings if s != f.name
 }
 
 
@@ -113,19 +100,13 @@ def dtype_name(dtype: Any) -> str:
 
     ``torch.float32`` prints as "torch.float32", so this works without importing torch.
     """
-    name = str(dtype).removeprefix("torch.").lower()
-    name = _DTYPE_ALIASES.get(name, name)
-    if name not in DTYPE_BYTES:
-        hint = ""
-        if name in ("tf32", "tfloat32"):
-            hint = (
-                " (tf32 is a compute mode for float32 tensors, stored in 4 bytes: pass 'float32')"
-            )
+    found = dtypes.find(dtype)
+    if found is None or not found.storage:
         raise ValueError(
             f"dtype must be one of {', '.join(sorted(DTYPE_BYTES))} (or an alias such as "
-            f"'bf16', 'fp16', 'fp32'); got {dtype!r}{hint}"
+            f"'bf16', 'fp16', 'fp32'); got {dtype!r}{dtypes.why_not(dtype, storage_only=True)}"
         )
-    return name
+    return found.name
 
 
 def dtype_bytes(dtype: Any) -> int:

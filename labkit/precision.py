@@ -49,32 +49,22 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from labkit import dtypes
 from labkit.formulas import dtype_bytes
 
 # ----------------------------------------------------------------------------------------------
 # Formats
 
-# Short names, in the order a table shows them (widest first).
+# Short names, in the order a table shows them (widest first). Everything else about a name
+# (torch attribute, spellings, bytes) comes from the one table, labkit.dtypes.FORMATS.
 FORMAT_NAMES = ("fp32", "tf32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
+_ROWS = {short: dtypes.lookup(short) for short in FORMAT_NAMES}
 
 # The torch dtype behind each stored format; tf32 has none (see _TF32).
-TORCH_DTYPE_NAMES: dict[str, str] = {
-    "fp32": "float32",
-    "bf16": "bfloat16",
-    "fp16": "float16",
-    "fp8_e4m3": "float8_e4m3fn",
-    "fp8_e5m2": "float8_e5m2",
-}
+TORCH_DTYPE_NAMES: dict[str, str] = {s: f.torch_name for s, f in _ROWS.items() if f.torch_name}
 
 # Every spelling dtype_of and format_name accept, lower case, mapped to the short name.
-ALIASES: dict[str, str] = {
-    "fp32": "fp32", "float32": "fp32", "float": "fp32",
-    "tf32": "tf32", "tfloat32": "tf32",
-    "bf16": "bf16", "bfloat16": "bf16",
-    "fp16": "fp16", "float16": "fp16", "half": "fp16",
-    "fp8_e4m3": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3",
-    "fp8_e5m2": "fp8_e5m2", "float8_e5m2": "fp8_e5m2",
-}  # fmt: skip
+ALIASES: dict[str, str] = {spelling: s for s, f in _ROWS.items() for spelling in f.spellings}
 
 
 @dataclass(frozen=True)
@@ -191,17 +181,11 @@ def format_name(name: str | torch.dtype) -> str:
     Accepted: fp32/float32, tf32, bf16/bfloat16, fp16/float16/half, fp8_e4m3/float8_e4m3fn,
     fp8_e5m2/float8_e5m2, case-insensitive, with or without a "torch." prefix.
     """
-    key = str(name).lower().removeprefix("torch.")
-    if key in ALIASES:
-        return ALIASES[key]
-    hint = ""
-    if key in ("fp8", "float8"):
-        hint = (
-            ": fp8 names two formats; say 'fp8_e4m3' (more precision: weights and activations) "
-            "or 'fp8_e5m2' (more range: gradients), as in arXiv 2209.05433"
-        )
+    found = dtypes.find(name)
+    if found is not None and found.short in _ROWS:
+        return found.short
     raise ValueError(
-        f"dtype={name!r} is not a format labkit.precision knows{hint}; allowed: "
+        f"dtype={name!r} is not a format labkit.precision knows{dtypes.why_not(name)}; allowed: "
         f"{', '.join(map(repr, FORMAT_NAMES))} (or their torch names: "
         f"{', '.join(map(repr, TORCH_DTYPE_NAMES.values()))})"
     )

@@ -17,10 +17,12 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import nn
 
+from labkit import config, dtypes
 from labkit.config import RunConfig, TrainConfig
 from labkit.timing import Timer
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The torch dtype of each dtype a run may train in (config.DTYPES), from labkit.dtypes' table.
+DTYPES = {name: dtypes.torch_dtype(name) for name in config.DTYPES}
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
