@@ -217,6 +217,42 @@ def dtype_of(name: str | torch.dtype) -> torch.dtype:
     return dtype
 
 
+def spacing(value: float, fmt: str | torch.dtype) -> float:
+    """The gap between ``value`` and the next representable number of larger magnitude in
+    ``fmt``, for a normal ``value``: 2**(floor(log2|value|) - mantissa_bits) [IEEE754].
+
+    >>> spacing(1.0, "bf16"), spacing(4.0, "bf16")
+    (0.0078125, 0.03125)
+    """
+    f = FORMATS[format_name(fmt)]
+    if not (math.isfinite(value) and f.smallest_normal <= abs(value) <= f.max):
+        raise ValueError(f"value={value!r} is not a normal {f.name} number (from "
+                         f"{f.smallest_normal:g} to {f.max:g} in magnitude)")  # fmt: skip
+    return 2.0 ** (math.floor(math.log2(abs(value))) - f.mantissa_bits)
+
+
+def sum_stall_point(increment: float, fmt: str | torch.dtype) -> float:
+    """Predicted value at which a running sum of ``increment`` (> 0), kept in ``fmt``, stops
+    growing: the first power of two 2**e whose spacing is at least twice the increment.
+
+    At 2**e, S + increment is then no nearer to the next value than to S, and round to nearest
+    (a tie going to the even neighbour, 2**e itself) returns S [IEEE754]. Below 2**e the gap is
+    less than twice the increment, so each addition rounds to at least one whole gap and the
+    sum arrives at 2**e exactly. The increment is first rounded to ``fmt``, as the sum stores
+    it.
+
+    >>> sum_stall_point(0.01, "bf16"), sum_stall_point(0.01, "fp16")
+    (4.0, 32.0)
+    """
+    f = FORMATS[format_name(fmt)]
+    if not (isinstance(increment, (int, float)) and math.isfinite(increment) and increment > 0):
+        raise ValueError(f"increment={increment!r} is not allowed: a positive finite number")
+    stored = float(torch.tensor(increment).to(dtype_of(f.name)).float()) if f.torch_dtype \
+        else increment  # fmt: skip
+    # spacing(2**e) = 2**(e - m) >= 2 × stored  <=>  e >= log2(stored) + m + 1
+    e = math.ceil(math.log2(stored)) + f.mantissa_bits + 1
+    return 2.0**e
+
 # ----------------------------------------------------------------------------------------------
 # Underflow
 

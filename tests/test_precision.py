@@ -434,3 +434,41 @@ def test_checked_autocast_fp32_is_off():
     with precision.checked_autocast("cpu", "float32"):
         assert not torch.is_autocast_enabled("cpu")
         assert nn.Linear(4, 4)(torch.randn(2, 4)).dtype == torch.float32
+
+
+# --- spacing and running sums ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("value", [1.0, 3.0, 4.0, 1000.0, 0.011])
+def test_spacing_is_the_gap_to_the_next_value_up(fmt, value):
+    dtype = precision.dtype_of(fmt)
+    v = torch.tensor(value, dtype=dtype)
+    # The next value up: a positive float's bits, read as an integer, plus one [IEEE754].
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    up = (v.view(bits) + 1).view(dtype)
+    assert precision.spacing(v.item(), fmt) == (up.double() - v.double()).item()
+
+
+def test_spacing_refuses_values_outside_the_normal_range():
+    with pytest.raises(ValueError, match="not a normal fp16 number"):
+        precision.spacing(70000.0, "fp16")
+    with pytest.raises(ValueError, match="not a normal fp16 number"):
+        precision.spacing(1e-6, "fp16")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+@pytest.mark.parametrize("increment", [0.01, 0.003, 0.1, 2.0**-6, 0.3, 1 / 3])
+def test_sum_stall_point_is_where_a_real_running_sum_stops(fmt, increment):
+    dtype = precision.dtype_of(fmt)
+    x, total = torch.tensor(increment, dtype=dtype), torch.zeros((), dtype=dtype)
+    while (grown := total + x) != total:
+        total = grown
+    assert total.item() == precision.sum_stall_point(increment, fmt)
+
+
+def test_sum_stall_point_known_values_and_bad_input():
+    assert precision.sum_stall_point(0.01, "bf16") == 4.0  # CS336's bf16 sum of 0.01 stalls at 4
+    assert precision.sum_stall_point(0.01, "fp16") == 32.0
+    with pytest.raises(ValueError, match="positive finite"):
+        precision.sum_stall_point(0.0, "bf16")
