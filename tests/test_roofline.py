@@ -9,13 +9,15 @@ without CUDA (scripts/gpu_check.sh runs them on the first GPU machine).
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import matplotlib
 import pytest
 import torch
 
-from labkit import hardware, roofline
+from labkit import hardware, roofline, timing
 
 matplotlib.use("Agg")
 
@@ -80,7 +82,7 @@ def test_compute_ceiling_is_measured_positive_finite_and_says_where_and_when():
 
 
 def test_compute_ceiling_is_flops_of_the_best_call(monkeypatch):
-    monkeypatch.setattr(roofline.timing, "Timer", FakeTimer)
+    monkeypatch.setattr(timing, "Timer", FakeTimer)
     c = roofline.measure_compute_ceiling("cpu", "bf16", n=32, repeats=2, warmup=0)
     assert c.value == pytest.approx(2 * 32**3 / FakeTimer.elapsed)
     assert c.precision == "bfloat16"
@@ -96,15 +98,19 @@ def test_the_ladder_stops_before_a_size_that_would_pass_the_budget(monkeypatch):
         def __exit__(self, *exc):
             self.elapsed_s = next(elapsed)
 
-    monkeypatch.setattr(roofline.timing, "Timer", Timer)
-    assert roofline._budgeted_sizes(torch.device("cpu"), torch.float32, 8, 1.0) == [64, 128,
-                                                                                  256, 512]
+    monkeypatch.setattr(timing, "Timer", Timer)
+    assert roofline.ceilings._budgeted_sizes(torch.device("cpu"), torch.float32, 8, 1.0) == [
+        64,
+        128,
+        256,
+        512,
+    ]
     elapsed = iter([1.0])  # even the smallest size is over budget: it alone is measured
-    assert roofline._budgeted_sizes(torch.device("cpu"), torch.float32, 8, 0.5) == [64]
+    assert roofline.ceilings._budgeted_sizes(torch.device("cpu"), torch.float32, 8, 0.5) == [64]
 
 
 def test_the_ceiling_is_the_best_size_not_the_largest(monkeypatch):
-    monkeypatch.setattr(roofline, "_COMPUTE_SIZES", {"cpu": (8, 16, 32)})
+    monkeypatch.setattr(roofline.ceilings, "_COMPUTE_SIZES", {"cpu": (8, 16, 32)})
     c = roofline.measure_compute_ceiling("cpu", "float32", repeats=1, warmup=0, budget_s=10.0)
     assert "3 shapes, fastest" in c.method
 
@@ -126,7 +132,7 @@ def test_compute_ceiling_refuses_bad_arguments():
 
 
 def test_bandwidth_ceiling_counts_read_plus_write(monkeypatch):
-    monkeypatch.setattr(roofline.timing, "Timer", FakeTimer)
+    monkeypatch.setattr(timing, "Timer", FakeTimer)
     c = roofline.measure_bandwidth_ceiling("cpu", n_bytes=1000, repeats=2, warmup=0)
     assert c.value == pytest.approx(2 * 1000 / FakeTimer.elapsed)  # not 1000 / 0.5
     assert "read + write" in c.method and c.unit == roofline.BYTES and c.precision is None
@@ -214,12 +220,20 @@ def test_a_single_ceiling_may_be_passed_bare():
 ])  # fmt: skip
 def test_a_roofline_without_measured_ceilings_is_refused(compute, bandwidth, match):
     fl = measured(100.0, roofline.FLOPS, "float32")
-    pub = roofline.Ceiling(value=1e15, unit=roofline.FLOPS, precision="bfloat16",
-                           device_name="NVIDIA H100 80GB HBM3", kind="published", method="sheet")
+    pub = roofline.Ceiling(
+        value=1e15,
+        unit=roofline.FLOPS,
+        precision="bfloat16",
+        device_name="NVIDIA H100 80GB HBM3",
+        kind="published",
+        method="sheet",
+    )
     compute = {"fl": (fl,), "published": (pub,), "twice": (fl, fl)}.get(compute, compute)
-    bandwidth = {"bw": measured(10.0, roofline.BYTES),
-                 "bw-as-flops": measured(10.0, roofline.FLOPS, "float32"),
-                 "bw-on-gpu": measured(10.0, roofline.BYTES, device="cuda:0")}.get(bandwidth)
+    bandwidth = {
+        "bw": measured(10.0, roofline.BYTES),
+        "bw-as-flops": measured(10.0, roofline.FLOPS, "float32"),
+        "bw-on-gpu": measured(10.0, roofline.BYTES, device="cuda:0"),
+    }.get(bandwidth)
     with pytest.raises(ValueError, match=match) as e:
         roofline.Roofline(compute=compute, bandwidth=bandwidth)
     if match.startswith(("no ", "published")):
@@ -281,8 +295,7 @@ def test_a_published_ceiling_is_drawn_beside_a_roofline_but_never_is_one():
 def test_measure_roofline_on_the_cpu():
     rf = roofline.measure_roofline("cpu", ("float32", "bf16"), n_bytes=2**20, budget_s=0.05)
     assert rf.precisions == ("float32", "bfloat16") and rf.device == "cpu"
-    assert all(c.kind == "measured" and math.isfinite(c.value) for c in (*rf.compute,
-                                                                         rf.bandwidth))
+    assert all(c.kind == "measured" and math.isfinite(c.value) for c in (*rf.compute, rf.bandwidth))
     with pytest.raises(ValueError, match="precisions"):
         roofline.measure_roofline("cpu", "float32")
 
@@ -295,8 +308,14 @@ def test_the_figure_draws_log_log_marks_the_ridge_and_labels_every_point():
 
     rf = toy()
     points = [rf.place("elementwise add", 1, 12, 1.0), rf.place("matmul 512", 4000, 100, 100.0)]
-    pub = roofline.Ceiling(value=1000.0, unit=roofline.FLOPS, precision="float32",
-                           device_name="test CPU", kind="published", method="sheet")
+    pub = roofline.Ceiling(
+        value=1000.0,
+        unit=roofline.FLOPS,
+        precision="float32",
+        device_name="test CPU",
+        kind="published",
+        method="sheet",
+    )
     ax = roofline.plot_roofline(rf, points, published=[pub])
     texts = [t.get_text() for t in ax.texts]
     assert ax.get_xscale() == ax.get_yscale() == "log"
@@ -355,7 +374,11 @@ def test_cpu_support_reads_the_bf16_and_fp16_flags():
 def test_matmul_sweep_on_the_cpu_reports_ratios_as_this_cpus():
     sweep = roofline.matmul_sweep("cpu", ("float32", "bf16"), (8, 16), repeats=2, warmup=0)
     assert [(r.precision, r.n) for r in sweep.rows] == [
-        ("float32", 8), ("float32", 16), ("bfloat16", 8), ("bfloat16", 16)]
+        ("float32", 8),
+        ("float32", 16),
+        ("bfloat16", 8),
+        ("bfloat16", 16),
+    ]
     assert all(len(r.samples_s) == 2 and r.median_flops_per_s > 0 for r in sweep.rows)
     assert sweep.speed_ratio("float32", 16) == 1.0
     r = sweep.row("bf16", 16)
@@ -445,6 +468,22 @@ def test_tf32_matmuls_stays_with_the_new_switch_when_the_caller_uses_it():
     assert torch.get_float32_matmul_precision()  # readable again once the caller's is back
 
 
+def test_on_cuda_float32_runs_with_tf32_off_and_tf32_with_it_on_whatever_the_caller_set():
+    # Setting the switches needs no GPU: the mode each precision runs under is checked here,
+    # what cuBLAS then does with it in tests/test_gpu_precision.py.
+    cuda = torch.device("cuda")
+    before = tf32_state()
+    with roofline.tf32_matmuls(True):  # the caller allows TF32
+        with roofline.precisions.matmul_mode("float32", cuda):
+            assert torch.get_float32_matmul_precision() == "highest"
+        assert torch.get_float32_matmul_precision() == "high"
+    with roofline.precisions.matmul_mode("tf32", cuda):
+        assert torch.get_float32_matmul_precision() == "high"
+    with roofline.precisions.matmul_mode("tf32", torch.device("cpu")):
+        assert tf32_state() == before  # off CUDA nothing is touched
+    assert tf32_state() == before
+
+
 # --- the GPU tier -------------------------------------------------------------------------------
 
 
@@ -486,3 +525,16 @@ def test_gpu_roofline_is_measured_drawn_and_compared_with_the_datasheet():
     ax = roofline.plot_roofline(rf, points, published=pub.ceilings)
     assert {"bf16 1024", "bf16 4096"} <= {t.get_text() for t in ax.texts}
     plt.close(ax.figure)
+
+
+# --- the package --------------------------------------------------------------------------------
+
+
+def test_the_package_re_exports_its_api_and_importing_it_measures_and_plots_nothing():
+    assert set(roofline.__all__) <= set(dir(roofline))
+    assert {"measure_roofline", "plot_roofline", "matmul_sweep", "cpu_precision_support",
+            "tf32_matmuls", "Roofline", "Point", "attainable"} <= set(roofline.__all__)  # fmt: skip
+    code = ("import sys, torch, labkit.roofline; "
+            "print('matplotlib' in sys.modules, torch.cuda.is_initialized())")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
