@@ -29,6 +29,7 @@ LAYERS: dict[str, int] = {
     "memory": 3, "launch": 3, "verdict": 3, "precision": 3, "roofline": 3,
     # parallel strategies; live plots
     "parallel": 4, "monitor": 4,
+    "recipes": 4,  # mixed-precision recipes, measured with memory and precision
     "fp8": 4,  # fp8 cast numerics and torchao fp8 training, over precision
     # the jobs notebooks launch
     "workers": 5,

@@ -1,0 +1,412 @@
+"""Mixed-precision training recipes: what each keeps per parameter, predicted and measured.
+
+A recipe says in which dtype each per-parameter tensor of training lives: the parameters the
+model computes with, their gradients, an fp32 master copy the optimizer steps (or none), an
+fp32 gradient buffer (or none), the optimizer's state, and whether ``torch.autocast`` runs the
+matmuls in 16 bits. Two functions answer "how many bytes per parameter?":
+
+* :func:`predicted_bytes_per_param`: arithmetic on the recipe (pure, no torch);
+* :func:`measure_recipe`: one real training step on a copy of a model, then the storage bytes
+  of the real tensors, counted by category (each storage once).
+
+Persistent model states (they live from step to step) are one thing; tensors that exist only
+during a step are another, and are counted apart:
+
+* autocast's 16-bit copies of the matmul weights: made in the forward pass, saved by autograd
+  for the backward pass, freed after it. Caught with ``torch.autograd.graph.saved_tensors_hooks``
+  and recognised as copies because they equal a parameter cast to the autocast dtype.
+  :func:`autocast_copy_bytes_per_param` predicts them per matmul-weight parameter.
+* the fp32 gradients a master-copy recipe without a gradient buffer makes for the optimizer
+  step (``main_param.grad = model_param.grad.float()``, as Megatron-LM's
+  ``Float16OptimizerWithFloat16Params._copy_model_grads_to_main_grads`` does in
+  megatron/core/optimizer/optimizer.py), freed after it.
+
+Recipes (:data:`RECIPES`) and where their counts come from:
+    [Playbook]  Hugging Face, "The Ultra-Scale Playbook", memory section: fp32 AdamW
+                4 + 4 + 8 = 16; bf16 with an fp32 gradient buffer 2 + 2 + 12 + 4 = 20.
+    [ZeRO]      Rajbhandari et al. 2019, arXiv 1910.02054, section 3.1: mixed precision with
+                Adam keeps 2Ψ + 2Ψ + KΨ bytes, K = 12 (fp32 master, momentum, variance).
+    [ml-eng]    stas00/ml-engineering, training/performance/README.md, "Anatomy of Model's
+                Memory Usage": mixed precision with AdamW 18 bytes per parameter = 6 for the
+                weights ("a model in fp32 and one in fp16/bf16") + 8 AdamW + 4 fp32 gradients.
+    [AMP]       PyTorch docs, "Automatic Mixed Precision package - torch.amp": autocast over
+                float32 parameters; matmuls run in the low-precision dtype.
+    [autocast]  pytorch/pytorch, aten/src/ATen/autocast_mode.h (``cached_cast``): within an
+                autocast region, the cast of a float32 leaf that requires grad is cached, so
+                each weight is copied once per forward however often it is used.
+    [optim]     pytorch/pytorch, torch/optim/adamw.py and sgd.py: the state is created with
+                ``zeros_like(param)`` / ``clone(grad)``, i.e. in the dtype of the tensor stepped.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from labkit.formulas import OPTIMIZER_STATES, dtype_bytes, dtype_name
+from labkit.memory import optimizer_state_tensors, storage_bytes
+from labkit.precision import checked_autocast
+from labkit.train import DTYPES, Batch
+
+RECIPE_DTYPES = ("float32", "bfloat16", "float16")
+"""The dtypes a recipe's tensors may have (canonical names; fp32/bf16/fp16 are accepted)."""
+
+OPTIMIZERS = ("adamw", "sgd", "sgd_momentum")
+
+PERSISTENT = ("parameters", "gradients", "master", "grad_buffer", "optimizer_state")
+"""The categories of persistent model state, in the order tables show them."""
+
+
+def _dtype(field: str, value: object, allowed: tuple[str, ...] = RECIPE_DTYPES) -> str:
+    try:
+        name = dtype_name(value)
+    except ValueError:
+        name = None
+    if name not in allowed:
+        raise ValueError(
+            f"{field}={value!r} is not allowed: use one of {', '.join(map(repr, allowed))} "
+            "(or fp32, bf16, fp16)"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Where each per-parameter tensor of one training recipe lives. Validated when built.
+
+    Dtypes are given by name ("bf16" or "bfloat16") and stored canonical ("bfloat16").
+    ``grad_dtype`` and ``state_dtype`` default to what PyTorch makes (the dtype of the
+    parameter, and of the tensor the optimizer steps); a different value is refused, with why.
+    """
+
+    name: str
+    param_dtype: str = "float32"
+    """What the model's parameters are stored in (and the backward pass computes with)."""
+    grad_dtype: str | None = None
+    """``param.grad``: autograd makes it in the parameter's dtype."""
+    master_dtype: str | None = None
+    """A float32 master copy of the parameters that the optimizer steps, or None."""
+    grad_buffer_dtype: str | None = None
+    """A float32 buffer the 16-bit gradients are added into (Megatron-LM's ``main_grad``), which
+    the master step reads; or None."""
+    optimizer: str = "adamw"
+    """"adamw" (two moments), "sgd_momentum" (one buffer) or "sgd" (no state)."""
+    state_dtype: str | None = None
+    """The optimizer's state tensors: the dtype of what it steps (master copy, else params)."""
+    autocast: str | None = None
+    """``torch.autocast`` dtype for the forward pass ("bfloat16", "float16"), or None."""
+    description: str = ""
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        def put(field: str, value: object) -> None:
+            object.__setattr__(self, field, value)
+
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise ValueError(f"name={self.name!r} is not allowed: give the recipe a name")
+        param = _dtype("param_dtype", self.param_dtype)
+        put("param_dtype", param)
+        grad = param if self.grad_dtype is None else _dtype("grad_dtype", self.grad_dtype)
+        if grad != param:
+            raise ValueError(
+                f"grad_dtype={self.grad_dtype!r} with param_dtype={param!r} is not allowed: "
+                "autograd makes param.grad in the parameter's dtype (torch refuses a .grad of "
+                "another dtype); a float32 gradient for 16-bit parameters is a separate buffer: "
+                "set grad_buffer_dtype='float32' (with a master copy)"
+            )
+        put("grad_dtype", grad)
+        if self.master_dtype is not None:
+            put("master_dtype", _dtype("master_dtype", self.master_dtype, ("float32",)))
+            if param == "float32":
+                raise ValueError(
+                    "master_dtype='float32' with param_dtype='float32' is not allowed: the "
+                    "parameters already are float32; a master copy is for 16-bit parameters"
+                )
+        if self.grad_buffer_dtype is not None:
+            put("grad_buffer_dtype",
+                _dtype("grad_buffer_dtype", self.grad_buffer_dtype, ("float32",)))  # fmt: skip
+            if self.master_dtype is None:
+                raise ValueError(
+                    "grad_buffer_dtype needs master_dtype='float32': the float32 gradient "
+                    "buffer is what the optimizer's step on the master copy reads"
+                )
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={self.optimizer!r} is not allowed: use one of "
+                             f"{', '.join(map(repr, OPTIMIZERS))}")  # fmt: skip
+        stepped = self.master_dtype or param
+        state = stepped if self.state_dtype is None else _dtype("state_dtype", self.state_dtype)
+        if state != stepped:
+            raise ValueError(
+                f"state_dtype={self.state_dtype!r} is not allowed here: torch.optim creates its "
+                f"state like the tensor it steps (zeros_like), here {stepped!r} (the "
+                f"{'master copy' if self.master_dtype else 'parameters'}); leave state_dtype "
+                "out or give that dtype"
+            )
+        put("state_dtype", state)
+        if self.autocast is not None:
+            put("autocast", _dtype("autocast", self.autocast, ("bfloat16", "float16")))
+            if param != "float32":
+                raise ValueError(
+                    f"autocast={self.autocast!r} with param_dtype={param!r} is not allowed: "
+                    "autocast is for float32 parameters (PyTorch AMP); 16-bit parameters "
+                    "already compute in 16 bits, so leave autocast=None"
+                )
+
+
+RECIPES: dict[str, Recipe] = {
+    r.name: r
+    for r in (
+        Recipe(
+            "fp32_adamw",
+            description="everything in fp32: parameters, gradients, AdamW's two moments",
+            source="Playbook, memory section: 4 + 4 + 8 = 16 bytes per parameter",
+        ),
+        Recipe(
+            "amp_bf16",
+            autocast="bfloat16",
+            description="PyTorch AMP: fp32 parameters, gradients and AdamW state; autocast runs "
+            "the matmuls in bf16 on 16-bit weight copies kept from forward to backward",
+            source="PyTorch AMP docs (torch.autocast); the 2 bytes of the weight copy are what "
+            "stas00/ml-engineering's 18 (= 6 + 8 + 4) counts beyond 16",
+        ),
+        Recipe(
+            "bf16_master",
+            param_dtype="bfloat16",
+            master_dtype="float32",
+            description="Megatron/ZeRO style: bf16 parameters and gradients, AdamW steps an "
+            "fp32 master copy with fp32 moments, then copies it back to the bf16 parameters",
+            source="ZeRO (arXiv 1910.02054) section 3.1: 2Ψ + 2Ψ + KΨ, K = 12",
+        ),
+        Recipe(
+            "bf16_master_fp32_grads",
+            param_dtype="bfloat16",
+            master_dtype="float32",
+            grad_buffer_dtype="float32",
+            description="as bf16_master, and each bf16 gradient is added into an fp32 buffer "
+            "(accumulation over micro-batches in fp32) that the master step reads",
+            source="Playbook, memory section: 2 + 2 + 12 + 4 = 20 bytes per parameter",
+        ),
+        Recipe(
+            "pure_bf16",
+            param_dtype="bfloat16",
+            description="everything in bf16, no master copy: AdamW's moments are bf16 too; an "
+            "update smaller than half a bf16 spacing (eps 2**-7) of its weight is lost",
+            source="torch/optim/adamw.py: the moments are zeros_like(param); 2 + 2 + 4 = 8",
+        ),
+    )
+}
+"""The course's recipes, by name."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Predicted
+
+
+def predicted_breakdown(recipe: Recipe) -> dict[str, int]:
+    """Bytes per parameter of each persistent category (:data:`PERSISTENT`) of ``recipe``."""
+    return {
+        "parameters": dtype_bytes(recipe.param_dtype),
+        "gradients": dtype_bytes(recipe.grad_dtype),
+        "master": dtype_bytes(recipe.master_dtype) if recipe.master_dtype else 0,
+        "grad_buffer": dtype_bytes(recipe.grad_buffer_dtype) if recipe.grad_buffer_dtype else 0,
+        "optimizer_state": OPTIMIZER_STATES[recipe.optimizer] * dtype_bytes(recipe.state_dtype),
+    }
+
+
+def predicted_bytes_per_param(recipe: Recipe) -> int:
+    """Persistent model-state bytes per parameter: parameters + gradients + master copy +
+    gradient buffer + optimizer state. Activations and step-transient tensors are not counted."""
+    return sum(predicted_breakdown(recipe).values())
+
+
+def autocast_copy_bytes_per_param(recipe: Recipe) -> int:
+    """Bytes of autocast's 16-bit weight copy per parameter of a *matmul weight* (an
+    ``nn.Linear`` weight, a tied output head included), kept from forward to backward.
+
+    Transient: not a model state. Biases and LayerNorm parameters are cast too where a matmul
+    uses them, but autograd does not save them; an embedding table used only for lookups is not
+    cast. So over a whole model this is a little less than the 2 that [ml-eng] counts.
+    """
+    return dtype_bytes(recipe.autocast) if recipe.autocast else 0
+
+
+def matmul_weight_params(model: nn.Module) -> int:
+    """Parameters of ``model`` that are ``nn.Linear`` weights (a tied tensor counted once)."""
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            seen[id(module.weight)] = module.weight.numel()
+    return sum(seen.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# Measured
+
+
+@dataclass(frozen=True)
+class RecipeMeasurement:
+    """Bytes of every tensor category of one real training step under a recipe."""
+
+    recipe: Recipe
+    n_params: int
+    matmul_weight_params: int
+    parameters: int
+    gradients: int
+    """``param.grad`` right after the last backward (where a buffer exists, just before being
+    added into it: the moment both exist)."""
+    master: int
+    grad_buffer: int
+    optimizer_state: int
+    """State tensors after the step (the scalar ``step`` counters are left out)."""
+    autocast_copies: int
+    """Transient: saved-for-backward tensors equal to a parameter cast to the autocast dtype."""
+    master_step_grads: int
+    """Transient: the fp32 ``.grad`` tensors made for the master step without a buffer."""
+    activations: int
+    """Transient: every other tensor autograd saved for backward (largest micro-batch)."""
+    device: str
+
+    @property
+    def persistent(self) -> dict[str, int]:
+        """Bytes of each persistent category, in :data:`PERSISTENT` order."""
+        return {k: getattr(self, k) for k in PERSISTENT}
+
+    @property
+    def bytes_per_param(self) -> float:
+        """Persistent model-state bytes per parameter."""
+        return sum(self.persistent.values()) / self.n_params
+
+    def per_param(self) -> dict[str, float]:
+        """Bytes per parameter of each persistent category, then the transient ones: autocast
+        copies per *matmul-weight* parameter, the rest per parameter."""
+        out = {k: v / self.n_params for k, v in self.persistent.items()}
+        out["total (persistent)"] = self.bytes_per_param
+        out["autocast copies per matmul weight"] = (
+            self.autocast_copies / self.matmul_weight_params if self.matmul_weight_params else 0.0
+        )
+        out["master-step fp32 grads (transient)"] = self.master_step_grads / self.n_params
+        return out
+
+    def as_row(self) -> dict[str, object]:
+        """One table row: recipe name, predicted and measured bytes per parameter."""
+        return {"recipe": self.recipe.name,
+                "predicted": predicted_bytes_per_param(self.recipe),
+                **{k: round(v, 3) for k, v in self.per_param().items()}}  # fmt: skip
+
+
+def _split_saved(saved: list[torch.Tensor], params: list[torch.Tensor],
+                 autocast: str | None) -> tuple[int, int]:  # fmt: skip
+    """(bytes of autocast weight copies, bytes of other saved tensors), each storage once.
+
+    A saved tensor is a weight copy when it equals a parameter cast to the autocast dtype (as
+    saved for a matmul's backward it is often the transposed view ``w.t()``). Saved tensors that
+    are parameters themselves cost nothing extra and are skipped.
+    """
+    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+    low = DTYPES[autocast] if autocast else None
+    casts: dict[int, list[torch.Tensor]] = {}  # numel -> params cast to the autocast dtype
+    if low is not None:
+        for p in params:
+            casts.setdefault(p.numel(), []).append(p.detach().to(low))
+    copies: dict[int, int] = {}
+    others: dict[int, int] = {}
+    for t in saved:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in param_ptrs or ptr in copies or ptr in others:
+            continue
+        views = (t, t.t()) if t.dim() == 2 else (t,)
+        is_copy = t.dtype == low and any(
+            v.shape == c.shape and torch.equal(v, c)
+            for c in casts.get(t.numel(), ())
+            for v in views
+        )
+        (copies if is_copy else others)[ptr] = storage.nbytes()
+    return sum(copies.values()), sum(others.values())
+
+
+def _make_optimizer(name: str, tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(tensors, lr=1e-3)
+    return torch.optim.SGD(tensors, lr=1e-3, momentum=0.9 if name == "sgd_momentum" else 0.0)
+
+
+def measure_recipe(
+    recipe: Recipe,
+    model: nn.Module,
+    batches: Sequence[Batch],
+    device: str | torch.device = "cpu",
+) -> RecipeMeasurement:
+    """Run ONE real training step of ``recipe`` on a copy of ``model`` and count the bytes.
+
+    The step: the copy is cast to ``param_dtype``; a forward and backward pass per micro-batch
+    in ``batches`` (under autocast where the recipe has it; each loss divided by their number);
+    with a gradient buffer, each micro-batch's 16-bit gradients are added into it; the optimizer
+    steps the master copy (its ``.grad`` is the buffer, or the gradients cast to fp32) or else
+    the parameters; the master copy is copied back into the parameters. ``model`` itself is
+    left as it was. No loss scaling: it changes no memory.
+
+    Every number is read from the real tensors (``untyped_storage().nbytes()``, each storage
+    once), none is filled in from :func:`predicted_breakdown`.
+    """
+    if not batches:
+        raise ValueError("batches is empty: pass one (x, y) pair per micro-batch")
+    device = torch.device(device)
+    model = copy.deepcopy(model).to(device=device, dtype=DTYPES[recipe.param_dtype]).train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("model has no parameter that requires grad: nothing to train")
+    master = [p.detach().to(DTYPES[recipe.master_dtype]).requires_grad_()
+              for p in params] if recipe.master_dtype else []  # fmt: skip
+    buffers = [torch.zeros_like(m) for m in master] if recipe.grad_buffer_dtype else []
+    optimizer = _make_optimizer(recipe.optimizer, master or params)
+
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)  # only looked at (and let go) before this micro-batch's backward
+        return t
+
+    copies = activations = gradients = 0
+    for x, y in batches:
+        context = checked_autocast(device.type, recipe.autocast or "fp32")
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), context:
+            _, loss = model(x.to(device), y.to(device))
+        c, a = _split_saved(saved, params, recipe.autocast)
+        copies, activations = max(copies, c), max(activations, a)
+        saved.clear()
+        (loss / len(batches)).backward()
+        gradients = max(gradients, storage_bytes(p.grad for p in params))
+        if buffers:
+            for b, p in zip(buffers, params, strict=True):
+                b.add_(p.grad)  # fp32 accumulation of the 16-bit gradient
+                p.grad = None
+    master_step_grads = 0
+    if master:
+        for m, p, b in zip(master, params, buffers or [None] * len(master), strict=True):
+            m.grad = b if b is not None else p.grad.to(m.dtype)
+        if not buffers:
+            master_step_grads = storage_bytes(m.grad for m in master)
+    optimizer.step()
+    if master:
+        with torch.no_grad():
+            for p, m in zip(params, master, strict=True):
+                p.copy_(m)  # the updated master, rounded back into the 16-bit parameters
+    return RecipeMeasurement(
+        recipe=recipe,
+        n_params=sum(p.numel() for p in params),
+        matmul_weight_params=matmul_weight_params(model),
+        parameters=storage_bytes(params),
+        gradients=gradients,
+        master=storage_bytes(master),
+        grad_buffer=storage_bytes(buffers),
+        optimizer_state=storage_bytes(optimizer_state_tensors(optimizer)),
+        autocast_copies=copies,
+        master_step_grads=master_step_grads,
+        activations=activations,
+        device=str(device),
+    )
