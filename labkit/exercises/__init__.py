@@ -53,6 +53,7 @@ MODULES: dict[str, str] = {
     "01": "labkit.exercises.single_gpu",
     "02": "labkit.exercises.data_parallel",
     "03": "labkit.exercises.model_parallel",
+    "04": "labkit.exercises.mixed_precision",
 }
 """Notebook -> the module that registers its exercises."""
 

@@ -1,0 +1,446 @@
+"""Notebook 04's exercise checks: they pass on the solutions, say "not done" on the stubs, and
+name each usual mistake."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from nbformat.v4 import new_code_cell, new_notebook
+
+from labkit import exercises as ex
+from labkit import nbgen, recipes
+from labkit.exercises import mixed_precision as exmp
+from labkit.formulas import OPTIMIZER_STATES, dtype_bytes
+
+# --------------------------------------------------------------------------- solutions, written
+# the way the solution notebook marks them, so the same source yields the stub.
+
+SOLUTIONS = {
+    "04.loss_scaling": """
+import torch
+
+def scaled_step(loss, optimizer, state):
+    # BEGIN SOLUTION
+    (loss * state["scale"]).backward()
+    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    if not all(torch.isfinite(g).all() for g in grads):
+        state["scale"] *= state["backoff_factor"]
+        state["growth_tracker"] = 0
+        return False
+    for g in grads:
+        g.div_(state["scale"])
+    optimizer.step()
+    state["growth_tracker"] += 1
+    if state["growth_tracker"] == state["growth_interval"]:
+        state["scale"] *= state["growth_factor"]
+        state["growth_tracker"] = 0
+    return True
+    # END SOLUTION
+answer = scaled_step
+""",
+    "04.underflow": """
+import torch
+
+def fp16_underflow_fraction(t):
+    # BEGIN SOLUTION
+    v = t[torch.isfinite(t) & (t != 0)]
+    return float((v.to(torch.float16) == 0).sum()) / v.numel()
+    # END SOLUTION
+answer = fp16_underflow_fraction
+""",
+    "04.bytes_per_param": """
+import torch
+
+def bytes_per_param(recipe):
+    # BEGIN SOLUTION
+    def size(name):
+        return getattr(torch, name).itemsize if name else 0
+    n_states = {"adamw": 2, "sgd_momentum": 1, "sgd": 0}[recipe.optimizer]
+    return (size(recipe.param_dtype) + size(recipe.grad_dtype) + size(recipe.master_dtype)
+            + size(recipe.grad_buffer_dtype) + n_states * size(recipe.state_dtype))
+    # END SOLUTION
+answer = bytes_per_param
+""",
+}
+
+
+def run_cell(source: str):
+    namespace: dict = {}
+    exec(compile(source, "<cell>", "exec"), namespace)
+    return namespace["answer"]
+
+
+def stub_of(source: str) -> str:
+    return nbgen.generate(new_notebook(cells=[new_code_cell(source, id="c")])).cells[0].source
+
+
+def test_the_notebook_04_exercises_are_registered():
+    assert [e.id for e in ex.catalogue("04")] == [
+        "04.bytes_per_param", "04.loss_scaling", "04.underflow"]  # fmt: skip
+    assert all(e.reference is not None for e in ex.catalogue("04"))
+
+
+@pytest.mark.parametrize("exercise_id", sorted(SOLUTIONS))
+def test_check_passes_on_the_solution_and_on_the_reference(exercise_id, capsys):
+    mine = run_cell(SOLUTIONS[exercise_id])
+    assert ex.check(exercise_id, mine) is mine
+    out = capsys.readouterr().out
+    assert out.startswith(f"✓ {exercise_id}: ") and out.count("\n") == 1
+    ex.verify(exercise_id, ex.get(exercise_id).reference)
+
+
+@pytest.mark.parametrize("exercise_id", sorted(SOLUTIONS))
+def test_the_stub_is_not_done_and_gives_nothing_away(exercise_id, capsys):
+    stub = stub_of(SOLUTIONS[exercise_id])
+    assert f'raise NotImplementedError("{ex.STUB_MESSAGE}")' in stub
+    assert "BEGIN SOLUTION" not in stub and "growth_tracker" not in stub and "float16" not in stub
+    with pytest.raises(ex.ExerciseIncomplete):
+        ex.verify(exercise_id, run_cell(stub))
+    # a stub the source of which cannot be read still says "not done" (NotImplementedError path)
+    with pytest.raises(ex.ExerciseIncomplete):
+        ex.verify(exercise_id, lambda *a: (_ for _ in ()).throw(NotImplementedError("x")))
+    assert ex.check(exercise_id, run_cell(stub)) is ex.get(exercise_id).reference
+    out = capsys.readouterr().out
+    assert out.startswith(f"○ {exercise_id} (") and ex.get(exercise_id).hints[0] in out
+
+
+@pytest.mark.parametrize("exercise_id", sorted(SOLUTIONS))
+def test_hints_go_from_the_idea_to_the_recipe(exercise_id):
+    hints = ex.get(exercise_id).hints
+    assert len(hints) >= 3 and hints[-1].startswith("recipe:")
+    first = hints[0]
+    # the first hint is conceptual: no code, no numbers that are the answer
+    assert "(" not in first.replace("(the chain rule is linear)", "") and "==" not in first
+    assert not any(s in first for s in ("16 bytes", "2**-25", "isfinite", ".to("))
+
+
+# --------------------------------------------------------------------------- 04.loss_scaling
+# Learner-style answers, each with one usual mistake.
+
+
+def _grads(optimizer):
+    return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+
+
+def _finite(optimizer):
+    return all(torch.isfinite(g).all() for g in _grads(optimizer))
+
+
+def _grow(state):
+    state["growth_tracker"] += 1
+    if state["growth_tracker"] == state["growth_interval"]:
+        state["scale"] *= state["growth_factor"]
+        state["growth_tracker"] = 0
+
+
+def _back_off(state):
+    state["scale"] *= state["backoff_factor"]
+    state["growth_tracker"] = 0
+
+
+def no_unscaling(loss, optimizer, state):
+    (loss * state["scale"]).backward()
+    if not _finite(optimizer):
+        _back_off(state)
+        return False
+    optimizer.step()
+    _grow(state)
+    return True
+
+
+def unscale_by_multiplying(loss, optimizer, state):
+    (loss * state["scale"]).backward()
+    if not _finite(optimizer):
+        _back_off(state)
+        return False
+    for g in _grads(optimizer):
+        g.mul_(state["scale"])
+    optimizer.step()
+    _grow(state)
+    return True
+
+
+def never_skips(loss, optimizer, state):
+    (loss * state["scale"]).backward()
+    for g in _grads(optimizer):
+        g.div_(state["scale"])
+    optimizer.step()
+    _grow(state)
+    return True
+
+
+def steps_then_backs_off(loss, optimizer, state):
+    (loss * state["scale"]).backward()
+    finite = _finite(optimizer)
+    for g in _grads(optimizer):
+        g.div_(state["scale"])
+    optimizer.step()
+    if not finite:
+        _back_off(state)
+        return False
+    _grow(state)
+    return True
+
+
+def keeps_tracker_on_backoff(loss, optimizer, state):
+    (loss * state["scale"]).backward()
+    if not _finite(optimizer):
+        state["scale"] *= state["backoff_factor"]
+        return False
+    for g in _grads(optimizer):
+        g.div_(state["scale"])
+    optimizer.step()
+    _grow(state)
+    return True
+
+
+def grows_every_step(loss, optimizer, state):
+    (loss * state["scale"]).backward()
+    if not _finite(optimizer):
+        _back_off(state)
+        return False
+    for g in _grads(optimizer):
+        g.div_(state["scale"])
+    optimizer.step()
+    state["scale"] *= state["growth_factor"]
+    state["growth_tracker"] += 1
+    return True
+
+
+def checks_only_the_loss(loss, optimizer, state):
+    scaled = loss * state["scale"]
+    if not torch.isfinite(scaled):
+        _back_off(state)
+        return False
+    scaled.backward()
+    for g in _grads(optimizer):
+        g.div_(state["scale"])
+    optimizer.step()
+    _grow(state)
+    return True
+
+
+def forgets_to_scale_the_loss(loss, optimizer, state):
+    loss.backward()
+    if not _finite(optimizer):
+        _back_off(state)
+        return False
+    for g in _grads(optimizer):
+        g.div_(state["scale"])
+    optimizer.step()
+    _grow(state)
+    return True
+
+
+def returns_nothing(loss, optimizer, state):
+    exmp.reference_scaled_step(loss, optimizer, state)
+
+
+def replaces_the_state(loss, optimizer, state):
+    state = dict(state)  # a copy: the caller's dict never changes
+    return exmp.reference_scaled_step(loss, optimizer, state)
+
+
+@pytest.mark.parametrize(
+    ("wrong", "message"),
+    [
+        (
+            no_unscaling,
+            r"step 1 of 9.* exactly scale times too large: the gradients were never unscaled",
+        ),
+        (unscale_by_multiplying, r"step 1 .*scale² times too large: .*multiplied by the scale"),
+        (
+            forgets_to_scale_the_loss,
+            r"step 1 .*1/scale of the right size: .*loss was not multiplied",
+        ),
+        (
+            never_skips,
+            r"step 2 of 9, a step whose loss was inf, the step was not skipped: "
+            r"optimizer\.step\(\) ran with inf/NaN",
+        ),
+        (
+            steps_then_backs_off,
+            r"step 2 .*backed off the scale and returned False, but the "
+            r"parameters changed",
+        ),
+        (
+            keeps_tracker_on_backoff,
+            r"step 2 .*growth_tracker'\] is 1; GradScaler's is 0: .*reset "
+            r"the tracker to 0 when you back off",
+        ),
+        (
+            grows_every_step,
+            r"step 1 .*state\['scale'\] is 512; GradScaler's is 256: the scale grew "
+            r"after a single clean step",
+        ),
+        (
+            checks_only_the_loss,
+            r"step 6 of 9, a step whose loss was finite but one gradient was "
+            r"inf.*although you skipped the step whose loss was inf.*check "
+            r"every gradient",
+        ),
+        (
+            returns_nothing,
+            r"step 1 .*returned NoneType None; return True when the optimizer "
+            r"stepped",
+        ),
+        (
+            replaces_the_state,
+            r"step 1 .*state\['growth_tracker'\] is 0; GradScaler's is 1: "
+            r"add 1 .*update state in place",
+        ),
+    ],
+    ids=lambda v: getattr(v, "__name__", "message"),
+)
+def test_loss_scaling_names_each_mistake(wrong, message):
+    with pytest.raises(ex.ExerciseFailed, match=message):
+        ex.verify("04.loss_scaling", wrong)
+
+
+def test_loss_scaling_accepts_other_correct_spellings():
+    def mine(loss, optimizer, state):
+        (loss * state["scale"]).backward()
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if any(not torch.isfinite(p.grad).all() for p in params):
+            state["scale"] = state["scale"] * state["backoff_factor"]
+            state["growth_tracker"] = 0
+            return False
+        for p in params:
+            p.grad = p.grad * (1.0 / state["scale"])  # a new tensor: fine too
+        optimizer.step()
+        state["growth_tracker"] = (state["growth_tracker"] + 1) % state["growth_interval"]
+        if state["growth_tracker"] == 0:
+            state["scale"] = state["scale"] * state["growth_factor"]
+        return True
+
+    assert "matches torch.amp.GradScaler" in ex.verify("04.loss_scaling", mine)
+
+
+# --------------------------------------------------------------------------- 04.underflow
+
+
+def _nonzero_finite(t):
+    return t[torch.isfinite(t) & (t != 0)]
+
+
+@pytest.mark.parametrize(
+    ("wrong", "message"),
+    [
+        (
+            lambda t: float((_nonzero_finite(t).abs() < 2**-14).float().mean()),
+            r"smallest \*normal\* number \(2\*\*-14\)",
+        ),
+        (
+            lambda t: float((_nonzero_finite(t).abs() < 2**-24).float().mean()),
+            r"threshold at 2\*\*-24: values between 2\*\*-25 and 2\*\*-24 round \*up\*",
+        ),
+        (
+            lambda t: float((_nonzero_finite(t).abs() <= 2**-24).float().mean()),
+            r"exactly 2\*\*-24 is fp16's smallest subnormal: it survives",
+        ),
+        (
+            lambda t: float((_nonzero_finite(t).abs() < 2**-25).float().mean()),
+            r"exactly 2\*\*-25 is halfway .* ties round to even",
+        ),
+        (
+            lambda t: float((t[torch.isfinite(t)].to(torch.float16) == 0).float().mean()),
+            r"exact zeros, inf and NaN.*you counted the exact zeros as lost",
+        ),
+        (
+            lambda t: float((_nonzero_finite(t).to(torch.float16) == 0).sum()) / t.numel(),
+            r"you divided by every element",
+        ),
+        (
+            lambda t: float((t[t != 0].to(torch.float16) == 0).float().mean()),
+            r"including inf and NaN",
+        ),
+        (
+            lambda t: 100 * float((_nonzero_finite(t).to(torch.float16) == 0).float().mean()),
+            r"that is a percentage",
+        ),
+        (
+            lambda t: (_nonzero_finite(t).to(torch.float16) == 0).float().mean(),
+            r"returned Tensor .* return a Python float",
+        ),
+    ],
+)
+def test_underflow_names_each_mistake(wrong, message):
+    with pytest.raises(ex.ExerciseFailed, match=message) as info:
+        ex.verify("04.underflow", wrong)
+    assert "expected" in str(info.value) or "returned Tensor" in str(info.value)
+
+
+def test_underflow_known_values_are_what_a_real_cast_gives():
+    # the tie, just above it, the subnormals: checked here against torch, not assumed
+    half = torch.tensor([2.0**-25, 2.0**-25 * (1 + 2.0**-8), 2.0**-24, 2.0**-15]).to(torch.float16)
+    assert half.float().tolist() == [0.0, 2.0**-24, 2.0**-24, 2.0**-15]
+    first = torch.tensor(exmp.UNDERFLOW_KNOWN[0][1])
+    assert exmp.reference_fp16_underflow_fraction(first) == 3 / 12
+    variants = list(exmp._underflow_variants(first).values())
+    assert 3 / 12 not in variants[:4] and len(set(variants[:4])) == 4  # each mistake shows
+    grads = exmp._real_gradients()
+    fractions = [exmp.reference_fp16_underflow_fraction(g) for g in grads]
+    assert fractions == sorted(fractions) and fractions[-1] > 0.01  # small gradients do vanish
+
+
+# --------------------------------------------------------------------------- 04.bytes_per_param
+
+
+def right(recipe):
+    return recipes.predicted_bytes_per_param(recipe)
+
+
+def part(recipe, name):
+    return recipes.predicted_breakdown(recipe)[name]
+
+
+@pytest.mark.parametrize(
+    ("wrong", "message"),
+    [
+        (lambda r: right(r) - part(r, "master"), "the fp32 master copy is missing"),
+        (
+            lambda r: right(r) - (part(r, "optimizer_state") // 2 if r.optimizer == "adamw" else 0),
+            "AdamW keeps two state tensors per parameter",
+        ),
+        (lambda r: 8 * right(r), "that is bits"),
+        (
+            lambda r: right(r) + recipes.autocast_copy_bytes_per_param(r),
+            r"Recipe 'amp_bf16' .*expected 16 .*got 18: you counted autocast's 16-bit weight copies",
+        ),
+        (lambda r: right(r) - part(r, "gradients"), "the gradients .* are missing"),
+        (lambda r: right(r) - part(r, "grad_buffer"), "the fp32 gradient buffer is missing"),
+        (
+            lambda r: (
+                right(r)
+                - part(r, "optimizer_state")
+                + OPTIMIZER_STATES[r.optimizer] * dtype_bytes(r.param_dtype)
+            ),
+            r"state is in the dtype of what it steps",
+        ),
+        (
+            lambda r: right(r) + (r.name == "sgd_momentum_bf16"),
+            r"Recipe 'sgd_momentum_bf16' .*expected 6 .*measured 6\), got 7: list each",
+        ),
+    ],
+)
+def test_bytes_per_param_names_each_mistake(wrong, message):
+    with pytest.raises(ex.ExerciseFailed, match=message):
+        ex.verify("04.bytes_per_param", wrong)
+
+
+def test_bytes_per_param_wants_an_int():
+    with pytest.raises(ex.ExerciseFailed, match="returned float"):
+        ex.verify("04.bytes_per_param", lambda r: float(right(r)))
+
+
+def test_bytes_per_param_cases_cover_every_recipe_and_the_stated_ones():
+    cases = exmp._bytes_cases()
+    assert set(recipes.RECIPES.values()) <= set(cases)
+    assert {r.name: right(r) for r in exmp.STATED_RECIPES} == {
+        "sgd_fp32": 8, "sgd_momentum_bf16": 6, "fp16_master_sgd_momentum": 12, "amp_fp16": 16}  # fmt: skip
+    for r in cases:  # what the check compares with was measured, and agrees
+        assert exmp._measured(r).bytes_per_param == right(r)
+    assert math.isclose(exmp._measured(exmp.STATED_RECIPES[-1]).per_param()[
+        "autocast copies per matmul weight"], 2.0)  # fmt: skip
