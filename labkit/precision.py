@@ -39,6 +39,7 @@ Sources cited below:
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -50,7 +51,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from labkit import dtypes
-from labkit.formulas import dtype_bytes
+from labkit.formulas import dtype_bytes, dtype_name
 
 # ----------------------------------------------------------------------------------------------
 # Formats
@@ -632,3 +633,49 @@ def capture_dtypes(
     with torch.no_grad(), _hooks(model, rows, stack), context, _FunctionRecorder(rows, stack):
         model(*inputs)
     return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Speed of the training step per precision
+
+
+def step_times(
+    model: nn.Module,
+    train_cfg: Any,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    device: torch.device,
+    dtypes: Sequence[str] = ("float32", "bfloat16", "float16"),
+    rounds: int = 5,
+    warmup: int = 1,
+) -> dict[str, list[float]]:
+    """Seconds of ``labkit.train.train_step`` per autocast dtype, the dtypes taking turns.
+
+    Each dtype trains its own copy of ``model`` (same weights, its own AdamW from
+    ``train_cfg``, and for float16 its own ``GradScaler``) on the same ``batches`` (one
+    micro-batch per step, cycled). Round r steps every copy once, in reverse order on odd
+    rounds (``labkit.timing.alternate``), so a burst of other work on a shared machine falls on
+    every precision alike instead of on whichever ran during it. ``warmup`` rounds are not kept.
+    Every dtype is checked first (:func:`checked_autocast`): none is quietly run as float32.
+    """
+    from labkit import timing, train  # layer 2 and 0: imported where used
+
+    if not batches:
+        raise ValueError("batches is empty: pass one (x, y) micro-batch per step")
+    for dtype in dtypes:
+        checked_autocast(device.type, dtype)
+    steppers = {}
+    for dtype in dtypes:
+        copy_ = copy.deepcopy(model).to(device)  # deepcopy keeps the weight tying
+        optimizer = train.make_optimizer(copy_, train_cfg)
+        scaler = train.make_scaler(device, dtype_name(dtype))
+        turn = iter(range(10**9))
+
+        def step(copy_=copy_, optimizer=optimizer, scaler=scaler, dtype=dtype, turn=turn) -> float:
+            batch = batches[next(turn) % len(batches)]
+            return train.train_step(copy_, optimizer, [batch], device=device,
+                                    dtype=dtype_name(dtype), scaler=scaler,
+                                    grad_clip=train_cfg.grad_clip).seconds  # fmt: skip
+
+        steppers[dtype] = step
+    return timing.alternate(steppers, rounds=rounds, warmup=warmup)

@@ -18,7 +18,7 @@ import html
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -266,3 +266,39 @@ def unsynchronized(fn: Callable[[], object], *, device: torch.device | str = "cp
     return TimingResult(name=getattr(fn, "__name__", "fn") + " (no sync)",
                         samples_s=tuple(samples), device=str(as_device(device)),
                         method="perf_counter, no synchronize", warmup=0)
+
+
+def alternate(
+    fns: Mapping[str, Callable[[], float]],
+    *,
+    rounds: int,
+    warmup: int = 0,
+    swap: bool = True,
+    on_round: Callable[[int, dict[str, float]], None] | None = None,
+) -> dict[str, list[float]]:
+    """Call each of ``fns`` once per round, interleaved, and collect what each returns.
+
+    Each function returns one sample (seconds). Round r calls them in the given order, or in
+    reverse order when ``swap`` is set and r is odd (A B, B A, A B, ...). The first ``warmup``
+    rounds are run the same way but not kept.
+
+    Returns:
+        {name: [sample of each counted round]}, ``rounds`` samples per name.
+    """
+    if not fns:
+        raise ValueError("fns is empty: pass at least one name -> function")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds={rounds!r} is not allowed: an integer >= 1")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup={warmup!r} is not allowed: an integer >= 0")
+    names = list(fns)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(warmup + rounds):
+        order = names[::-1] if swap and r % 2 else names
+        got = {name: float(fns[name]()) for name in order}
+        if r >= warmup:
+            for name in names:
+                samples[name].append(got[name])
+        if on_round is not None:
+            on_round(r - warmup, got)  # negative index: a warm-up round
+    return samples

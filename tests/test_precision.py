@@ -472,3 +472,53 @@ def test_sum_stall_point_known_values_and_bad_input():
     assert precision.sum_stall_point(0.01, "fp16") == 32.0
     with pytest.raises(ValueError, match="positive finite"):
         precision.sum_stall_point(0.0, "bf16")
+
+
+# --- step times per precision -----------------------------------------------------------------
+
+
+def test_step_times_trains_a_copy_per_dtype_in_alternated_rounds(monkeypatch):
+    from labkit import config, timing, train
+    from labkit.model import GPT
+
+    cfg = config.preset("smoke")
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    before = copy.deepcopy(model.state_dict())
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (2, cfg.model.seq_len), generator=g)
+    batches = [(x, torch.roll(x, -1, 1))]
+    calls = []
+    real_step = train.train_step
+
+    def recording_step(m, *args, dtype, **kwargs):
+        calls.append((id(m), dtype, kwargs["scaler"] is not None))
+        return real_step(m, *args, dtype=dtype, **kwargs)
+
+    monkeypatch.setattr(train, "train_step", recording_step)
+    seen_rounds = []
+    real_alternate = timing.alternate
+    monkeypatch.setattr(timing, "alternate", lambda fns, **kw: seen_rounds.append(kw) or
+                        real_alternate(fns, **kw))  # fmt: skip
+    times = precision.step_times(model, cfg.train, batches, device=torch.device("cpu"),
+                                 dtypes=("float32", "float16"), rounds=3, warmup=1)  # fmt: skip
+    assert set(times) == {"float32", "float16"} and all(len(v) == 3 for v in times.values())
+    assert all(t > 0 for v in times.values() for t in v)
+    assert seen_rounds == [{"rounds": 3, "warmup": 1}]
+    assert len({i for i, _, _ in calls}) == 2  # one copy per dtype, 4 steps each
+    assert [d for _, d, _ in calls][:4] == ["float32", "float16", "float16", "float32"]
+    assert {(d, s) for _, d, s in calls} == {("float32", False), ("float16", True)}
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # untouched
+
+
+def test_step_times_refuses_a_dtype_autocast_would_drop():
+    from labkit import config
+    from labkit.model import GPT
+
+    cfg = config.preset("smoke")
+    x = torch.zeros(1, cfg.model.seq_len, dtype=torch.long)
+    with pytest.raises(ValueError, match="autocast is not available"):
+        precision.step_times(GPT(cfg.model), cfg.train, [(x, x)], device=torch.device("cpu"),
+                             dtypes=("float32", "fp8_e4m3"))  # fmt: skip
+    with pytest.raises(ValueError, match="batches is empty"):
+        precision.step_times(GPT(cfg.model), cfg.train, [], device=torch.device("cpu"))
