@@ -2,8 +2,8 @@
 the precision sweep and a CPU's bf16/fp16 support.
 
 No speed is asserted: measurements are checked for being positive, finite and labelled, and
-the arithmetic is checked with injected timings. GPU paths are marked ``gpu`` and skipped
-without CUDA (scripts/gpu_check.sh runs them on the first GPU machine).
+the arithmetic is checked with injected timings. The same paths on CUDA are in
+tests/test_gpu_precision.py (marked ``gpu``; scripts/gpu_check.sh runs them on a GPU machine).
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ import torch
 from labkit import hardware, roofline, timing
 
 matplotlib.use("Agg")
-
-CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 class FakeTimer:
@@ -482,49 +480,6 @@ def test_on_cuda_float32_runs_with_tf32_off_and_tf32_with_it_on_whatever_the_cal
     with roofline.precisions.matmul_mode("tf32", torch.device("cpu")):
         assert tf32_state() == before  # off CUDA nothing is touched
     assert tf32_state() == before
-
-
-# --- the GPU tier -------------------------------------------------------------------------------
-
-
-@pytest.mark.gpu
-@CUDA_ONLY
-@pytest.mark.parametrize("precision", ["float32", "tf32", "bfloat16", "float16"])
-def test_gpu_compute_ceiling_per_precision(precision):
-    before = tf32_state()
-    c = roofline.measure_compute_ceiling("cuda", precision, repeats=3, warmup=1)
-    assert math.isfinite(c.value) and c.value > 0
-    assert c.device.startswith("cuda") and c.device_name == torch.cuda.get_device_name(0)
-    assert ("TF32 on" in c.method) == (precision == "tf32")
-    assert tf32_state() == before
-
-
-@pytest.mark.gpu
-@CUDA_ONLY
-def test_gpu_sweep_has_tf32_and_restores_the_setting():
-    before = tf32_state()
-    sweep = roofline.matmul_sweep("cuda", ("float32", "tf32", "bf16", "fp16"), (1024, 4096),
-                                  repeats=2)  # fmt: skip
-    assert tf32_state() == before
-    assert sweep.cpu_support is None and "not a GPU speedup" not in str(sweep)
-    assert all(r.median_flops_per_s > 0 for r in sweep.rows)
-
-
-@pytest.mark.gpu
-@CUDA_ONLY
-def test_gpu_roofline_is_measured_drawn_and_compared_with_the_datasheet():
-    import matplotlib.pyplot as plt
-
-    rf = roofline.measure_roofline("cuda", ("float32", "bfloat16"))
-    assert rf.bandwidth.value > 0 and rf.device.startswith("cuda")
-    pub = roofline.published_ceilings(rf.device_name, ("bfloat16",))
-    assert pub.ceilings or pub.reasons  # a sourced figure, or the reason there is none
-    sweep = roofline.matmul_sweep("cuda", ("bfloat16",), (1024, 4096), repeats=2)
-    points = [rf.place(f"bf16 {r.n}", r.flops, r.bytes, r.best_s, precision="bfloat16")
-              for r in sweep.rows]  # fmt: skip
-    ax = roofline.plot_roofline(rf, points, published=pub.ceilings)
-    assert {"bf16 1024", "bf16 4096"} <= {t.get_text() for t in ax.texts}
-    plt.close(ax.figure)
 
 
 # --- the package --------------------------------------------------------------------------------
