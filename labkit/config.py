@@ -162,6 +162,9 @@ class TrainConfig:
     last step; None keeps it at lr."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay."""
+    adam_eps: float = 1e-8
+    """AdamW's epsilon, added to the root of the second moment (PyTorch's default). It sets the
+    gradient size below which updates shrink: scale it with the loss to keep AdamW invariant."""
     grad_clip: float | None = 1.0
     """Clip the global gradient norm to this value; None disables clipping."""
     dtype: str = "float32"
@@ -184,6 +187,7 @@ class TrainConfig:
         _require(self.min_lr is None or 0 <= self.min_lr <= self.lr, "min_lr", self.min_lr,
                  f"None (no decay) or a number from 0 to lr={self.lr}")
         _require(self.weight_decay >= 0, "weight_decay", self.weight_decay, "zero or more")
+        _require(self.adam_eps > 0, "adam_eps", self.adam_eps, "a positive number (1e-8)")
         _require(
             self.grad_clip is None or self.grad_clip > 0,
             "grad_clip",

@@ -112,6 +112,7 @@ def test_every_labkit_variable_the_project_uses_is_known():
         (config.TrainConfig, {"lr": True}, "lr=True is a bool: give a number, e.g. lr=0.003"),
         (config.TrainConfig, {"lr": float("nan")}, "lr=nan is not finite: give a finite number"),
         (config.TrainConfig, {"weight_decay": float("inf")}, "weight_decay=inf is not finite"),
+        (config.TrainConfig, {"adam_eps": 0.0}, "adam_eps=0.0 is not allowed"),
         (config.TrainConfig, {"device": None}, "device=None: give a str, e.g. device='auto'"),
         (config.TrainConfig, {"dtype": 16}, "dtype=16 is an int: give a str, e.g. dtype='float32'"),
         (config.TrainConfig, {"min_lr": "1e-4"},

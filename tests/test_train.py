@@ -130,3 +130,10 @@ def test_train_takes_a_scaler_or_none_or_auto(monkeypatch):
     assert len(unscaled.loss) == 3
     with pytest.raises(ValueError, match="'auto', None"):
         _fp16_run("yes")
+
+
+def test_the_optimizer_uses_the_configured_adam_eps():
+    model, _ = fresh()
+    optimizer = train.make_optimizer(model, TrainConfig(adam_eps=1e-12))
+    assert {g["eps"] for g in optimizer.param_groups} == {1e-12}
+    assert TrainConfig().adam_eps == 1e-8  # PyTorch's AdamW default
