@@ -18,8 +18,9 @@ class CpuPrecisionSupport:
     """What a CPU's feature flags say about bf16 and fp16 arithmetic.
 
     ``bfloat16``/``float16`` are True when the CPU has instructions that compute in that
-    format, False when it has none (the format is then converted to fp32 to compute, so it
-    runs slower than fp32), None when labkit does not interpret this architecture's flags.
+    format, False when it has none (there is then no fast matrix kernel for the format: each
+    value is widened to fp32 inside a generic loop, far slower than the tuned fp32 GEMM), None
+    when labkit does not interpret this architecture's flags.
     """
 
     cpu: str
@@ -66,7 +67,7 @@ def cpu_precision_support(cpu: hardware.CpuInfo | None = None) -> CpuPrecisionSu
             notes.append(f"{fmt} arithmetic in hardware: {', '.join(have)}")
         else:
             notes.append(f"no {fmt} arithmetic instructions (none of {', '.join(table)}): "
-                         f"{fmt} values are converted to fp32 to compute, so {fmt} matmuls "
-                         "are expected to run slower than fp32 here")  # fmt: skip
+                         f"no fast {fmt} matrix kernel, so {fmt} matmuls are expected to run "
+                         "slower than fp32's tuned one here")  # fmt: skip
     return CpuPrecisionSupport(cpu.model_name, cpu.architecture, cpu.flags, support["bf16"],
                                support["fp16"], tuple(notes))  # fmt: skip
