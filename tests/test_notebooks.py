@@ -4,10 +4,11 @@
   here, and under nbval (lax), which pytest collects from ``solutions/`` itself (see
   ``[tool.pytest.ini_options]``).
 * A deliberately bad parameter must stop a notebook early with an error that names it.
-* ``notebooks/`` (the learners' copies) are generated from ``solutions/`` (checked in
-  ``test_nbgen.py``); run as they are, top to bottom, they reach the last cell, each
-  unfinished exercise reporting itself in one line (here under papermill; nbval collects
-  ``notebooks/`` too, see ``[tool.pytest.ini_options]``).
+* ``notebooks/`` (the learners' copies) are generated from ``solutions/``, stored outputs
+  included (checked in ``test_nbgen.py``); run as they are, top to bottom, here under
+  papermill, they reach the last cell, each unfinished exercise reporting itself in one line.
+  They are not executed a second time under nbval: it would check nothing these tests and the
+  solutions' nbval run do not (every notebook used to run four times in CI; now three).
 """
 
 from __future__ import annotations
