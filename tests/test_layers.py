@@ -28,7 +28,7 @@ LAYERS: dict[str, int] = {
     # measuring memory, launching jobs, judging measurements
     "memory": 3, "launch": 3, "verdict": 3, "precision": 3, "roofline": 3,
     # parallel strategies; live plots
-    "parallel": 4, "monitor": 4,
+    "parallel": 4, "monitor": 4, "batching": 4,
     "recipes": 4,  # mixed-precision recipes, measured with memory and precision
     "fp8": 4,  # fp8 cast numerics and torchao fp8 training, over precision
     # the jobs notebooks launch

@@ -1,0 +1,11 @@
+"""Batch-size tuning (notebook 05): how large a batch fits, how fast it runs, how large it
+should be.
+
+* :mod:`labkit.batching.noise`   the gradient noise scale and the critical batch size
+  (McCandlish et al. 2018), learning-rate scaling rules, global-batch arithmetic;
+* :mod:`labkit.batching.finder`  the largest micro-batch that fits: predicted from the memory
+  model, then found by real trial steps, recovering from each out-of-memory failure.
+
+Importing this package imports neither submodule's dependencies beyond torch: each is loaded
+where it is used (``from labkit.batching import noise``).
+"""
