@@ -44,7 +44,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -52,6 +52,9 @@ from torch.overrides import TorchFunctionMode
 
 from labkit import dtypes
 from labkit.formulas import dtype_bytes, dtype_name
+
+if TYPE_CHECKING:
+    from labkit.config import TrainConfig
 
 # ----------------------------------------------------------------------------------------------
 # Formats
@@ -641,11 +644,11 @@ def capture_dtypes(
 
 def step_times(
     model: nn.Module,
-    train_cfg: Any,
+    train_cfg: TrainConfig,
     batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
     *,
     device: torch.device,
-    dtypes: Sequence[str] = ("float32", "bfloat16", "float16"),
+    precisions: Sequence[str] = ("float32", "bfloat16", "float16"),
     rounds: int = 5,
     warmup: int = 1,
 ) -> dict[str, list[float]]:
@@ -662,10 +665,10 @@ def step_times(
 
     if not batches:
         raise ValueError("batches is empty: pass one (x, y) micro-batch per step")
-    for dtype in dtypes:
+    for dtype in precisions:
         checked_autocast(device.type, dtype)
     steppers = {}
-    for dtype in dtypes:
+    for dtype in precisions:
         copy_ = copy.deepcopy(model).to(device)  # deepcopy keeps the weight tying
         optimizer = train.make_optimizer(copy_, train_cfg)
         scaler = train.make_scaler(device, dtype_name(dtype))

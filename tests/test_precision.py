@@ -501,7 +501,7 @@ def test_step_times_trains_a_copy_per_dtype_in_alternated_rounds(monkeypatch):
     monkeypatch.setattr(timing, "alternate", lambda fns, **kw: seen_rounds.append(kw) or
                         real_alternate(fns, **kw))  # fmt: skip
     times = precision.step_times(model, cfg.train, batches, device=torch.device("cpu"),
-                                 dtypes=("float32", "float16"), rounds=3, warmup=1)  # fmt: skip
+                                 precisions=("float32", "float16"), rounds=3, warmup=1)  # fmt: skip
     assert set(times) == {"float32", "float16"} and all(len(v) == 3 for v in times.values())
     assert all(t > 0 for v in times.values() for t in v)
     assert seen_rounds == [{"rounds": 3, "warmup": 1}]
@@ -519,6 +519,6 @@ def test_step_times_refuses_a_dtype_autocast_would_drop():
     x = torch.zeros(1, cfg.model.seq_len, dtype=torch.long)
     with pytest.raises(ValueError, match="autocast is not available"):
         precision.step_times(GPT(cfg.model), cfg.train, [(x, x)], device=torch.device("cpu"),
-                             dtypes=("float32", "fp8_e4m3"))  # fmt: skip
+                             precisions=("float32", "fp8_e4m3"))  # fmt: skip
     with pytest.raises(ValueError, match="batches is empty"):
         precision.step_times(GPT(cfg.model), cfg.train, [], device=torch.device("cpu"))
