@@ -1,0 +1,753 @@
+"""The largest micro-batch that fits: predicted from the memory model, then found by real steps.
+
+Lightning's ``BatchSizeFinder`` and Accelerate's ``find_executable_batch_size`` both search by
+running steps until one fails with an out-of-memory error. This finder adds what a lab needs:
+
+1. **a prediction first** (:func:`predict_max_batch`), from :mod:`labkit.formulas`: model states
+   (parameters, gradients, AdamW's two moments) plus the activations autograd keeps per
+   sequence, so the search starts near the answer and the notebook can reconcile the two;
+2. **a search** (:func:`search_max_batch`): double from the predicted batch until a trial fails,
+   then bisect between the last fit and the first failure (halve down first if the predicted
+   batch itself fails); each batch is tried at most once, and the answer is exact for any
+   memory use that grows with the batch;
+3. **recovery that is checked**: every failed trial is cleaned up (references dropped, frames
+   cleared, ``gc``, ``torch.cuda.empty_cache``) and, on CUDA, ``torch.cuda.memory_allocated``
+   must be back at its baseline after every trial, or :class:`MemoryLeakError` is raised;
+4. **the same search on a CPU**, where no device ever runs out of memory: the caller sets a
+   budget, and :class:`BudgetedCPU` enforces it on the *measured* live bytes of every tensor
+   the trial step allocates, raising :class:`BudgetExceeded` (an ``torch.OutOfMemoryError``)
+   mid-step, as an allocator would. That is a budget the caller chose, not a device limit,
+   and the result says so.
+
+How the CPU peak is measured (:class:`LiveTensorBytes`): a ``TorchDispatchMode`` sees the
+output of every ATen op the trial runs, forward, backward and optimiser step alike. Each output
+whose storage is new (not an input's storage: views, in-place ops and ``detach`` allocate
+nothing) is counted, and a ``weakref`` callback on its storage subtracts it when the storage is
+freed; the peak is the maximum of that running total. PyTorch keeps a storage's Python object
+alive exactly as long as the storage (``torch/distributed/_tools/mem_tracker.py`` relies on
+the same), so the callback fires when the memory is really released. It counts what CUDA's
+``max_memory_allocated`` would count for the same tensors, except scratch memory a kernel
+allocates and frees inside one op (the mode runs with itself disabled inside each op) and the
+caching allocator's rounding.
+
+The trials run in this process: there is no child process to leave behind, and an interrupt
+(``KeyboardInterrupt`` from a notebook) releases the trial's tensors on its way out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import html
+import math
+import time
+import traceback
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from numbers import Integral, Real
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from labkit import config, formulas, train
+from labkit.config import ModelConfig, TrainConfig
+from labkit.model import GPT
+
+GiB = 2**30
+
+PHASES = ("warm-up", "start", "double", "halve", "bisect")
+"""Why each trial ran: the warm-up (CUDA only, at batch 1, before the baseline is read), the
+predicted start, doubling up after a fit, halving down after a failed start, bisection."""
+
+OMISSIONS = (
+    "not predicted: the logits, which train_step's forward result keeps alive through the "
+    "backward pass, and the two s·V float32 gradients the loss's backward makes (with the saved "
+    "log-softmax the head then holds 4·s·V·4 bytes per sequence); the inputs of the final "
+    "LayerNorm and of the output head (2·s·h·e); LayerNorm's per-token mean and rstd "
+    "(8·s bytes per LayerNorm); the token ids; optimizer temporaries; scratch memory inside a "
+    "single kernel; on CUDA the caching allocator's rounding and the CUDA context. Counted but "
+    "not all present at the peak: the gradients, which grow as the activations are freed"
+)
+"""What the prediction leaves out (labkit.formulas.activation_bytes_per_layer lists the same)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Input validation: errors name the argument, the value and what is allowed.
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
+        raise ValueError(f"{name}={value!r} is not allowed: give a positive integer (1, 2, ...)")
+    return int(value)
+
+
+def _budget(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) \
+            or value <= 0:  # fmt: skip
+        raise ValueError(
+            f"budget_bytes={value!r} is not allowed: give a positive number of bytes, "
+            f"e.g. budget_bytes=16 * 2**30 for a 16 GiB card"
+        )
+    return int(value)
+
+
+def _dtype(value: Any) -> str:
+    if value not in config.DTYPES:
+        raise ValueError(f"dtype={value!r} is not allowed: give one of {config.DTYPES}")
+    return value
+
+
+def _seq_len(cfg: ModelConfig, value: Any) -> int:
+    if value is None:
+        return cfg.seq_len
+    s = _positive_int("seq_len", value)
+    if s > cfg.seq_len:
+        raise ValueError(
+            f"seq_len={s} is not allowed: the model's context is seq_len={cfg.seq_len} tokens "
+            f"(its position table has that many rows); give 1..{cfg.seq_len}"
+        )
+    return s
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. The prediction.
+
+
+@dataclass(frozen=True)
+class BatchPrediction:
+    """The largest micro-batch the memory model says fits in ``budget_bytes`` (modelled).
+
+    Predicted peak of a training step at micro-batch b::
+
+        model_state_bytes + fixed_activation_bytes + b · (activation + logits bytes per sequence)
+
+    model states: parameters + gradients + AdamW's exp_avg and exp_avg_sq, all float32
+    (``formulas.memory_breakdown``), all present at once in steady-state training. Activations:
+    ``formulas.activation_bytes`` for the GPT's blocks (its ``fixed`` part is autocast's cache of
+    16-bit weights, zero in float32). Logits: the float32 log-softmax cross-entropy saves, s·V·4
+    bytes per sequence, which the formula leaves out and which is large for a small model.
+    """
+
+    batch: int
+    """Largest b whose predicted peak fits (0: not even one sequence fits)."""
+    budget_bytes: int
+    model_state_bytes: float
+    fixed_activation_bytes: float
+    activation_bytes_per_sequence: float
+    logits_bytes_per_sequence: float
+    seq_len: int
+    dtype: str
+    omissions: str = OMISSIONS
+
+    @property
+    def bytes_per_sequence(self) -> float:
+        return self.activation_bytes_per_sequence + self.logits_bytes_per_sequence
+
+    def peak_bytes(self, batch: int) -> float:
+        """Predicted peak bytes of one training step at micro-batch ``batch``."""
+        b = _positive_int("batch", batch)
+        return self.model_state_bytes + self.fixed_activation_bytes + b * self.bytes_per_sequence
+
+
+def _prediction(cfg: ModelConfig, budget: int, seq_len: int, dtype: str, attention: str,
+                dropout_mask_bytes: int) -> BatchPrediction:  # fmt: skip
+    n_params = formulas.gpt_params(cfg.vocab_size, cfg.d_model, cfg.n_layer,
+                                   seq_len=cfg.seq_len, tied=cfg.tie_weights)  # fmt: skip
+    # labkit trains float32 parameters with AdamW; bf16/fp16 is autocast over them
+    states = formulas.memory_breakdown(n_params, param_dtype="float32", optimizer="adamw").total
+    low = dtype != "float32"
+
+    def activations(b: int) -> float:
+        return formulas.activation_bytes(
+            cfg.n_layer, seq_len, b, cfg.d_model, cfg.n_head,
+            bytes_per_element=2 if low else 4, autocast=low, attention=attention,
+            dropout=cfg.dropout > 0, dropout_mask_bytes=dropout_mask_bytes,
+        )  # fmt: skip
+
+    # the formula is affine in b: a per-sequence slope plus autocast's weight cache
+    per_seq = activations(2) - activations(1)
+    fixed = activations(1) - per_seq
+    logits = seq_len * cfg.vocab_size * 4  # cross_entropy on float32 logits saves log_softmax
+    room = budget - states - fixed
+    batch = max(0, math.floor(room / (per_seq + logits)))
+    return BatchPrediction(batch=batch, budget_bytes=budget, model_state_bytes=states,
+                           fixed_activation_bytes=fixed, activation_bytes_per_sequence=per_seq,
+                           logits_bytes_per_sequence=logits, seq_len=seq_len, dtype=dtype)  # fmt: skip
+
+
+def predict_max_batch(
+    cfg_model: ModelConfig,
+    budget_bytes: float,
+    *,
+    dtype: str = "float32",
+    seq_len: int | None = None,
+    attention: str = "flash",
+    dropout_mask_bytes: int = 1,
+) -> BatchPrediction:
+    """The largest micro-batch whose predicted training-step peak fits ``budget_bytes``.
+
+    ``attention="flash"``: the GPT calls ``scaled_dot_product_attention``, which runs a fused
+    kernel that keeps no s×s matrix on CPU and CUDA; pass "materialized" for the math kernel.
+    ``dropout_mask_bytes``: 1 for CUDA's fused dropout; PyTorch's CPU dropout keeps its mask in
+    the activation dtype (4 in float32). Only used when ``cfg_model.dropout > 0``.
+
+    Raises ValueError for a budget <= 0, a seq_len beyond the model's context, and a budget in
+    which not even one sequence is predicted to fit (naming what one sequence needs).
+    """
+    budget = _budget(budget_bytes)
+    p = _prediction(cfg_model, budget, _seq_len(cfg_model, seq_len), _dtype(dtype), attention,
+                    dropout_mask_bytes)  # fmt: skip
+    if p.batch < 1:
+        need = p.peak_bytes(1)
+        raise ValueError(
+            f"budget_bytes={budget} ({_mib(budget)}) is below one micro-batch: the model states "
+            f"need {_mib(p.model_state_bytes)} and one sequence of {p.seq_len} tokens "
+            f"{_mib(need - p.model_state_bytes)} more (predicted, {dtype}); give "
+            f"budget_bytes >= {math.ceil(need)}, a shorter seq_len or a smaller model"
+        )
+    return p
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. The search, independent of any device: a trial either returns (fits) or raises
+#    torch.OutOfMemoryError (does not fit).
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One real training step the finder ran (measured)."""
+
+    batch: int
+    fits: bool
+    peak_bytes: int | None
+    """Fit: the most bytes the trial held at once. Failure: the bytes held when the failing
+    allocation was asked for (CPU: including it; CUDA: without it)."""
+    seconds: float
+    phase: str
+    """One of :data:`PHASES`."""
+    error: str | None = None
+    """The out-of-memory message of a failed trial."""
+
+
+@dataclass(frozen=True)
+class SearchOutcome:
+    found: int
+    trials: tuple[Trial, ...]
+    capped: bool
+    """True when ``found`` is ``max_batch``: the search stopped there, and more may fit."""
+
+
+TrialFn = Callable[[int], "int | None"]
+
+
+def search_max_batch(
+    trial: TrialFn,
+    *,
+    start: int,
+    max_batch: int,
+    recover: Callable[[], None] = lambda: None,
+    limit: str = "the memory limit",
+) -> SearchOutcome:
+    """The largest batch in 1..max_batch for which ``trial(batch)`` does not raise OOM.
+
+    ``trial(b)`` runs one step at batch b and returns its peak bytes (or None), or raises
+    ``torch.OutOfMemoryError`` (:class:`BudgetExceeded` on a CPU); any other exception
+    propagates. ``recover()`` runs after every trial, fit or failure (free, check the baseline).
+    A failed trial's bytes are read from ``trial.last_peak_bytes`` where the trial has one
+    (the devices below do). Assumes memory grows with the batch: then the answer is exact.
+    """
+    max_batch = _positive_int("max_batch", max_batch)
+    b = min(_positive_int("start", start), max_batch)
+    log: list[Trial] = []
+
+    def attempt(batch: int, phase: str) -> bool:
+        error = None
+        peak = None
+        t0 = time.perf_counter()
+        try:
+            peak = trial(batch)
+        except torch.OutOfMemoryError as e:
+            error = f"{type(e).__name__}: {e}"
+            # the traceback's frames hold the failed step's tensors: release them now
+            traceback.clear_frames(e.__traceback__)
+        seconds = time.perf_counter() - t0
+        if error is not None:  # `e` is gone here (Python deletes it after the except block)
+            peak = getattr(trial, "last_peak_bytes", None)
+        recover()
+        log.append(Trial(batch=batch, fits=error is None, peak_bytes=peak, seconds=seconds,
+                         phase=phase, error=error))  # fmt: skip
+        return error is None
+
+    lo: int | None = None  # largest batch seen to fit
+    hi: int | None = None  # smallest batch seen to fail
+    if attempt(b, "start"):
+        lo = b
+        while lo < max_batch:
+            b = min(2 * lo, max_batch)
+            if not attempt(b, "double"):
+                hi = b
+                break
+            lo = b
+        if hi is None:
+            return SearchOutcome(found=lo, trials=tuple(log), capped=lo == max_batch)
+    else:
+        hi = b
+        while hi > 1:
+            b = hi // 2
+            if attempt(b, "halve"):
+                lo = b
+                break
+            hi = b
+        if lo is None:
+            raise ValueError(
+                f"not even a micro-batch of 1 fits {limit}: {log[-1].error}. Give a larger "
+                f"budget, a shorter seq_len or a smaller model"
+            )
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if attempt(mid, "bisect"):
+            lo = mid
+        else:
+            hi = mid
+    return SearchOutcome(found=lo, trials=tuple(log), capped=lo == max_batch)
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Memory devices: run one real training step at batch b, on a CPU against a budget or on a
+#    GPU against the card (optionally shrunk with a per-process memory fraction).
+
+
+class BudgetExceeded(torch.OutOfMemoryError):
+    """A CPU trial's live tensor bytes passed the budget the caller set (not a device limit).
+
+    An ``torch.OutOfMemoryError``, so the finder (and a learner's ``except
+    torch.OutOfMemoryError``) treats it exactly like a CUDA out-of-memory failure.
+    """
+
+    def __init__(self, requested_bytes: int, live_bytes: int, budget_bytes: int) -> None:
+        self.requested_bytes = requested_bytes
+        self.live_bytes = live_bytes
+        self.budget_bytes = budget_bytes
+        super().__init__(
+            f"allocating {_mib(requested_bytes)} with {_mib(live_bytes)} live would pass the "
+            f"CPU memory budget of {_mib(budget_bytes)} (a budget the caller set, not a "
+            f"device limit)"
+        )
+
+
+class MemoryLeakError(RuntimeError):
+    """After a trial, memory it allocated is still held (CUDA: memory_allocated above its
+    baseline; CPU: live bytes the trial counted): a leak, and a bug to report."""
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Count the bytes of live tensor storages allocated under this mode; keep the peak.
+
+    A storage is counted when an op returns it and none of the op's inputs holds it (so views,
+    in-place ops and ``detach`` count nothing), and uncounted by a weakref callback when it is
+    freed. With ``budget_bytes``, an allocation that would take the count past the budget
+    raises :class:`BudgetExceeded` (the new tensor is dropped, as a failed allocation would be).
+    Tensors that existed before the mode are not counted.
+    """
+
+    def __init__(self, budget_bytes: int | None = None) -> None:
+        super().__init__()
+        self.budget_bytes = budget_bytes
+        self.current = 0
+        self.peak = 0
+        self._live: dict[int, weakref.ref] = {}
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        if self._live.pop(key, None) is not None:
+            self.current -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = {_storage_key(t) for t in tree_leaves((args, kwargs))
+                  if isinstance(t, (torch.Tensor, torch.UntypedStorage))}  # fmt: skip
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = _storage_key(t)
+            if key is None or key in inputs or key in self._live:
+                continue
+            storage = t.untyped_storage()
+            nbytes = storage.nbytes()
+            if self.budget_bytes is not None and self.current + nbytes > self.budget_bytes:
+                self.peak = max(self.peak, self.current + nbytes)
+                raise BudgetExceeded(nbytes, self.current, self.budget_bytes)
+            self._live[key] = weakref.ref(storage, lambda _, k=key, n=nbytes: self._freed(k, n))
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
+        return out
+
+
+def _storage_key(t: torch.Tensor | torch.UntypedStorage) -> int | None:
+    try:
+        storage = t if isinstance(t, torch.UntypedStorage) else t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors
+        return None
+    return storage._cdata  # the address of the C++ StorageImpl: one per storage
+
+
+class MemoryDevice(Protocol):
+    """Where the trials run: ``kind`` names who enforces the limit ("CPU budget", "cuda OOM")."""
+
+    kind: str
+    device: torch.device
+    budget_bytes: int
+    limit: str
+    """The limit in words, for messages and the result."""
+    method: str
+    """How a trial's peak is measured."""
+    last_peak_bytes: int | None
+
+    def __call__(self, batch: int) -> int: ...
+    def recover(self) -> None: ...
+    def session(self) -> contextlib.AbstractContextManager: ...
+
+
+def _fresh_copy(template: nn.Module, train_cfg: TrainConfig,
+                device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:  # fmt: skip
+    """A copy of ``template`` on ``device`` with an AdamW whose state already exists.
+
+    AdamW creates its moments lazily at the first ``step``; a steady-state step has them in
+    memory during forward and backward, so the trial creates them first: one step with zero
+    gradients at learning rate 0, which moves no parameter.
+    """
+    model = copy.deepcopy(template).to(device).train()
+    optimizer = train.make_optimizer(model, train_cfg)
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    train.set_lr(optimizer, 0.0)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    return model, optimizer
+
+
+class _Trials:
+    """What both devices share: one real ``train.train_step`` on a fresh copy, references
+    dropped in ``finally`` and the traceback's frames cleared on any exception."""
+
+    kind = ""
+
+    def __init__(self, template: nn.Module, *, seq_len: int, dtype: str,
+                 train_cfg: TrainConfig, device: torch.device) -> None:  # fmt: skip
+        self.template = template
+        self.seq_len = seq_len
+        self.dtype = dtype
+        self.train_cfg = train_cfg
+        self.device = device
+        self.vocab_size = _vocab_size(template)
+        self.last_peak_bytes: int | None = None
+
+    def _step(self, batch: int) -> None:
+        model = optimizer = x = y = None
+        try:
+            model, optimizer = _fresh_copy(self.template, self.train_cfg, self.device)
+            g = torch.Generator().manual_seed(batch)
+            x = torch.randint(0, self.vocab_size, (batch, self.seq_len), generator=g)
+            y = torch.randint(0, self.vocab_size, (batch, self.seq_len), generator=g)
+            train.train_step(model, optimizer, [(x, y)], device=self.device, dtype=self.dtype,
+                             scaler=train.make_scaler(self.device, self.dtype),
+                             grad_clip=self.train_cfg.grad_clip)  # fmt: skip
+        except (torch.OutOfMemoryError, KeyboardInterrupt) as e:
+            # The traceback's frames below this one (train_step, the model's forward) hold the
+            # batch, the model copy and through the activations the autograd graph; clearing
+            # their locals is not enough, since a cleared frame still holds its function, and
+            # nn.Module's hook wrapper is a closure over the module and its inputs. So the
+            # error leaves without them: a notebook keeps the last traceback (sys.last_traceback)
+            # and would otherwise keep the memory too. Other errors are bugs and keep their
+            # whole traceback, to be read.
+            traceback.clear_frames(e.__traceback__)
+            raise e.with_traceback(None)  # noqa: B904 (the same error, its inner frames dropped)
+        finally:
+            model = optimizer = x = y = None  # released here, not when the traceback goes
+
+
+class BudgetedCPU(_Trials):
+    """Trials on the CPU against ``budget_bytes``, enforced on measured live tensor bytes."""
+
+    kind = "CPU budget"
+
+    def __init__(self, template: nn.Module, budget_bytes: int, **kw: Any) -> None:
+        super().__init__(template, device=torch.device("cpu"), **kw)
+        self.budget_bytes = budget_bytes
+        self._counter: LiveTensorBytes | None = None
+        self.limit = (f"a CPU memory budget of {_mib(budget_bytes)} (set by the caller and "
+                      f"enforced on measured live tensor bytes: a budget, not a device limit)")  # fmt: skip
+        self.method = ("live tensor bytes: every storage the trial allocates (model copy, "
+                       "optimizer state, batch, activations, gradients, temporaries), counted by "
+                       "a TorchDispatchMode until freed; peak over the whole trial")  # fmt: skip
+
+    def __call__(self, batch: int) -> int:
+        self.last_peak_bytes = None
+        self._counter = counter = LiveTensorBytes(self.budget_bytes)
+        try:
+            with counter:
+                self._step(batch)
+        finally:
+            self.last_peak_bytes = counter.peak
+        return counter.peak
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes the last trial allocated that are still alive (0 once it is cleaned up)."""
+        return self._counter.current if self._counter is not None else 0
+
+    def recover(self) -> None:
+        gc.collect()  # tensors in reference cycles (a traceback's frames) go now
+        if self.held_bytes:
+            raise MemoryLeakError(
+                f"after a trial {self.held_bytes} bytes it allocated are still alive: the trial "
+                f"leaked memory. This is a bug in the trial step (a reference kept past its "
+                f"end); report it"
+            )
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        yield
+
+
+class CudaOOM(_Trials):
+    """Trials on a GPU until ``torch.OutOfMemoryError``; ``budget_bytes`` (optional) emulates a
+    smaller card with ``torch.cuda.set_per_process_memory_fraction``, restored afterwards."""
+
+    kind = "cuda OOM"
+
+    def __init__(self, template: nn.Module, budget_bytes: int | None, *,
+                 device: torch.device, **kw: Any) -> None:  # fmt: skip
+        super().__init__(template, device=device, **kw)
+        self.total_bytes = torch.cuda.get_device_properties(device).total_memory
+        self.memory_fraction = None
+        if budget_bytes is not None:
+            if budget_bytes > self.total_bytes:
+                raise ValueError(
+                    f"budget_bytes={budget_bytes} ({_mib(budget_bytes)}) is not allowed: "
+                    f"{torch.cuda.get_device_name(device)} has {_mib(self.total_bytes)}; give "
+                    f"at most {self.total_bytes}, or None for the whole card"
+                )
+            self.memory_fraction = budget_bytes / self.total_bytes
+        self.budget_bytes = budget_bytes if budget_bytes is not None else self.total_bytes
+        self.baseline_bytes: int | None = None
+        card = (f"a card emulated at {_mib(self.budget_bytes)} (memory fraction "
+                f"{self.memory_fraction:.4f})" if self.memory_fraction is not None
+                else f"the whole card ({_mib(self.total_bytes)})")  # fmt: skip
+        self.limit = f"{card} on {device}: a real CUDA out-of-memory error"
+        self.method = ("CUDA allocator: max_memory_allocated over the trial minus the baseline "
+                       "memory_allocated before the search")  # fmt: skip
+
+    def __call__(self, batch: int) -> int:
+        base = self.baseline_bytes or torch.cuda.memory_allocated(self.device)
+        self.last_peak_bytes = None
+        torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            self._step(batch)
+            torch.cuda.synchronize(self.device)
+        finally:
+            self.last_peak_bytes = torch.cuda.max_memory_allocated(self.device) - base
+        return self.last_peak_bytes
+
+    def recover(self) -> None:
+        gc.collect()
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # cached blocks of the failed step back to the driver
+        now = torch.cuda.memory_allocated(self.device)
+        if self.baseline_bytes is not None and now != self.baseline_bytes:
+            raise MemoryLeakError(
+                f"after a trial the CUDA allocator holds {now} bytes, {now - self.baseline_bytes} "
+                f"more than its baseline of {self.baseline_bytes}: the trial leaked memory. "
+                f"This is a bug in the trial step (a reference kept past its end); report it"
+            )
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        previous = torch.cuda.get_per_process_memory_fraction(self.device)
+        try:
+            gc.collect()
+            torch.cuda.empty_cache()
+            if self.memory_fraction is not None:
+                torch.cuda.set_per_process_memory_fraction(self.memory_fraction, self.device)
+            yield
+        finally:
+            self.baseline_bytes = None
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.set_per_process_memory_fraction(previous, self.device)
+
+
+def _vocab_size(model: nn.Module) -> int:
+    cfg = getattr(model, "cfg", None)
+    if isinstance(cfg, ModelConfig):
+        return cfg.vocab_size
+    return config.CORPUS_VOCAB_SIZE
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. The finder.
+
+
+@dataclass(frozen=True)
+class MaxBatchResult:
+    """Predicted and found largest micro-batch, and the trials that found it."""
+
+    predicted: int | None
+    """Modelled (:func:`predict_max_batch`); 0 if not even one sequence was predicted to fit,
+    None for a model without a ``ModelConfig``."""
+    found: int
+    """Measured: the largest batch whose real training step fitted."""
+    budget_bytes: int
+    kind: str
+    """"CPU budget" (a budget the caller set, enforced on measured bytes) or "cuda OOM"."""
+    limit: str
+    """The limit in words, e.g. "a CPU memory budget of 16.00 MiB (... not a device limit)"."""
+    method: str
+    """How each trial's peak was measured."""
+    device: str
+    dtype: str
+    seq_len: int
+    max_batch: int
+    capped: bool
+    """True when found == max_batch: the search stopped at the cap, more may fit."""
+    trials: tuple[Trial, ...]
+    prediction: BatchPrediction | None = None
+    baseline_bytes: int | None = None
+    """CUDA: memory_allocated after the warm-up trial, checked after every trial."""
+
+    @property
+    def failures(self) -> int:
+        return sum(not t.fits for t in self.trials)
+
+    def summary(self) -> str:
+        cap = f" (capped at max_batch={self.max_batch})" if self.capped else ""
+        return (f"largest micro-batch: predicted {self.predicted}, found {self.found}{cap}, "
+                f"seq_len {self.seq_len}, {self.dtype}; {len(self.trials)} trials, "
+                f"{self.failures} recovered from; limit: {self.limit}")  # fmt: skip
+
+    def _repr_html_(self) -> str:
+        rows = "".join(
+            f"<tr><td>{t.phase}</td><td>{t.batch}</td><td>{'fits' if t.fits else 'OOM'}</td>"
+            f"<td>{'' if t.peak_bytes is None else _mib(t.peak_bytes)}</td>"
+            f"<td>{t.seconds:.3f}</td></tr>" for t in self.trials
+        )
+        return (f"<p>{html.escape(self.summary())}</p><table><thead><tr><th>phase</th>"
+                f"<th>batch</th><th>result</th><th>peak (measured)</th><th>s</th></tr></thead>"
+                f"<tbody>{rows}</tbody></table><p>{html.escape(self.method)}</p>")  # fmt: skip
+
+
+def find_max_batch(
+    model: nn.Module | ModelConfig,
+    budget_bytes: float | None = None,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: str = "float32",
+    seq_len: int | None = None,
+    max_batch: int = 4096,
+    start: int | None = None,
+    train_cfg: TrainConfig | None = None,
+) -> MaxBatchResult:
+    """Predict, then find by real training steps, the largest micro-batch that fits.
+
+    ``model`` is a template that is never modified: each trial trains a fresh copy of it (a
+    ``ModelConfig`` builds a ``labkit.model.GPT``). Each trial is one ``labkit.train.train_step``
+    at micro-batch b and ``seq_len`` tokens, with AdamW's state present (``train_cfg``, default
+    ``TrainConfig()``: its grad_clip, and a GradScaler for float16, as in training).
+
+    On the CPU ``budget_bytes`` is required: the memory the caller pretends to have (say
+    ``16 * 2**30`` for a 16 GiB card), enforced on measured live tensor bytes. On CUDA it is
+    optional: given, it emulates a card of that size with a per-process memory fraction
+    (what the process already holds on the GPU counts against it, as on a real card).
+
+    ``start`` overrides the predicted starting batch. The search stops at ``max_batch``.
+    """
+    device = train.resolve_device(str(device))
+    dtype = _dtype(dtype)
+    max_batch = _positive_int("max_batch", max_batch)
+    if start is not None:
+        start = _positive_int("start", start)
+    if isinstance(model, ModelConfig):
+        model = GPT(model)
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model={type(model).__name__} is not allowed: give an nn.Module "
+                         f"(such as labkit.model.GPT) or a labkit.config.ModelConfig")  # fmt: skip
+    cfg = getattr(model, "cfg", None)
+    cfg = cfg if isinstance(cfg, ModelConfig) else None
+    if cfg is not None:
+        seq_len = _seq_len(cfg, seq_len)
+    elif seq_len is None:
+        raise ValueError("seq_len=None is not allowed for a model without a ModelConfig "
+                         "(.cfg): give the sequence length in tokens")  # fmt: skip
+    else:
+        seq_len = _positive_int("seq_len", seq_len)
+    train_cfg = train_cfg if train_cfg is not None else TrainConfig()
+    common = {"seq_len": seq_len, "dtype": dtype, "train_cfg": train_cfg}
+
+    if device.type == "cuda":
+        budget = None if budget_bytes is None else _budget(budget_bytes)
+        trials: MemoryDevice = CudaOOM(model, budget, device=device, **common)
+    elif device.type == "cpu":
+        if budget_bytes is None:
+            raise ValueError(
+                "budget_bytes=None is not allowed on the CPU: a CPU has no device memory "
+                "limit to run out of, so give the budget to search against, e.g. "
+                "budget_bytes=16 * 2**30 for a 16 GiB card"
+            )
+        trials = BudgetedCPU(model, _budget(budget_bytes), **common)
+    else:
+        raise ValueError(f"device={str(device)!r} is not allowed: give 'cpu' or 'cuda[:N]'")
+
+    warmup: list[Trial] = []
+    with trials.session():
+        if isinstance(trials, CudaOOM):
+            warmup.append(_cuda_warmup(trials))
+        prediction = None
+        if cfg is not None:
+            room = trials.budget_bytes - (getattr(trials, "baseline_bytes", None) or 0)
+            # PyTorch's CPU dropout keeps its mask in the activation dtype, CUDA's in 1 byte
+            mask = (4 if dtype == "float32" else 2) if device.type == "cpu" else 1
+            prediction = _prediction(cfg, max(room, 1), seq_len, dtype, "flash", mask)
+        first = start or max(1, prediction.batch if prediction is not None else 1)
+        outcome = search_max_batch(trials, start=first, max_batch=max_batch,
+                                   recover=trials.recover, limit=trials.limit)  # fmt: skip
+        baseline = getattr(trials, "baseline_bytes", None)
+    return MaxBatchResult(
+        predicted=prediction.batch if prediction is not None else None,
+        found=outcome.found, budget_bytes=trials.budget_bytes, kind=trials.kind,
+        limit=trials.limit, method=trials.method, device=str(device), dtype=dtype,
+        seq_len=seq_len, max_batch=max_batch, capped=outcome.capped,
+        trials=tuple(warmup) + outcome.trials, prediction=prediction, baseline_bytes=baseline,
+    )  # fmt: skip
+
+
+def _cuda_warmup(trials: CudaOOM) -> Trial:
+    """One step at batch 1 before the baseline is read: cuBLAS and other libraries allocate
+    their workspaces through the caching allocator on first use and keep them, which would
+    otherwise look like a leak after the first trial."""
+    t0 = time.perf_counter()
+    try:
+        peak = trials(1)
+    except torch.OutOfMemoryError as e:
+        message = f"{type(e).__name__}: {e}"
+        traceback.clear_frames(e.__traceback__)
+    else:
+        message = None
+    trials.recover()
+    if message is not None:
+        raise ValueError(f"not even a micro-batch of 1 fits {trials.limit}: {message}. Give a "
+                         f"larger budget, a shorter seq_len or a smaller model")  # fmt: skip
+    trials.baseline_bytes = torch.cuda.memory_allocated(trials.device)
+    return Trial(batch=1, fits=True, peak_bytes=peak, seconds=time.perf_counter() - t0,
+                 phase="warm-up")  # fmt: skip
