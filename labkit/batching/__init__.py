@@ -4,7 +4,11 @@ should be.
 * :mod:`labkit.batching.noise`   the gradient noise scale and the critical batch size
   (McCandlish et al. 2018), learning-rate scaling rules, global-batch arithmetic;
 * :mod:`labkit.batching.finder`  the largest micro-batch that fits: predicted from the memory
-  model, then found by real trial steps, recovering from each out-of-memory failure.
+  model, then found by real trial steps, recovering from each out-of-memory failure;
+* :mod:`labkit.batching.accumulation`  k accumulated micro-batches against one batch k times
+  larger: gradient parity, with and without dividing each loss by k;
+* :mod:`labkit.batching.checkpointing`  ``apply_checkpointing``: activation checkpointing of
+  the GPT's blocks (all, or every n-th), the model code untouched.
 
 Importing this package imports neither submodule's dependencies beyond torch: each is loaded
 where it is used (``from labkit.batching import noise``).
