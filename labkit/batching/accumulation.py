@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from labkit.batching.noise import Batch, _positive_int, accumulation_steps
+from labkit.batching.noise import Batch, accumulation_steps
+from labkit.formulas import _positive_int
 
 
 def accumulated_gradients(

@@ -57,36 +57,18 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from numbers import Integral, Real
 from typing import Any
 
 import torch
 from torch import nn
 
 from labkit.data import get_batch
+from labkit.formulas import _positive_int, _positive_number  # one rule for every labkit formula
 
 RULES = ("none", "linear", "sqrt")
 """The learning-rate scaling rules :func:`scaled_lr` knows."""
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-def _positive_int(name: str, value: Any) -> int:
-    # bool is an int subclass: True as a batch size is a bug, not a 1
-    if isinstance(value, bool) or not isinstance(value, Integral) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer (1, 2, 3, ...), got {value!r}")
-    return int(value)
-
-
-def _positive_number(name: str, value: Any) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, Real)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return float(value)
 
 
 # ----------------------------------------------------------------------------------------------
