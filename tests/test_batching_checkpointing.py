@@ -5,7 +5,11 @@ import pytest
 import torch
 from torch import nn
 
-from labkit.batching.checkpointing import CheckpointedBlock, apply_checkpointing
+from labkit.batching.checkpointing import (
+    CheckpointedBlock,
+    apply_checkpointing,
+    predict_checkpointing,
+)
 from labkit.config import preset
 from labkit.memory import measure_training_memory
 from labkit.model import GPT
@@ -114,3 +118,32 @@ def test_refuses_wrapping_twice():
     apply_checkpointing(model, every=2)
     with pytest.raises(ValueError, match="already checkpointed"):
         apply_checkpointing(model)
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_predicted_saving_matches_the_measured_saved_bytes(every):
+    # The formula counts the inside of each block; the measured difference with and without
+    # checkpointing is exactly that, less the block inputs kept, plus LayerNorm's mean and rstd
+    # (2 LayerNorms x 2 float32 values per token), which the formula leaves out.
+    model = _smoke_model()
+    cfg, (x, _) = model.cfg, _batch(model)
+    b = x.shape[0]
+    predicted = predict_checkpointing(cfg, b, every)
+    measured = _activation_bytes(None) - _activation_bytes(every)
+    layer_norm_stats = 2 * 2 * 4 * cfg.seq_len * b
+    assert measured == predicted.saving_bytes + predicted.checkpointed * layer_norm_stats
+
+
+def test_prediction_counts_blocks_and_refuses_bad_input():
+    cfg = _smoke_model(n_layer=5).cfg
+    assert predict_checkpointing(cfg, 4, None).checkpointed == 0
+    assert predict_checkpointing(cfg, 4, 2).checkpointed == 3
+    none, every = predict_checkpointing(cfg, 4, None), predict_checkpointing(cfg, 4, 1)
+    assert none.recompute_bytes == 0 and every.recompute_bytes == every.per_layer_bytes
+    assert every.saved_bytes == 5 * every.input_bytes
+    with pytest.raises(ValueError, match="every=0 is not allowed"):
+        predict_checkpointing(cfg, 4, 0)
+    with pytest.raises(ValueError, match="context"):
+        predict_checkpointing(cfg, 4, 1, seq_len=cfg.seq_len + 1)
+    with pytest.raises(ValueError, match="micro_batch"):
+        predict_checkpointing(cfg, 0, 1)

@@ -26,11 +26,15 @@ original block through ``torch.utils.checkpoint.checkpoint``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from labkit import formulas
+from labkit.config import ModelConfig
 
 _PREFIX = "block."
 
@@ -83,3 +87,75 @@ def apply_checkpointing(model: nn.Module, every: int = 1) -> list[str]:
         blocks[i] = CheckpointedBlock(blocks[i])
         names.append(f"blocks.{i}")
     return names
+
+
+@dataclass(frozen=True)
+class CheckpointPrediction:
+    """Activation bytes of the GPT's blocks with ``checkpointed`` of them checkpointed (modelled).
+
+    Each block that is not checkpointed keeps ``per_layer_bytes`` for the backward pass
+    (``formulas.activation_bytes_per_layer``); a checkpointed one keeps only its input,
+    ``input_bytes`` (the float32 residual stream, s·b·h·4). During the backward pass a
+    checkpointed block's activations are rebuilt, one block at a time, and freed after its
+    gradients: ``recompute_bytes`` more, briefly. Outside the blocks (embeddings, the final
+    LayerNorm, the logits and loss) nothing changes, so those are left out, as in the formula.
+    """
+
+    checkpointed: int
+    n_layer: int
+    per_layer_bytes: float
+    input_bytes: float
+
+    @property
+    def saved_bytes(self) -> float:
+        """Held from the end of the forward into the backward."""
+        kept = self.n_layer - self.checkpointed
+        return kept * self.per_layer_bytes + self.checkpointed * self.input_bytes
+
+    @property
+    def recompute_bytes(self) -> float:
+        """Rebuilt for one checkpointed block during the backward (0 with none checkpointed)."""
+        return self.per_layer_bytes if self.checkpointed else 0.0
+
+    @property
+    def saving_bytes(self) -> float:
+        """Saved bytes less than without checkpointing."""
+        return self.checkpointed * (self.per_layer_bytes - self.input_bytes)
+
+    @property
+    def recompute_fraction(self) -> float:
+        """Extra forward work per step, as a fraction of one whole forward of the blocks."""
+        return self.checkpointed / self.n_layer
+
+
+def predict_checkpointing(
+    cfg: ModelConfig,
+    micro_batch: int,
+    every: int | None,
+    *,
+    seq_len: int | None = None,
+    bytes_per_element: int = 4,
+    dropout_mask_bytes: int = 4,
+) -> CheckpointPrediction:
+    """What checkpointing every ``every``-th block (None: no block) keeps, per the formulas.
+
+    ``bytes_per_element`` 4 for float32 training (2 models a model stored in 16 bits; for
+    autocast use the formula's ``autocast=True`` directly). ``dropout_mask_bytes``: 4 for
+    PyTorch's CPU dropout in float32, 1 for CUDA's; used only when ``cfg.dropout > 0``. The
+    block input stays 4 bytes per value: the residual stream is float32 in labkit's GPT.
+    """
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise ValueError(f"every={every!r} is not allowed: None (no checkpointing) or an int "
+                         ">= 1 (1 checkpoints every block, 2 every other block, ...)")
+    s = cfg.seq_len if seq_len is None else formulas._positive_int("seq_len", seq_len)
+    if s > cfg.seq_len:
+        raise ValueError(f"seq_len={s} is not allowed: the model's context is {cfg.seq_len} "
+                         f"tokens; give 1..{cfg.seq_len}")
+    b = formulas._positive_int("micro_batch", micro_batch)
+    per_layer = formulas.activation_bytes_per_layer(
+        s, b, cfg.d_model, cfg.n_head, bytes_per_element=bytes_per_element,
+        dropout=cfg.dropout > 0, dropout_mask_bytes=dropout_mask_bytes, attention="flash",
+    )  # fmt: skip
+    checkpointed = 0 if every is None else len(range(0, cfg.n_layer, every))
+    return CheckpointPrediction(checkpointed=checkpointed, n_layer=cfg.n_layer,
+                                per_layer_bytes=per_layer, input_bytes=s * b * cfg.d_model * 4)  # fmt: skip
