@@ -229,3 +229,36 @@ def test_measure_noise_scale_refuses_bad_sizes():
         noise.measure_noise_scale(model, tokens, 8, 8, 4, 2, g)
     with pytest.raises(ValueError, match="repeats must be a positive integer"):
         noise.measure_noise_scale(model, tokens, 4, 8, 4, 0, g)
+
+
+def test_bootstrap_interval_covers_the_truth_and_narrows_with_more_measurements():
+    """On the closed-form problem (B_simple = 9) the 90% interval from 400 measurements holds
+    the truth and the estimate, and is wider than the one from 4,000 measurements."""
+    g = torch.Generator().manual_seed(1)
+    widths = []
+    for n in (400, 4000):
+        est = noise.estimate_noise_scale(batch_gradient_sq_norms(n, 4, g),
+                                         batch_gradient_sq_norms(n, 32, g), 4, 32)
+        lo, hi = est.interval(confidence=0.9, resamples=400)
+        assert lo <= est.b_simple <= hi
+        assert lo < B_SIMPLE_TRUE < hi
+        widths.append(hi - lo)
+    assert widths[1] < 0.6 * widths[0]  # about 1/sqrt(10) of it in expectation
+
+
+def test_bootstrap_interval_reaches_inf_when_the_signal_is_not_resolved():
+    est = noise.estimate_noise_scale([4.0, 1.0], [1.0, 0.9], 1, 2)  # |G|^2: -2 and 0.8
+    assert est.interval(resamples=200)[1] == math.inf
+    with pytest.raises(ValueError, match="confidence=1 is not allowed"):
+        est.interval(confidence=1)
+
+
+def test_steps_and_examples_trade_off_as_in_mccandlish_eq_2_11():
+    assert noise.steps_and_examples(8, 8) == (2.0, 2.0)  # at B = B_noise both are doubled
+    s, e = noise.steps_and_examples(1, 10)
+    assert (s, e) == (11.0, pytest.approx(1.1))
+    for b in (0.5, 3, 40):
+        s, e = noise.steps_and_examples(b, 7)
+        assert (s - 1) * (e - 1) == pytest.approx(1.0)  # eq. 2.11
+    with pytest.raises(ValueError, match="batch"):
+        noise.steps_and_examples(0, 7)

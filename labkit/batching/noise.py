@@ -55,6 +55,7 @@ tokens), T seq_len, P the number of parameters.
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -160,6 +161,42 @@ class NoiseScale:
     """The |G|^2 estimate of each measurement (noisy; may be negative)."""
     trace_sigma_each: tuple[float, ...]
     """The tr(Sigma) estimate of each measurement (noisy; may be negative)."""
+
+    def interval(self, confidence: float = 0.9, resamples: int = 1000,
+                 seed: int = 0) -> tuple[float, float]:  # fmt: skip
+        """A bootstrap interval for ``b_simple``: the measurements resampled with replacement,
+        the ratio of means taken each time (percentile method; Efron and Tibshirani 1993,
+        "An Introduction to the Bootstrap", ch. 13). A resample whose |G|^2 mean is <= 0 has
+        no finite ratio and counts as +inf: an interval reaching inf says the signal is not
+        resolved."""
+        if not 0 < confidence < 1:
+            raise ValueError(f"confidence={confidence!r} is not allowed: a number in (0, 1)")
+        n_resamples = _positive_int("resamples", resamples)
+        rng = random.Random(seed)
+        pairs = list(zip(self.g2_each, self.trace_sigma_each, strict=True))
+        ratios = []
+        for _ in range(n_resamples):
+            pick = rng.choices(pairs, k=len(pairs))
+            g2 = math.fsum(g for g, _ in pick)
+            ratios.append(math.fsum(t for _, t in pick) / g2 if g2 > 0 else math.inf)
+        ratios.sort()
+        tail = (1 - confidence) / 2
+        lo = ratios[min(len(ratios) - 1, int(tail * len(ratios)))]
+        hi = ratios[min(len(ratios) - 1, math.ceil((1 - tail) * len(ratios)) - 1)]
+        return lo, hi
+
+
+def steps_and_examples(batch: float, b_noise: float) -> tuple[float, float]:
+    """McCandlish et al.'s trade-off at batch B for a noise scale B_noise (eq. 2.11 with 2.12).
+
+    Returns (S/S_min, E/E_min): the optimiser steps and the examples needed to reach a given
+    loss, as multiples of their least possible values, S/S_min = 1 + B_noise/B and
+    E/E_min = 1 + B/B_noise. Both are 2 at B = B_noise; a batch 10x smaller needs 11x the least
+    steps, one 10x larger 11x the least examples. Modelled, with B_crit taken as B_noise.
+    """
+    b = _positive_number("batch", batch)
+    noise = _positive_number("b_noise", b_noise)
+    return 1 + noise / b, 1 + b / noise
 
 
 def _sq_norms(name: str, values: Iterable[Any]) -> list[float]:
