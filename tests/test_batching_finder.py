@@ -1,4 +1,5 @@
-"""labkit.batching.finder: the predicted largest batch, the search, and recovery from each failure.
+"""labkit.batching.finder and .trials: the predicted largest batch, the search, the measured
+trial steps, and recovery from each failure.
 
 The CPU tests run real training steps of the smoke GPT against a memory budget (seconds); the
 GPU test runs them against a real card shrunk with a per-process memory fraction.
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from labkit import config, formulas
-from labkit.batching import finder
+from labkit.batching import finder, trials
 from labkit.model import GPT
 
 SMOKE = config.preset("smoke").model  # V 256, s 64, L 2, a 2, h 64
@@ -155,7 +156,7 @@ def test_search_says_when_not_even_one_fits_and_refuses_bad_bounds():
 
 def test_live_bytes_count_each_new_storage_once_and_drop_it_when_freed():
     model = smoke_gpt()
-    with finder.LiveTensorBytes() as counter:
+    with trials.LiveTensorBytes() as counter:
         a = torch.ones(1000)
         view = a.view(10, 100)  # a view allocates nothing
         twin = copy.deepcopy(model)  # Parameter.__deepcopy__ detaches (no bytes), then clones
@@ -171,9 +172,9 @@ def test_live_bytes_count_each_new_storage_once_and_drop_it_when_freed():
 def test_measured_peak_per_sequence_is_the_prediction_plus_its_stated_omissions():
     # Two trials without a budget; the difference is what one more sequence costs at the peak
     # (the start of the backward pass). It is the prediction plus exactly the omitted tensors.
-    trials = finder.BudgetedCPU(smoke_gpt(), 2**40, seq_len=64, dtype="float32",
-                                train_cfg=config.TrainConfig())  # fmt: skip
-    per_seq = (trials(8) - trials(4)) / 4
+    cpu = trials.BudgetedCPU(smoke_gpt(), 2**40, seq_len=64, dtype="float32",
+                             train_cfg=config.TrainConfig())  # fmt: skip
+    per_seq = (cpu(8) - cpu(4)) / 4
     p = finder.predict_max_batch(SMOKE, BUDGET)
     s, V, h = 64, 256, 64
     omitted = (3 * s * V * 4  # the logits kept alive, the gradients of log-softmax and logits
@@ -184,20 +185,49 @@ def test_measured_peak_per_sequence_is_the_prediction_plus_its_stated_omissions(
 
 
 def test_a_failed_trial_frees_everything_and_the_next_trial_runs():
-    trials = finder.BudgetedCPU(smoke_gpt(), BUDGET, seq_len=64, dtype="float32",
-                                train_cfg=config.TrainConfig())  # fmt: skip
-    with pytest.raises(finder.BudgetExceeded, match="not a device limit") as info:
-        trials(40)
+    cpu = trials.BudgetedCPU(smoke_gpt(), BUDGET, seq_len=64, dtype="float32",
+                             train_cfg=config.TrainConfig())  # fmt: skip
+    with pytest.raises(trials.BudgetExceeded, match="not a device limit") as info:
+        cpu(40)
     assert isinstance(info.value, torch.OutOfMemoryError)  # caught like a CUDA OOM
     assert info.value.live_bytes + info.value.requested_bytes > BUDGET
-    assert trials.last_peak_bytes > BUDGET  # the allocation that was refused
+    assert cpu.last_peak_bytes > BUDGET  # the allocation that was refused
     del info
-    trials.recover()  # gc, then checks that nothing the trial allocated is alive
-    assert trials.held_bytes == 0
-    peak = trials(8)
+    cpu.recover()  # gc, then checks that nothing the trial allocated is alive
+    assert cpu.held_bytes == 0
+    peak = cpu(8)
     assert 0 < peak <= BUDGET
-    trials.recover()
-    assert trials.held_bytes == 0
+    cpu.recover()
+    assert cpu.held_bytes == 0
+
+
+def test_step_peak_is_a_budgeted_trials_peak_and_grows_by_the_measured_bytes_per_sequence():
+    model = smoke_gpt()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cpu = trials.BudgetedCPU(model, 2**40, seq_len=64, dtype="float32",
+                             train_cfg=config.TrainConfig())  # fmt: skip
+    peaks = {b: trials.measure_step_peak(model, b, seq_len=64) for b in (1, 4, 8)}
+    assert peaks[4] == cpu(4) and peaks[8] == cpu(8)  # the same step, counted the same way
+    assert peaks[1] < peaks[4] < peaks[8]
+    assert peaks[8] - peaks[4] == 4 * 823_808  # per sequence, as measured above
+    assert peaks[1] > 12 * 120_576  # the copy's parameters and AdamW's two moments, at least
+    assert trials.measure_step_peak(model, 8, seq_len=32) < peaks[8]
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # untouched
+
+
+def test_step_peak_validates_its_inputs_naming_what_is_allowed():
+    model = smoke_gpt()
+    for bad in (0, -2, 2.0, True, None):
+        with pytest.raises(ValueError, match=rf"batch={bad!r} is not allowed: .*positive"):
+            trials.measure_step_peak(model, bad, seq_len=64)
+        with pytest.raises(ValueError, match=rf"seq_len={bad!r} is not allowed: .*positive"):
+            trials.measure_step_peak(model, 2, seq_len=bad)
+    with pytest.raises(ValueError, match=r"seq_len=65 .* context is seq_len=64.*1\.\.64"):
+        trials.measure_step_peak(model, 2, seq_len=65)
+    with pytest.raises(ValueError, match=r"dtype='bf16' .* one of \('float32'"):
+        trials.measure_step_peak(model, 2, seq_len=64, dtype="bf16")
+    with pytest.raises(ValueError, match=r"template=ModelConfig is not allowed: .*nn\.Module"):
+        trials.measure_step_peak(SMOKE, 2, seq_len=64)
 
 
 def test_cpu_finder_finds_the_exact_largest_batch_of_the_smoke_gpt_and_recovers():
@@ -237,13 +267,13 @@ def test_an_interrupt_releases_the_trials_tensors_and_is_not_taken_for_an_oom():
             raise KeyboardInterrupt  # what Jupyter's "interrupt kernel" raises
 
     model.blocks[1].register_forward_pre_hook(interrupt_big_batches)
-    trials = finder.BudgetedCPU(model, BUDGET, seq_len=64, dtype="float32",
-                                train_cfg=config.TrainConfig())  # fmt: skip
+    cpu = trials.BudgetedCPU(model, BUDGET, seq_len=64, dtype="float32",
+                             train_cfg=config.TrainConfig())  # fmt: skip
     with pytest.raises(KeyboardInterrupt) as info:
-        trials(8)
+        cpu(8)
     # while the traceback is still alive: its frames were cleared, nothing is held
     assert info.value.__traceback__ is not None
-    assert trials.held_bytes == 0
+    assert cpu.held_bytes == 0
     assert torch._C._len_torch_dispatch_stack() == 0  # the counting mode is off again
     with pytest.raises(KeyboardInterrupt):
         finder.find_max_batch(model, BUDGET, start=16)  # not swallowed as a failed trial
@@ -270,6 +300,17 @@ def test_finder_validates_its_inputs_naming_what_is_allowed():
 
 
 # --- the GPU tier: a real CUDA OOM, recovered, memory back to baseline ----------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_step_peak_counts_cuda_tensors():
+    model = smoke_gpt()
+    peaks = [trials.measure_step_peak(model, b, seq_len=64, device="cuda") for b in (1, 8)]
+    # the CPU side alone (the template's deep copy before .to, the token ids) is 4 bytes a
+    # parameter plus 1 KiB a sequence: more means the copy and AdamW's moments on the GPU counted
+    assert peaks[0] > 12 * 120_576
+    assert peaks[1] > peaks[0]
 
 
 @pytest.mark.gpu

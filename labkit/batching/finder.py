@@ -19,16 +19,8 @@ running steps until one fails with an out-of-memory error. This finder adds what
    mid-step, as an allocator would. That is a budget the caller chose, not a device limit,
    and the result says so.
 
-How the CPU peak is measured (:class:`LiveTensorBytes`): a ``TorchDispatchMode`` sees the
-output of every ATen op the trial runs, forward, backward and optimiser step alike. Each output
-whose storage is new (not an input's storage: views, in-place ops and ``detach`` allocate
-nothing) is counted, and a ``weakref`` callback on its storage subtracts it when the storage is
-freed; the peak is the maximum of that running total. PyTorch keeps a storage's Python object
-alive exactly as long as the storage (``torch/distributed/_tools/mem_tracker.py`` relies on
-the same), so the callback fires when the memory is really released. It counts what CUDA's
-``max_memory_allocated`` would count for the same tensors, except scratch memory a kernel
-allocates and frees inside one op (the mode runs with itself disabled inside each op) and the
-caching allocator's rounding.
+Where a trial runs and how its memory is measured (the devices, :class:`LiveTensorBytes`) is
+:mod:`labkit.batching.trials`; this module predicts, searches and reports.
 
 The trials run in this process: there is no child process to leave behind, and an interrupt
 (``KeyboardInterrupt`` from a notebook) releases the trial's tensors on its way out.
@@ -36,33 +28,56 @@ The trials run in this process: there is no child process to leave behind, and a
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import gc
 import html
 import math
 import time
 import traceback
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from numbers import Integral, Real
-from typing import Any, Protocol
+from numbers import Real
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-from labkit import config, formulas, train
+from labkit import formulas, train
+from labkit.batching.trials import (
+    PHASES,
+    BudgetedCPU,
+    BudgetExceeded,
+    CudaOOM,
+    LiveTensorBytes,
+    MemoryDevice,
+    MemoryLeakError,
+    Trial,
+    _cuda_warmup,
+    _dtype,
+    _mib,
+    _model_cfg,
+    _positive_int,
+    _seq_len,
+)
 from labkit.config import ModelConfig, TrainConfig
 from labkit.model import GPT
 
-GiB = 2**30
+__all__ = [  # the finder's API; the trials' names are re-exported for finder.X callers
+    "OMISSIONS",
+    "PHASES",
+    "BatchPrediction",
+    "BudgetExceeded",
+    "BudgetedCPU",
+    "CudaOOM",
+    "LiveTensorBytes",
+    "MaxBatchResult",
+    "MemoryLeakError",
+    "SearchOutcome",
+    "Trial",
+    "find_max_batch",
+    "predict_max_batch",
+    "search_max_batch",
+]
 
-PHASES = ("warm-up", "start", "double", "halve", "bisect")
-"""Why each trial ran: the warm-up (CUDA only, at batch 1, before the baseline is read), the
-predicted start, doubling up after a fit, halving down after a failed start, bisection."""
+GiB = 2**30
 
 OMISSIONS = (
     "not predicted: the logits, which train_step's forward result keeps alive through the "
@@ -77,13 +92,8 @@ OMISSIONS = (
 
 
 # ----------------------------------------------------------------------------------------------
-# Input validation: errors name the argument, the value and what is allowed.
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
-        raise ValueError(f"{name}={value!r} is not allowed: give a positive integer (1, 2, ...)")
-    return int(value)
+# Input validation: errors name the argument, the value and what is allowed (the shared checks
+# are in labkit.batching.trials).
 
 
 def _budget(value: Any) -> int:
@@ -95,27 +105,6 @@ def _budget(value: Any) -> int:
         )
     return int(value)
 
-
-def _dtype(value: Any) -> str:
-    if value not in config.DTYPES:
-        raise ValueError(f"dtype={value!r} is not allowed: give one of {config.DTYPES}")
-    return value
-
-
-def _seq_len(cfg: ModelConfig, value: Any) -> int:
-    if value is None:
-        return cfg.seq_len
-    s = _positive_int("seq_len", value)
-    if s > cfg.seq_len:
-        raise ValueError(
-            f"seq_len={s} is not allowed: the model's context is seq_len={cfg.seq_len} tokens "
-            f"(its position table has that many rows); give 1..{cfg.seq_len}"
-        )
-    return s
-
-
-def _mib(n: float) -> str:
-    return f"{n / 2**20:,.2f} MiB"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -219,27 +208,13 @@ def predict_max_batch(
 
 # ----------------------------------------------------------------------------------------------
 # 2. The search, independent of any device: a trial either returns (fits) or raises
-#    torch.OutOfMemoryError (does not fit).
-
-
-@dataclass(frozen=True)
-class Trial:
-    """One real training step the finder ran (measured)."""
-
-    batch: int
-    fits: bool
-    peak_bytes: int | None
-    """Fit: the most bytes the trial held at once. Failure: the bytes held when the failing
-    allocation was asked for (CPU: including it; CUDA: without it)."""
-    seconds: float
-    phase: str
-    """One of :data:`PHASES`."""
-    error: str | None = None
-    """The out-of-memory message of a failed trial."""
+#    torch.OutOfMemoryError (does not fit). Each is logged as a trials.Trial.
 
 
 @dataclass(frozen=True)
 class SearchOutcome:
+    """The largest batch :func:`search_max_batch` found, and every trial it ran, in order."""
+
     found: int
     trials: tuple[Trial, ...]
     capped: bool
@@ -322,282 +297,7 @@ def search_max_batch(
 
 
 # ----------------------------------------------------------------------------------------------
-# 3. Memory devices: run one real training step at batch b, on a CPU against a budget or on a
-#    GPU against the card (optionally shrunk with a per-process memory fraction).
-
-
-class BudgetExceeded(torch.OutOfMemoryError):
-    """A CPU trial's live tensor bytes passed the budget the caller set (not a device limit).
-
-    An ``torch.OutOfMemoryError``, so the finder (and a learner's ``except
-    torch.OutOfMemoryError``) treats it exactly like a CUDA out-of-memory failure.
-    """
-
-    def __init__(self, requested_bytes: int, live_bytes: int, budget_bytes: int) -> None:
-        self.requested_bytes = requested_bytes
-        self.live_bytes = live_bytes
-        self.budget_bytes = budget_bytes
-        super().__init__(
-            f"allocating {_mib(requested_bytes)} with {_mib(live_bytes)} live would pass the "
-            f"CPU memory budget of {_mib(budget_bytes)} (a budget the caller set, not a "
-            f"device limit)"
-        )
-
-
-class MemoryLeakError(RuntimeError):
-    """After a trial, memory it allocated is still held (CUDA: memory_allocated above its
-    baseline; CPU: live bytes the trial counted): a leak, and a bug to report."""
-
-
-class LiveTensorBytes(TorchDispatchMode):
-    """Count the bytes of live tensor storages allocated under this mode; keep the peak.
-
-    A storage is counted when an op returns it and none of the op's inputs holds it (so views,
-    in-place ops and ``detach`` count nothing), and uncounted by a weakref callback when it is
-    freed. With ``budget_bytes``, an allocation that would take the count past the budget
-    raises :class:`BudgetExceeded` (the new tensor is dropped, as a failed allocation would be).
-    Tensors that existed before the mode are not counted.
-    """
-
-    def __init__(self, budget_bytes: int | None = None) -> None:
-        super().__init__()
-        self.budget_bytes = budget_bytes
-        self.current = 0
-        self.peak = 0
-        self._live: dict[int, weakref.ref] = {}
-
-    def _freed(self, key: int, nbytes: int) -> None:
-        if self._live.pop(key, None) is not None:
-            self.current -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        inputs = {_storage_key(t) for t in tree_leaves((args, kwargs))
-                  if isinstance(t, (torch.Tensor, torch.UntypedStorage))}  # fmt: skip
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
-            key = _storage_key(t)
-            if key is None or key in inputs or key in self._live:
-                continue
-            storage = t.untyped_storage()
-            nbytes = storage.nbytes()
-            if self.budget_bytes is not None and self.current + nbytes > self.budget_bytes:
-                self.peak = max(self.peak, self.current + nbytes)
-                raise BudgetExceeded(nbytes, self.current, self.budget_bytes)
-            self._live[key] = weakref.ref(storage, lambda _, k=key, n=nbytes: self._freed(k, n))
-            self.current += nbytes
-            self.peak = max(self.peak, self.current)
-        return out
-
-
-def _storage_key(t: torch.Tensor | torch.UntypedStorage) -> int | None:
-    try:
-        storage = t if isinstance(t, torch.UntypedStorage) else t.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors
-        return None
-    return storage._cdata  # the address of the C++ StorageImpl: one per storage
-
-
-class MemoryDevice(Protocol):
-    """Where the trials run: ``kind`` names who enforces the limit ("CPU budget", "cuda OOM")."""
-
-    kind: str
-    device: torch.device
-    budget_bytes: int
-    limit: str
-    """The limit in words, for messages and the result."""
-    method: str
-    """How a trial's peak is measured."""
-    last_peak_bytes: int | None
-
-    def __call__(self, batch: int) -> int: ...
-    def recover(self) -> None: ...
-    def session(self) -> contextlib.AbstractContextManager: ...
-
-
-def _fresh_copy(template: nn.Module, train_cfg: TrainConfig,
-                device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:  # fmt: skip
-    """A copy of ``template`` on ``device`` with an AdamW whose state already exists.
-
-    AdamW creates its moments lazily at the first ``step``; a steady-state step has them in
-    memory during forward and backward, so the trial creates them first: one step with zero
-    gradients at learning rate 0, which moves no parameter.
-    """
-    model = copy.deepcopy(template).to(device).train()
-    optimizer = train.make_optimizer(model, train_cfg)
-    lrs = [g["lr"] for g in optimizer.param_groups]
-    train.set_lr(optimizer, 0.0)
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-        group["lr"] = lr
-    return model, optimizer
-
-
-class _Trials:
-    """What both devices share: one real ``train.train_step`` on a fresh copy, references
-    dropped in ``finally`` and the traceback's frames cleared on any exception."""
-
-    kind = ""
-
-    def __init__(self, template: nn.Module, *, seq_len: int, dtype: str,
-                 train_cfg: TrainConfig, device: torch.device) -> None:  # fmt: skip
-        self.template = template
-        self.seq_len = seq_len
-        self.dtype = dtype
-        self.train_cfg = train_cfg
-        self.device = device
-        self.vocab_size = _vocab_size(template)
-        self.last_peak_bytes: int | None = None
-
-    def _step(self, batch: int) -> None:
-        model = optimizer = x = y = None
-        try:
-            model, optimizer = _fresh_copy(self.template, self.train_cfg, self.device)
-            g = torch.Generator().manual_seed(batch)
-            x = torch.randint(0, self.vocab_size, (batch, self.seq_len), generator=g)
-            y = torch.randint(0, self.vocab_size, (batch, self.seq_len), generator=g)
-            train.train_step(model, optimizer, [(x, y)], device=self.device, dtype=self.dtype,
-                             scaler=train.make_scaler(self.device, self.dtype),
-                             grad_clip=self.train_cfg.grad_clip)  # fmt: skip
-        except (torch.OutOfMemoryError, KeyboardInterrupt) as e:
-            # The traceback's frames below this one (train_step, the model's forward) hold the
-            # batch, the model copy and through the activations the autograd graph; clearing
-            # their locals is not enough, since a cleared frame still holds its function, and
-            # nn.Module's hook wrapper is a closure over the module and its inputs. So the
-            # error leaves without them: a notebook keeps the last traceback (sys.last_traceback)
-            # and would otherwise keep the memory too. Other errors are bugs and keep their
-            # whole traceback, to be read.
-            traceback.clear_frames(e.__traceback__)
-            raise e.with_traceback(None)  # noqa: B904 (the same error, its inner frames dropped)
-        finally:
-            model = optimizer = x = y = None  # released here, not when the traceback goes
-
-
-class BudgetedCPU(_Trials):
-    """Trials on the CPU against ``budget_bytes``, enforced on measured live tensor bytes."""
-
-    kind = "CPU budget"
-
-    def __init__(self, template: nn.Module, budget_bytes: int, **kw: Any) -> None:
-        super().__init__(template, device=torch.device("cpu"), **kw)
-        self.budget_bytes = budget_bytes
-        self._counter: LiveTensorBytes | None = None
-        self.limit = (f"a CPU memory budget of {_mib(budget_bytes)} (set by the caller and "
-                      f"enforced on measured live tensor bytes: a budget, not a device limit)")  # fmt: skip
-        self.method = ("live tensor bytes: every storage the trial allocates (model copy, "
-                       "optimizer state, batch, activations, gradients, temporaries), counted by "
-                       "a TorchDispatchMode until freed; peak over the whole trial")  # fmt: skip
-
-    def __call__(self, batch: int) -> int:
-        self.last_peak_bytes = None
-        self._counter = counter = LiveTensorBytes(self.budget_bytes)
-        try:
-            with counter:
-                self._step(batch)
-        finally:
-            self.last_peak_bytes = counter.peak
-        return counter.peak
-
-    @property
-    def held_bytes(self) -> int:
-        """Bytes the last trial allocated that are still alive (0 once it is cleaned up)."""
-        return self._counter.current if self._counter is not None else 0
-
-    def recover(self) -> None:
-        gc.collect()  # tensors in reference cycles (a traceback's frames) go now
-        if self.held_bytes:
-            raise MemoryLeakError(
-                f"after a trial {self.held_bytes} bytes it allocated are still alive: the trial "
-                f"leaked memory. This is a bug in the trial step (a reference kept past its "
-                f"end); report it"
-            )
-
-    @contextlib.contextmanager
-    def session(self) -> Iterator[None]:
-        yield
-
-
-class CudaOOM(_Trials):
-    """Trials on a GPU until ``torch.OutOfMemoryError``; ``budget_bytes`` (optional) emulates a
-    smaller card with ``torch.cuda.set_per_process_memory_fraction``, restored afterwards."""
-
-    kind = "cuda OOM"
-
-    def __init__(self, template: nn.Module, budget_bytes: int | None, *,
-                 device: torch.device, **kw: Any) -> None:  # fmt: skip
-        super().__init__(template, device=device, **kw)
-        self.total_bytes = torch.cuda.get_device_properties(device).total_memory
-        self.memory_fraction = None
-        if budget_bytes is not None:
-            if budget_bytes > self.total_bytes:
-                raise ValueError(
-                    f"budget_bytes={budget_bytes} ({_mib(budget_bytes)}) is not allowed: "
-                    f"{torch.cuda.get_device_name(device)} has {_mib(self.total_bytes)}; give "
-                    f"at most {self.total_bytes}, or None for the whole card"
-                )
-            self.memory_fraction = budget_bytes / self.total_bytes
-        self.budget_bytes = budget_bytes if budget_bytes is not None else self.total_bytes
-        self.baseline_bytes: int | None = None
-        card = (f"a card emulated at {_mib(self.budget_bytes)} (memory fraction "
-                f"{self.memory_fraction:.4f})" if self.memory_fraction is not None
-                else f"the whole card ({_mib(self.total_bytes)})")  # fmt: skip
-        self.limit = f"{card} on {device}: a real CUDA out-of-memory error"
-        self.method = ("CUDA allocator: max_memory_allocated over the trial minus the baseline "
-                       "memory_allocated before the search")  # fmt: skip
-
-    def __call__(self, batch: int) -> int:
-        base = self.baseline_bytes or torch.cuda.memory_allocated(self.device)
-        self.last_peak_bytes = None
-        torch.cuda.reset_peak_memory_stats(self.device)
-        try:
-            self._step(batch)
-            torch.cuda.synchronize(self.device)
-        finally:
-            self.last_peak_bytes = torch.cuda.max_memory_allocated(self.device) - base
-        return self.last_peak_bytes
-
-    def recover(self) -> None:
-        gc.collect()
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()  # cached blocks of the failed step back to the driver
-        now = torch.cuda.memory_allocated(self.device)
-        if self.baseline_bytes is not None and now != self.baseline_bytes:
-            raise MemoryLeakError(
-                f"after a trial the CUDA allocator holds {now} bytes, {now - self.baseline_bytes} "
-                f"more than its baseline of {self.baseline_bytes}: the trial leaked memory. "
-                f"This is a bug in the trial step (a reference kept past its end); report it"
-            )
-
-    @contextlib.contextmanager
-    def session(self) -> Iterator[None]:
-        previous = torch.cuda.get_per_process_memory_fraction(self.device)
-        try:
-            gc.collect()
-            torch.cuda.empty_cache()
-            if self.memory_fraction is not None:
-                torch.cuda.set_per_process_memory_fraction(self.memory_fraction, self.device)
-            yield
-        finally:
-            self.baseline_bytes = None
-            gc.collect()
-            torch.cuda.empty_cache()
-            torch.cuda.set_per_process_memory_fraction(previous, self.device)
-
-
-def _vocab_size(model: nn.Module) -> int:
-    cfg = getattr(model, "cfg", None)
-    if isinstance(cfg, ModelConfig):
-        return cfg.vocab_size
-    return config.CORPUS_VOCAB_SIZE
-
-
-# ----------------------------------------------------------------------------------------------
-# 4. The finder.
+# 3. The finder: the prediction, then the search on a memory device from labkit.batching.trials.
 
 
 @dataclass(frozen=True)
@@ -683,15 +383,8 @@ def find_max_batch(
     if not isinstance(model, nn.Module):
         raise ValueError(f"model={type(model).__name__} is not allowed: give an nn.Module "
                          f"(such as labkit.model.GPT) or a labkit.config.ModelConfig")  # fmt: skip
-    cfg = getattr(model, "cfg", None)
-    cfg = cfg if isinstance(cfg, ModelConfig) else None
-    if cfg is not None:
-        seq_len = _seq_len(cfg, seq_len)
-    elif seq_len is None:
-        raise ValueError("seq_len=None is not allowed for a model without a ModelConfig "
-                         "(.cfg): give the sequence length in tokens")  # fmt: skip
-    else:
-        seq_len = _positive_int("seq_len", seq_len)
+    cfg = _model_cfg(model)
+    seq_len = _seq_len(cfg, seq_len)
     train_cfg = train_cfg if train_cfg is not None else TrainConfig()
     common = {"seq_len": seq_len, "dtype": dtype, "train_cfg": train_cfg}
 
@@ -730,24 +423,3 @@ def find_max_batch(
         seq_len=seq_len, max_batch=max_batch, capped=outcome.capped,
         trials=tuple(warmup) + outcome.trials, prediction=prediction, baseline_bytes=baseline,
     )  # fmt: skip
-
-
-def _cuda_warmup(trials: CudaOOM) -> Trial:
-    """One step at batch 1 before the baseline is read: cuBLAS and other libraries allocate
-    their workspaces through the caching allocator on first use and keep them, which would
-    otherwise look like a leak after the first trial."""
-    t0 = time.perf_counter()
-    try:
-        peak = trials(1)
-    except torch.OutOfMemoryError as e:
-        message = f"{type(e).__name__}: {e}"
-        traceback.clear_frames(e.__traceback__)
-    else:
-        message = None
-    trials.recover()
-    if message is not None:
-        raise ValueError(f"not even a micro-batch of 1 fits {trials.limit}: {message}. Give a "
-                         f"larger budget, a shorter seq_len or a smaller model")  # fmt: skip
-    trials.baseline_bytes = torch.cuda.memory_allocated(trials.device)
-    return Trial(batch=1, fits=True, peak_bytes=peak, seconds=time.perf_counter() - t0,
-                 phase="warm-up")  # fmt: skip
