@@ -215,6 +215,22 @@ def test_step_peak_is_a_budgeted_trials_peak_and_grows_by_the_measured_bytes_per
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # untouched
 
 
+def test_step_peak_with_accumulation_holds_one_micro_batch_of_activations():
+    """k micro-batches of b: the activations of one micro-batch at a time, so the peak is far
+    below a step at k*b. It is above a step at b by exactly: the gradients (with grads set to
+    None after each step, a single micro-batch reaches its activation peak before any gradient
+    exists, while micro-batches 2..k run their forward holding the accumulated ones), the extra
+    token ids (2 int64 tensors of b x s per micro-batch) and the running loss (one float32)."""
+    model = smoke_gpt()
+    one = trials.measure_step_peak(model, 4, seq_len=64)
+    four = trials.measure_step_peak(model, 4, seq_len=64, grad_accum=4)
+    gradients = 4 * model.num_params()
+    assert four == one + gradients + 3 * 2 * 4 * 64 * 8 + 4
+    assert four < trials.measure_step_peak(model, 16, seq_len=64) - 8 * 823_808
+    with pytest.raises(ValueError, match=r"grad_accum=0 is not allowed"):
+        trials.measure_step_peak(model, 4, seq_len=64, grad_accum=0)
+
+
 def test_step_peak_validates_its_inputs_naming_what_is_allowed():
     model = smoke_gpt()
     for bad in (0, -2, 2.0, True, None):

@@ -5,6 +5,10 @@ should be.
   (McCandlish et al. 2018), learning-rate scaling rules, global-batch arithmetic;
 * :mod:`labkit.batching.finder`  the largest micro-batch that fits: predicted from the memory
   model, then found by real trial steps, recovering from each out-of-memory failure;
+* :mod:`labkit.batching.trials`  where a trial step runs and how its memory is measured and
+  limited (live tensor bytes against a CPU budget, or a real CUDA OOM); ``measure_step_peak``;
+* :mod:`labkit.batching.sweep`   tokens/s, FLOP/s, MFU (where a peak is published) and peak
+  memory of a training step over micro-batch sizes, beside the predictions;
 * :mod:`labkit.batching.accumulation`  k accumulated micro-batches against one batch k times
   larger: gradient parity, with and without dividing each loss by k;
 * :mod:`labkit.batching.checkpointing`  ``apply_checkpointing``: activation checkpointing of

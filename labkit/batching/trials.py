@@ -257,14 +257,16 @@ class _Trials:
         self.vocab_size = _vocab_size(template)
         self.last_peak_bytes: int | None = None
 
-    def _step(self, batch: int) -> None:
-        model = optimizer = x = y = None
+    def _step(self, batch: int, grad_accum: int = 1) -> None:
+        model = optimizer = batches = None
         try:
             model, optimizer = _fresh_copy(self.template, self.train_cfg, self.device)
             g = torch.Generator().manual_seed(batch)
-            x = torch.randint(0, self.vocab_size, (batch, self.seq_len), generator=g)
-            y = torch.randint(0, self.vocab_size, (batch, self.seq_len), generator=g)
-            train.train_step(model, optimizer, [(x, y)], device=self.device, dtype=self.dtype,
+            shape = (batch, self.seq_len)
+            batches = [(torch.randint(0, self.vocab_size, shape, generator=g),
+                        torch.randint(0, self.vocab_size, shape, generator=g))
+                       for _ in range(grad_accum)]  # fmt: skip
+            train.train_step(model, optimizer, batches, device=self.device, dtype=self.dtype,
                              scaler=train.make_scaler(self.device, self.dtype),
                              grad_clip=self.train_cfg.grad_clip)  # fmt: skip
         except (torch.OutOfMemoryError, KeyboardInterrupt) as e:
@@ -278,7 +280,7 @@ class _Trials:
             traceback.clear_frames(e.__traceback__)
             raise e.with_traceback(None)  # noqa: B904 (the same error, its inner frames dropped)
         finally:
-            model = optimizer = x = y = None  # released here, not when the traceback goes
+            model = optimizer = batches = None  # released here, not when the traceback goes
 
 
 class BudgetedCPU(_Trials):
@@ -425,8 +427,12 @@ def measure_step_peak(
     dtype: str = "float32",
     train_cfg: TrainConfig | None = None,
     device: torch.device | str = "cpu",
+    grad_accum: int = 1,
 ) -> int:
     """The peak live tensor bytes of one real ``train.train_step`` at micro-batch ``batch``.
+
+    ``grad_accum``: micro-batches of ``batch`` sequences accumulated in the step (all of them
+    drawn before it, as token ids: b·s·16 bytes each).
 
     The step is the finder's trial: a fresh copy of ``template`` (never modified) on ``device``
     with AdamW's state already present, ``batch`` sequences of ``seq_len`` tokens, ``train_cfg``
@@ -440,10 +446,11 @@ def measure_step_peak(
         raise ValueError(f"template={type(template).__name__} is not allowed: give an nn.Module "
                          f"(such as labkit.model.GPT)")  # fmt: skip
     batch = _positive_int("batch", batch)
+    grad_accum = _positive_int("grad_accum", grad_accum)
     seq_len = _seq_len(_model_cfg(template), _positive_int("seq_len", seq_len))
     step = _Trials(template, seq_len=seq_len, dtype=_dtype(dtype),
                    train_cfg=train_cfg if train_cfg is not None else TrainConfig(),
                    device=train.resolve_device(str(device)))  # fmt: skip
     with LiveTensorBytes() as counter:
-        step._step(batch)
+        step._step(batch, grad_accum)
     return counter.peak
