@@ -347,3 +347,20 @@ def test_cuda_finder_recovers_from_real_ooms_on_an_emulated_small_card():
     assert torch.cuda.memory_allocated(cuda) == result.baseline_bytes
     assert torch.cuda.get_per_process_memory_fraction(cuda) == fraction_before
     print(result.summary())
+
+
+def test_open_trials_gives_a_ready_device_that_fails_and_recovers():
+    model = smoke_gpt()
+    cpu = torch.device("cpu")
+    kw = {"device": cpu, "seq_len": 64, "dtype": "float32", "train_cfg": config.TrainConfig()}
+    with trials.open_trials(model, 8 * 2**20, **kw) as device_trials:
+        assert isinstance(device_trials, trials.BudgetedCPU) and device_trials.warmup is None
+        assert device_trials(2) > 0
+        with pytest.raises(torch.OutOfMemoryError):
+            device_trials(64)
+        device_trials.recover()
+        assert device_trials.held_bytes == 0
+    for budget, message in ((None, "budget_bytes=None is not allowed on the CPU"),
+                            (-1, r"budget_bytes=-1 is not allowed")):
+        with pytest.raises(ValueError, match=message), trials.open_trials(model, budget, **kw):
+            pass

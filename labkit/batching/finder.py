@@ -34,8 +34,6 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from numbers import Real
-from typing import Any
 
 import torch
 from torch import nn
@@ -47,15 +45,15 @@ from labkit.batching.trials import (
     BudgetExceeded,
     CudaOOM,
     LiveTensorBytes,
-    MemoryDevice,
     MemoryLeakError,
     Trial,
-    _cuda_warmup,
+    _budget,
     _dtype,
     _mib,
     _model_cfg,
     _positive_int,
     _seq_len,
+    open_trials,
 )
 from labkit.config import ModelConfig, TrainConfig
 from labkit.model import GPT
@@ -94,17 +92,6 @@ OMISSIONS = (
 # ----------------------------------------------------------------------------------------------
 # Input validation: errors name the argument, the value and what is allowed (the shared checks
 # are in labkit.batching.trials).
-
-
-def _budget(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) \
-            or value <= 0:  # fmt: skip
-        raise ValueError(
-            f"budget_bytes={value!r} is not allowed: give a positive number of bytes, "
-            f"e.g. budget_bytes=16 * 2**30 for a 16 GiB card"
-        )
-    return int(value)
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -386,26 +373,10 @@ def find_max_batch(
     cfg = _model_cfg(model)
     seq_len = _seq_len(cfg, seq_len)
     train_cfg = train_cfg if train_cfg is not None else TrainConfig()
-    common = {"seq_len": seq_len, "dtype": dtype, "train_cfg": train_cfg}
 
-    if device.type == "cuda":
-        budget = None if budget_bytes is None else _budget(budget_bytes)
-        trials: MemoryDevice = CudaOOM(model, budget, device=device, **common)
-    elif device.type == "cpu":
-        if budget_bytes is None:
-            raise ValueError(
-                "budget_bytes=None is not allowed on the CPU: a CPU has no device memory "
-                "limit to run out of, so give the budget to search against, e.g. "
-                "budget_bytes=16 * 2**30 for a 16 GiB card"
-            )
-        trials = BudgetedCPU(model, _budget(budget_bytes), **common)
-    else:
-        raise ValueError(f"device={str(device)!r} is not allowed: give 'cpu' or 'cuda[:N]'")
-
-    warmup: list[Trial] = []
-    with trials.session():
-        if isinstance(trials, CudaOOM):
-            warmup.append(_cuda_warmup(trials))
+    with open_trials(model, budget_bytes, device=device, seq_len=seq_len, dtype=dtype,
+                     train_cfg=train_cfg) as trials:  # fmt: skip
+        warmup = [trials.warmup] if trials.warmup is not None else []
         prediction = None
         if cfg is not None:
             room = trials.budget_bytes - (getattr(trials, "baseline_bytes", None) or 0)

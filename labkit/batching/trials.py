@@ -31,12 +31,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import math
 import time
 import traceback
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
-from numbers import Integral
+from numbers import Integral, Real
 from typing import Any, Protocol
 
 import torch
@@ -208,6 +209,8 @@ class MemoryDevice(Protocol):
     method: str
     """How a trial's peak is measured."""
     last_peak_bytes: int | None
+    warmup: Trial | None
+    """The CUDA warm-up step :func:`open_trials` ran (None on the CPU)."""
 
     def __call__(self, batch: int) -> int: ...
     def recover(self) -> None: ...
@@ -256,6 +259,7 @@ class _Trials:
         self.device = device
         self.vocab_size = _vocab_size(template)
         self.last_peak_bytes: int | None = None
+        self.warmup: Trial | None = None
 
     def _step(self, batch: int, grad_accum: int = 1) -> None:
         model = optimizer = batches = None
@@ -413,6 +417,54 @@ def _cuda_warmup(trials: CudaOOM) -> Trial:
     trials.baseline_bytes = torch.cuda.memory_allocated(trials.device)
     return Trial(batch=1, fits=True, peak_bytes=peak, seconds=time.perf_counter() - t0,
                  phase="warm-up")  # fmt: skip
+
+
+def _budget(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) \
+            or value <= 0:  # fmt: skip
+        raise ValueError(
+            f"budget_bytes={value!r} is not allowed: give a positive number of bytes, "
+            f"e.g. budget_bytes=16 * 2**30 for a 16 GiB card"
+        )
+    return int(value)
+
+
+@contextlib.contextmanager
+def open_trials(
+    template: nn.Module,
+    budget_bytes: float | None,
+    *,
+    device: torch.device,
+    seq_len: int,
+    dtype: str,
+    train_cfg: TrainConfig,
+) -> Iterator[MemoryDevice]:
+    """The trial device for ``device``, ready to call: ``trials(b)`` runs one step at batch b.
+
+    On the CPU a :class:`BudgetedCPU` (``budget_bytes`` required); on CUDA a :class:`CudaOOM`
+    (``budget_bytes`` optional: it emulates a smaller card), inside its session (the memory
+    fraction set, and restored on exit) and after its warm-up step, so that its baseline is
+    read and ``recover()`` checks every trial against it. The warm-up is ``trials.warmup``
+    (None on the CPU).
+    """
+    common = {"seq_len": seq_len, "dtype": dtype, "train_cfg": train_cfg}
+    if device.type == "cuda":
+        budget = None if budget_bytes is None else _budget(budget_bytes)
+        trials: MemoryDevice = CudaOOM(template, budget, device=device, **common)
+    elif device.type == "cpu":
+        if budget_bytes is None:
+            raise ValueError(
+                "budget_bytes=None is not allowed on the CPU: a CPU has no device memory "
+                "limit to run out of, so give the budget to search against, e.g. "
+                "budget_bytes=16 * 2**30 for a 16 GiB card"
+            )
+        trials = BudgetedCPU(template, _budget(budget_bytes), **common)
+    else:
+        raise ValueError(f"device={str(device)!r} is not allowed: give 'cpu' or 'cuda[:N]'")
+    with trials.session():
+        if isinstance(trials, CudaOOM):
+            trials.warmup = _cuda_warmup(trials)
+        yield trials
 
 
 # ----------------------------------------------------------------------------------------------
