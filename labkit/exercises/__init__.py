@@ -54,6 +54,7 @@ MODULES: dict[str, str] = {
     "02": "labkit.exercises.data_parallel",
     "03": "labkit.exercises.model_parallel",
     "04": "labkit.exercises.mixed_precision",
+    "05": "labkit.exercises.batch_size",
 }
 """Notebook -> the module that registers its exercises."""
 
