@@ -169,20 +169,36 @@ class NoiseScale:
         "An Introduction to the Bootstrap", ch. 13). A resample whose |G|^2 mean is <= 0 has
         no finite ratio and counts as +inf: an interval reaching inf says the signal is not
         resolved."""
-        if not 0 < confidence < 1:
+        return self._bootstrap(lambda g2, tr: tr / g2 if g2 > 0 else math.inf,
+                               confidence, resamples, seed)  # fmt: skip
+
+    def expected_sq_norm(self, batch: int) -> float:
+        """E|G_B|^2 = |G|^2 + tr(Sigma)/B (eq. A.1) at another batch size, from the estimates."""
+        return self.g2 + self.trace_sigma / _positive_int("batch", batch)
+
+    def expected_sq_norm_interval(self, batch: int, confidence: float = 0.9,
+                                  resamples: int = 1000, seed: int = 0) -> tuple[float, float]:  # fmt: skip
+        """A bootstrap interval for :meth:`expected_sq_norm`, as :meth:`interval`."""
+        b = _positive_int("batch", batch)
+        return self._bootstrap(lambda g2, tr: g2 + tr / b, confidence, resamples, seed)
+
+    def _bootstrap(self, statistic: Any, confidence: float, resamples: int,
+                   seed: int) -> tuple[float, float]:  # fmt: skip
+        if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) \
+                or not 0 < confidence < 1:  # fmt: skip
             raise ValueError(f"confidence={confidence!r} is not allowed: a number in (0, 1)")
         n_resamples = _positive_int("resamples", resamples)
         rng = random.Random(seed)
         pairs = list(zip(self.g2_each, self.trace_sigma_each, strict=True))
-        ratios = []
+        values = []
         for _ in range(n_resamples):
             pick = rng.choices(pairs, k=len(pairs))
-            g2 = math.fsum(g for g, _ in pick)
-            ratios.append(math.fsum(t for _, t in pick) / g2 if g2 > 0 else math.inf)
-        ratios.sort()
+            values.append(statistic(math.fsum(g for g, _ in pick) / len(pick),
+                                    math.fsum(t for _, t in pick) / len(pick)))  # fmt: skip
+        values.sort()
         tail = (1 - confidence) / 2
-        lo = ratios[min(len(ratios) - 1, int(tail * len(ratios)))]
-        hi = ratios[min(len(ratios) - 1, math.ceil((1 - tail) * len(ratios)) - 1)]
+        lo = values[min(len(values) - 1, int(tail * len(values)))]
+        hi = values[min(len(values) - 1, math.ceil((1 - tail) * len(values)) - 1)]
         return lo, hi
 
 
