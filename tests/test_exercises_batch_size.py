@@ -28,7 +28,7 @@ def accumulate(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
     # BEGIN SOLUTION
     x, y = batch
     micro = x.shape[0] // k
-    for xi, yi in zip(x.split(micro), y.split(micro)):
+    for xi, yi in zip(x.split(micro), y.split(micro), strict=True):
         _, loss = model(xi, yi)
         (loss / k).backward()  # backward() adds into .grad: k shares of 1/k make the mean
     # END SOLUTION
@@ -88,7 +88,7 @@ def noise_scale(sq_small: list[float], sq_big: list[float], b_small: int, b_big:
     \"\"\"B_simple = tr(Sigma) / |G|^2 from paired squared gradient norms at two batch sizes: each
     pair's unbiased estimates, averaged over the pairs, then divided.\"\"\"
     # BEGIN SOLUTION
-    pairs = list(zip(sq_small, sq_big))
+    pairs = list(zip(sq_small, sq_big, strict=True))
     g2 = [(b_big * big - b_small * small) / (b_big - b_small) for small, big in pairs]
     tr = [(small - big) / (1 / b_small - 1 / b_big) for small, big in pairs]
     return sum(tr) / sum(g2)  # the ratio of the means (the 1/n cancels), not a mean of ratios
