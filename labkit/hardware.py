@@ -114,6 +114,27 @@ def cpu_info(cpuinfo_path: str = "/proc/cpuinfo") -> CpuInfo:
 # NVML (nvidia-ml-py, imported as ``pynvml``)
 
 
+def limit_cpu_threads(n: int = 1) -> str:
+    """Run this process's PyTorch CPU kernels on ``n`` threads; returns the sentence to print.
+
+    By default PyTorch splits each CPU kernel over one thread per core, and the threads meet at
+    a barrier at the end of it. On a machine where other processes also want those cores, a
+    thread that has lost its core holds all the others at the barrier, and the small kernels of
+    a small model slow down by far more than the share of the machine they lost (measured on
+    this course's 2-core machine beside two busy processes: a training step of the smoke GPT at
+    micro-batch 8 took 1 s on two threads, 42 ms on one). torchrun sets ``OMP_NUM_THREADS=1``
+    for every rank by default "to avoid your system being overloaded" (torch/distributed/run.py)
+    for the same reason. Call it once, at the top of a notebook, before timing anything.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= (os.cpu_count() or 1):
+        raise ValueError(f"n={n!r} is not allowed: a whole number of threads from 1 to "
+                         f"{os.cpu_count() or 1} (this machine's logical CPUs)")  # fmt: skip
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    return (f"PyTorch CPU threads: {n} (was {before}), so that other work on this machine "
+            f"slows these measurements by its share of the cores, not by stalling every kernel")
+
+
 def _load_nvml() -> Any | None:
     try:
         import pynvml

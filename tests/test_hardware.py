@@ -324,3 +324,17 @@ def test_measured_matmul_flops_rejects_bad_arguments():
         hw.measured_matmul_flops(shapes=[(8, 0, 8)])
     with pytest.raises(ValueError, match="shapes"):
         hw.measured_matmul_flops(shapes=[])
+
+
+def test_limit_cpu_threads_sets_torch_threads_and_says_so():
+    before = torch.get_num_threads()
+    try:
+        message = hw.limit_cpu_threads(1)
+        assert torch.get_num_threads() == 1
+        assert "threads: 1 (was" in message
+        for bad in (0, -1, 1.0, True, 10_000):
+            with pytest.raises(ValueError, match=r"is not allowed: a whole number of threads"):
+                hw.limit_cpu_threads(bad)
+        assert torch.get_num_threads() == 1  # a refused call changes nothing
+    finally:
+        torch.set_num_threads(before)
