@@ -7,10 +7,10 @@ import math
 
 import pytest
 import torch
-from nbformat.v4 import new_code_cell, new_notebook
+from exercise_cells import assert_check_passes, assert_stub_is_not_done
 
 from labkit import exercises as ex
-from labkit import nbgen, recipes
+from labkit import recipes
 from labkit.exercises import mixed_precision as exmp
 from labkit.formulas import OPTIMIZER_STATES, dtype_bytes
 
@@ -66,15 +66,6 @@ answer = bytes_per_param
 }
 
 
-def run_cell(source: str):
-    namespace: dict = {}
-    exec(compile(source, "<cell>", "exec"), namespace)
-    return namespace["answer"]
-
-
-def stub_of(source: str) -> str:
-    return nbgen.generate(new_notebook(cells=[new_code_cell(source, id="c")])).cells[0].source
-
 
 def test_the_notebook_04_exercises_are_registered():
     assert [e.id for e in ex.catalogue("04")] == [
@@ -84,26 +75,13 @@ def test_the_notebook_04_exercises_are_registered():
 
 @pytest.mark.parametrize("exercise_id", sorted(SOLUTIONS))
 def test_check_passes_on_the_solution_and_on_the_reference(exercise_id, capsys):
-    mine = run_cell(SOLUTIONS[exercise_id])
-    assert ex.check(exercise_id, mine) is mine
-    out = capsys.readouterr().out
-    assert out.startswith(f"✓ {exercise_id}: ") and out.count("\n") == 1
-    ex.verify(exercise_id, ex.get(exercise_id).reference)
+    assert_check_passes(exercise_id, SOLUTIONS[exercise_id], capsys)
 
 
 @pytest.mark.parametrize("exercise_id", sorted(SOLUTIONS))
 def test_the_stub_is_not_done_and_gives_nothing_away(exercise_id, capsys):
-    stub = stub_of(SOLUTIONS[exercise_id])
-    assert f'raise NotImplementedError("{ex.STUB_MESSAGE}")' in stub
-    assert "BEGIN SOLUTION" not in stub and "growth_tracker" not in stub and "float16" not in stub
-    with pytest.raises(ex.ExerciseIncomplete):
-        ex.verify(exercise_id, run_cell(stub))
-    # a stub the source of which cannot be read still says "not done" (NotImplementedError path)
-    with pytest.raises(ex.ExerciseIncomplete):
-        ex.verify(exercise_id, lambda *a: (_ for _ in ()).throw(NotImplementedError("x")))
-    assert ex.check(exercise_id, run_cell(stub)) is ex.get(exercise_id).reference
-    out = capsys.readouterr().out
-    assert out.startswith(f"○ {exercise_id} (") and ex.get(exercise_id).hints[0] in out
+    assert_stub_is_not_done(exercise_id, SOLUTIONS[exercise_id], capsys,
+                            secrets=("growth_tracker", "float16"))
 
 
 @pytest.mark.parametrize("exercise_id", sorted(SOLUTIONS))
