@@ -45,3 +45,13 @@ def no_stray_jobs():
     for proc in strays:
         proc.kill()
     assert not strays, f"tests left job processes running: {[p.pid for p in strays]}"
+
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Tests here, learners' copies included, run without ``LABKIT_EXPECT_SOLVED``, whatever
+    ran before them (``solutions/conftest.py`` sets it for the complete notebooks)."""
+    from labkit.exercises import EXPECT_SOLVED
+
+    os.environ.pop(EXPECT_SOLVED, None)

@@ -479,3 +479,23 @@ def test_code_that_swallows_every_exception_is_stopped_again_and_again(monkeypat
     out = capsys.readouterr().out
     assert out.count("labkit: the check's time limit is reached and your code caught") == 1, out
     assert "✗ 01.param_count" in out and "did not finish within 1 s" in out
+
+
+def test_expect_solved_makes_a_check_that_does_not_pass_raise(monkeypatch, capsys):
+    """LABKIT_EXPECT_SOLVED=1 (complete notebooks under test): not done or wrong raises after
+    its line is printed; a pass returns as always; without it nothing raises."""
+    exercise_id = "01.adam_bytes"
+    reference = ex.get(exercise_id).reference
+
+    def stub(n_params):
+        raise NotImplementedError(ex.STUB_MESSAGE)
+
+    monkeypatch.setenv(ex.EXPECT_SOLVED, "1")
+    assert ex.check(exercise_id, reference) is reference
+    for answer in (stub, lambda n_params: 0):
+        with pytest.raises(ex.NotSolved, match=r"01\.adam_bytes did not pass"):
+            ex.check(exercise_id, answer)
+    out = capsys.readouterr().out
+    assert "○ 01.adam_bytes (" in out and "✗ 01.adam_bytes (" in out
+    monkeypatch.delenv(ex.EXPECT_SOLVED)
+    assert ex.check(exercise_id, stub) is reference  # a learner's copy: a line, no error

@@ -18,8 +18,9 @@ to noise)" printed after a table, and a share of the matmul ceiling above 100% w
 load hits the ceiling) and on 02 ("bucketed's step was ... shorter" with no verdict, negative
 when the load hits the bucketed steps).
 
-The exercise checks that only launch worker jobs (``check_in_workers``) and the quizzes are
-left out to keep the run short: they measure nothing, and the notebooks' other tests run them.
+It runs the learners' copies, whole: their exercise cells are stubs and say "not done" without
+launching anything, and the copies must pass the same checks as the other notebooks' copies
+(``tests/test_notebooks.py`` runs those without the load and leaves 01 and 02 to this file).
 Notebook 03 is not run here (it would add about two minutes under load): its one verdict is
 a share of two measured times, which ``verdict.share`` cannot print above 100%
 (tests/test_verdict.py), and its step times are printed without a comparison.
@@ -34,16 +35,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-import nbformat
 import papermill as pm
 import pytest
+from test_notebooks import UNDER_LOAD, check_learner_run
 
 from labkit import verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300  # per cell: a hung cell fails the test instead of stalling CI
 # notebook: how many verdict lines its measuring cells print at least
-MEASURING = {
+MEASURING = {  # the notebooks tests/test_notebooks.py leaves to this file (UNDER_LOAD)
     "01_single_gpu_training": 2,  # timing (no sync vs synchronised), share of the ceiling
     "02_data_parallelism": 2,  # naive vs bucketed, strong-scaling overhead
 }
@@ -54,8 +55,6 @@ COMPARING = re.compile(r"\b(agree|agrees|faster|slower|shorter|longer|pays? off|
                        re.IGNORECASE)
 NOT_MEASURED = ("predicted", "modelled")
 CHOSEN_LINES = 3  # lines after a verdict that may carry the sentence it chose
-# A cell that is only one of these calls is left out: `ex.check_in_workers(...)`, `quiz.show(...)`
-LEFT_OUT = re.compile(r"^\w+\.check_in_workers\(|^quiz\.show\(")
 
 
 @contextlib.contextmanager
@@ -73,23 +72,12 @@ def cpu_load():
             p.wait()
 
 
-def measuring_copy(path: Path, out: Path) -> Path:
-    """The notebook without the cells that only check exercises in workers or show a quiz."""
-    nb = nbformat.read(path, as_version=4)
-
-    def left_out(cell) -> bool:
-        code = [line for line in cell.source.splitlines()
-                if line.strip() and not line.lstrip().startswith("#")]
-        return cell.cell_type == "code" and len(code) == 1 and bool(LEFT_OUT.match(code[0]))
-
-    nb.cells = [c for c in nb.cells if not left_out(c)]
-    nbformat.write(nb, out)
-    return out
-
-
 def printed_lines(nb) -> list[str]:
+    """What the cells printed, without the quiz: its wrong answers compare things on purpose."""
     lines = []
     for cell in nb.cells:
+        if cell.cell_type == "code" and cell.source.strip().startswith("quiz.show("):
+            continue
         for out in cell.get("outputs", []):
             text = out.get("text", "") or out.get("data", {}).get("text/plain", "")
             lines += [line.strip() for line in text.splitlines()]
@@ -125,17 +113,23 @@ def test_fixed_prose_is_told_from_a_chosen_sentence():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(MEASURING))
 def test_verdicts_hold_on_a_loaded_machine(name, tmp_path):
-    path = ROOT / "solutions" / f"{name}.ipynb"
-    notebook = measuring_copy(path, tmp_path / path.name)
+    """The learner's copy, beside the load: it must also pass every check a learner's copy
+    passes unloaded (tests/test_notebooks.py runs the other notebooks' copies without load)."""
+    path = ROOT / "notebooks" / f"{name}.ipynb"
     with cpu_load():
         nb = pm.execute_notebook(
-            str(notebook), str(tmp_path / f"out_{path.name}"), parameters={"size": "smoke"},
+            str(path), str(tmp_path / f"out_{path.name}"), parameters={"size": "smoke"},
             cwd=str(path.parent), kernel_name="python3", execution_timeout=TIMEOUT_S,
             progress_bar=False, log_output=False,
         )
+    check_learner_run(path, nb)
     lines = printed_lines(nb)
     text = "\n".join(lines)
     verdicts = [line for line in lines if line.startswith(verdict.PREFIX)]
     assert len(verdicts) >= MEASURING[name], f"{name} printed only these verdicts: {verdicts}"
     assert verdict.contradictions(text) == [], "\n".join(verdicts)
     assert fixed_prose(lines) == [], "\n".join(verdicts)
+
+
+def test_the_notebooks_run_under_load_are_the_ones_left_out_unloaded():
+    assert tuple(MEASURING) == UNDER_LOAD

@@ -37,6 +37,7 @@ import contextlib
 import importlib
 import inspect
 import numbers
+import os
 import re
 import signal
 import sysconfig
@@ -64,6 +65,12 @@ under a second, so only code that never returns reaches it, even on a busy lapto
 
 _STDLIB = sysconfig.get_paths()["stdlib"]
 
+EXPECT_SOLVED = "LABKIT_EXPECT_SOLVED"
+"""Environment variable: "1" makes every check that does not pass raise :class:`NotSolved`
+after printing its line, so Run All stops there. For complete notebooks (the tests run
+``solutions/`` with it; an instructor checking their own solutions can too); a learner's copy
+runs without it, and its unfinished exercises only print their line."""
+
 STUB_MESSAGE = "exercise not done yet: replace this line with your code"
 """What the stubs :mod:`labkit.nbgen` generates raise: deliberately no hint, no answer."""
 
@@ -82,6 +89,10 @@ class ExerciseIncomplete(ExerciseError, NotImplementedError):
 
 class ExerciseFailed(ExerciseError, AssertionError):
     """The learner's code ran and gave a wrong answer; the message says what is wrong."""
+
+
+class NotSolved(AssertionError):
+    """With ``LABKIT_EXPECT_SOLVED=1``: a check did not pass in a notebook that must be complete."""
 
 
 @dataclass(frozen=True)
@@ -290,6 +301,9 @@ def report(exercise_id: str, outcome: str | ExerciseError, *, where: str = "") -
         text = without_failed_prefix(exercise_id, str(outcome))
         print(f"✗ {exercise_id} ({ex.title}): {text}\n  {later} "
               f'Stuck? ex.hint("{exercise_id}").')  # fmt: skip
+    if os.environ.get(EXPECT_SOLVED) == "1":
+        raise NotSolved(f"{exercise_id} did not pass, and {EXPECT_SOLVED}=1 says this notebook "
+                        f"must be complete (its solution cell is missing or wrong)")  # fmt: skip
     return False
 
 
