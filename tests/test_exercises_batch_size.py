@@ -97,7 +97,6 @@ answer = noise_scale
 }
 
 
-
 def test_the_notebook_05_exercises_are_registered():
     assert [e.id for e in ex.catalogue("05")] == [
         "05.accumulation", "05.max_batch", "05.noise_scale"]  # fmt: skip

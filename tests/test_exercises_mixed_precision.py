@@ -66,7 +66,6 @@ answer = bytes_per_param
 }
 
 
-
 def test_the_notebook_04_exercises_are_registered():
     assert [e.id for e in ex.catalogue("04")] == [
         "04.bytes_per_param", "04.loss_scaling", "04.underflow"]  # fmt: skip
