@@ -31,6 +31,7 @@ LAYERS: dict[str, int] = {
     "parallel": 4, "monitor": 4, "batching": 4,
     "recipes": 4,  # mixed-precision recipes, measured with memory and precision
     "fp8": 4,  # fp8 cast numerics and torchao fp8 training, over precision
+    "profiling": 4,  # traces, phases, memory timelines, Nsight commands, planted bottlenecks
     # the jobs notebooks launch
     "workers": 5,
     # what notebooks and instructors call
