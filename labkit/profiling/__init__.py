@@ -1,16 +1,33 @@
 """Profiling a training step: what the PyTorch profiler, NVTX and Nsight show, and why.
 
-One short module each:
+One short module each, measurement apart from display:
 
     phases           phase(name): a record_function range and an NVTX range with one name
+    capture          profile_steps (a schedule, tables, one trace per active window) and
+                     profiler_overhead (the cost of looking, measured)
+    trace            load_trace / load_traces: exported Chrome traces, refused when truncated,
+                     missing or not a trace
+    overlap          compute vs communication per rank (hidden, exposed), find_straggler
+    plot             plot_trace: a per-thread (per-stream) timeline drawn from the trace files
     memory_timeline  memory over time: the profiler's categories (CPU), the allocator's
                      history snapshot (CUDA), drawn with the phases shaded
+    hta              Holistic Trace Analysis on a job's traces, and what it could not do
+    nsight           nsys / ncu commands, runs and CSV readers; a kernel on the roofline
+    bottlenecks      planted slow-downs (data loading, launch overhead, host syncs), measured
 
 Importing this package profiles nothing, touches no GPU and imports no plotting library.
 """
 
 from __future__ import annotations
 
+from labkit.profiling.capture import (
+    MODES,
+    Overhead,
+    ProfiledRun,
+    profile_steps,
+    profiler_overhead,
+)
+from labkit.profiling.hta import HtaReport, hta_report
 from labkit.profiling.memory_timeline import (
     MemoryTimeline,
     forward_rise,
@@ -19,17 +36,64 @@ from labkit.profiling.memory_timeline import (
     timeline_from_snapshot,
     timeline_from_trace_events,
 )
+from labkit.profiling.nsight import (
+    NcuCommand,
+    NotRun,
+    NsysCommand,
+    NsysTorchrunCommand,
+    place_on_roofline,
+    plot_kernel_summary,
+    profile_nsys,
+    run_ncu,
+)
+from labkit.profiling.overlap import (
+    RankTimes,
+    Straggler,
+    compute_and_comm,
+    find_straggler,
+    hidden_fraction,
+    rank_times,
+)
 from labkit.profiling.phases import COMMUNICATION, PHASES, nvtx_backend, phase
+from labkit.profiling.plot import plot_trace
+from labkit.profiling.trace import Span, Trace, TraceError, load_trace, load_traces
 
 __all__ = [
     "COMMUNICATION",
+    "MODES",
     "PHASES",
+    "HtaReport",
     "MemoryTimeline",
+    "NcuCommand",
+    "NotRun",
+    "NsysCommand",
+    "NsysTorchrunCommand",
+    "Overhead",
+    "ProfiledRun",
+    "RankTimes",
+    "Span",
+    "Straggler",
+    "Trace",
+    "TraceError",
+    "compute_and_comm",
+    "find_straggler",
     "forward_rise",
+    "hidden_fraction",
+    "hta_report",
+    "load_trace",
+    "load_traces",
     "nvtx_backend",
     "phase",
+    "place_on_roofline",
+    "plot_kernel_summary",
     "plot_memory_timeline",
+    "plot_trace",
+    "profile_nsys",
+    "profile_steps",
+    "profiler_overhead",
+    "rank_times",
     "record_memory_timeline",
+    "run_ncu",
     "timeline_from_snapshot",
     "timeline_from_trace_events",
 ]

@@ -1,0 +1,190 @@
+"""Run training steps under ``torch.profiler``, and measure what profiling costs.
+
+    from labkit.profiling import profile_steps, profiler_overhead
+    run = profile_steps(step, wait=1, warmup=1, active=3, trace_dir="traces/")
+    print(run.table(sort_by="self_cpu_time_total", row_limit=10))
+    run.traces                         # [Path("traces/cycle0.json")]: one per active window
+
+``step(i)`` runs training step ``i`` (its phases marked with :func:`labkit.profiling.phase`).
+The profiler's schedule decides which steps are recorded (torch.profiler.schedule,
+https://pytorch.org/docs/stable/profiler.html): ``wait`` steps run unrecorded, ``warmup`` steps
+are recorded and thrown away (the first steps after the profiler starts carry its own setup
+cost, so their timings are skewed), ``active`` steps are kept; the cycle repeats ``repeat``
+times. When an active window closes, the trace is exported: that is when the file appears.
+
+:func:`profiler_overhead` answers "what does looking cost?": it times the same step with the
+profiler off, on, and on with ``with_stack`` and ``profile_memory``, the settings interleaved
+block by block so that a machine that slows down mid-run slows every setting alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule
+
+from labkit.timing import synchronize
+
+Step = Callable[[int], Any]
+
+
+def activities(device: torch.device | str = "cpu") -> list[ProfilerActivity]:
+    """CPU always; CUDA too when the steps run on a GPU."""
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == "cuda" else [])
+
+
+def _count(name: str, value: Any, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        extra = " (with active=0 the profiler never records a step, and no trace is written)" if name == "active" else ""
+        raise ValueError(f"{name}={value!r} is not allowed: an integer >= {least}{extra}")
+    return value
+
+
+@dataclass
+class ProfiledRun:
+    """What :func:`profile_steps` recorded: the profiler (its tables) and the trace files."""
+
+    prof: profile
+    traces: list[Path]
+    steps_run: int
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def table(self, sort_by: str = "self_cpu_time_total", row_limit: int = 12,
+              group_by_input_shape: bool = False) -> str:
+        """``key_averages().table(...)``: operators totalled over the recorded steps."""
+        if group_by_input_shape and not self.settings.get("record_shapes"):
+            raise ValueError("group_by_input_shape needs record_shapes=True when profiling")
+        averages = self.prof.key_averages(group_by_input_shape=group_by_input_shape)
+        return averages.table(sort_by=sort_by, row_limit=row_limit)
+
+
+def profile_steps(
+    step: Step,
+    *,
+    wait: int = 1,
+    warmup: int = 1,
+    active: int = 3,
+    repeat: int = 1,
+    trace_dir: str | Path,
+    device: torch.device | str = "cpu",
+    record_shapes: bool = True,
+    profile_memory: bool = False,
+    with_stack: bool = False,
+) -> ProfiledRun:
+    """Run ``(wait + warmup + active) × repeat`` steps under the profiler; export each window.
+
+    Raises:
+        ValueError: a schedule that would record nothing (active < 1, repeat < 1), before
+            any step runs.
+        RuntimeError: a window closed but its trace file is missing (never a partial run).
+    """
+    wait, warmup = _count("wait", wait, 0), _count("warmup", warmup, 0)
+    active, repeat = _count("active", active, 1), _count("repeat", repeat, 1)
+    trace_dir = Path(trace_dir)
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+
+    def export(prof: profile) -> None:
+        out = trace_dir / f"cycle{len(written)}.json"
+        tmp = out.with_suffix(".part")  # a reader never sees a half-written file
+        prof.export_chrome_trace(str(tmp))
+        tmp.replace(out)
+        written.append(out)
+
+    n = (wait + warmup + active) * repeat
+    sched = schedule(wait=wait, warmup=warmup, active=active, repeat=repeat)
+    settings = {"wait": wait, "warmup": warmup, "active": active, "repeat": repeat,
+                "record_shapes": record_shapes, "profile_memory": profile_memory,
+                "with_stack": with_stack}  # fmt: skip
+    with profile(activities=activities(device), schedule=sched, on_trace_ready=export,
+                 record_shapes=record_shapes, profile_memory=profile_memory,
+                 with_stack=with_stack) as prof:  # fmt: skip
+        for i in range(n):
+            step(i)
+            prof.step()
+    if len(written) != repeat or not all(p.exists() for p in written):
+        raise RuntimeError(f"expected {repeat} trace(s) in {trace_dir}, found {len(written)}")
+    return ProfiledRun(prof, written, n, settings)
+
+
+# --- the cost of looking --------------------------------------------------------------------
+
+MODES: dict[str, dict[str, bool] | None] = {
+    "off": None,
+    "on": {},
+    "on + with_stack": {"with_stack": True},
+    "on + profile_memory": {"profile_memory": True, "record_shapes": True},
+}
+"""Profiler settings compared by :func:`profiler_overhead` (None: no profiler)."""
+
+
+@dataclass
+class Overhead:
+    """Step times per profiler setting (seconds, measured) and the one-off cost of stopping."""
+
+    step_s: dict[str, list[float]]
+    stop_s: dict[str, list[float]]
+    device: str
+    method: str
+
+    def median(self, mode: str) -> float:
+        values = sorted(self.step_s[mode])
+        return values[len(values) // 2]
+
+    def slowdown(self, mode: str) -> float:
+        """Median step time with ``mode`` over the median with the profiler off."""
+        return self.median(mode) / self.median("off")
+
+
+def profiler_overhead(
+    step: Step,
+    *,
+    modes: Sequence[str] = tuple(MODES),
+    rounds: int = 4,
+    steps_per_block: int = 3,
+    device: torch.device | str = "cpu",
+) -> Overhead:
+    """Time ``step`` under each profiler setting in ``modes``, interleaved over ``rounds``.
+
+    Each round runs every mode once (in reverse order on odd rounds): a block of
+    ``steps_per_block`` steps inside one profiler session; the first step of a block is not
+    kept (the profiler's start-up lands there). ``stop_s`` is the time to leave the
+    profiler, when it turns its events into tables: paid once per session, not per step.
+    """
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or "off" not in modes:
+        raise ValueError(f"modes={list(modes)!r}: include 'off' and choose from {list(MODES)}")
+    _count("rounds", rounds, 1)
+    _count("steps_per_block", steps_per_block, 2)
+    step_s: dict[str, list[float]] = {m: [] for m in modes}
+    stop_s: dict[str, list[float]] = {m: [] for m in modes}
+    i = 0
+    for r in range(rounds):
+        for mode in (modes if r % 2 == 0 else list(reversed(modes))):
+            settings = MODES[mode]
+            ctx = (contextlib.nullcontext() if settings is None
+                   else profile(activities=activities(device), **settings))  # fmt: skip
+            ctx.__enter__()
+            try:
+                for k in range(steps_per_block):
+                    t0 = time.perf_counter()
+                    step(i)
+                    synchronize(device)
+                    if k:
+                        step_s[mode].append(time.perf_counter() - t0)
+                    i += 1
+            finally:
+                t0 = time.perf_counter()
+                ctx.__exit__(None, None, None)
+                if settings is not None:
+                    ctx.key_averages()  # what a learner does next: build the table
+                    stop_s[mode].append(time.perf_counter() - t0)
+    return Overhead(step_s, stop_s, str(device),
+                    f"{rounds} rounds × {steps_per_block - 1} kept steps per setting, interleaved; "
+                    "wall time per step (time.perf_counter, synchronised)")

@@ -1,0 +1,216 @@
+"""Compute against communication in one rank's trace, and the rank the others wait for.
+
+    from labkit.profiling import load_traces, rank_times, find_straggler
+    times = [rank_times(t) for t in load_traces(paths)]
+    times[0].hidden_fraction      # share of rank 0's communication that ran under compute
+    find_straggler(times)         # Straggler(rank=1, ...) or None
+
+Definitions (per rank, over the recorded steps, seconds per step):
+
+    compute        time some compute ran: on a GPU trace, non-communication kernels; on a CPU
+                   trace, operators on the training thread, minus the time that thread spent
+                   inside a collective call (waiting is not computing)
+    communication  time some collective ran: NCCL kernels on a GPU; the collective ops on
+                   gloo's own threads and the training thread on a CPU
+    hidden         communication ∩ compute: sent while useful work went on
+    exposed        communication − compute: the step waited for the network
+    hidden fraction = hidden / communication
+
+Each is a *union* of intervals before it is measured: two buckets all-reduced at once on two
+threads take the time they overlap once, not twice. This is Holistic Trace Analysis's
+"communication computation overlap" (hta.readthedocs.io, ``get_comm_comp_overlap``), which reads
+GPU kernels only; on CPU traces (gloo) HTA finds no kernels and returns NaN, so this module
+measures the same quantity from the threads.
+
+A straggler: in a synchronous data-parallel step every rank waits in the all-reduce for the
+slowest. The slow rank's own work per step (step time minus exposed communication) is the
+largest, and the others' exposed communication grows by the difference. The rank named is the
+one with the most own work, when it exceeds the median of the others by ``threshold``.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from labkit.profiling.trace import Span, Trace, TraceError
+
+Interval = tuple[float, float]
+
+COMM = re.compile(r"^(gloo:|nccl:|c10d::|record_param_comms)|^nccl|nccl.*Kernel", re.IGNORECASE)
+"""Names of communication events: gloo's per-collective ranges, NCCL kernels and ranges, the
+c10d operators (``c10d::allreduce_``) and the profiler's ``record_param_comms``."""
+
+
+# --- interval arithmetic ------------------------------------------------------------------
+
+
+def union(intervals: Iterable[Interval]) -> list[Interval]:
+    """Sorted, non-overlapping intervals covering the same time as ``intervals``."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if end <= start:
+            continue
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def length(intervals: Iterable[Interval]) -> float:
+    """Total time covered (overlaps counted once)."""
+    return sum(b - a for a, b in union(intervals))
+
+
+def intersect(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
+    """The time covered by both ``a`` and ``b``."""
+    ua, ub = union(a), union(b)
+    out, i, j = [], 0, 0
+    while i < len(ua) and j < len(ub):
+        start, end = max(ua[i][0], ub[j][0]), min(ua[i][1], ub[j][1])
+        if start < end:
+            out.append((start, end))
+        if ua[i][1] < ub[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def subtract(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
+    """The time covered by ``a`` and not by ``b``."""
+    ua = union(a)
+    cut = intersect(ua, b)
+    out: list[Interval] = []
+    k = 0
+    for start, end in ua:
+        cur = start
+        while k < len(cut) and cut[k][1] <= end:
+            if cut[k][0] > cur:
+                out.append((cur, cut[k][0]))
+            cur = max(cur, cut[k][1])
+            k += 1
+        if cur < end:
+            out.append((cur, end))
+    return out
+
+
+def hidden_fraction(compute: Iterable[Interval], comm: Iterable[Interval]) -> float:
+    """Share of the communication time that overlaps compute (0 when nothing was sent)."""
+    comm = union(comm)
+    total = length(comm)
+    return length(intersect(compute, comm)) / total if total else 0.0
+
+
+# --- one rank's trace ---------------------------------------------------------------------
+
+
+def _clip(spans: Iterable[Span], window: Interval) -> list[Interval]:
+    lo, hi = window
+    return [(max(s.start_us, lo), min(s.end_us, hi)) for s in spans if s.end_us > lo and s.start_us < hi]
+
+
+def compute_and_comm(trace: Trace) -> tuple[list[Interval], list[Interval]]:
+    """(compute, communication) intervals in µs within the recorded steps, each a union."""
+    window = trace.window_us
+    if trace.on_gpu:
+        kernels = trace.spans(cat="kernel")
+        comm = [s for s in kernels if COMM.search(s.name)]
+        compute = [s for s in kernels if not COMM.search(s.name)]
+        return union(_clip(compute, window)), union(_clip(comm, window))
+    main = trace.main_tid
+    ops = trace.spans(cat="cpu_op")
+    comm_spans = [s for s in trace.all_spans if s.cat in ("cpu_op", "user_annotation")
+                  and COMM.search(s.name)]  # fmt: skip
+    waiting = _clip([s for s in comm_spans if s.tid == main], window)
+    compute = subtract(_clip([s for s in ops if s.tid == main and not COMM.search(s.name)], window),
+                       waiting)  # fmt: skip
+    return compute, union(_clip(comm_spans, window))
+
+
+@dataclass(frozen=True)
+class RankTimes:
+    """One rank's measured step, in seconds per step (see the module docstring)."""
+
+    rank: int | None
+    steps: int
+    step_s: float
+    compute_s: float
+    comm_s: float
+    hidden_s: float
+    exposed_s: float
+    source: str
+
+    @property
+    def hidden_fraction(self) -> float:
+        return self.hidden_s / self.comm_s if self.comm_s else 0.0
+
+    @property
+    def own_s(self) -> float:
+        """Step time not spent waiting for communication: the work only this rank's pace sets."""
+        return self.step_s - self.exposed_s
+
+    def describe(self) -> str:
+        return (
+            f"rank {self.rank}: step {self.step_s * 1e3:.1f} ms, compute {self.compute_s * 1e3:.1f}"
+            f" ms, communication {self.comm_s * 1e3:.1f} ms of which hidden "
+            f"{self.hidden_s * 1e3:.1f} ms ({self.hidden_fraction:.0%}), exposed "
+            f"{self.exposed_s * 1e3:.1f} ms (measured, {self.source})"
+        )
+
+
+def rank_times(trace: Trace) -> RankTimes:
+    """Measure compute, communication and their overlap in ``trace``, per recorded step."""
+    lo, hi = trace.window_us  # raises the explanatory TraceError when no step was recorded
+    n = len(trace.steps)
+    compute, comm = compute_and_comm(trace)
+    hidden = length(intersect(compute, comm))
+    total_comm = length(comm)
+    source = "CUDA kernels" if trace.on_gpu else "CPU threads: training loop and collective threads"
+    return RankTimes(
+        rank=trace.rank,
+        steps=n,
+        step_s=(hi - lo) / n / 1e6,
+        compute_s=length(compute) / n / 1e6,
+        comm_s=total_comm / n / 1e6,
+        hidden_s=hidden / n / 1e6,
+        exposed_s=(total_comm - hidden) / n / 1e6,
+        source=source,
+    )
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """The rank the others waited for, and the evidence."""
+
+    rank: int | None
+    own_s: float
+    others_own_s: float
+    others_exposed_s: float
+
+    def describe(self) -> str:
+        return (
+            f"rank {self.rank} is the straggler: its own work takes {self.own_s * 1e3:.1f} ms a "
+            f"step against {self.others_own_s * 1e3:.1f} ms on the others, which wait "
+            f"{self.others_exposed_s * 1e3:.1f} ms a step in exposed communication (measured)"
+        )
+
+
+def find_straggler(times: Sequence[RankTimes], threshold: float = 0.3) -> Straggler | None:
+    """The rank whose own work exceeds the median of the others' by ``threshold``, and whose
+    exposed communication is below theirs (they waited for it), or None.
+
+    The threshold is wide because a busy machine moves a rank's own time by 10–20% from run
+    to run on its own (measured on 2 cores): a smaller one names stragglers that are noise."""
+    if len(times) < 2:
+        raise TraceError(f"a straggler needs two or more ranks' traces; got {len(times)}")
+    slow = max(times, key=lambda t: t.own_s)
+    others = [t for t in times if t is not slow]
+    typical = statistics.median(t.own_s for t in others)
+    waited = statistics.median(t.exposed_s for t in others)
+    if slow.own_s <= typical * (1 + threshold) or waited <= slow.exposed_s:
+        return None
+    return Straggler(slow.rank, slow.own_s, typical, waited)

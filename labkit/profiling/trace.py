@@ -1,0 +1,231 @@
+"""Read a Chrome trace that ``torch.profiler`` exported, and refuse anything less.
+
+    from labkit.profiling import load_trace
+    t = load_trace("traces/rank0.json")
+    t.rank, t.steps                       # 0, [Span('ProfilerStep#3', ...), ...]
+    t.spans(cat="user_annotation")        # the record_function ranges: data, forward, ...
+    t.thread_names()                      # {tid: "main thread", ...}
+
+The format is the Trace Event Format that Perfetto (https://ui.perfetto.dev) and
+``chrome://tracing`` read: a JSON object whose ``traceEvents`` list holds complete events
+(``"ph": "X"``, start ``ts`` and duration ``dur`` in microseconds), instant events (``"i"``: the
+profiler's ``[memory]`` records), flow events and metadata (``"M"``: process and thread names)
+(Trace Event Format, https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4h6I0nSsKchNAySU).
+Kineto adds ``deviceProperties``, ``baseTimeNanoseconds`` and, in a distributed job,
+``distributedInfo`` with the rank (pytorch/kineto, ``libkineto/src/output_json.cpp``).
+
+Event categories this course reads (``cat``):
+
+    user_annotation      a record_function range, and the profiler's ProfilerStep#N per step
+    cpu_op               an operator run on a CPU thread (aten::mm, c10d::allreduce_, ...)
+    gpu_user_annotation  a record_function range projected onto a CUDA stream
+    kernel, gpu_memcpy   work on a CUDA stream (GPU traces only)
+    cuda_runtime         cudaLaunchKernel and friends, on the CPU thread that called them
+
+The profiler writes the file in one go when its active window ends, so a file that does not
+parse is a trace whose writer was stopped (a rank that died mid-export) or not a trace: both
+raise :class:`TraceError` naming which, never a partial trace.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+STEP = re.compile(r"^ProfilerStep#(\d+)$")
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be used: missing, truncated, not a trace, or empty."""
+
+
+@dataclass(frozen=True)
+class Span:
+    """One complete event: ``name`` on thread ``tid`` from ``start_us`` for ``dur_us``."""
+
+    name: str
+    cat: str
+    start_us: float
+    dur_us: float
+    pid: int | str
+    tid: int | str
+    args: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def end_us(self) -> float:
+        return self.start_us + self.dur_us
+
+
+@dataclass
+class Trace:
+    """The events of one exported trace, with the questions every analysis asks of them."""
+
+    path: Path
+    events: list[dict[str, Any]]
+    meta: dict[str, Any]
+    all_spans: list[Span]
+
+    @property
+    def rank(self) -> int | None:
+        """The rank that wrote it (``distributedInfo``), None outside a process group."""
+        info = self.meta.get("distributedInfo") or {}
+        return info.get("rank")
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether it holds work that ran on a CUDA stream (kernels or copies)."""
+        return any(s.cat in ("kernel", "gpu_memcpy", "gpu_memset") for s in self.all_spans)
+
+    def spans(self, *, cat: str | Iterable[str] | None = None, name: str | re.Pattern | None = None,
+              tid: int | str | None = None) -> list[Span]:
+        """Complete events filtered by category, exact name or name pattern, and thread."""
+        cats = {cat} if isinstance(cat, str) else set(cat) if cat is not None else None
+        out = []
+        for s in self.all_spans:
+            if cats is not None and s.cat not in cats:
+                continue
+            if tid is not None and s.tid != tid:
+                continue
+            if isinstance(name, str) and s.name != name:
+                continue
+            if isinstance(name, re.Pattern) and not name.search(s.name):
+                continue
+            out.append(s)
+        return out
+
+    @property
+    def steps(self) -> list[Span]:
+        """The profiler's ``ProfilerStep#N`` ranges, one per recorded step, in time order."""
+        return sorted(self.spans(cat="user_annotation", name=STEP), key=lambda s: s.start_us)
+
+    @property
+    def main_tid(self) -> int | str:
+        """The thread that ran the training loop: the one carrying the ProfilerStep ranges."""
+        steps = self.steps
+        if steps:
+            return steps[0].tid
+        ops = self.spans(cat="cpu_op")
+        if not ops:
+            raise TraceError(f"{self.path}: no CPU operators recorded, so no main thread")
+        busiest: dict[int | str, float] = {}
+        for s in ops:
+            busiest[s.tid] = busiest.get(s.tid, 0.0) + s.dur_us
+        return max(busiest, key=busiest.__getitem__)
+
+    @property
+    def window_us(self) -> tuple[float, float]:
+        """From the start of the first recorded step to the end of the last."""
+        steps = self.steps
+        if not steps:
+            raise TraceError(
+                f"{self.path}: no ProfilerStep ranges: the loop did not call prof.step(), or "
+                "the schedule's active window never opened (active=0, or fewer steps than "
+                "wait + warmup)"
+            )
+        return steps[0].start_us, max(s.end_us for s in steps)
+
+    def thread_names(self) -> dict[int | str, str]:
+        """A readable label per thread: the training loop, communication threads, streams."""
+        named: dict[int | str, str] = {}
+        for e in self.events:
+            if e.get("ph") == "M" and e.get("name") == "thread_name":
+                named[e.get("tid")] = str((e.get("args") or {}).get("name", e.get("tid")))
+        main = self.main_tid if self.all_spans else None
+        labels: dict[int | str, str] = {}
+        for s in self.all_spans:
+            if s.tid in labels or s.cat == "Trace":
+                continue
+            if s.tid == main:
+                labels[s.tid] = "training loop (main thread)"
+            elif s.cat in ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"):
+                labels[s.tid] = f"CUDA stream {s.args.get('stream', s.tid)}"
+            elif s.name.startswith(("gloo:", "nccl:")):
+                labels[s.tid] = f"{s.name.split(':')[0]} thread {s.tid} (collectives)"
+            elif s.name.startswith("autograd::engine"):
+                labels[s.tid] = f"autograd thread {s.tid}"
+            else:
+                labels[s.tid] = named.get(s.tid) or f"thread {s.tid}"
+        return labels
+
+
+def _read_text(path: Path) -> str:
+    if not path.exists():
+        raise TraceError(
+            f"{path}: no such file. The profiler writes its trace when the active window "
+            "ends (on_trace_ready); check the path, and that the job reached that step"
+        )
+    if path.is_dir():
+        raise TraceError(f"{path} is a folder: give one trace file (a .json or .json.gz)")
+    raw = path.read_bytes()
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError) as e:
+            raise TraceError(f"{path}: truncated gzip ({e}); the writer was stopped mid-file") from e
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TraceError(f"{path} is not a trace: not UTF-8 text ({e})") from e
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Load one Chrome trace written by ``torch.profiler`` (``.json`` or ``.json.gz``).
+
+    Raises:
+        TraceError: the file is missing, truncated (it stops before its JSON closes: the
+            writer was killed), not a trace (valid JSON without ``traceEvents``), or holds
+            no complete events. The message names which, and what usually causes it.
+    """
+    path = Path(path)
+    text = _read_text(path)
+    if not text.strip():
+        raise TraceError(f"{path} is empty: the process was stopped before it wrote its trace")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        if text.lstrip().startswith(("{", "[")) and e.pos >= len(text.rstrip()) - 1:
+            raise TraceError(
+                f"{path} is truncated: its JSON stops at byte {len(text)} before it closes. "
+                "A rank that died (or was killed) while exporting leaves this; rerun the job"
+            ) from e
+        raise TraceError(f"{path} is not a trace: not JSON ({e.msg} at byte {e.pos})") from e
+    if isinstance(data, list):  # the Trace Event Format also allows a bare array of events
+        data = {"traceEvents": data}
+    if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
+        keys = sorted(data)[:6] if isinstance(data, dict) else type(data).__name__
+        raise TraceError(
+            f"{path} is not a trace: a Chrome trace is a JSON object with a 'traceEvents' "
+            f"list (this one has {keys}). Export one with prof.export_chrome_trace(path)"
+        )
+    events = data["traceEvents"]
+    spans = [
+        Span(str(e.get("name", "")), str(e.get("cat", "")), float(e["ts"]), float(e["dur"]),
+             e.get("pid", 0), e.get("tid", 0), e.get("args") or {})
+        for e in events
+        if isinstance(e, dict) and e.get("ph") == "X" and "ts" in e and "dur" in e
+    ]  # fmt: skip
+    if not any(s.cat != "Trace" for s in spans):
+        raise TraceError(
+            f"{path} holds no recorded operators: the profiler was stopped before any step "
+            "ran inside its active window"
+        )
+    meta = {k: v for k, v in data.items() if k != "traceEvents"}
+    return Trace(path, events, meta, sorted(spans, key=lambda s: (s.start_us, -s.dur_us)))
+
+
+def load_traces(paths: Iterable[str | Path]) -> list[Trace]:
+    """Load one trace per rank, in rank order; every one must load (no partial set)."""
+    traces = [load_trace(p) for p in paths]
+    if not traces:
+        raise TraceError("no trace files given: a distributed job writes one per rank")
+    ranks = [t.rank for t in traces]
+    if None not in ranks:
+        if len(set(ranks)) != len(ranks):
+            raise TraceError(f"two traces come from the same rank: ranks {ranks}")
+        traces.sort(key=lambda t: t.rank)
+    return traces

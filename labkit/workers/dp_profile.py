@@ -1,0 +1,204 @@
+"""A data-parallel job that profiles itself: one Chrome trace per rank, per run.
+
+    from labkit.workers import dp_profile
+    res = dp_profile.run({"runs": [{"name": "naive", "strategy": "naive"},
+                                   {"name": "ddp", "strategy": "ddp"},
+                                   {"name": "ddp, rank 1 slowed", "strategy": "ddp", "slow_ms": 30}],
+                          "slow_rank": 1})
+    dp_profile.trace_paths(res, "ddp")     # [rank 0's trace, rank 1's]
+
+Each rank trains the course GPT on its own shard of the corpus under ``torch.profiler`` with
+``schedule(wait, warmup, active)`` and writes ``<job dir>/traces/<run>/rank{r}.json``. One job does
+every run asked for, one after another (starting a job costs seconds; a run costs a few steps).
+Every step is annotated with :func:`labkit.profiling.phase`: data, forward, backward,
+optimizer, and, for the naive strategy, communication. Two strategies from notebook 02:
+
+    naive  every gradient all-reduced one tensor at a time *after* backward (NaiveDP, run
+           under its ``no_sync`` so that this worker can call its all-reduce inside a
+           "communication" range): nothing can overlap
+    ddp    DistributedDataParallel with ``bucket_cap_mb`` buckets, each all-reduced as soon as
+           its gradients are ready, while backward goes on: overlap is possible
+
+A run's ``slow_ms`` plants a straggler: rank ``slow_rank`` sleeps that long in its data phase
+every step (a slow disk, a busy data loader); switch it off with 0. Traces are written by the profiler when its
+active window ends; a rank that dies before that leaves no trace, and the launcher ends the
+others (``labkit.launch``), so no partial set is ever returned as complete.
+
+Config keys (all optional): model (a ModelConfig dict; default the smoke GPT), micro_batch (8),
+runs (naive then ddp, none slowed), each {"name", "strategy", "slow_ms"}; bucket_cap_mb
+(0.05), wait (1), warmup (1), active (3), slow_rank (1), seed (0), lr (1e-3).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule
+
+from labkit import config as lk_config
+from labkit import data, dist, launch
+from labkit.config import ModelConfig
+from labkit.model import GPT
+from labkit.parallel.ddp import TorchDDP
+from labkit.parallel.dp_naive import NaiveDP
+from labkit.profiling.phases import COMMUNICATION, phase
+
+MODULE = "labkit.workers.dp_profile"
+STRATEGIES = ("naive", "ddp")
+DEFAULTS: dict[str, Any] = {
+    "micro_batch": 8,
+    "runs": [{"name": s, "strategy": s, "slow_ms": 0.0} for s in STRATEGIES],
+    # Small buckets so that a model of 0.5 MB of gradients has several: with DDP's default
+    # 25 MB there is one bucket, ready only when backward ends, and nothing to overlap.
+    "bucket_cap_mb": 0.05,
+    "wait": 1,
+    "warmup": 1,
+    "active": 3,
+    "slow_rank": 1,
+    "seed": 0,
+    "lr": 1e-3,
+}
+
+
+def validate(config: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """The config with defaults filled in; ValueError naming the bad key and what is allowed."""
+    unknown = set(config) - set(DEFAULTS) - {"model"}
+    if unknown:
+        raise ValueError(f"unknown config keys {sorted(unknown)}: allowed {sorted(DEFAULTS)} and 'model'")
+    cfg = {**DEFAULTS, **config}
+    cfg["model"] = dataclasses.asdict(ModelConfig(**config.get("model", dataclasses.asdict(lk_config.smoke().model))))
+    for key in ("micro_batch", "active"):
+        if not isinstance(cfg[key], int) or isinstance(cfg[key], bool) or cfg[key] < 1:
+            raise ValueError(f"{key}={cfg[key]!r} is not allowed: an integer >= 1 "
+                             + ("(a schedule with no active step records nothing)" if key == "active" else ""))
+    for key in ("wait", "warmup"):
+        if not isinstance(cfg[key], int) or isinstance(cfg[key], bool) or cfg[key] < 0:
+            raise ValueError(f"{key}={cfg[key]!r} is not allowed: an integer >= 0")
+    if not isinstance(cfg["runs"], list) or not cfg["runs"]:
+        raise ValueError(f"runs={cfg['runs']!r}: a non-empty list of {{'name', 'strategy', 'slow_ms'}}")
+    runs = []
+    for run in cfg["runs"]:
+        run = {"slow_ms": 0.0, **run}
+        if set(run) != {"name", "strategy", "slow_ms"}:
+            raise ValueError(f"run {run!r}: give exactly 'name', 'strategy' and optionally 'slow_ms'")
+        if run["strategy"] not in STRATEGIES:
+            raise ValueError(f"run {run['name']!r}: strategy={run['strategy']!r}, choose from {list(STRATEGIES)}")
+        if not (isinstance(run["slow_ms"], (int, float)) and run["slow_ms"] >= 0):
+            raise ValueError(f"run {run['name']!r}: slow_ms={run['slow_ms']!r}, a delay in ms >= 0")
+        runs.append(run)
+    names = [r["name"] for r in runs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"runs have repeated names {names}: each names a folder of traces")
+    cfg["runs"] = runs
+    if not (isinstance(cfg["slow_rank"], int) and 0 <= cfg["slow_rank"] < world_size):
+        raise ValueError(f"slow_rank={cfg['slow_rank']!r}: a rank in 0..{world_size - 1}")
+    if not cfg["bucket_cap_mb"] > 0:
+        raise ValueError(f"bucket_cap_mb={cfg['bucket_cap_mb']!r}: a size in MB, > 0")
+    return cfg
+
+
+def _profile_one(ctx: dist.Context, cfg: dict[str, Any], run: dict[str, Any], out: Path,
+                 done: int, total: int) -> list[float]:
+    """Train one run under the profiler; return the wall time of every step."""
+    name = run["strategy"]
+    torch.manual_seed(cfg["seed"])  # identical replicas on every rank
+    model = GPT(ModelConfig(**cfg["model"])).to(ctx.device)
+    if name == "naive":
+        strategy: NaiveDP | TorchDDP = NaiveDP(ctx.world_size, ctx.backend)
+    else:
+        strategy = TorchDDP(ctx.world_size, ctx.backend, bucket_cap_mb=cfg["bucket_cap_mb"])
+    wrapped = strategy.wrap(model)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=cfg["lr"])
+    shard = data.shard(data.load_splits().train, ctx.rank, ctx.world_size)
+    gen = torch.Generator().manual_seed(cfg["seed"] + ctx.rank)
+    seq_len = cfg["model"]["seq_len"]
+    slow = run["slow_ms"] / 1e3 if ctx.rank == cfg["slow_rank"] else 0.0
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
+    steps = cfg["wait"] + cfg["warmup"] + cfg["active"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    seconds: list[float] = []
+
+    def export(prof: profile) -> None:
+        tmp = out.with_suffix(".part")  # a reader never sees a half-written trace
+        prof.export_chrome_trace(str(tmp))
+        tmp.replace(out)
+
+    sched = schedule(wait=cfg["wait"], warmup=cfg["warmup"], active=cfg["active"], repeat=1)
+    with profile(activities=activities, schedule=sched, on_trace_ready=export) as prof:
+        for step in range(steps):
+            t0 = time.perf_counter()
+            with phase("data"):
+                x, y = data.get_batch(shard, cfg["micro_batch"], seq_len, gen, ctx.device)
+                if slow:
+                    time.sleep(slow)  # the planted straggler
+            with phase("forward"):
+                _, loss = wrapped(x, y)
+            if name == "naive":
+                with strategy.no_sync(), phase("backward"):
+                    loss.backward()
+                with phase(COMMUNICATION):
+                    strategy.after_backward()  # notebook 02's all-reduce, one tensor at a time
+            else:
+                with phase("backward"):
+                    loss.backward()  # DDP's buckets are all-reduced from inside this
+            with phase("optimizer"):
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize(ctx.device)
+            seconds.append(time.perf_counter() - t0)
+            prof.step()
+            ctx.heartbeat(step=done + step + 1, total=total)
+    if not out.exists():
+        raise RuntimeError(f"rank {ctx.rank}: the profiler wrote no trace to {out}")
+    return seconds
+
+
+@dist.entrypoint
+def main(ctx: dist.Context) -> dict[str, Any]:
+    cfg = validate(ctx.config, ctx.world_size)
+    if ctx.device.type == "cpu":
+        torch.set_num_threads(1)  # ranks share the cores; more threads only contend
+    root = (ctx.job_dir or Path.cwd()) / "traces"
+    steps = cfg["wait"] + cfg["warmup"] + cfg["active"]
+    total = steps * len(cfg["runs"])
+    traces: dict[str, str] = {}
+    step_s: dict[str, list[float]] = {}
+    for i, run in enumerate(cfg["runs"]):
+        name = run["name"]
+        ctx.heartbeat(part=f"{name} ({i + 1}/{len(cfg['runs'])})")
+        out = root / f"run{i}" / f"rank{ctx.rank}.json"
+        step_s[name] = _profile_one(ctx, cfg, run, out, i * steps, total)
+        traces[name] = str(out)
+        ctx.print0(f"{name}: traced {cfg['active']} steps -> {out.parent}")
+    with contextlib.suppress(Exception):
+        torch.distributed.barrier()  # every rank's traces written before rank 0 reports
+    return {"rank": ctx.rank, "traces": traces, "step_s": step_s, "config": cfg,
+            "device": str(ctx.device), "backend": ctx.backend, "torch": torch.__version__}
+
+
+def trace_paths(res: launch.JobResult, run: str) -> list[Path]:
+    """Every rank's trace for the run called ``run``, in rank order; raises if one is missing."""
+    paths = []
+    for r, rank in enumerate(res.ranks):
+        path = (rank.get("traces") or {}).get(run)
+        if path is None or not Path(path).exists():
+            raise FileNotFoundError(f"rank {r} wrote no trace for {run!r}: see {res.log_dir}")
+        paths.append(Path(path))
+    return paths
+
+
+def run(config: dict[str, Any] | None = None, *, nproc: int = 2, **launch_kwargs: Any) -> launch.JobResult:
+    """Validate ``config`` (ValueError before anything starts), then launch the job."""
+    config = {} if config is None else config
+    validate(config, nproc)
+    return launch.run(MODULE, nproc=nproc, config=config, **launch_kwargs)
+
+
+if __name__ == "__main__":
+    main()
