@@ -56,6 +56,7 @@ MODULES: dict[str, str] = {
     "03": "labkit.exercises.model_parallel",
     "04": "labkit.exercises.mixed_precision",
     "05": "labkit.exercises.batch_size",
+    "06": "labkit.exercises.profiling",
 }
 """Notebook -> the module that registers its exercises."""
 

@@ -1,0 +1,251 @@
+"""Notebook 06's exercises (profiling), checked in the kernel.
+
+* ``06.annotate``: ``annotated_step(model, optimizer, next_batch) -> loss``: one training step
+  whose four phases (data, forward, backward, optimizer) the profiler finds as ranges, in
+  order, each holding its own work. Checked by profiling three steps of it and reading the
+  exported trace with :func:`labkit.profiling.load_trace`.
+* ``06.hidden_fraction``: ``hidden_fraction(compute, comm) -> float``: the share of
+  communication time that overlaps compute, from two lists of (start, end) intervals, against
+  :func:`labkit.profiling.overlap.hidden_fraction` on cases built to catch double counting.
+* ``06.bottleneck``: name the phase that dominates a planted slow run's trace, and give a
+  data-loader setting that fixes it; the check runs the fix and measures it beside the slow
+  loader (:mod:`labkit.profiling.bottlenecks`).
+
+Each check runs the learner's code on small, fixed inputs (a second or two on a laptop CPU)
+and names the usual mistake behind a wrong answer without printing the code that fixes it.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import numbers
+import random
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from labkit.config import ModelConfig
+from labkit.exercises import ExerciseFailed, _require_callable, call, exercise, short_repr
+from labkit.model import GPT
+from labkit.profiling import overlap
+from labkit.profiling.capture import profile_steps
+from labkit.profiling.phases import PHASES, phase
+from labkit.profiling.trace import Span, load_trace
+
+# --------------------------------------------------------------------------- references
+
+
+def reference_annotated_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                             next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """One training step, each phase in its own named range."""
+    with phase("data"):
+        x, y = next_batch()
+    with phase("forward"):
+        _, loss = model(x, y)
+    with phase("backward"):
+        loss.backward()
+    with phase("optimizer"):
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+# --------------------------------------------------------------------------- 06.annotate
+
+ANNOTATE_CFG = ModelConfig(vocab_size=256, seq_len=16, n_layer=1, n_head=2, d_model=32)
+ANNOTATE_ACTIVE = 3
+BATCH_MARK = "labkit.next_batch"  # a range inside next_batch: where the data work happens
+# What each phase must contain, recognised by operator names in the trace.
+SIGNATURES: dict[str, tuple[str, Callable[[str], bool]]] = {
+    "data": ("the call to next_batch()", lambda n: n == BATCH_MARK),
+    "forward": ("the model's forward operators (aten::linear, ...)",
+                lambda n: n in ("aten::linear", "aten::addmm", "aten::mm")),
+    "backward": ("the autograd operators (…Backward0)", lambda n: "Backward" in n),
+    "optimizer": ("optimizer.step()", lambda n: n.startswith("Optimizer.step")),
+}
+
+
+def _annotate_trace(fn: Callable[..., Any]) -> tuple[list[Span], list[Span], GPT, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = GPT(ANNOTATE_CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = [p.detach().clone() for p in model.parameters()]
+    gen = torch.Generator().manual_seed(0)
+
+    def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.profiler.record_function(BATCH_MARK):
+            x = torch.randint(0, 256, (4, ANNOTATE_CFG.seq_len + 1), generator=gen)
+            return x[:, :-1], x[:, 1:]
+
+    with tempfile.TemporaryDirectory(prefix="labkit-06-annotate-") as tmp:
+        run = profile_steps(lambda _: call(fn, model, opt, next_batch), wait=0, warmup=1,
+                            active=ANNOTATE_ACTIVE, trace_dir=tmp, record_shapes=False)  # fmt: skip
+        trace = load_trace(run.traces[0])
+        steps = trace.steps
+        spans = [s for s in trace.spans(tid=trace.main_tid) if s.cat in ("user_annotation", "cpu_op")]
+    return steps, spans, model, before
+
+
+def _within(span: Span, outer: Span) -> bool:
+    return span.start_us >= outer.start_us and span.end_us <= outer.end_us
+
+
+def _annotate_failure(steps: list[Span], spans: list[Span]) -> str | None:
+    if len(steps) != ANNOTATE_ACTIVE:
+        return (f"the profiler recorded {len(steps)} steps, not {ANNOTATE_ACTIVE}: does "
+                f"annotated_step return normally each time?")  # fmt: skip
+    for k, step in enumerate(steps, 1):
+        inside = [s for s in spans if _within(s, step) and s is not step]
+        ranges = {name: [s for s in inside if s.cat == "user_annotation" and s.name == name]
+                  for name in PHASES}  # fmt: skip
+        named = sorted({s.name for s in inside if s.cat == "user_annotation"
+                        and not s.name.startswith(("Optimizer.", "labkit.", "ProfilerStep"))})  # fmt: skip
+        for name in PHASES:
+            if not ranges[name]:
+                other = [n for n in named if n not in PHASES]
+                seen = f" (ranges found: {other})" if other else ""
+                return (f"step {k}: no range called {name!r}{seen}. The check looks for exactly "
+                        f"the names {list(PHASES)}, each opened with phase(name)")  # fmt: skip
+            if len(ranges[name]) > 1:
+                return (f"step {k}: {len(ranges[name])} ranges called {name!r}; open each phase "
+                        f"once per step")  # fmt: skip
+        order = sorted(PHASES, key=lambda n: ranges[n][0].start_us)
+        if order != list(PHASES):
+            return f"step {k}: the ranges run in the order {order}; a step runs {list(PHASES)}"
+        for a, b in itertools.pairwise(PHASES):
+            if ranges[a][0].end_us > ranges[b][0].start_us:
+                return (f"step {k}: {a!r} is still open when {b!r} starts: the phases should "
+                        f"follow each other, not nest")  # fmt: skip
+        for name, (what, matches) in SIGNATURES.items():
+            home = ranges[name][0]
+            found = [s for s in inside if s.name != name and matches(s.name)]
+            if not any(_within(s, home) for s in found):
+                where = [n for n in PHASES if any(_within(s, ranges[n][0]) for s in found)]
+                elsewhere = f" it ran inside {where[0]!r}" if where else " it ran outside every phase"
+                return f"step {k}: {what} belongs in {name!r}, but{elsewhere}"
+    return None
+
+
+@exercise(
+    "06.annotate",
+    "Annotate a training step so that the profiler sees its four phases",
+    hints=(
+        "a profiler shows operators; only you know which of them belong to loading data, the "
+        "forward pass, the backward pass or the optimizer. A named range around each part of "
+        "the step makes the trace say so, and the same name appears in every step",
+        "a step is four parts in order: get a batch, compute the loss, backpropagate, update the "
+        "weights. Put each inside its own `with phase(name):` block, one after the other, with "
+        "the names 'data', 'forward', 'backward', 'optimizer'",
+        "the model returns (logits, loss); backward is loss.backward(); the optimizer part is "
+        "optimizer.step() and then optimizer.zero_grad(set_to_none=True). Return the loss",
+        "recipe: with phase('data'): x, y = next_batch(); with phase('forward'): _, loss = "
+        "model(x, y); with phase('backward'): loss.backward(); with phase('optimizer'): "
+        "optimizer.step(); optimizer.zero_grad(set_to_none=True); return loss",
+    ),
+    reference=reference_annotated_step,
+)
+def _verify_annotate(annotated_step: Any) -> str:
+    fn = _require_callable(annotated_step, "annotated_step(model, optimizer, next_batch) -> loss")
+    steps, spans, model, before = _annotate_trace(fn)
+    failure = _annotate_failure(steps, spans)
+    if failure:
+        raise ExerciseFailed(failure)
+    if all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before, strict=True)):
+        raise ExerciseFailed("the ranges are right but the weights never changed: the step must "
+                             "still train (optimizer.step())")  # fmt: skip
+    grads = [p.grad for p in model.parameters() if p.grad is not None and bool(p.grad.abs().max() > 0)]
+    if grads:
+        raise ExerciseFailed("after the step the gradients are still there: zero them after "
+                             "optimizer.step() (optimizer.zero_grad(set_to_none=True)), or the "
+                             "next step adds onto them")  # fmt: skip
+    return (f"the profiler found data, forward, backward and optimizer in each of "
+            f"{ANNOTATE_ACTIVE} recorded steps, in order, each holding its own operators "
+            f"(next_batch, aten::linear, the …Backward0 nodes, Optimizer.step)")  # fmt: skip
+
+
+# --------------------------------------------------------------------------- 06.hidden_fraction
+
+Intervals = list[tuple[float, float]]
+
+
+def _hidden_cases() -> list[tuple[str, Intervals, Intervals]]:
+    cases: list[tuple[str, Intervals, Intervals]] = [
+        ("communication entirely under compute", [(0, 100)], [(10, 30), (50, 60)]),
+        ("communication after compute ends (nothing hidden)", [(0, 50)], [(50, 80)]),
+        ("half of one all-reduce under compute", [(0, 10)], [(5, 15)]),
+        ("two buckets all-reduced at once on two threads, partly under compute",
+         [(0, 25)], [(10, 40), (20, 50)]),
+        ("nested operators on the training thread (a parent and its child)",
+         [(0, 40), (20, 35)], [(30, 60)]),
+        ("no communication at all", [(0, 10)], []),
+        ("compute in several pieces around the communication",
+         [(0, 10), (20, 30), (40, 50)], [(5, 45)]),
+    ]  # fmt: skip
+    rng = random.Random(6)
+    for k in range(6):
+        compute = [(s := rng.randint(0, 900), s + rng.randint(1, 120)) for _ in range(rng.randint(3, 12))]
+        comm = [(s := rng.randint(0, 900), s + rng.randint(1, 80)) for _ in range(rng.randint(1, 8))]
+        cases.append((f"random case {k + 1} (overlapping intervals in both lists)", compute, comm))
+    return cases
+
+
+@functools.cache
+def _hidden_expected() -> list[float]:
+    return [overlap.hidden_fraction(c, m) for _, c, m in _hidden_cases()]
+
+
+def _hidden_hint(got: float, compute: Intervals, comm: Intervals) -> str:
+    summed = sum(b - a for a, b in comm)
+    if summed:
+        naive = sum(max(0.0, min(b, d) - max(a, c)) for a, b in comm for c, d in compute) / summed
+        if math.isclose(got, naive, rel_tol=1e-9, abs_tol=1e-12):
+            return (": that is what summing the overlap of every (compute, communication) pair "
+                    "gives, which counts time twice where intervals overlap each other. Merge "
+                    "each list into non-overlapping intervals first")  # fmt: skip
+    if got > 1:
+        return ": a fraction of the communication time cannot exceed 1; some time is counted twice"
+    return ""
+
+
+@exercise(
+    "06.hidden_fraction",
+    "Measure how much of a rank's communication is hidden behind compute",
+    hints=(
+        "communication is hidden while some compute runs at the same time on that rank, and "
+        "exposed while nothing else does: the step waits for the network. The answer is the "
+        "hidden time divided by all the communication time",
+        "both lists may overlap themselves: an operator and its children, or two buckets sent "
+        "at once on two threads. Time covered twice must count once, so first merge each list "
+        "into sorted, non-overlapping intervals",
+        "merge: sort by start; extend the last merged interval while the next one starts before "
+        "it ends. Then the overlap of two merged lists is the sum over pairs of "
+        "max(0, min(end1, end2) - max(start1, start2)). With no communication, return 0.0",
+        "recipe: m_comp, m_comm = merge(compute), merge(comm); total = sum(e - s for s, e in "
+        "m_comm); hidden = sum(max(0, min(e1, e2) - max(s1, s2)) for s1, e1 in m_comp for s2, e2 "
+        "in m_comm); return hidden / total if total else 0.0",
+    ),
+    reference=overlap.hidden_fraction,
+)
+def _verify_hidden_fraction(hidden_fraction: Any) -> str:
+    fn = _require_callable(hidden_fraction, "hidden_fraction(compute, comm) -> float")
+    cases = _hidden_cases()
+    for (what, compute, comm), want in zip(cases, _hidden_expected(), strict=True):
+        got = call(fn, list(compute), list(comm))
+        if isinstance(got, torch.Tensor) and got.numel() == 1:
+            got = got.item()
+        if isinstance(got, bool) or not isinstance(got, numbers.Real):
+            raise ExerciseFailed(f"hidden_fraction returned {short_repr(got)} for {what}; return "
+                                 f"a float between 0 and 1")  # fmt: skip
+        if not math.isclose(float(got), want, rel_tol=1e-6, abs_tol=1e-9):
+            raise ExerciseFailed(
+                f"{what}: compute={compute[:4]}{'…' if len(compute) > 4 else ''}, comm="
+                f"{comm[:4]}{'…' if len(comm) > 4 else ''} gave {float(got):.4f}, expected "
+                f"{want:.4f}{_hidden_hint(float(got), compute, comm)}"
+            )
+    return (f"hidden_fraction matches labkit's on {len(cases)} cases, among them nested "
+            f"operators, two threads sending at once and no communication at all")
+
