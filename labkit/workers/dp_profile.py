@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ from labkit.config import ModelConfig
 from labkit.model import GPT
 from labkit.parallel.ddp import TorchDDP
 from labkit.parallel.dp_naive import NaiveDP
+from labkit.profiling.nsight import NsysCommand, NsysTorchrunCommand, cuda_profiler_capture
 from labkit.profiling.phases import COMMUNICATION, phase
 
 MODULE = "labkit.workers.dp_profile"
@@ -60,6 +62,10 @@ DEFAULTS: dict[str, Any] = {
     "warmup": 1,
     "active": 3,
     "slow_rank": 1,
+    # "torch": torch.profiler writes the traces. "nsys": no torch.profiler (it and Nsight
+    # Systems both use CUPTI and must not run together); on CUDA the active steps are wrapped
+    # in torch.cuda.profiler.start/stop, the range nsys --capture-range=cudaProfilerApi records.
+    "profiler": "torch",
     "seed": 0,
     "lr": 1e-3,
 }
@@ -95,7 +101,10 @@ def validate(config: dict[str, Any], world_size: int) -> dict[str, Any]:
     if len(set(names)) != len(names):
         raise ValueError(f"runs have repeated names {names}: each names a folder of traces")
     cfg["runs"] = runs
-    if not (isinstance(cfg["slow_rank"], int) and 0 <= cfg["slow_rank"] < world_size):
+    if cfg["profiler"] not in ("torch", "nsys"):
+        raise ValueError(f"profiler={cfg['profiler']!r}: 'torch' (traces) or 'nsys' (capture range)")
+    slowed = any(r["slow_ms"] for r in runs)
+    if slowed and not (isinstance(cfg["slow_rank"], int) and 0 <= cfg["slow_rank"] < world_size):
         raise ValueError(f"slow_rank={cfg['slow_rank']!r}: a rank in 0..{world_size - 1}")
     if not cfg["bucket_cap_mb"] > 0:
         raise ValueError(f"bucket_cap_mb={cfg['bucket_cap_mb']!r}: a size in MB, > 0")
@@ -129,8 +138,14 @@ def _profile_one(ctx: dist.Context, cfg: dict[str, Any], run: dict[str, Any], ou
         tmp.replace(out)
 
     sched = schedule(wait=cfg["wait"], warmup=cfg["warmup"], active=cfg["active"], repeat=1)
-    with profile(activities=activities, schedule=sched, on_trace_ready=export) as prof:
+    first_active = cfg["wait"] + cfg["warmup"]
+    capture = contextlib.ExitStack()
+    with_torch = cfg["profiler"] == "torch"
+    with (profile(activities=activities, schedule=sched, on_trace_ready=export) if with_torch
+          else contextlib.nullcontext()) as prof, capture:  # fmt: skip
         for step in range(steps):
+            if not with_torch and step == first_active:
+                capture.enter_context(cuda_profiler_capture())
             t0 = time.perf_counter()
             with phase("data"):
                 x, y = data.get_batch(shard, cfg["micro_batch"], seq_len, gen, ctx.device)
@@ -152,9 +167,10 @@ def _profile_one(ctx: dist.Context, cfg: dict[str, Any], run: dict[str, Any], ou
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize(ctx.device)
             seconds.append(time.perf_counter() - t0)
-            prof.step()
+            if with_torch:
+                prof.step()
             ctx.heartbeat(step=done + step + 1, total=total)
-    if not out.exists():
+    if with_torch and not out.exists():
         raise RuntimeError(f"rank {ctx.rank}: the profiler wrote no trace to {out}")
     return seconds
 
@@ -174,8 +190,9 @@ def main(ctx: dist.Context) -> dict[str, Any]:
         ctx.heartbeat(part=f"{name} ({i + 1}/{len(cfg['runs'])})")
         out = root / f"run{i}" / f"rank{ctx.rank}.json"
         step_s[name] = _profile_one(ctx, cfg, run, out, i * steps, total)
-        traces[name] = str(out)
-        ctx.print0(f"{name}: traced {cfg['active']} steps -> {out.parent}")
+        if cfg["profiler"] == "torch":
+            traces[name] = str(out)
+            ctx.print0(f"{name}: traced {cfg['active']} steps -> {out.parent}")
     with contextlib.suppress(Exception):
         torch.distributed.barrier()  # every rank's traces written before rank 0 reports
     return {"rank": ctx.rank, "traces": traces, "step_s": step_s, "config": cfg,
@@ -191,6 +208,27 @@ def trace_paths(res: launch.JobResult, run: str) -> list[Path]:
             raise FileNotFoundError(f"rank {r} wrote no trace for {run!r}: see {res.log_dir}")
         paths.append(Path(path))
     return paths
+
+
+def nsys_command(config: dict[str, Any] | None, *, nproc: int, out_dir: str | Path,
+                 python: str = sys.executable) -> tuple[NsysCommand | NsysTorchrunCommand, dict[str, str]]:
+    """The ``nsys profile`` command for this job, and the environment it needs.
+
+    One process: ``nsys profile ... python -m labkit.workers.dp_profile``; several:
+    torchrun starting nsys once per rank (one report per rank). The job's config goes in a
+    job directory under ``out_dir`` (``LABKIT_JOB_DIR``), with the torch profiler off and the
+    CUDA capture range on. Writes that directory; runs nothing.
+    """
+    cfg = {**(config or {}), "profiler": "nsys"}
+    validate(cfg, nproc)
+    out_dir = Path(out_dir)
+    job_dir = out_dir / "job"
+    dist.write_json_atomic(job_dir / dist.SPEC_FILE, {"config": cfg})
+    env = {dist.JOB_DIR_ENV: str(job_dir)}
+    output = out_dir / "dp_profile"
+    if nproc == 1:
+        return NsysCommand(target=[python, "-u", "-m", MODULE], output=output), env
+    return NsysTorchrunCommand(module=MODULE, nproc=nproc, output=output, python=python), env
 
 
 def run(config: dict[str, Any] | None = None, *, nproc: int = 2, **launch_kwargs: Any) -> launch.JobResult:
