@@ -22,11 +22,15 @@ Typical use (what notebook 06 does at smoke size)::
 
     cfg = config.preset("smoke")
     hardware.limit_cpu_threads(1)
-    ds = TokenizingDataset(seq_len=cfg.model.seq_len, passes=400, n_items=64)
-    data = measure_data_loading(cfg, ds)        # BeforeAfter: num_workers=0 ... workers
-    comp = measure_compile(cfg, scope="blocks") # CompileResult: compile time, eager vs compiled
-    sync = measure_sync(cfg)                    # SyncResult: .item() every step vs every K
+    passes = calibrate_passes(0.015, batch_size=cfg.train.micro_batch)  # ~ one smoke step
+    ds = TokenizingDataset(seq_len=cfg.model.seq_len, passes=passes, n_items=64)
+    data = measure_data_loading(cfg, ds)  # BeforeAfter: num_workers=0 ... workers, persistent
+    comp = measure_compile(cfg)           # CompileResult: compile time, eager vs compiled
+    sync = measure_sync(cfg)              # SyncResult: .item() every step vs every K steps
     print(data, comp, sync, sep="\n\n")
+
+A cold compile of the smoke GPT (forward and backward) takes about a minute on a 2-core
+machine, nearly all of it building C++ kernels; with inductor's cache warm it takes seconds.
 
 Every result keeps its samples (seconds per step), the device, and how they were measured;
 ``tokens_per_s`` is derived from the median step. Nothing here asserts or assumes a speed-up:
@@ -82,6 +86,7 @@ __all__ = [
     "TokenizingDataset",
     "calibrate_passes",
     "check_compiler",
+    "default_workers",
     "loader_variants",
     "make_loader",
     "measure_compile",
@@ -176,8 +181,9 @@ class BeforeAfter:
         """Median step time before / after: above 1 means the fix made steps faster."""
         return self.before.median_s / self.after.median_s
 
-    def verdict(self, tolerance: float = verdict.DEFAULT_TOLERANCE) -> verdict.Comparison:
-        """The verdict rule of :mod:`labkit.verdict` on the two samples of step times."""
+    def comparison(self, tolerance: float = verdict.DEFAULT_TOLERANCE) -> verdict.Comparison:
+        """The verdict rule of :mod:`labkit.verdict` on the two samples of step times: its
+        ``sentence`` says faster, agree, or too noisy to tell, with the spread printed."""
         return verdict.compare_times(self.before.step_s, self.after.step_s,
                                      names=(self.before.name, self.after.name),
                                      tolerance=tolerance)  # fmt: skip
@@ -200,7 +206,7 @@ class BeforeAfter:
 
     def _footer(self) -> list[str]:
         return [f"after/before speed-up: {self.speedup:.2f}x (median step {self.before.name} "
-                f"/ median step {self.after.name})", str(self.verdict()).splitlines()[-1],
+                f"/ median step {self.after.name})", *str(self.comparison()).splitlines(),
                 self.note]  # fmt: skip
 
     def __str__(self) -> str:
@@ -369,7 +375,9 @@ def calibrate_passes(target_batch_s: float, *, batch_size: int, seq_len: int = 6
     measured: ``items`` items at 1 pass and at 21 passes, best of three each (skipping a moment
     another process stole the core), and the slope between them is the cost of one pass. Use
     it to make the loader the bottleneck by a chosen margin on any machine, e.g.
-    ``calibrate_passes(2 * compute_step_s, batch_size=8)``.
+    ``calibrate_passes(compute_step_s, batch_size=8)``: loading then takes half of each step
+    with ``num_workers=0``, and one worker can hide all of it (a worker can hide at most one
+    step's worth: with more loading than that per batch, the steps wait for it anyway).
     """
     if not target_batch_s > 0:
         raise ValueError(f"target_batch_s={target_batch_s!r} is not allowed: seconds > 0")
@@ -429,13 +437,25 @@ class LoaderVariant:
                 "persistent_workers": self.persistent_workers}  # fmt: skip
 
 
-def loader_variants(device: torch.device | str = "cpu", *, workers: int = 2,
+def default_workers() -> int:
+    """Worker processes that leave one core to the training process: cores - 1, 1 to 4.
+
+    A worker tokenising text keeps a core busy; so does the training process on a CPU, and on
+    a GPU the process launching kernels. More workers than free cores only take turns with
+    the training process (measured on this course's 2-core machine: two workers slowed the
+    training steps themselves by more than they saved).
+    """
+    return min(4, max(1, (os.cpu_count() or 1) - 1))
+
+
+def loader_variants(device: torch.device | str = "cpu", *, workers: int | None = None,
                     prefetch_factor: int = 4) -> tuple[LoaderVariant, ...]:
     """The ladder of fixes, first the planted bottleneck, last the full fix.
 
-    ``num_workers=0``; ``workers`` worker processes; (CUDA only) plus ``pin_memory``; plus
-    ``prefetch_factor`` and ``persistent_workers``.
+    ``num_workers=0``; ``workers`` worker processes (default :func:`default_workers`); (CUDA
+    only) plus ``pin_memory``; plus ``prefetch_factor`` and ``persistent_workers``.
     """
+    workers = default_workers() if workers is None else workers
     cuda = timing.as_device(device).type == "cuda"
     pin = ", pin_memory" if cuda else ""
     ladder = [LoaderVariant("num_workers=0"),
@@ -877,7 +897,7 @@ def measure_compile(cfg: RunConfig, *, device: torch.device | str | None = None,
         note = ("On a GPU a small model is launch-bound: the compiled step launches fewer, "
                 "fused kernels, and reduce-overhead replays them as one CUDA graph.")
     else:
-        note = ("On a CPU there are no kernel launches to save: the gain is fewer passes over "
+        note = ("On a CPU there are no GPU launches to save: the gain is fewer passes over "
                 "memory (fused element-wise operations) and less Python and dispatch per step.")
     return CompileResult(
         bottleneck="Python overhead / small kernels (torch.compile)", before=eager_m,
@@ -927,7 +947,7 @@ class SyncResult(BeforeAfter):
 
 
 def measure_sync(cfg: RunConfig, *, device: torch.device | str | None = None,
-                 read_every: int = 4, rounds: int = 5, warmup: int = 1,
+                 read_every: int = 4, rounds: int = 10, warmup: int = 1,
                  print_fn: Callable[[str], None] | None = None) -> SyncResult:
     """Train with ``loss.item()`` + a formatted line every step, then reading every K steps.
 
