@@ -22,8 +22,11 @@ import itertools
 import math
 import numbers
 import random
+import statistics
 import tempfile
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -249,3 +252,135 @@ def _verify_hidden_fraction(hidden_fraction: Any) -> str:
     return (f"hidden_fraction matches labkit's on {len(cases)} cases, among them nested "
             f"operators, two threads sending at once and no communication at all")
 
+
+
+# --------------------------------------------------------------------------- 06.bottleneck
+
+BOTTLENECK_CFG = ModelConfig(vocab_size=256, seq_len=64, n_layer=2, n_head=2, d_model=64)
+BOTTLENECK_BATCH = 8
+BOTTLENECK_STEPS = 6
+BOTTLENECK_SHRINK = 0.5
+"""The learner's settings must cut the data wait per step to at most this share of the
+num_workers=0 loader's, measured side by side (a worker that keeps up cuts it to near 0)."""
+
+
+def reference_diagnose(trace: Any) -> tuple[str, dict[str, Any]]:
+    """(the phase with the largest median time per step, loader settings that fix 'data')."""
+    seconds = trace.phase_seconds(PHASES)
+    worst = max(seconds, key=lambda name: statistics.median(seconds[name]))
+    return worst, ({"num_workers": 1, "prefetch_factor": 4, "persistent_workers": True}
+                   if worst == "data" else {})  # fmt: skip
+
+
+def _loader_trace(dataset: Any, tmp: Path, name: str) -> Any:
+    """A trace of a few annotated steps of a tiny GPT fed from ``dataset`` (num_workers=0)."""
+    from labkit.profiling import bottlenecks
+
+    torch.manual_seed(0)
+    model = GPT(BOTTLENECK_CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    slow = bottlenecks.loader_variants("cpu")[0]
+    loader = bottlenecks.make_loader(dataset, slow, batch_size=BOTTLENECK_BATCH)
+    with bottlenecks.BatchStream(loader) as stream:
+        run = profile_steps(lambda _: reference_annotated_step(model, opt, lambda: next(stream)),
+                            wait=0, warmup=1, active=3, trace_dir=tmp / name, record_shapes=False)  # fmt: skip
+    return load_trace(run.traces[0])
+
+
+def _data_wait(settings: dict[str, Any], dataset: Any) -> tuple[float, float]:
+    """Median data wait per step: num_workers=0 vs the learner's settings, alternated."""
+    from torch.utils.data import DataLoader
+
+    from labkit.profiling import bottlenecks
+
+    waits: dict[str, list[float]] = {"slow": [], "fixed": []}
+    for order in (("slow", "fixed"), ("fixed", "slow")):
+        for which in order:
+            torch.manual_seed(0)
+            model = GPT(BOTTLENECK_CFG)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            kwargs = {} if which == "slow" else dict(settings)
+            try:
+                loader = DataLoader(dataset, batch_size=BOTTLENECK_BATCH, shuffle=False, **kwargs)
+            except (TypeError, ValueError) as e:
+                raise ExerciseFailed(f"DataLoader(dataset, batch_size=…, **{settings!r}) raised "
+                                     f"{type(e).__name__}: {e}") from e  # fmt: skip
+            measured = bottlenecks.measure_loader(model, opt, loader, steps=BOTTLENECK_STEPS,
+                                                  warmup=2, name=which)  # fmt: skip
+            waits[which].extend(measured.data_s)
+    return statistics.median(waits["slow"]), statistics.median(waits["fixed"])
+
+
+def _bottleneck_failure(fn: Callable[..., Any]) -> str:
+    from labkit.profiling import bottlenecks
+
+    # Loading a batch is made to cost a little less than a training step of the tiny model
+    # (measured now, on this machine): one worker can then hide all of it.
+    torch.manual_seed(0)
+    model = GPT(BOTTLENECK_CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 256, (BOTTLENECK_BATCH, BOTTLENECK_CFG.seq_len))
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        reference_annotated_step(model, opt, lambda: (x, x))
+        times.append(time.perf_counter() - t0)
+    passes = bottlenecks.calibrate_passes(0.8 * statistics.median(times[1:]),
+                                          batch_size=BOTTLENECK_BATCH, seq_len=BOTTLENECK_CFG.seq_len)
+    slow_ds = bottlenecks.TokenizingDataset(seq_len=BOTTLENECK_CFG.seq_len, passes=passes, n_items=48)
+    fast_ds = bottlenecks.TokenizingDataset(seq_len=BOTTLENECK_CFG.seq_len, passes=1, n_items=48)
+    with tempfile.TemporaryDirectory(prefix="labkit-06-bottleneck-") as tmp:
+        traces = {"slowed by loading": _loader_trace(slow_ds, Path(tmp), "slow"),
+                  "not slowed by loading": _loader_trace(fast_ds, Path(tmp), "fast")}  # fmt: skip
+        answers = {}
+        for what, trace in traces.items():
+            want, _ = reference_diagnose(trace)
+            got = call(fn, trace)
+            if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], str)
+                    and isinstance(got[1], dict)):  # fmt: skip
+                raise ExerciseFailed(f"diagnose returned {short_repr(got)}; return a pair "
+                                     f"(phase name, dict of DataLoader settings)")  # fmt: skip
+            if got[0] != want:
+                medians = {n: f"{statistics.median(v) * 1e3:.1f} ms"
+                           for n, v in trace.phase_seconds(PHASES).items()}  # fmt: skip
+                raise ExerciseFailed(f"on the trace {what}, diagnose named {got[0]!r}, but its "
+                                     f"median phase times per step are {medians}: name the "
+                                     f"largest, read from the trace, not fixed in advance")  # fmt: skip
+            answers[what] = got
+    settings = answers["slowed by loading"][1]
+    if not settings.get("num_workers"):
+        raise ExerciseFailed(f"the settings {settings!r} keep num_workers=0: the training "
+                             f"process still tokenises every batch itself between steps")  # fmt: skip
+    slow, fixed = _data_wait(settings, slow_ds)
+    if fixed > BOTTLENECK_SHRINK * slow:
+        raise ExerciseFailed(f"with {settings!r} a step still waited {fixed * 1e3:.1f} ms for "
+                             f"data (median; {slow * 1e3:.1f} ms with num_workers=0, measured "
+                             f"side by side): the loading is not hidden behind the steps")  # fmt: skip
+    return (f"diagnose names the slowest phase of two recorded traces ('data', then "
+            f"{answers['not slowed by loading'][0]!r}), and its settings {settings!r} cut the "
+            f"data wait per step from {slow * 1e3:.1f} ms to {fixed * 1e3:.1f} ms (median, "
+            f"measured side by side)")
+
+
+@exercise(
+    "06.bottleneck",
+    "Diagnose a planted bottleneck from its trace, and fix it",
+    hints=(
+        "a trace annotated with phases tells you where each step's time went: the phase with "
+        "the most time per step is the first suspect. Read it from the numbers, since a "
+        "different run can have a different culprit",
+        "trace.phase_seconds(profiling.PHASES) gives, per phase, the seconds in each recorded "
+        "step; take the median per phase and the phase with the largest one",
+        "when 'data' dominates, the training process is doing the loading itself between "
+        "steps. DataLoader worker processes (num_workers >= 1) load the next batches while the "
+        "current step computes; prefetch_factor sets how many batches each worker keeps ready",
+        "recipe: seconds = trace.phase_seconds(profiling.PHASES); worst = max(seconds, key=lambda "
+        "n: statistics.median(seconds[n])); return worst, ({'num_workers': 1, "
+        "'prefetch_factor': 4, 'persistent_workers': True} if worst == 'data' else {})",
+    ),
+    reference=reference_diagnose,
+    time_limit_s=120.0,
+)
+def _verify_bottleneck(diagnose: Any) -> str:
+    fn = _require_callable(diagnose, "diagnose(trace) -> (phase, settings)")
+    return _bottleneck_failure(fn)

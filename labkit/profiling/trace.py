@@ -129,6 +129,23 @@ class Trace:
             )
         return steps[0].start_us, max(s.end_us for s in steps)
 
+    def phase_seconds(self, names: Iterable[str]) -> dict[str, list[float]]:
+        """Seconds in each named range (on the training thread), per recorded step.
+
+        A step without the range gets 0; a range opened twice in a step counts twice."""
+        names = list(names)
+        steps = self.steps
+        out: dict[str, list[float]] = {n: [0.0] * len(steps) for n in names}
+        main = self.main_tid
+        for s in self.spans(cat="user_annotation", tid=main):
+            if s.name not in out:
+                continue
+            for k, step in enumerate(steps):
+                if step.start_us <= s.start_us < step.end_us:
+                    out[s.name][k] += s.dur_us / 1e6
+                    break
+        return out
+
     def thread_names(self) -> dict[int | str, str]:
         """A readable label per thread: the training loop, communication threads, streams."""
         named: dict[int | str, str] = {}
@@ -188,7 +205,12 @@ def load_trace(path: str | Path) -> Trace:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        if text.lstrip().startswith(("{", "[")) and e.pos >= len(text.rstrip()) - 1:
+        # Cut mid-file, the decoder fails at the end, or at the start of the string or the
+        # literal (true/false/null) that the cut left open.
+        end = len(text.rstrip())
+        cut = (e.pos >= end - 1 or e.msg.startswith("Unterminated string")
+               or any(word.startswith(text[e.pos:end]) for word in ("true", "false", "null")))
+        if text.lstrip().startswith(("{", "[")) and cut:
             raise TraceError(
                 f"{path} is truncated: its JSON stops at byte {len(text)} before it closes. "
                 "A rank that died (or was killed) while exporting leaves this; rerun the job"
