@@ -26,6 +26,7 @@ from labkit.profiling.capture import (
     ProfiledRun,
     profile_steps,
     profiler_overhead,
+    quiet_kineto,
 )
 from labkit.profiling.hta import HtaReport, hta_report
 from labkit.profiling.memory_timeline import (
@@ -91,6 +92,7 @@ __all__ = [
     "profile_nsys",
     "profile_steps",
     "profiler_overhead",
+    "quiet_kineto",
     "rank_times",
     "record_memory_timeline",
     "run_ncu",

@@ -20,6 +20,7 @@ block by block so that a machine that slows down mid-run slows every setting ali
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,20 @@ from torch.profiler import ProfilerActivity, profile, schedule
 from labkit.timing import synchronize
 
 Step = Callable[[int], Any]
+
+KINETO_QUIET = "6"
+
+
+def quiet_kineto() -> str:
+    """Stop libkineto (the profiler's C++ core) printing a line at every profiler start and stop.
+
+    torch 2.13's kineto logs ``USDT: ... profiler_start`` / ``profiler_stop`` at its level 5
+    (``ILoggerObserver.h``: VERBOSE 0 ... ERROR 4, USDT 5), above ERROR, so only
+    ``KINETO_LOG_LEVEL`` >= 6 silences them; that also hides kineto's own error lines, so it is
+    a choice for a notebook's readability, made by calling this, never at import. Read when the
+    profiler first starts, so calling it before then is enough. Leaves a value the user set.
+    Returns the level in force."""
+    return os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET)
 
 
 def activities(device: torch.device | str = "cpu") -> list[ProfilerActivity]:

@@ -194,7 +194,7 @@ class Straggler:
     def describe(self) -> str:
         return (
             f"rank {self.rank} is the straggler: its own work takes {self.own_s * 1e3:.1f} ms a "
-            f"step against {self.others_own_s * 1e3:.1f} ms on the others, which wait "
+            f"step against {self.others_own_s * 1e3:.1f} ms on the other ranks (median), which wait "
             f"{self.others_exposed_s * 1e3:.1f} ms a step in exposed communication (measured)"
         )
 

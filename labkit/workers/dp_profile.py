@@ -47,6 +47,7 @@ from labkit.config import ModelConfig
 from labkit.model import GPT
 from labkit.parallel.ddp import TorchDDP
 from labkit.parallel.dp_naive import NaiveDP
+from labkit.profiling.capture import quiet_kineto
 from labkit.profiling.nsight import NsysCommand, NsysTorchrunCommand, cuda_profiler_capture
 from labkit.profiling.phases import COMMUNICATION, phase
 
@@ -178,6 +179,7 @@ def _profile_one(ctx: dist.Context, cfg: dict[str, Any], run: dict[str, Any], ou
 @dist.entrypoint
 def main(ctx: dist.Context) -> dict[str, Any]:
     cfg = validate(ctx.config, ctx.world_size)
+    quiet_kineto()  # one "profiler_start" line per rank and run would bury the job's output
     if ctx.device.type == "cpu":
         torch.set_num_threads(1)  # ranks share the cores; more threads only contend
     root = (ctx.job_dir or Path.cwd()) / "traces"
