@@ -786,22 +786,24 @@ def _cache_state(before: tuple[int, int] | None, after: tuple[int, int] | None) 
     return "mixed" if hits else "unknown"
 
 
-def _compile(model: nn.Module, scope: str, mode: str | None, dynamic: bool) -> nn.Module:
+def _compile(model: nn.Module, scope: str, mode: str | None, dynamic: bool,
+             backend: str = "inductor") -> nn.Module:
     if scope == "model":
-        return torch.compile(model, mode=mode, dynamic=dynamic)  # type: ignore[return-value]
+        return torch.compile(model, mode=mode, dynamic=dynamic, backend=backend)  # type: ignore[return-value]
     # Regional compilation: compile the repeated block, not the whole model. The blocks share
     # one compiled graph (their parameters are inputs, not constants, since PyTorch 2.5), so
     # inductor compiles one block's forward and backward instead of the whole network:
     # https://docs.pytorch.org/tutorials/recipes/regional_compilation.html
     for block in model.blocks:  # type: ignore[union-attr]
-        block.compile(mode=mode, dynamic=dynamic)
+        block.compile(mode=mode, dynamic=dynamic, backend=backend)
     return model
 
 
 def measure_compile(cfg: RunConfig, *, device: torch.device | str | None = None,
                     mode: str | None = "auto", scope: Literal["model", "blocks"] = "model",
                     dynamic: bool = False, rounds: int = 10, warmup: int = 2,
-                    rtol: float = 1e-4, atol: float = 1e-5) -> CompileResult:
+                    rtol: float = 1e-4, atol: float = 1e-5,
+                    backend: str = "inductor") -> CompileResult:
     """Compile the GPT, time the compile, check its loss against eager, then time both.
 
     1. Two copies of one initialised GPT, each with its own AdamW. One is compiled:
@@ -817,6 +819,11 @@ def measure_compile(cfg: RunConfig, *, device: torch.device | str | None = None,
     3. Eager and compiled training steps alternate (``labkit.timing.alternate``: E C, C E, ...)
        on the same batches; ``warmup`` rounds are not counted (CUDA graphs record there).
 
+    ``backend`` is torch.compile's: "inductor" (the default, what generates fused kernels) or,
+    say, "aot_eager" (traces forward and backward but runs them with eager kernels: no code
+    generation, so seconds instead of a minute, and no speed-up; the tests use it to check
+    this function's own work).
+
     Inductor's cache goes to ``labkit_home()/inductor`` unless TORCHINDUCTOR_CACHE_DIR is set
     (:func:`use_inductor_cache`): a second run loads the kernels instead of building them.
     Raises :class:`CompileUnavailable` when there is no C++ compiler (CPU) or the backend fails.
@@ -827,9 +834,10 @@ def measure_compile(cfg: RunConfig, *, device: torch.device | str | None = None,
     if mode == "auto":
         mode = "reduce-overhead" if device.type == "cuda" else None
     cache_dir = use_inductor_cache()
-    check_compiler(device)
+    if backend == "inductor":
+        check_compiler(device)
     (eager, opt_e), (base, opt_c) = _models(cfg, device, 2)
-    compiled = _compile(base, scope, mode, dynamic)
+    compiled = _compile(base, scope, mode, dynamic, backend)
     # CUDA graphs: https://docs.pytorch.org/docs/stable/generated/torch.compile.html
     cudagraphs = device.type == "cuda" and mode in ("reduce-overhead", "max-autotune")
 
