@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import nbformat
@@ -51,13 +52,31 @@ def test_there_are_notebooks():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.stem)
-def test_bad_size_parameter_fails_early_naming_it(path, tmp_path):
+def test_bad_size_parameter_fails_early_naming_it(tmp_path):
+    # One notebook run for real (a kernel start costs seconds, seven cost half a minute of
+    # CI); that every notebook validates first is checked statically just below.
+    path = SOLUTIONS[0]
     with pytest.raises(pm.PapermillExecutionError) as err:
         execute(path, tmp_path / path.name, size="huge")
     assert err.value.ename == "ValueError"
     assert "size='huge' is not allowed" in err.value.evalue
     assert "smoke" in err.value.evalue  # and says what is allowed
+
+
+@pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.stem)
+def test_every_notebook_validates_its_size_before_doing_anything(path):
+    """The cell after the parameters does nothing but imports before config.preset(size), so
+    a bad size fails there, as the live run above shows for one notebook, before any work."""
+    nb = nbformat.read(path, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    at = next(i for i, c in enumerate(code) if "parameters" in c.metadata.get("tags", []))
+    body = ast.parse(code[at + 1].source).body
+    first = next(n for n in body if not isinstance(n, (ast.Import, ast.ImportFrom)))
+    call = first.value if isinstance(first, (ast.Expr, ast.Assign)) else None
+    assert isinstance(call, ast.Call) and ast.unparse(call) == "config.preset(size)", (
+        f"{path.name}: the cell after the parameters must call config.preset(size) before "
+        f"anything but imports; it starts with {ast.unparse(first)!r}"
+    )
 
 
 LEARNER_COPIES = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
