@@ -36,6 +36,7 @@ Sources cited below:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from numbers import Integral, Real
 from typing import Any
@@ -586,6 +587,26 @@ def ring_allreduce_bytes_per_rank(message_bytes: float, n_ranks: int) -> float:
     S = _non_negative_number("message_bytes", message_bytes)
     n = _positive_int("n_ranks", n_ranks)
     return 2 * (n - 1) / n * S
+
+
+def bucket_count(tensor_bytes: Sequence[float], cap_bytes: float) -> int:
+    """Buckets a gradient-bucketing scheme like DDP's makes of tensors taken in order.
+
+    Greedy, as ``compute_bucket_assignment_by_size`` in torch's ``reducer.cpp``: a tensor is
+    never split, each goes into the open bucket, and the bucket closes as soon as it holds
+    ``cap_bytes`` or more. So a tensor larger than the cap fills a bucket alone, and the count
+    is at most ceil(total / cap) + (tensors larger than the cap). Pass the tensors in the
+    order their gradients become ready (about the reverse of ``model.parameters()``).
+    """
+    cap = _non_negative_number("cap_bytes", cap_bytes)
+    if cap <= 0:
+        raise ValueError(f"cap_bytes={cap_bytes!r} is not allowed: a size in bytes > 0")
+    count, open_bytes = 0, 0.0
+    for size in tensor_bytes:
+        open_bytes += _non_negative_number("tensor_bytes", size)
+        if open_bytes >= cap:
+            count, open_bytes = count + 1, 0.0
+    return count + (1 if open_bytes > 0 else 0)
 
 
 def allgather_bytes_per_rank(total_bytes: float, n_ranks: int) -> float:

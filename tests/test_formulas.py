@@ -378,3 +378,14 @@ def test_dtype_names():
     assert f.dtype_bytes(torch.float32) == f.dtype_bytes("fp32") == 4
     with pytest.raises(ValueError, match="float32"):
         f.dtype_bytes("tf32")
+
+
+def test_bucket_count_is_greedy_and_never_splits_a_tensor():
+    assert f.bucket_count([], 10) == 0
+    assert f.bucket_count([4, 4, 4], 10) == 1  # 12 bytes, closed at the end
+    assert f.bucket_count([4, 6, 4], 10) == 2  # 4+6 reaches the cap and closes
+    assert f.bucket_count([25, 1], 10) == 2  # a tensor over the cap fills one alone
+    assert f.bucket_count([3] * 10, 10) == 3  # 12, 12, 6: ceil(30/10) is 3 as well
+    assert f.bucket_count([9, 2, 9, 2], 10) == 2  # not ceil(22/10) = 3: order matters
+    with pytest.raises(ValueError, match="cap_bytes"):
+        f.bucket_count([1], 0)

@@ -353,7 +353,9 @@ def test_a_collective_thread_is_found(overlap):
     assert t.rank == 0 and len(t.steps) == 2
     gloo = t.spans(name="gloo:all_reduce")
     assert gloo and t.main_tid not in {s.tid for s in gloo}
-    assert {t.thread_names()[s.tid] for s in gloo} == {f"gloo thread {s.tid} (collectives)" for s in gloo}
+    names = {t.thread_names()[s.tid] for s in gloo}
+    tids = {s.tid for s in gloo}
+    assert names == {f"gloo worker thread {k} (collectives)" for k in range(1, len(tids) + 1)}
 
 
 def test_rank_times_on_a_hidden_and_an_exposed_all_reduce(overlap):

@@ -13,7 +13,8 @@ cost, so their timings are skewed), ``active`` steps are kept; the cycle repeats
 times. When an active window closes, the trace is exported: that is when the file appears.
 
 :func:`profiler_overhead` answers "what does looking cost?": it times the same step with the
-profiler off, on, and on with ``with_stack`` and ``profile_memory``, the settings interleaved
+profiler off, on, on with ``with_stack``, and on with ``profile_memory`` (and ``record_shapes``),
+the settings interleaved
 block by block so that a machine that slows down mid-run slows every setting alike.
 """
 
@@ -134,7 +135,8 @@ MODES: dict[str, dict[str, bool] | None] = {
     "off": None,
     "on": {},
     "on + with_stack": {"with_stack": True},
-    "on + profile_memory": {"profile_memory": True, "record_shapes": True},
+    # profile_memory needs record_shapes for its memory tables, so the two come together here
+    "on + memory + shapes": {"profile_memory": True, "record_shapes": True},
 }
 """Profiler settings compared by :func:`profiler_overhead` (None: no profiler)."""
 

@@ -11,7 +11,9 @@ Definitions (per rank, over the recorded steps, seconds per step):
                    trace, operators on the training thread, minus the time that thread spent
                    inside a collective call (waiting is not computing)
     communication  time some collective ran: NCCL kernels on a GPU; the collective ops on
-                   gloo's own threads and the training thread on a CPU
+                   gloo's own threads and the training thread on a CPU (there, the lifetime of
+                   the collective's work item: it includes waiting for the other ranks, as an
+                   NCCL kernel's time does, and is cut at the optimizer phase)
     hidden         communication ∩ compute: sent while useful work went on
     exposed        communication − compute: the step waited for the network
     hidden fraction = hidden / communication
@@ -128,7 +130,12 @@ def compute_and_comm(trace: Trace) -> tuple[list[Interval], list[Interval]]:
     waiting = _clip([s for s in comm_spans if s.tid == main], window)
     compute = subtract(_clip([s for s in ops if s.tid == main and not COMM.search(s.name)], window),
                        waiting)  # fmt: skip
-    return compute, union(_clip(comm_spans, window))
+    # A gloo thread closes its range a little after the work completed and the training thread
+    # went on: a collective's range can reach into the optimizer step (which DDP cannot start
+    # before every bucket is reduced) and on into the next step. That tail is bookkeeping, not
+    # communication: cut it at the optimizer phase.
+    optimizer = _clip(trace.spans(cat="user_annotation", name="optimizer", tid=main), window)
+    return compute, subtract(_clip(comm_spans, window), optimizer)
 
 
 @dataclass(frozen=True)

@@ -66,12 +66,14 @@ def plot_trace(
 
     traces = [traces] if isinstance(traces, Trace) else list(traces)
     rows: list[tuple[str, list[tuple[Span, str, float]]]] = []
+    op_names: set[str] = set()
     for r, trace in enumerate(traces):
         lo, hi = _window(trace, steps)
         rank = trace.rank if trace.rank is not None else r
         prefix = f"rank {rank}: " if len(traces) > 1 else ""
         names = trace.thread_names()
         keep = set(top_ops(trace, (lo, hi), top))
+        op_names |= keep
         by_tid: dict[Any, list[tuple[Span, str, float]]] = defaultdict(list)
         for s in trace.all_spans:
             if s.end_us <= lo or s.start_us >= hi or s.cat == "Trace":
@@ -94,10 +96,16 @@ def plot_trace(
                            facecolors=colour, alpha=0.55 if thin else 0.9, linewidth=0)  # fmt: skip
     ax.set_yticks(range(len(rows)), [label for label, _ in rows])
     ax.invert_yaxis()
-    ax.set_xlabel("ms from the start of the step (measured, from the exported trace)")
-    legend = [Patch(color=c, label=n) for n, c in PHASE_COLOURS.items()]
-    legend += [Patch(color=OP_COLOUR, alpha=0.55, label=f"top {top} operators")]
-    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=6,
+    ax.set_xlabel("ms from the start of the first step shown, per rank (measured, from the "
+                  "exported trace)")
+    drawn = {colour for _, bars in rows for _, colour, _ in bars}
+    legend = [Patch(color=c, label=n) for n, c in PHASE_COLOURS.items() if c in drawn]
+    if COMM_COLOUR in drawn and COMMUNICATION not in [p.get_label() for p in legend]:
+        legend.append(Patch(color=COMM_COLOUR, label=COMMUNICATION))
+    if OP_COLOUR in drawn:
+        legend.append(Patch(color=OP_COLOUR, alpha=0.55,
+                            label=f"top {top} operators ({', '.join(sorted(op_names))})"))
+    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=3,
               fontsize=8, frameon=False)  # fmt: skip
     if title:
         ax.set_title(title)

@@ -154,6 +154,7 @@ class Trace:
                 named[e.get("tid")] = str((e.get("args") or {}).get("name", e.get("tid")))
         main = self.main_tid if self.all_spans else None
         labels: dict[int | str, str] = {}
+        workers: dict[str, int] = {}
         for s in self.all_spans:
             if s.tid in labels or s.cat == "Trace":
                 continue
@@ -162,7 +163,9 @@ class Trace:
             elif s.cat in ("kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"):
                 labels[s.tid] = f"CUDA stream {s.args.get('stream', s.tid)}"
             elif s.name.startswith(("gloo:", "nccl:")):
-                labels[s.tid] = f"{s.name.split(':')[0]} thread {s.tid} (collectives)"
+                lib = s.name.split(":")[0]
+                workers[lib] = workers.get(lib, 0) + 1
+                labels[s.tid] = f"{lib} worker thread {workers[lib]} (collectives)"
             elif s.name.startswith("autograd::engine"):
                 labels[s.tid] = f"autograd thread {s.tid}"
             else:
