@@ -172,7 +172,8 @@ def profiler_overhead(
     Each round runs every mode once (in reverse order on odd rounds): a block of
     ``steps_per_block`` steps inside one profiler session; the first step of a block is not
     kept (the profiler's start-up lands there). ``stop_s`` is the time to leave the
-    profiler, when it turns its events into tables: paid once per session, not per step.
+    profiler and build its table (``key_averages``), measured in the first round: paid once
+    per session, not per step.
     """
     unknown = [m for m in modes if m not in MODES]
     if unknown or "off" not in modes:
@@ -199,8 +200,10 @@ def profiler_overhead(
             finally:
                 t0 = time.perf_counter()
                 ctx.__exit__(None, None, None)
-                if settings is not None:
-                    ctx.key_averages()  # what a learner does next: build the table
+                if settings is not None and r == 0:
+                    # what a learner does next: build the table. About a second each here, so
+                    # once per setting: it is paid once per session, not per step.
+                    ctx.key_averages()
                     stop_s[mode].append(time.perf_counter() - t0)
     return Overhead(step_s, stop_s, str(device),
                     f"{rounds} rounds × {steps_per_block - 1} kept steps per setting, interleaved; "
