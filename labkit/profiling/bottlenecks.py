@@ -704,8 +704,21 @@ def use_inductor_cache() -> Path:
     by :func:`measure_compile`, never at import. Inductor reads the variable when it first
     needs the cache, so call this before the first compile in the process.
     """
-    os.environ.setdefault(INDUCTOR_CACHE_ENV, str(procs.labkit_home() / "inductor"))
+    current = os.environ.get(INDUCTOR_CACHE_ENV)
+    # Torch fills the variable in with its default the first time anything asks for the cache
+    # folder (torch._inductor.runtime.cache_dir_utils.cache_dir; the profiler's memory
+    # timeline does), so "set" is not "chosen by the user": the default value is replaced too.
+    if current is None or current == _torch_default_cache_dir():
+        os.environ[INDUCTOR_CACHE_ENV] = str(procs.labkit_home() / "inductor")
     return Path(os.environ[INDUCTOR_CACHE_ENV])
+
+
+def _torch_default_cache_dir() -> str | None:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # pragma: no cover - older or newer torch: keep what is set
+        return None
+    return default_cache_dir()
 
 
 class CompileUnavailable(RuntimeError):
