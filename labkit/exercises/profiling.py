@@ -45,16 +45,11 @@ from labkit.profiling.trace import Span, load_trace
 def reference_annotated_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                              next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """One training step, each phase in its own named range."""
+    from labkit.profiling.bottlenecks import phased_step  # the other three phases
+
     with phase("data"):
         x, y = next_batch()
-    with phase("forward"):
-        _, loss = model(x, y)
-    with phase("backward"):
-        loss.backward()
-    with phase("optimizer"):
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return loss
+    return phased_step(model, optimizer, x, y)
 
 
 # --------------------------------------------------------------------------- 06.annotate

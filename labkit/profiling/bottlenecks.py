@@ -229,7 +229,7 @@ def _tokens_per_step(cfg: RunConfig) -> int:
     return cfg.train.micro_batch * cfg.model.seq_len
 
 
-def _phased_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
+def phased_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
                  y: torch.Tensor) -> torch.Tensor:
     """Forward, backward, optimizer, each in its named phase; returns the (device) loss.
 
@@ -612,7 +612,7 @@ def measure_loader(model: nn.Module, optimizer: torch.optim.Optimizer, loader: D
                 x = x.to(device, non_blocking=non_blocking)
                 y = y.to(device, non_blocking=non_blocking)
             t1 = time.perf_counter()
-            losses.append(_phased_step(model, optimizer, x, y))
+            losses.append(phased_step(model, optimizer, x, y))
             timing.synchronize(device)
             t2 = time.perf_counter()
             tokens = x.numel()
@@ -893,7 +893,7 @@ def measure_compile(cfg: RunConfig, *, device: torch.device | str | None = None,
             t0 = time.perf_counter()
             if cudagraphs and model is compiled:
                 torch.compiler.cudagraph_mark_step_begin()  # a new iteration: outputs reused
-            loss = _phased_step(model, opt, x, y)
+            loss = phased_step(model, opt, x, y)
             value = float(loss)  # synchronises; read now, before a CUDA graph reuses its memory
             t = time.perf_counter() - t0
             losses[name].append(value)
@@ -1005,7 +1005,7 @@ def measure_sync(cfg: RunConfig, *, device: torch.device | str | None = None,
         t0 = time.perf_counter()
         for k in range(read_every):
             x, y = batches[done + k]
-            loss = _phased_step(m_before, o_before, x, y)
+            loss = phased_step(m_before, o_before, x, y)
             value = loss.item()  # the planted sync: the CPU waits here for the device
             line = f"step {done + k + 1:>4}  loss {value:.4f}"
             lines.append(line)
@@ -1022,7 +1022,7 @@ def measure_sync(cfg: RunConfig, *, device: torch.device | str | None = None,
         pending = []
         for k in range(read_every):
             x, y = batches[done + k]
-            pending.append(_phased_step(m_after, o_after, x, y))  # stays on the device
+            pending.append(phased_step(m_after, o_after, x, y))  # stays on the device
         losses["after"].extend(torch.stack(pending).tolist())  # one sync for K steps
         timing.synchronize(device)
         return (time.perf_counter() - t0) / read_every
