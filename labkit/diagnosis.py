@@ -123,6 +123,7 @@ class RankEnd:
     stopped_by_agent: bool = False
     stderr: str = ""  # what it wrote last to stderr (where no error.json tells more)
     exit_known: bool = False  # torchrun's list of failures was read: absent from it means 0
+    ended_unreported: bool = False  # gone before torchrun stopped the rest, which never reported
 
     @property
     def raised(self) -> bool:
@@ -148,6 +149,8 @@ class RankEnd:
             return "waited" if _WAIT_TIMEOUT.search(self.exc_message) else "raised"
         if self.exitcode not in (None, 0):
             return "stopped" if self.stopped_by_agent else "died"
+        if self.ended_unreported:
+            return "died"
         if (self.exitcode is None and self.exit_known and self.heartbeat
                 and self.heartbeat.get("phase") != "done"):  # fmt: skip
             # Not in torchrun's list of failures, so it exited with status 0: before finishing.
@@ -200,6 +203,8 @@ def read_rank_ends(
     ]
     for end in ends.values():  # torchrun listed the failures: a rank not among them exited 0
         end.exit_known = bool(reports)
+    if not reports and sent:
+        _infer_without_report(ends, sent)
     for rank, code, pid in reports:
         end = ends.get(int(rank))
         if end is not None:
@@ -232,6 +237,24 @@ def read_rank_ends(
             end.stderr = _tail(log, 200)
             _read_uncaught(end)
     return ends
+
+
+def _infer_without_report(ends: dict[int, RankEnd], sent: dict[int, set[str]]) -> None:
+    """torchrun stopped some ranks but never listed the failures: its agent died first.
+
+    Seen when a rank that the agent had just sent SIGTERM was still writing its error.json:
+    the agent read the half-written file, failed to parse it and exited ("Failed to parse
+    reply file"). The ranks it sent a closing signal to were stopped by it; a rank it did not
+    signal, and that had not finished, was already gone: the one whose end set the shutdown
+    off.
+    """
+    for end in ends.values():
+        pid = end.heartbeat.get("pid")
+        if pid in sent:
+            end.pid, end.stopped_by_agent = pid, True
+            end.exitcode = -int(signal.Signals[sorted(sent[pid])[0]])
+        elif end.heartbeat and end.heartbeat.get("phase") != "done":
+            end.ended_unreported = True
 
 
 _EXCEPTION_LINE = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Warning)?): ?(?P<msg>.*)$")
@@ -299,6 +322,10 @@ def how_it_ended(end: RankEnd) -> str:
             f"exited with status 0 before it had finished (last seen {_where(beat)} in phase "
             f"'{beat.get('phase')}'): sys.exit(0) or os._exit(0) in the middle of its work?"
         )
+    if end.ended_unreported:
+        return (f"ended before torchrun stopped the other ranks (last seen {_where(end.heartbeat)} "
+                f"in phase '{end.heartbeat.get('phase')}'); torchrun's agent failed before it "
+                "reported the exit status, so how it ended is not known: its stderr log may say")
     sig = end.signal_name
     if sig is not None:
         meaning = _SIGNAL_MEANING.get(sig)

@@ -1089,3 +1089,26 @@ def test_a_rank_killed_by_sigkill_is_the_cause_even_if_torchrun_also_sent_it_sig
     report = launch.diagnosis.failure_report(tmp_path, 2, 1)
     assert report.rank == 1 and "killed by SIGKILL" in report.headline
     assert [e.rank for e in report.consequences] == [0]
+
+
+def test_a_rank_gone_before_an_agent_that_never_reported_is_still_named(tmp_path):
+    """The race seen in CI: rank 1 killed itself; torchrun sent rank 0 SIGTERM and read its
+    error.json while rank 0 was still writing it, failed to parse it and exited without listing
+    the failures. Rank 1, which torchrun never had to stop, is the cause."""
+    err = tmp_path / "torchrun" / "x" / "attempt_0" / "0" / "error.json"
+    err.parent.mkdir(parents=True)
+    err.write_text("")  # half-written: nothing yet
+    (tmp_path / "agent.log").write_text(
+        "W1203 api.py:1028] Sending process 100 closing signal SIGTERM\n"
+        "E1203 errors/__init__.py:132] Failed to parse reply file: " + str(err) + "\n"
+        "json.decoder.JSONDecodeError: Expecting value: line 1 column 1 (char 0)\n"
+    )  # fmt: skip
+    for rank, beat in {0: {"pid": 100, "phase": "all_reduce", "in_collective": True},
+                       1: {"pid": 101, "phase": "run", "in_collective": False}}.items():
+        launch.dist.write_json_atomic(launch.dist.heartbeat_path(tmp_path, rank),
+                                      {"rank": rank, "time": 1.0, **beat})  # fmt: skip
+    report = launch.diagnosis.failure_report(tmp_path, 2, 1)
+    assert report.rank == 1, report.headline
+    assert "ended before torchrun stopped the other ranks" in report.headline
+    assert [e.rank for e in report.consequences] == [0]
+    # and where torchrun did report, nothing is inferred: the test above still holds
