@@ -62,6 +62,7 @@ from typing import Any
 import torch
 
 from labkit.memory import optimizer_state_tensors, storage_bytes
+from labkit.profiling.capture import activities
 from labkit.profiling.phases import COMMUNICATION, PHASES
 
 HOST_KIND = "host memory (CPU allocator, measured by torch.profiler)"
@@ -563,7 +564,7 @@ def record_memory_timeline(
     torch's memory profiler when it works. Profiling with stacks slows the steps several
     times: record a few small steps, not a run.
     """
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
     if steps < 1 or warmup < 0:
         raise ValueError(f"steps={steps}, warmup={warmup}: record at least one step")
@@ -576,7 +577,6 @@ def record_memory_timeline(
                            "for a host-memory timeline")
     for _ in range(warmup):
         step_fn()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     # On CUDA the allocator's history is the total; its baseline is in the snapshot itself.
     baseline, baseline_method = (0, "") if cuda else _counted_baseline(model, optimizer)
     snapshot = None
@@ -584,7 +584,7 @@ def record_memory_timeline(
         torch.cuda.synchronize(dev)
     # record_shapes and with_stack are what torch's memory profiler needs to categorise
     # (profile._memory_profile checks for both).
-    with profile(activities=activities, profile_memory=True, record_shapes=True,
+    with profile(activities=activities(dev), profile_memory=True, record_shapes=True,
                  with_stack=True) as prof:
         if cuda:
             _record_history(max_entries)

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile, schedule
+from torch.profiler import profile, schedule
 
 from labkit import config as lk_config
 from labkit import data, dist, launch
@@ -47,7 +47,7 @@ from labkit.config import ModelConfig
 from labkit.model import GPT
 from labkit.parallel.ddp import TorchDDP
 from labkit.parallel.dp_naive import NaiveDP
-from labkit.profiling.capture import quiet_kineto
+from labkit.profiling.capture import activities, quiet_kineto
 from labkit.profiling.nsight import NsysCommand, NsysTorchrunCommand, cuda_profiler_capture
 from labkit.profiling.phases import COMMUNICATION, phase
 
@@ -128,7 +128,6 @@ def _profile_one(ctx: dist.Context, cfg: dict[str, Any], run: dict[str, Any], ou
     gen = torch.Generator().manual_seed(cfg["seed"] + ctx.rank)
     seq_len = cfg["model"]["seq_len"]
     slow = run["slow_ms"] / 1e3 if ctx.rank == cfg["slow_rank"] else 0.0
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
     steps = cfg["wait"] + cfg["warmup"] + cfg["active"]
     out.parent.mkdir(parents=True, exist_ok=True)
     seconds: list[float] = []
@@ -142,7 +141,7 @@ def _profile_one(ctx: dist.Context, cfg: dict[str, Any], run: dict[str, Any], ou
     first_active = cfg["wait"] + cfg["warmup"]
     capture = contextlib.ExitStack()
     with_torch = cfg["profiler"] == "torch"
-    with (profile(activities=activities, schedule=sched, on_trace_ready=export) if with_torch
+    with (profile(activities=activities(ctx.device), schedule=sched, on_trace_ready=export) if with_torch
           else contextlib.nullcontext()) as prof, capture:  # fmt: skip
         for step in range(steps):
             if not with_torch and step == first_active:
