@@ -492,9 +492,11 @@ def test_expect_solved_makes_a_check_that_does_not_pass_raise(monkeypatch, capsy
 
     monkeypatch.setenv(ex.EXPECT_SOLVED, "1")
     assert ex.check(exercise_id, reference) is reference
-    for answer in (stub, lambda n_params: 0):
-        with pytest.raises(ex.NotSolved, match=r"01\.adam_bytes did not pass"):
+    for answer, why in ((stub, "is not done yet"), (lambda n_params: 0, "adamw_state_bytes(1) returned 0")):
+        with pytest.raises(ex.NotSolved, match=r"01\.adam_bytes did not pass") as raised:
             ex.check(exercise_id, answer)
+        said = str(raised.value).split("The check said: ")[1]  # the reason reaches the test log
+        assert why in said, said
     out = capsys.readouterr().out
     assert "○ 01.adam_bytes (" in out and "✗ 01.adam_bytes (" in out
     monkeypatch.delenv(ex.EXPECT_SOLVED)

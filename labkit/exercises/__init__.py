@@ -303,8 +303,10 @@ def report(exercise_id: str, outcome: str | ExerciseError, *, where: str = "") -
         print(f"✗ {exercise_id} ({ex.title}): {text}\n  {later} "
               f'Stuck? ex.hint("{exercise_id}").')  # fmt: skip
     if os.environ.get(EXPECT_SOLVED) == "1":
+        # the check's own words go into the error: a test log shows tracebacks, not prints
         raise NotSolved(f"{exercise_id} did not pass, and {EXPECT_SOLVED}=1 says this notebook "
-                        f"must be complete (its solution cell is missing or wrong)")  # fmt: skip
+                        f"must be complete (its solution cell is missing or wrong). The check "
+                        f"said: {without_failed_prefix(exercise_id, str(outcome))}")  # fmt: skip
     return False
 
 

@@ -292,12 +292,27 @@ def _loader_trace(dataset: Any, tmp: Path, name: str) -> Any:
 
 
 def _data_wait(settings: dict[str, Any], dataset: Any) -> tuple[float, float]:
-    """Median data wait per step: num_workers=0 vs the learner's settings, alternated."""
+    """Median data wait per step: num_workers=0 vs the learner's settings, alternated.
+
+    A neighbour that takes the CPU from the loader's worker shows up as a few long waits (seen
+    on a 2-core machine beside two busy processes: 14.9 ms against 7.1 ms, then 12.5 against
+    3.3 on the next try). When the first runs leave the answer in doubt, as many again are
+    pooled in before the check decides.
+    """
+    waits: dict[str, list[float]] = {"slow": [], "fixed": []}
+    _measure_waits(settings, dataset, waits)
+    slow, fixed = (statistics.median(waits[k]) for k in ("slow", "fixed"))
+    if fixed > BOTTLENECK_SHRINK * slow:
+        _measure_waits(settings, dataset, waits)
+    return statistics.median(waits["slow"]), statistics.median(waits["fixed"])
+
+
+def _measure_waits(settings: dict[str, Any], dataset: Any, waits: dict[str, list[float]]) -> None:
+    """Runs num_workers=0 and the learner's loader twice each, ABBA, adding to ``waits``."""
     from torch.utils.data import DataLoader
 
     from labkit.profiling import bottlenecks
 
-    waits: dict[str, list[float]] = {"slow": [], "fixed": []}
     for order in (("slow", "fixed"), ("fixed", "slow")):
         for which in order:
             torch.manual_seed(0)
@@ -312,7 +327,6 @@ def _data_wait(settings: dict[str, Any], dataset: Any) -> tuple[float, float]:
             measured = bottlenecks.measure_loader(model, opt, loader, steps=BOTTLENECK_STEPS,
                                                   warmup=2, name=which)  # fmt: skip
             waits[which].extend(measured.data_s)
-    return statistics.median(waits["slow"]), statistics.median(waits["fixed"])
 
 
 def _bottleneck_failure(fn: Callable[..., Any]) -> str:
