@@ -756,6 +756,45 @@ def dp_min_tokens_per_rank(
     return (gb / 2) * ((n - 1) / n) * (C / W)
 
 
+def dp_exposed_comm_fraction(
+    tokens_per_micro_batch: float,
+    grad_accum: int,
+    n_ranks: int,
+    peak_flops_per_s: float,
+    bandwidth_bytes_per_s: float,
+    *,
+    grad_bytes: float = 2,
+) -> float:
+    """Share of a data-parallel step spent waiting for the gradient all-reduce, with accumulation.
+
+    Under ``no_sync`` the first ``grad_accum − 1`` micro-batches keep their gradients local;
+    the single all-reduce runs during the *last* micro-batch's backward (PyTorch DDP's reducer
+    fires its buckets as that backward produces them: Li et al. 2020, arXiv 2006.15704), so it
+    can hide only behind that backward. The overlap condition is therefore
+    ``dp_overlap_ratio(tokens_per_micro_batch, ...)`` ≤ 1: tokens per *micro-batch*, not per
+    step. With r that ratio and t_b the last backward (4·N·tokens/C), the step computes
+    ``grad_accum`` forward+backward passes, 1.5·grad_accum·t_b (6N of which 4N backward), and
+    waits ``max(0, r − 1)·t_b`` for what the backward could not hide::
+
+        exposed share = max(0, r − 1) / (1.5·grad_accum + max(0, r − 1))
+
+    Accumulation amortises the exposed all-reduce over more compute (the share falls like
+    1/grad_accum) but does not hide any more of it: the exposed seconds per step stay
+    ``(r − 1)·t_b``. Same assumptions as ``dp_overlap_ratio`` (peak rates, perfect overlap,
+    attention FLOPs ignored).
+    """
+    accum = _positive_int("grad_accum", grad_accum)
+    r = dp_overlap_ratio(
+        tokens_per_micro_batch,
+        n_ranks,
+        peak_flops_per_s,
+        bandwidth_bytes_per_s,
+        grad_bytes=grad_bytes,
+    )
+    exposed = max(0.0, r - 1.0)
+    return exposed / (1.5 * accum + exposed)
+
+
 # ----------------------------------------------------------------------------------------------
 # Roofline (scaling-book roofline.md).
 

@@ -291,6 +291,24 @@ def test_dp_overlap_matches_scaling_book_2200_tokens():
     assert f.dp_min_tokens_per_rank(1, 990e12, 450e9) == 0
 
 
+def test_dp_exposed_comm_accumulation_amortises_but_does_not_hide():
+    # H100 node (many ranks, bf16): 2200 tokens per micro-batch hide the all-reduce exactly.
+    C, W, n = 990e12, 450e9, 10**9
+    assert f.dp_exposed_comm_fraction(2200, 1, n, C, W) == pytest.approx(0.0, abs=1e-9)
+    assert f.dp_exposed_comm_fraction(4400, 8, n, C, W) == 0.0
+    # 1100 tokens: r = 2, one backward's worth exposed; the step computes 1.5·A backwards.
+    assert f.dp_exposed_comm_fraction(1100, 1, n, C, W) == pytest.approx(1 / 2.5)
+    assert f.dp_exposed_comm_fraction(1100, 4, n, C, W) == pytest.approx(1 / 7)
+    # the same 4400 tokens per step: one micro-batch hides everything, four of 1100 do not
+    assert f.dp_exposed_comm_fraction(4400, 1, n, C, W) == 0.0
+    assert f.dp_exposed_comm_fraction(1100, 4, n, C, W) > 0.1
+    # more accumulation: smaller share, never zero
+    shares = [f.dp_exposed_comm_fraction(550, a, n, C, W) for a in (1, 2, 8, 64)]
+    assert shares == sorted(shares, reverse=True) and shares[-1] > 0
+    with pytest.raises(ValueError, match="grad_accum"):
+        f.dp_exposed_comm_fraction(1100, 0, n, C, W)
+
+
 # ---------------------------------------------------------------------------------------------
 # Pipeline bubble
 
