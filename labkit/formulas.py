@@ -589,6 +589,62 @@ def ring_allreduce_bytes_per_rank(message_bytes: float, n_ranks: int) -> float:
     return 2 * (n - 1) / n * S
 
 
+# The α–β (latency–bandwidth, "Hockney") model: sending m bytes as one message takes α + m/β,
+# with α the fixed cost of a message and β the bandwidth. A ring all-reduce of S bytes over p
+# ranks takes 2(p−1) steps, each sending one S/p chunk, so T = 2(p−1)·α + 2(p−1)/p · S/β
+# (Thakur, Rabenseifner and Gropp, "Optimization of Collective Communication Operations in
+# MPICH", IJHPCA 19(1), 2005: https://doi.org/10.1177/1094342005051521). The model leaves
+# out the time to add the received chunk into one's own (their γ term) and any overlap of the
+# steps; notebook 00 measures how far that goes on the machine at hand.
+
+
+def alpha_beta_time(message_bytes: float, latency_s: float, bandwidth_bytes_per_s: float,
+                    messages: int = 1) -> float:  # fmt: skip
+    """Seconds to send ``message_bytes`` in total as ``messages`` messages, one after another:
+    ``messages`` × α + bytes / β (the α–β model; α = ``latency_s``, β in bytes/s)."""
+    S = _non_negative_number("message_bytes", message_bytes)
+    alpha = _non_negative_number("latency_s", latency_s)
+    beta = _positive_number("bandwidth_bytes_per_s", bandwidth_bytes_per_s)
+    k = _positive_int("messages", messages)
+    return k * alpha + S / beta
+
+
+def alpha_beta_fit(small_bytes: float, small_s: float, big_bytes: float,
+                   big_s: float) -> tuple[float, float]:  # fmt: skip
+    """(α seconds, β bytes/s) of the α–β line through two timed messages, a small and a big one.
+
+    β is the slope's inverse, (big − small bytes) / (big − small seconds); α is what is left of
+    the small message's time, at least 0. Raises ValueError when the big message did not take
+    longer than the small one (the times were disturbed, or the sizes are too close to tell).
+    """
+    m0 = _non_negative_number("small_bytes", small_bytes)
+    t0 = _non_negative_number("small_s", small_s)
+    m1 = _positive_number("big_bytes", big_bytes)
+    t1 = _positive_number("big_s", big_s)
+    if m1 <= m0 or t1 <= t0:
+        raise ValueError(
+            f"big_bytes={big_bytes!r} in big_s={big_s!r} vs small_bytes={small_bytes!r} in "
+            f"small_s={small_s!r}: the big message must be larger and take longer to fit a line; "
+            "time a bigger message, or time both again on a quieter machine"
+        )
+    beta = (m1 - m0) / (t1 - t0)
+    return max(t0 - m0 / beta, 0.0), beta
+
+
+def ring_allreduce_time(message_bytes: float, n_ranks: int, latency_s: float,
+                        bandwidth_bytes_per_s: float) -> float:  # fmt: skip
+    """α–β time of a ring all-reduce of S bytes over n ranks: 2(n−1)·α + 2(n−1)/n · S/β.
+
+    The data term is :func:`ring_allreduce_bytes_per_rank` / β: each rank sends and receives
+    at once, so a step costs one chunk's time, not two. 0 when n = 1.
+    """
+    n = _positive_int("n_ranks", n_ranks)
+    if n == 1:
+        return 0.0
+    return alpha_beta_time(ring_allreduce_bytes_per_rank(message_bytes, n), latency_s,
+                           bandwidth_bytes_per_s, messages=2 * (n - 1))  # fmt: skip
+
+
 def bucket_count(tensor_bytes: Sequence[float], cap_bytes: float) -> int:
     """Buckets a gradient-bucketing scheme like DDP's makes of tensors taken in order.
 

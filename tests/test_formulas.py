@@ -407,3 +407,32 @@ def test_bucket_count_is_greedy_and_never_splits_a_tensor():
     assert f.bucket_count([9, 2, 9, 2], 10) == 2  # not ceil(22/10) = 3: order matters
     with pytest.raises(ValueError, match="cap_bytes"):
         f.bucket_count([1], 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The α–β model
+
+
+def test_alpha_beta_time_and_its_ring_all_reduce():
+    assert f.alpha_beta_time(1e6, 1e-5, 1e9) == pytest.approx(1e-5 + 1e-3)
+    assert f.alpha_beta_time(1e6, 1e-5, 1e9, messages=4) == pytest.approx(4e-5 + 1e-3)
+    # 4 ranks: 6 steps of S/4 each, S = 8 MB at 1 GB/s and 10 µs per message
+    assert f.ring_allreduce_time(8e6, 4, 1e-5, 1e9) == pytest.approx(6e-5 + 1.5 * 8e6 / 1e9)
+    assert f.ring_allreduce_time(8e6, 2, 0.0, 1e9) == pytest.approx(8e-3)  # 2 ranks send S
+    assert f.ring_allreduce_time(8e6, 1, 1e-5, 1e9) == 0.0
+    with pytest.raises(ValueError, match="bandwidth_bytes_per_s"):
+        f.alpha_beta_time(1, 0, 0)
+    with pytest.raises(ValueError, match="messages"):
+        f.alpha_beta_time(1, 0, 1, messages=0)
+
+
+def test_alpha_beta_fit_recovers_the_line_it_was_given():
+    alpha, beta = 2e-5, 3e9
+    small, big = 4, 2**22
+    a, b = f.alpha_beta_fit(small, f.alpha_beta_time(small, alpha, beta), big,
+                            f.alpha_beta_time(big, alpha, beta))  # fmt: skip
+    assert a == pytest.approx(alpha) and b == pytest.approx(beta)
+    # a small message measured faster than the line: α is clamped at 0, never negative
+    assert f.alpha_beta_fit(1000, 0.0, 2000, 1.0)[0] == 0.0
+    with pytest.raises(ValueError, match="must be larger and take longer"):
+        f.alpha_beta_fit(4, 1e-3, 2**20, 1e-4)  # the big message came out faster
