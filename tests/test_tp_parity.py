@@ -122,3 +122,21 @@ def test_allreduce_count_bytes_and_parameter_memory_match_the_formulas(job):
         assert gpt["param_bytes"] == gpt["param_bytes_formula"] == expected
         assert job.ranks[r]["dtensor"]["param_bytes"] == expected
         assert gpt["param_bytes"] < gpt["param_bytes_single_process"]
+
+
+@pytest.mark.slow
+def test_dtensor_plan_issues_the_same_collectives_as_ours(job):
+    """CommDebugMode, one counter for both, in the first step: 2 all-reduces per layer in
+    each pass for ours (g after attention and MLP; f before each) and for DTensor's plan.
+    Without the PrepareModuleInput on the attention, q, k and v would each all-reduce their
+    input gradient: 3 + 1 per layer in the backward (8 here, not 4)."""
+    per_pass = {"all_reduce": 2 * CFG.n_layer}
+    for r in range(N):
+        ours = job.ranks[r]["gpt"]["collectives"]
+        theirs = job.ranks[r]["dtensor"]["collectives"]
+        assert ours == {"forward": per_pass, "backward": per_pass}
+        assert theirs == ours
+        # CommDebugMode's count of ours agrees with f and g's own counter.
+        step = job.ranks[r]["gpt"]["comm_per_step"][0]
+        assert ours["forward"]["all_reduce"] == step["forward_calls"]
+        assert ours["backward"]["all_reduce"] == step["backward_calls"]
