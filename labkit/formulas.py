@@ -427,6 +427,108 @@ def activation_bytes(
     return n * activation_bytes_per_layer(seq_len, micro_batch, d_model, n_head, **kwargs)
 
 
+@dataclass(frozen=True)
+class OmittedActivations:
+    """Bytes a GPT saves for backward that the per-layer formula leaves out, term by term.
+
+    Returned by :func:`activation_bytes_omitted`; ``total`` is what to add to
+    :func:`activation_bytes` to predict all of a model's saved activations.
+    """
+
+    final_norm_input: float
+    """The final LayerNorm's input (the residual stream after the last block)."""
+    head_input: float
+    """The final LayerNorm's output, saved by the output head's matmul as its input."""
+    head_weight_copy: float
+    """Under autocast, the 16-bit copy of the (tied) output-head weight, V·h elements."""
+    log_probs: float
+    """Cross-entropy's log-softmax output, b·s·V elements (its backward reads it)."""
+    norm_statistics: float
+    """LayerNorm's float32 mean and rstd per token, for the 2L block norms and the final one."""
+    token_ids: float
+    """int64 token ids (embedding's input, the loss's targets) and position ids."""
+    loss_weight: float
+    """The loss's float32 ``total_weight`` scalar (``nll_loss`` saves it for its backward)."""
+
+    @property
+    def total(self) -> float:
+        return sum(self.as_dict().values())
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "final LayerNorm input": self.final_norm_input,
+            "output head input (final LayerNorm output)": self.head_input,
+            "output head 16-bit weight copy": self.head_weight_copy,
+            "log-softmax output": self.log_probs,
+            "LayerNorm statistics": self.norm_statistics,
+            "token and position ids": self.token_ids,
+            "loss total_weight": self.loss_weight,
+        }
+
+
+def activation_bytes_omitted(
+    n_layer: int,
+    seq_len: int,
+    micro_batch: int,
+    d_model: int,
+    vocab_size: int,
+    *,
+    bytes_per_element: int = 4,
+    autocast: bool = False,
+    log_prob_bytes: int = 4,
+    learned_positions: bool = True,
+) -> OmittedActivations:
+    """What a GPT-2-style model saves for backward outside :func:`activation_bytes_per_layer`.
+
+    The per-layer formula counts the inside of each block (Korthikanti et al. 2022). A whole
+    model also saves, with e = ``bytes_per_element`` and r = 4 under autocast (the residual
+    stream stays float32), else e::
+
+        final LayerNorm input        r·sbh     LayerNorm's backward reads its input
+        output head input            e·sbh     the final LayerNorm's output, kept by the matmul
+        head weight copy (autocast)  e·V·h     autocast's 16-bit copy of the tied weight
+        log-softmax output           4·sbV     cross-entropy = log_softmax + nll_loss; the
+                                               backward of log_softmax reads its output
+                                               (``log_prob_bytes``: labkit.model casts the
+                                               logits to float32 before the loss)
+        LayerNorm statistics         (2L+1)·2·4·sb   float32 mean and rstd per token per norm
+        token ids                    2·8·sb + 8·s    int64 inputs (embedding's backward), targets
+                                               (nll_loss's backward) and positions
+        loss total_weight            4         nll_loss's float32 scalar
+
+    The logits themselves are *not* saved: log_softmax keeps its output, not its input, so
+    for a small vocabulary the loss costs one b·s·V float32 tensor, not two.
+
+    Measured with ``torch.autograd.graph.saved_tensors_hooks`` on ``labkit.model.GPT`` (torch
+    2.13, CPU, dropout off): :func:`activation_bytes` plus this total equals what autograd
+    saved, to the byte, in float32 and under bf16 autocast, with flash SDPA
+    (``attention="flash"``) and with the math backend (``attention="materialized"``).
+    Autograd semantics: https://pytorch.org/docs/stable/notes/autograd.html#saved-tensors
+    """
+    L = _positive_int("n_layer", n_layer)
+    s = _positive_int("seq_len", seq_len)
+    b = _positive_int("micro_batch", micro_batch)
+    h = _positive_int("d_model", d_model)
+    V = _positive_int("vocab_size", vocab_size)
+    e = _positive_int("bytes_per_element", bytes_per_element)
+    lp = _positive_int("log_prob_bytes", log_prob_bytes)
+    if autocast and e >= 4:
+        raise ValueError(
+            f"autocast=True models autocast to a 16-bit dtype (bytes_per_element 2), got "
+            f"bytes_per_element={e!r}; for float32 training autocast is off (autocast=False)"
+        )
+    residual = 4 if autocast else e
+    return OmittedActivations(
+        final_norm_input=residual * s * b * h,
+        head_input=e * s * b * h,
+        head_weight_copy=e * V * h if autocast else 0,
+        log_probs=lp * s * b * V,
+        norm_statistics=(2 * L + 1) * 2 * 4 * s * b,
+        token_ids=2 * 8 * s * b + (8 * s if learned_positions else 0),
+        loss_weight=4,
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # Parameter and FLOP counts.
 

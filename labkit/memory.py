@@ -15,6 +15,15 @@ Two methods, each named in the result:
 * **CUDA allocator** (GPU only): ``torch.cuda.memory_allocated`` before and after each phase,
   and ``max_memory_allocated`` for the peak. This also sees temporaries, workspace and
   fragmentation-free rounding that tensor accounting cannot (PyTorch "CUDA memory management").
+
+And the predictions to hold them against: :func:`predicted_activations` (every term of a
+``labkit.model.GPT``'s saved activations, from :mod:`labkit.formulas`) and
+:func:`live_bytes_over_steps` (what is alive at each phase of the first steps, which shows the
+optimiser state arriving at the first ``optimizer.step()``)::
+
+    predicted = memory.predicted_activations(cfg.model, micro_batch=8, dtype="float32")
+    measured = memory.measure_training_memory(model, optimizer, batch, device=device)
+    assert sum(predicted.values()) == measured.activations    # on a CPU, to the byte
 """
 
 from __future__ import annotations
@@ -26,6 +35,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from labkit import formulas
+from labkit.config import ModelConfig
 from labkit.train import Batch, autocast
 
 
@@ -133,3 +144,114 @@ def measure_training_memory(
         cuda_activations=(after_forward - before_forward) if cuda else None,
         cuda_peak=torch.cuda.max_memory_allocated(device) if cuda else None,
     )
+
+
+def predicted_activations(
+    cfg: ModelConfig, micro_batch: int, *, dtype: str = "float32", attention: str = "flash",
+    seq_len: int | None = None,
+) -> dict[str, int]:
+    """Bytes ``labkit.model.GPT`` saves for backward in one forward pass, term by term.
+
+    The transformer layers from :func:`labkit.formulas.activation_bytes` (Korthikanti et
+    al. 2022, generalised to the element size, autocast and a fused attention kernel), then
+    every term that formula leaves out (:func:`labkit.formulas.activation_bytes_omitted`).
+    ``dtype`` is the run's dtype: float32, or a 16-bit dtype by autocast over float32
+    parameters (how ``labkit.train`` trains in bf16). ``attention``: "flash" for a fused SDPA
+    kernel (no s×s matrix stored), "materialized" for the math backend. ``seq_len`` overrides
+    the config's for a shorter input. Dropout must be off (the presets' ``dropout=0``): with
+    p > 0 the masks' size depends on the backend.
+    """
+    if cfg.dropout > 0:
+        raise ValueError(f"cfg.dropout={cfg.dropout!r}: the prediction is for dropout off; "
+                         "use a config with dropout=0.0 (every preset has it)")
+    s = seq_len if seq_len is not None else cfg.seq_len
+    e = formulas.dtype_bytes(dtype)
+    mixed = e < 4
+    layers = formulas.activation_bytes(
+        cfg.n_layer, s, micro_batch, cfg.d_model, cfg.n_head, bytes_per_element=e,
+        dropout=False, attention=attention, autocast=mixed)
+    rest = formulas.activation_bytes_omitted(
+        cfg.n_layer, s, micro_batch, cfg.d_model, cfg.vocab_size, bytes_per_element=e,
+        autocast=mixed)
+    terms = {f"transformer layers ({attention} attention)": layers, **rest.as_dict()}
+    return {name: int(v) for name, v in terms.items() if v}
+
+
+@dataclass(frozen=True)
+class PhaseBytes:
+    """Bytes alive at the end of one phase of one training step (tensor accounting)."""
+
+    step: int
+    phase: str
+    """"start", "forward", "backward" or "optimizer step" (before ``zero_grad``)."""
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    """Tensors saved for backward and still held: only after the forward."""
+    cuda_allocated: int | None = None
+    """On CUDA: ``torch.cuda.memory_allocated`` at this point."""
+    cuda_step_peak: int | None = None
+    """On CUDA, on each step's last phase: ``max_memory_allocated`` over that step."""
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_state + self.activations
+
+
+def live_bytes_over_steps(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterable[Batch],
+    *,
+    device: torch.device,
+    dtype: str = "float32",
+) -> list[PhaseBytes]:
+    """Train one real step per batch and record what is alive after each phase.
+
+    PyTorch's optimisers create their state lazily, in the first ``step()`` (``torch.optim``'s
+    ``_init_group``): the first forward and backward run without it, every later one beside
+    it. So step 2's forward holds exactly the optimiser state more than step 1's (same batch
+    shape), and an out-of-memory error can first strike at step 2. The model takes real
+    steps: use a copy, or a model you are about to train anyway.
+    """
+    params = list(model.parameters())
+    param_storages = {p.untyped_storage().data_ptr() for p in params}
+    cuda = device.type == "cuda"
+    rows: list[PhaseBytes] = []
+
+    def record(step: int, phase: str, saved: list[torch.Tensor], peak: bool = False) -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+        rows.append(PhaseBytes(
+            step=step, phase=phase, parameters=storage_bytes(params),
+            gradients=storage_bytes(p.grad for p in params if p.grad is not None),
+            optimizer_state=storage_bytes(optimizer_state_tensors(optimizer)),
+            activations=storage_bytes(saved),
+            cuda_allocated=_cuda_allocated(device),
+            cuda_step_peak=torch.cuda.max_memory_allocated(device) if cuda and peak else None))
+
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in param_storages:
+            saved.append(t)
+        return t
+
+    for step, (x, y) in enumerate(batches, start=1):
+        x, y = x.to(device), y.to(device)
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        record(step, "start", [])
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(device, dtype):
+            _, loss = model(x, y)
+        record(step, "forward", saved)
+        saved.clear()  # our references would otherwise keep the activations alive
+        loss.backward()
+        del loss
+        record(step, "backward", [])
+        optimizer.step()
+        record(step, "optimizer step", [], peak=True)
+        optimizer.zero_grad(set_to_none=True)
+    return rows

@@ -410,6 +410,78 @@ def test_bucket_count_is_greedy_and_never_splits_a_tensor():
 
 
 # ---------------------------------------------------------------------------------------------
+# What a whole model saves beyond the per-layer formula
+
+
+def test_activation_bytes_omitted_terms():
+    L, s, b, h, V = 2, 64, 8, 64, 256
+    sb, sbh = s * b, s * b * h
+    fp32 = f.activation_bytes_omitted(L, s, b, h, V)
+    assert fp32.as_dict() == {
+        "final LayerNorm input": 4 * sbh,
+        "output head input (final LayerNorm output)": 4 * sbh,
+        "output head 16-bit weight copy": 0,
+        "log-softmax output": 4 * sb * V,
+        "LayerNorm statistics": 5 * 2 * 4 * sb,
+        "token and position ids": 2 * 8 * sb + 8 * s,
+        "loss total_weight": 4,
+    }
+    assert fp32.total == 815_620  # the gap notebook 01 measured at the smoke size, float32
+    mixed = f.activation_bytes_omitted(L, s, b, h, V, bytes_per_element=2, autocast=True)
+    # the residual stream stays float32; the head's input and weight copy are bf16
+    assert (mixed.final_norm_input, mixed.head_input, mixed.head_weight_copy) == (
+        4 * sbh, 2 * sbh, 2 * V * h)
+    assert mixed.total == 782_852
+    no_pos = f.activation_bytes_omitted(L, s, b, h, V, learned_positions=False)
+    assert fp32.total - no_pos.total == 8 * s
+    with pytest.raises(ValueError, match="autocast"):
+        f.activation_bytes_omitted(L, s, b, h, V, bytes_per_element=4, autocast=True)
+    with pytest.raises(ValueError, match="vocab_size"):
+        f.activation_bytes_omitted(L, s, b, h, 0)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "sdpa"),
+    [("float32", "flash"), ("bfloat16", "flash"), ("float32", "materialized")],
+    ids=["fp32-flash", "bf16-autocast-flash", "fp32-math"],
+)
+def test_whole_gpt_activations_close_to_the_byte(dtype, sdpa):
+    # labkit.model.GPT on the CPU, dropout off: activation_bytes (the blocks) plus
+    # activation_bytes_omitted (the rest) is exactly what autograd saves for backward.
+    torch = pytest.importorskip("torch")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from labkit.config import ModelConfig
+    from labkit.model import GPT
+
+    s, b, h, a, layers = 32, 3, 64, 4, 2
+    cfg = ModelConfig(seq_len=s, n_layer=layers, n_head=a, d_model=h)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    x = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
+    backend = SDPBackend.FLASH_ATTENTION if sdpa == "flash" else SDPBackend.MATH
+    mixed = dtype != "float32"
+    with sdpa_kernel(backend), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
+        model(x, torch.roll(x, -1, 1))
+    e = 2 if mixed else 4
+    layers_bytes = f.activation_bytes(layers, s, b, h, a, bytes_per_element=e, dropout=False,
+                                      attention=sdpa, autocast=mixed)
+    rest = f.activation_bytes_omitted(layers, s, b, h, cfg.vocab_size, bytes_per_element=e,
+                                      autocast=mixed)
+    assert sum(saved.values()) == layers_bytes + rest.total
+
+
+# ---------------------------------------------------------------------------------------------
 # The α–β model
 
 

@@ -1,3 +1,6 @@
+import dataclasses
+
+import pytest
 import torch
 
 from labkit import memory, train
@@ -40,3 +43,47 @@ def test_activations_grow_linearly_with_the_batch():
 def test_views_share_one_storage():
     t = torch.zeros(10)
     assert memory.storage_bytes([t, t[:5], t.view(2, 5)]) == 40
+
+
+def test_predicted_activations_equal_the_measured_bytes():
+    # Every term: the blocks (Korthikanti, generalised) and what that formula leaves out.
+    for dtype in ("float32", "bfloat16"):
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        opt = train.make_optimizer(model, TrainConfig())
+        m = memory.measure_training_memory(model, opt, batch(3), device=CPU, dtype=dtype)
+        predicted = memory.predicted_activations(CFG, 3, dtype=dtype)
+        assert sum(predicted.values()) == m.activations, dtype
+        assert "log-softmax output" in predicted and "logits" not in " ".join(predicted)
+    # a shorter input, math SDPA (the s×s matrix stored)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.MATH):
+        model = GPT(CFG)
+        x = torch.randint(0, 256, (2, 16))  # targets in their own storage, as get_batch's are
+        m = memory.measure_training_memory(model, train.make_optimizer(model, TrainConfig()),
+                                           (x, torch.roll(x, -1, 1)), device=CPU)
+    assert m.activations == sum(memory.predicted_activations(
+        CFG, 2, seq_len=16, attention="materialized").values())
+
+
+def test_predicted_activations_refuse_dropout():
+    with pytest.raises(ValueError, match="dropout"):
+        memory.predicted_activations(dataclasses.replace(CFG, dropout=0.1), 2)
+
+
+def test_optimizer_state_first_lives_beside_the_second_forward():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = train.make_optimizer(model, TrainConfig())
+    rows = memory.live_bytes_over_steps(model, opt, [batch(2, 0), batch(2, 1)], device=CPU)
+    assert [(r.step, r.phase) for r in rows] == [
+        (s, p) for s in (1, 2) for p in ("start", "forward", "backward", "optimizer step")]
+    at = {(r.step, r.phase): r for r in rows}
+    n = model.num_params()
+    assert at[1, "forward"].optimizer_state == 0 and at[1, "backward"].optimizer_state == 0
+    assert at[1, "optimizer step"].optimizer_state == 8 * n  # AdamW's m and v, fp32
+    assert at[2, "start"].optimizer_state == 8 * n
+    assert at[2, "forward"].total - at[1, "forward"].total == 8 * n
+    assert at[1, "forward"].activations > 0 and at[1, "backward"].activations == 0
+    assert at[1, "backward"].gradients == 4 * n and at[2, "start"].gradients == 0
+    assert all(r.cuda_allocated is None and r.cuda_step_peak is None for r in rows)
