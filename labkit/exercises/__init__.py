@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 MODULES: dict[str, str] = {
+    "00": "labkit.exercises.first_job",
     "01": "labkit.exercises.single_gpu",
     "02": "labkit.exercises.data_parallel",
     "03": "labkit.exercises.model_parallel",
