@@ -14,7 +14,8 @@ training in one process on the whole global batch. Config keys: see
 Per strategy, each rank reports: the loss per step (mean over ranks), step times, the bytes
 sent (counted; see labkit.parallel.comm) beside the ring-formula prediction, and the bytes
 of parameters, gradients and optimizer state it holds (measured on local shards) beside
-``formulas.zero_memory_per_rank``. With ``save_params`` the final parameters go to
+``formulas.zero_memory_per_rank``. On gloo it also reads the loopback interface's byte
+counters around every step (``wire``: the bytes really carried, see :func:`wire_window`). With ``save_params`` the final parameters go to
 ``<job dir>/params_rank{r}.pt`` as {strategy: {name: tensor}}.
 
 Data: step s uses the s-th global batch of ``global_batches(cfg)`` (G sequences); rank r
@@ -32,6 +33,8 @@ from torch import nn
 
 from labkit import dist, formulas, launch
 from labkit.config import ModelConfig, TrainConfig
+from labkit.memory import storage_bytes
+from labkit.metrics import net
 from labkit.model import GPT
 from labkit.parallel import comm
 from labkit.parallel.dp_config import (
@@ -215,18 +218,65 @@ def predicted_memory(
     }
 
 
+def unsharded_grad_bytes(model: nn.Module) -> int:
+    """Bytes of the full-size gradients FSDP2 keeps on its units' unsharded parameters.
+
+    Under ``set_requires_gradient_sync(False)`` (our ``no_sync``) FSDP2 skips the
+    reduce-scatter, so each unit's gradient stays whole, on the unsharded parameter (or in
+    ``unsharded_accumulated_grad`` when it reduces in another dtype), until a synchronised
+    backward reduce-scatters it. No public API lists them: this reads FSDP2's private
+    ``FSDPParam`` fields (torch/distributed/fsdp/_fully_shard/_fsdp_param.py, torch 2.13) and
+    finds nothing in a model that is not FSDP2's.
+    """
+    grads = []
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        group = getattr(get_state(), "_fsdp_param_group", None) if callable(get_state) else None
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            grad = getattr(fsdp_param, "unsharded_accumulated_grad", None)
+            if grad is None:
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                grad = getattr(unsharded, "grad", None)
+            if grad is not None:
+                grads.append(grad)
+    return storage_bytes(grads)
+
+
 def measure_memory(
     strategy: Strategy, model: nn.Module, opt: Any, batch: Batch, device: torch.device
-) -> dict[str, int]:
-    """One extra real step, measured: gradients after backward, optimizer state after step."""
+) -> dict[str, int | None]:
+    """One extra real step, measured: gradients between two accumulated micro-batches (under
+    the strategy's ``no_sync``; None without one), after the synchronised backward, and the
+    optimizer state after the step."""
     x, y = (t.to(device) for t in batch)
+    accumulating = None
+    if strategy.no_sync is not None:
+        with strategy.no_sync():
+            _, loss = model(x, y)
+            loss.backward()  # gradients stay local (FSDP2: whole, not sharded)
+        accumulating = strategy.memory(model, opt)["gradients"] + unsharded_grad_bytes(model)
     _, loss = model(x, y)
     loss.backward()  # gradients synchronised (or reduce-scattered) by now
     grads = strategy.memory(model, opt)["gradients"]
     opt.step()
     mem = strategy.memory(model, opt)
     opt.zero_grad(set_to_none=True)
-    return {**mem, "gradients": grads}
+    return {**mem, "gradients": grads, "gradients_accumulating": accumulating}
+
+
+def wire_window(interface: str | None) -> int | None:
+    """Bytes ``interface`` carried between two barriers: call once to open (returns None) and
+    once to close, or pass None to measure nothing.
+
+    gloo ranks on one host talk TCP through loopback, and ``lo`` counts every packet once, so
+    a window's delta is the traffic of *all* ranks, headers and ACKs included, plus whatever
+    else used ``lo`` meanwhile (``labkit.metrics.net``). The barriers make every rank finish
+    the step inside the window; a window with nothing in it measures the barriers themselves.
+    """
+    if interface is None:
+        return None
+    tdist.barrier()
+    return net.interface_bytes(interface).sent
 
 
 # --- the worker ----------------------------------------------------------------------------
@@ -254,9 +304,12 @@ def _one_strategy(
     else:
         spy = None
     check = spy if spy is not strategy.bytes_counter else None
-    losses, seconds = [], []
+    # gloo between processes of one host goes through loopback: count it around every step.
+    iface = "lo" if ctx.backend == "gloo" and net.unavailable("lo") is None else None
+    losses, seconds, wire, idle = [], [], [], []
     for step, batch in enumerate(batches):
         micro = rank_micro_batches(batch, ctx.rank, cfg)
+        opened = wire_window(iface)
         with ctx.phase(f"{name} step"), comm.spying(spy):
             stats = train_step(
                 model,
@@ -268,6 +321,10 @@ def _one_strategy(
                 grad_clip=train.grad_clip,
                 no_sync=strategy.no_sync,
             )
+        if iface is not None:
+            wire.append(wire_window(iface) - opened)
+            opened = wire_window(iface)
+            idle.append(wire_window(iface) - opened)  # the same barriers, no step between
         strategy.bytes_counter.end_step()
         if check is not None:
             check.end_step()
@@ -290,6 +347,14 @@ def _one_strategy(
         "bytes_predicted_sent_per_rank": predicted_sent_per_rank(name, base, n, train.grad_accum),
         "memory": {**memory, "method": "storage bytes of local tensors after a real step"},
         "memory_predicted": predicted_memory(name, base, n, cfg["optimizer"]),
+        "wire": None
+        if iface is None
+        else {
+            "interface": iface,
+            "bytes_per_step": wire,  # all ranks together, headers and ACKs included
+            "baseline_per_step": idle,
+            "method": "tx_bytes of lo between barriers around each step, all ranks together",
+        },
     }
     if check is not None:
         result["bytes_spy"] = check.summary()
