@@ -1,6 +1,6 @@
 """What hardware is this, what can it show truthfully, and what is its peak?
 
-Three jobs, kept apart:
+Four jobs, kept apart:
 
 1. Detection (``cpu_info``, ``gpu_info``, ``nvml_status``, ``tier``): explicit function calls.
    Importing this module touches no GPU, starts no thread and writes no file.
@@ -11,6 +11,12 @@ Three jobs, kept apart:
 3. A measured ceiling (``measured_matmul_flops``): the best ``torch.matmul`` reaches on this
    device at the shapes a workload uses, labelled as measured. On a CPU this is the only honest
    "peak" the course has.
+4. What a GPU runs (``autocast_dtype_for``): the autocast dtype its compute capability
+   calls for (bf16 from 8.0, Ampere; fp16 with a GradScaler on a T4 or V100).
+
+    from labkit import hardware
+    print(hardware.peak_flops("Tesla T4", "fp16"))        # 65 TFLOP/s, with the datasheet URL
+    print(hardware.autocast_dtype_for((7, 5)).dtype)      # float16
 """
 
 from __future__ import annotations
@@ -800,6 +806,122 @@ def memory_spec(device_name: str) -> MemoryRow | None:
     """Published memory size and bandwidth for ``device_name``, or None when not identified."""
     board = match_device(device_name).board
     return next((row for row in MEMORY_TABLE if row.device == board), None)
+
+
+# ----------------------------------------------------------------------------------------------
+# What this GPU runs: the default autocast dtype.
+
+BF16_MIN_CAPABILITY = (8, 0)
+"""bf16 (and tf32) tensor cores arrived with Ampere, compute capability 8.0 (NVIDIA A100
+whitepaper; https://developer.nvidia.com/cuda-gpus lists each GPU's capability). A T4 (7.5) or
+V100 (7.0) accepts bf16 tensors, but ``torch.cuda.is_bf16_supported()`` only says so because
+it can *emulate* them (``including_emulation=True``, torch/cuda/__init__.py): the matmuls run
+without tensor cores."""
+TENSOR_CORE_MIN_CAPABILITY = (7, 0)
+"""fp16 tensor cores arrived with Volta, compute capability 7.0 (NVIDIA V100 datasheet)."""
+
+
+class AutocastChoice(NamedTuple):
+    """The autocast dtype a run should use on a device, and why.
+
+    ``dtype`` is a ``TrainConfig.dtype`` value ("bfloat16", "float16" or "float32": autocast
+    off). ``scaler`` says whether a loss scaler (``torch.amp.GradScaler``) must go with it:
+    float16 only, since its 5 exponent bits flush small gradients to zero (Micikevicius et al.
+    2018, arXiv 1710.03740) while bfloat16 keeps float32's 8.
+    """
+
+    dtype: str
+    scaler: bool
+    reason: str
+
+
+def _check_capability(capability: Any) -> tuple[int, int] | None:
+    if capability is None:
+        return None
+    ok = (isinstance(capability, (tuple, list)) and len(capability) == 2
+          and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in capability))
+    if not ok:
+        raise ValueError(
+            f"capability={capability!r} is not a compute capability: pass (major, minor) as "
+            "torch.cuda.get_device_capability(device) returns it, e.g. (8, 0), or None for a "
+            "machine without a CUDA GPU"
+        )
+    return int(capability[0]), int(capability[1])
+
+
+def autocast_dtype_for(
+    capability: tuple[int, int] | None, requested: str | None = None
+) -> AutocastChoice:
+    """The autocast dtype to train in on a GPU of this compute capability (a pure function).
+
+    ``capability`` is ``torch.cuda.get_device_capability(device)``, or None for no CUDA GPU.
+    ``requested`` is what a config asked for ("bfloat16", "float16", "float32"); None asks for
+    the default. The rule, from the hardware (see ``BF16_MIN_CAPABILITY``):
+
+    * 8.0 and newer (A100, A10, L4, L40S, H100, H200, GH200): bfloat16, no loss scaling;
+    * 7.0 to 7.5 (V100, T4): float16 with a GradScaler. A request for bfloat16 becomes float16
+      with the reason: bf16 there is emulated without tensor cores (slower than fp16, and with
+      no published peak to compute MFU against);
+    * older GPUs have no tensor cores: float32 by default;
+    * no CUDA GPU (None): float32 by default (the CPU presets); a request is kept, since CPU
+      autocast runs bf16 and fp16 (``labkit.precision.checked_autocast`` refuses what it cannot).
+
+    float32 and float16 requests are always kept; a float16 run gets ``scaler=True``.
+
+    >>> autocast_dtype_for((7, 5)).dtype, autocast_dtype_for((9, 0)).dtype
+    ('float16', 'bfloat16')
+    """
+    cc = _check_capability(capability)
+    allowed = ("bfloat16", "float16", "float32")
+    if requested is not None and requested not in allowed:
+        raise ValueError(f"requested={requested!r} is not an autocast dtype labkit trains in: "
+                         f"one of {', '.join(map(repr, allowed))}, or None for the default")  # fmt: skip
+    where = "no CUDA GPU" if cc is None else f"compute capability {cc[0]}.{cc[1]}"
+    if requested == "float32":
+        return AutocastChoice("float32", False, f"float32 requested ({where}): autocast off")
+    if requested == "float16":
+        return AutocastChoice("float16", True, f"float16 requested ({where}): with a "
+                              "GradScaler, since fp16's range flushes small gradients to zero")  # fmt: skip
+    if cc is None:
+        if requested == "bfloat16":
+            return AutocastChoice("bfloat16", False, "bfloat16 requested on the CPU: CPU "
+                                  "autocast runs it (fast only with AVX512-BF16 or AMX, see "
+                                  "cpu_info().flags)")  # fmt: skip
+        return AutocastChoice("float32", False, "no CUDA GPU: float32, autocast off (the CPU "
+                              "presets' default)")  # fmt: skip
+    if cc >= BF16_MIN_CAPABILITY:
+        return AutocastChoice("bfloat16", False, f"{where} (Ampere or newer) has bf16 tensor "
+                              "cores; bf16 keeps fp32's exponent range, so no loss scaling")  # fmt: skip
+    if cc >= TENSOR_CORE_MIN_CAPABILITY:
+        asked = "bfloat16 requested, but " if requested == "bfloat16" else ""
+        return AutocastChoice("float16", True, f"{asked}{where} has fp16 tensor cores and no "
+                              "bf16 ones (bf16 arrived with 8.0, Ampere; here it is emulated "
+                              "without tensor cores): float16 with a GradScaler")  # fmt: skip
+    if requested == "bfloat16":
+        return AutocastChoice("float32", False, f"bfloat16 requested, but {where} has neither "
+                              "bf16 support nor tensor cores: float32")  # fmt: skip
+    return AutocastChoice("float32", False, f"{where} has no tensor cores (they arrived with "
+                          "7.0, Volta): float32")  # fmt: skip
+
+
+def default_autocast_dtype(
+    device: str | torch.device | None = None, requested: str | None = None, *,
+    cuda: Any | None = None,
+) -> AutocastChoice:
+    """:func:`autocast_dtype_for` with the capability read from ``device`` (default: CUDA's
+    current device if there is one). A CUDA device initialises CUDA; a CPU device does not."""
+    cuda = torch.cuda if cuda is None else cuda
+    dev = torch.device(device) if device is not None else None
+    if dev is not None and dev.type != "cuda":
+        return autocast_dtype_for(None, requested)
+    if not cuda.is_available():
+        if dev is not None:
+            raise ValueError(f"device={str(dev)!r} but torch.cuda.is_available() is False: "
+                             "pass device='cpu', or install a CUDA build of torch")  # fmt: skip
+        return autocast_dtype_for(None, requested)
+    index = dev.index if dev is not None and dev.index is not None else cuda.current_device()
+    major, minor = cuda.get_device_capability(index)
+    return autocast_dtype_for((int(major), int(minor)), requested)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -440,3 +440,71 @@ def test_limit_cpu_threads_sets_torch_threads_and_says_so():
         assert torch.get_num_threads() == 1  # a refused call changes nothing
     finally:
         torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------------------------------------
+# Default precision by compute capability (pure: tested on CPU)
+
+
+@pytest.mark.parametrize(
+    ("capability", "dtype", "scaler"),
+    [
+        ((7, 0), "float16", True),  # V100
+        ((7, 5), "float16", True),  # T4
+        ((8, 0), "bfloat16", False),  # A100
+        ((8, 6), "bfloat16", False),  # A10, A10G
+        ((8, 9), "bfloat16", False),  # L4, L40S
+        ((9, 0), "bfloat16", False),  # H100, H200, GH200
+        ((10, 0), "bfloat16", False),  # a later GPU keeps bf16
+        ((6, 0), "float32", False),  # P100: no tensor cores
+        (None, "float32", False),  # no CUDA GPU: the CPU presets' float32
+    ],
+)
+def test_default_autocast_dtype_follows_compute_capability(capability, dtype, scaler):
+    choice = hw.autocast_dtype_for(capability)
+    assert (choice.dtype, choice.scaler) == (dtype, scaler)
+    assert choice.reason
+
+
+def test_bf16_request_becomes_fp16_with_a_scaler_before_ampere():
+    for cc in ((7, 0), (7, 5)):
+        choice = hw.autocast_dtype_for(cc, "bfloat16")
+        assert (choice.dtype, choice.scaler) == ("float16", True)
+        assert "bfloat16 requested" in choice.reason and "8.0" in choice.reason
+    assert hw.autocast_dtype_for((8, 0), "bfloat16").dtype == "bfloat16"
+    assert hw.autocast_dtype_for(None, "bfloat16").dtype == "bfloat16"  # CPU autocast runs it
+
+
+def test_float32_and_float16_requests_are_kept_and_fp16_always_gets_a_scaler():
+    for cc in (None, (7, 5), (8, 0), (9, 0)):
+        assert hw.autocast_dtype_for(cc, "float32")[:2] == ("float32", False)
+        assert hw.autocast_dtype_for(cc, "float16")[:2] == ("float16", True)
+
+
+def test_autocast_dtype_for_rejects_bad_arguments():
+    for bad in ((8,), (8, "0"), "8.0", 8.0, (8, -1), (True, 0)):
+        with pytest.raises(ValueError, match="get_device_capability"):
+            hw.autocast_dtype_for(bad)
+    with pytest.raises(ValueError, match="requested='fp8'"):
+        hw.autocast_dtype_for((9, 0), "fp8")
+
+
+class FakeCudaCapability(FakeCuda):
+    def __init__(self, capability):
+        super().__init__(["NVIDIA Fake"])
+        self.capability = capability
+
+    def current_device(self) -> int:
+        return 0
+
+    def get_device_capability(self, i: int) -> tuple[int, int]:
+        return self.capability
+
+
+def test_default_autocast_dtype_reads_the_device_capability():
+    assert hw.default_autocast_dtype(cuda=FakeCudaCapability((7, 5))).dtype == "float16"
+    assert hw.default_autocast_dtype("cuda:0", cuda=FakeCudaCapability((9, 0))).dtype == "bfloat16"
+    assert hw.default_autocast_dtype("cpu", cuda=FakeCudaCapability((9, 0))).dtype == "float32"
+    assert hw.default_autocast_dtype(cuda=FakeCuda([])).dtype == "float32"
+    with pytest.raises(ValueError, match=r"torch\.cuda\.is_available"):
+        hw.default_autocast_dtype("cuda", cuda=FakeCuda([]))
