@@ -73,3 +73,22 @@ def test_not_linux_is_reported_not_read(monkeypatch):
     assert "darwin" in net.unavailable("lo")
     with pytest.raises(RuntimeError, match="darwin"):
         net.interface_bytes("lo")
+
+
+def test_a_gloo_job_puts_at_least_its_payload_on_loopback():
+    # Two gloo ranks on this host talk over lo: every payload byte either rank sends (the link
+    # probe and the ring all-reduces, as the worker counts them) is on lo at least once.
+    from labkit import launch
+    from labkit.workers import allreduce
+
+    with net.count_wire("lo") as wire:
+        res = launch.run("labkit.workers.allreduce", nproc=2, timeout_s=120, stream=False,
+                         config={"numel": 2**14, "repeats": 5, "warmup": 1, "op": "max"})  # fmt: skip
+    r0, r1 = res.ranks
+    # op="max" of 1 and 2 is 2: the worker reports what it holds instead of raising on a
+    # value that is not the sum, so a caller's check of the sum (notebook 00's) can fail
+    assert r0["value"] == r1["value"] == 2.0 and r0["wrong_elements"] == 0
+    assert r0["allreduces"] == 1 + 1 + 5
+    probe = (allreduce.PROBE_TIMES + 1) * (r0["probe_small_bytes"] + r0["probe_big_bytes"])
+    assert r0["sent_payload_bytes"] == probe + 7 * 2**14 * 4  # 2 ranks: each sends S per all-reduce
+    assert wire.sent >= r0["sent_payload_bytes"] + r1["sent_payload_bytes"]
