@@ -11,8 +11,10 @@ Four jobs, kept apart:
 3. A measured ceiling (``measured_matmul_flops``): the best ``torch.matmul`` reaches on this
    device at the shapes a workload uses, labelled as measured. On a CPU this is the only honest
    "peak" the course has.
-4. What a GPU runs (``autocast_dtype_for``): the autocast dtype its compute capability
-   calls for (bf16 from 8.0, Ampere; fp16 with a GradScaler on a T4 or V100).
+4. What a device runs (``autocast_dtype_for``, ``sdpa_backend``): the autocast dtype a GPU's
+   compute capability calls for (bf16 from 8.0, Ampere; fp16 with a GradScaler on a T4 or
+   V100), and which attention kernel ``F.scaled_dot_product_attention`` picks for a shape,
+   found by running it (the activation-memory prediction assumes a fused one).
 
     from labkit import hardware
     print(hardware.peak_flops("Tesla T4", "fp16"))        # 65 TFLOP/s, with the datasheet URL
@@ -809,7 +811,7 @@ def memory_spec(device_name: str) -> MemoryRow | None:
 
 
 # ----------------------------------------------------------------------------------------------
-# What this GPU runs: the default autocast dtype.
+# What this GPU runs: the default autocast dtype, and the attention kernel SDPA picks.
 
 BF16_MIN_CAPABILITY = (8, 0)
 """bf16 (and tf32) tensor cores arrived with Ampere, compute capability 8.0 (NVIDIA A100
@@ -922,6 +924,146 @@ def default_autocast_dtype(
     index = dev.index if dev is not None and dev.index is not None else cuda.current_device()
     major, minor = cuda.get_device_capability(index)
     return autocast_dtype_for((int(major), int(minor)), requested)
+
+
+# The aten ops behind each fused SDPA kernel, as torch 2.13's dispatcher names them. The math
+# kernel has no op of its own: it is composite (matmul, softmax, matmul), which is exactly why
+# it stores the s×s attention matrix for the backward pass.
+SDPA_FUSED_OPS = {
+    "_scaled_dot_product_flash_attention": "flash",
+    "_scaled_dot_product_flash_attention_for_cpu": "flash",
+    "_scaled_dot_product_efficient_attention": "efficient",
+    "_scaled_dot_product_cudnn_attention": "cudnn",
+    "_scaled_dot_product_fused_attention_overrideable": "overrideable",
+}
+_SDPA_DOCS = ("https://docs.pytorch.org/docs/stable/generated/"
+              "torch.nn.functional.scaled_dot_product_attention.html")
+
+
+@dataclass(frozen=True)
+class SdpaCheck:
+    """Which kernel ``F.scaled_dot_product_attention`` ran for one shape, found by running it.
+
+    ``backend`` is "flash", "efficient", "cudnn", "overrideable" or "math". Every fused kernel
+    keeps one float32 log-sum-exp per row instead of the s×s matrix, so the memory prediction
+    ``formulas.activation_bytes_per_layer(attention=...)`` takes ``formula_attention``: "flash"
+    for a fused kernel, "materialized" for math. ``warning`` is the sentence a notebook prints
+    when the prediction's default assumption (a fused kernel) does not hold; None when it does.
+    """
+
+    backend: str
+    op: str | None  # the aten op observed; None for math, which has none of its own
+    device: str
+    dtype: str
+    seq_len: int
+    head_dim: int
+    dropout_p: float
+    is_causal: bool
+    pinned: tuple[str, ...]  # the SDPBackend names the probe was limited to; () if none
+
+    @property
+    def materializes_scores(self) -> bool:
+        return self.backend == "math"
+
+    @property
+    def formula_attention(self) -> str:
+        return "materialized" if self.materializes_scores else "flash"
+
+    @property
+    def warning(self) -> str | None:
+        if not self.materializes_scores:
+            return None
+        drop = f", dropout {self.dropout_p:g}" if self.dropout_p else ""
+        return (
+            f"SDPA ran its math kernel here ({self.device}, {self.dtype}, s={self.seq_len}, "
+            f"head size {self.head_dim}{drop}): it stores the s×s attention matrix for backward "
+            "(a·s²·b values per layer, more with dropout), which a prediction that assumes a "
+            "fused kernel (attention='flash') leaves out. Predict with "
+            "attention='materialized', or pin the fused kernels with "
+            "torch.nn.attention.sdpa_kernel([SDPBackend.FLASH_ATTENTION, "
+            "SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]) so that torch raises "
+            f"instead of falling back ({_SDPA_DOCS})"
+        )
+
+    def __str__(self) -> str:
+        kind = ("stores the s×s matrix" if self.materializes_scores
+                else "no s×s matrix, one log-sum-exp per row")  # fmt: skip
+        pin = f", limited to {', '.join(self.pinned)}" if self.pinned else ""
+        return (f"SDPA backend: {self.backend} ({kind}), measured on {self.device}, "
+                f"{self.dtype}, s={self.seq_len}, head size {self.head_dim}{pin}")  # fmt: skip
+
+
+def sdpa_backend(
+    *,
+    seq_len: int,
+    head_dim: int,
+    n_head: int = 1,
+    dtype: str | torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    is_causal: bool = True,
+    dropout_p: float = 0.0,
+    requires_grad: bool = True,
+    backends: Sequence[Any] | None = None,
+) -> SdpaCheck:
+    """Which SDPA kernel runs for this shape here: measured by running it once, not guessed.
+
+    One ``F.scaled_dot_product_attention`` call on random (1, n_head, seq_len, head_dim)
+    tensors of ``dtype`` on ``device`` runs under a ``TorchDispatchMode`` that records the aten
+    ops it reaches; a fused kernel shows up as its own op (``SDPA_FUSED_OPS``), the math kernel
+    as none. The choice depends on all of device, dtype, head size, dropout, mask and whether
+    gradients are needed (torch's sdp_utils): on CUDA, flash needs fp16/bf16 and compute
+    capability 8.0+, the memory-efficient kernel also runs fp32 and older GPUs (but bf16 only
+    from 8.0, so bf16 on a T4 falls back to math); on CPU, torch 2.13 runs a flash-style kernel
+    unless dropout is on. Pass the shapes and dtype of the real model (under autocast, the
+    autocast dtype). ``backends`` (``torch.nn.attention.SDPBackend`` members) limits the probe
+    as ``torch.nn.attention.sdpa_kernel`` would; a limit nothing satisfies raises torch's own
+    "No available kernel" error, which is how a notebook can *enforce* a fused kernel.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel  # torch.nn.attention: on use only
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    for name, value in (("seq_len", seq_len), ("head_dim", head_dim), ("n_head", n_head)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name}={value!r} is not allowed: a positive integer")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p={dropout_p!r} is not allowed: a probability in [0, 1)")
+    dt = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
+    if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+        raise ValueError(f"dtype={dtype!r} is not a floating-point torch dtype "
+                         "(torch.float32, torch.bfloat16, torch.float16)")  # fmt: skip
+    pinned = [] if backends is None else list(backends)
+    if any(not isinstance(b, SDPBackend) for b in pinned):
+        raise ValueError(f"backends={backends!r}: pass torch.nn.attention.SDPBackend members")
+    dev = torch.device(device)
+
+    ops: list[str] = []
+
+    class _Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Sequence = (),
+                               kwargs: dict | None = None) -> Any:  # fmt: skip
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator(device=dev).manual_seed(0)  # leaves the global RNG alone
+    q, k, v = (torch.randn(1, n_head, seq_len, head_dim, generator=gen, device=dev, dtype=dt)
+               .requires_grad_(requires_grad) for _ in range(3))  # fmt: skip
+    limit = sdpa_kernel(pinned) if pinned else contextlib.nullcontext()
+    with limit, _Record():
+        torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=is_causal, dropout_p=dropout_p
+        )
+    fused = [op for op in ops if op in SDPA_FUSED_OPS]
+    return SdpaCheck(
+        backend=SDPA_FUSED_OPS[fused[0]] if fused else "math",
+        op=fused[0] if fused else None,
+        device=str(dev),
+        dtype=str(dt).removeprefix("torch."),
+        seq_len=seq_len,
+        head_dim=head_dim,
+        dropout_p=float(dropout_p),
+        is_causal=is_causal,
+        pinned=tuple(b.name for b in pinned),
+    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -508,3 +510,85 @@ def test_default_autocast_dtype_reads_the_device_capability():
     assert hw.default_autocast_dtype(cuda=FakeCuda([])).dtype == "float32"
     with pytest.raises(ValueError, match=r"torch\.cuda\.is_available"):
         hw.default_autocast_dtype("cuda", cuda=FakeCuda([]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Which SDPA kernel runs, and whether it stores the s×s matrix
+
+
+def _sdpa_saved_bytes(seq_len: int, backends=None) -> int:
+    """Bytes autograd saves for one SDPA call (1 batch, 2 heads, head size 8, causal)."""
+    from torch.nn.attention import sdpa_kernel
+
+    saved = []
+    q, k, v = (torch.randn(1, 2, seq_len, 8, requires_grad=True) for _ in range(3))
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    limit = sdpa_kernel(backends) if backends else contextlib.nullcontext()
+    with limit, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return sum(saved)
+
+
+def test_sdpa_on_cpu_runs_a_fused_kernel_and_the_flash_prediction_holds():
+    check = hw.sdpa_backend(seq_len=64, head_dim=8, n_head=2)
+    assert (check.backend, check.op) == ("flash", "_scaled_dot_product_flash_attention_for_cpu")
+    assert check.formula_attention == "flash" and not check.materializes_scores
+    assert check.warning is None
+    assert "flash" in str(check) and "measured" in str(check)
+    # What "fused" means for memory: what autograd keeps grows linearly with s.
+    assert _sdpa_saved_bytes(128) == 2 * _sdpa_saved_bytes(64)
+
+
+def test_sdpa_math_fallback_is_detected_and_warned():
+    from torch.nn.attention import SDPBackend
+
+    with warnings.catch_warnings():  # torch may say (once) why the fused kernels were skipped
+        warnings.simplefilter("ignore", UserWarning)
+        dropout = hw.sdpa_backend(seq_len=64, head_dim=8, dropout_p=0.1)
+    pinned = hw.sdpa_backend(seq_len=64, head_dim=8, backends=[SDPBackend.MATH])
+    for check in (dropout, pinned):
+        assert (check.backend, check.op, check.formula_attention) == ("math", None,
+                                                                      "materialized")
+        assert "s×s" in check.warning and "attention='materialized'" in check.warning
+        assert "sdpa_kernel" in check.warning and "https://docs.pytorch.org" in check.warning
+    assert pinned.pinned == ("MATH",) and "limited to MATH" in str(pinned)
+    # What "math" means for memory: the saved s×s matrix makes it grow faster than linearly.
+    assert _sdpa_saved_bytes(128, [SDPBackend.MATH]) > 3 * _sdpa_saved_bytes(64, [SDPBackend.MATH])
+
+
+def test_pinning_the_fused_kernels_raises_instead_of_falling_back():
+    from torch.nn.attention import SDPBackend
+
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+             SDPBackend.CUDNN_ATTENTION]
+    assert hw.sdpa_backend(seq_len=32, head_dim=8, backends=fused).backend == "flash"
+    with warnings.catch_warnings(), pytest.raises(RuntimeError, match="No available kernel"):
+        warnings.simplefilter("ignore", UserWarning)
+        hw.sdpa_backend(seq_len=32, head_dim=8, dropout_p=0.1, backends=fused)
+
+
+def test_sdpa_backend_rejects_bad_arguments_and_leaves_global_rng_alone():
+    for kwargs, what in (({"seq_len": 0, "head_dim": 8}, "seq_len"),
+                         ({"seq_len": 8, "head_dim": 8, "dropout_p": 1.0}, "dropout_p"),
+                         ({"seq_len": 8, "head_dim": 8, "dtype": torch.int32}, "dtype"),
+                         ({"seq_len": 8, "head_dim": 8, "backends": ["math"]}, "backends")):
+        with pytest.raises(ValueError, match=what):
+            hw.sdpa_backend(**kwargs)
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    hw.sdpa_backend(seq_len=16, head_dim=8, dtype="bfloat16")
+    assert torch.equal(torch.rand(3), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_sdpa_on_the_gpu_runs_a_fused_kernel_in_the_default_dtype():
+    choice = hw.default_autocast_dtype("cuda")
+    check = hw.sdpa_backend(seq_len=512, head_dim=64, n_head=8, device="cuda",
+                            dtype=choice.dtype)
+    assert check.backend != "math", check
