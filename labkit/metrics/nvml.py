@@ -21,8 +21,10 @@ way mature tools (nvitop, gpustat) do it:
 
 None of this ever raises into the job: the sampler runs beside it, not inside it.
 
-Costs (MangoHud PR #2104; pitfalls.md): utilisation and memory take microseconds; the
-process list takes milliseconds and holds the driver lock; ``GetPcieThroughput`` blocks
+Costs (MangoHud PR #2104, https://github.com/flightlessmango/MangoHud/pull/2104; NVML API
+reference, https://docs.nvidia.com/deploy/nvml-api/group__nvmlDeviceQueries.html):
+utilisation and memory take microseconds; the process list takes milliseconds and holds the
+driver lock; ``nvmlDeviceGetPcieThroughput`` counts bytes over a 20 ms interval, so it blocks
 ~20 ms. So the cheap fields are read every sample, PCIe every ``pcie_every`` samples and
 process lists every ``process_every`` samples.
 
@@ -128,9 +130,12 @@ def parse_visible_devices(spec: str, uuids: Sequence[str]) -> tuple[list[int], l
     UUIDs, as CUDA accepts. Like CUDA, parsing stops at the first entry that names no GPU.
     Returns (indices, notes): notes explain entries that were not used.
 
-    Why UUIDs matter (pitfalls.md): NVML numbers GPUs by PCI bus ID; CUDA numbers them
-    fastest first unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID``. The two orders agree on machines
-    whose GPUs are all the same model; for an exact match pass UUIDs.
+    Why UUIDs matter: NVML numbers GPUs by PCI bus ID and recommends looking devices up by
+    PCI ID or UUID (NVML API reference, ``nvmlDeviceGetHandleByIndex``,
+    https://docs.nvidia.com/deploy/nvml-api/group__nvmlDeviceQueries.html); CUDA numbers them
+    fastest first unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (CUDA C++ Programming Guide,
+    "CUDA Environment Variables"). The two orders agree on machines whose GPUs are all the
+    same model; for an exact match pass UUIDs.
     """
     indices: list[int] = []
     notes: list[str] = []
@@ -406,6 +411,12 @@ class NvmlBackend(Backend):
         mem = self._query(gpu, ("mem_used_gib",), nv.nvmlDeviceGetMemoryInfo)
         v["mem_used_gib"] = None if mem is None else mem.used / GIB
         v["mem_total_gib"] = gpu.mem_total_gib
+        # What nvmlDeviceGetPowerUsage returns depends on the chip (NVML API reference,
+        # https://docs.nvidia.com/deploy/nvml-api/group__nvmlDeviceQueries.html): "On Ampere
+        # (except GA100) or newer GPUs, the API returns power averaged over 1 sec interval. On
+        # GA100 and older architectures, instantaneous power is returned." So an A100 (GA100)
+        # or V100 gives an instant reading, an A10, L4 or H100 a 1 s average; the field values
+        # NVML_FI_DEV_POWER_AVERAGE / NVML_FI_DEV_POWER_INSTANT ask for one or the other.
         power = self._query(gpu, ("power_w",), nv.nvmlDeviceGetPowerUsage)
         v["power_w"] = None if power is None else power / 1000  # mW -> W
         energy = None
