@@ -314,7 +314,7 @@ def gpu_info(*, cuda: Any | None = None, nvml: Any | None = None) -> list[GpuInf
 
 
 # ----------------------------------------------------------------------------------------------
-# Tiers: what this machine can show truthfully (course-design.md, "The three tiers").
+# Tiers: what this machine can show truthfully, each with what it cannot.
 
 TIERS = ("cpu", "single-gpu", "multi-gpu")
 
