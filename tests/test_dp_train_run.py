@@ -106,3 +106,19 @@ def test_unsharded_grad_bytes_finds_nothing_in_a_plain_model():
     model = torch.nn.Linear(4, 4)
     model(torch.ones(1, 4)).sum().backward()
     assert dp_train.unsharded_grad_bytes(model) == 0
+
+
+@pytest.mark.slow
+def test_reshard_after_forward_false_holds_all_weights_and_skips_the_backward_gather(wire_job):
+    from labkit import formulas
+
+    probe = wire_job["runs"]["fsdp2"]["reshard_probe"]
+    if probe is None:
+        pytest.skip("this labkit's FSDP2 has no reshard_after_forward option")
+    zero3, zero2 = probe["reshard_after_forward=True"], probe["reshard_after_forward=False"]
+    every = 4 * wire_job["n_params"]
+    assert zero2["held_after_forward"] == every  # every unit stays gathered: ZeRO-2-like
+    assert 0 < zero3["held_after_forward"] < every  # only the root (not resharded by default)
+    # one micro-batch: ZeRO-2-like gathers once and reduce-scatters, an all-reduce's bytes
+    assert zero2["sent_per_rank"] == formulas.ring_allreduce_bytes_per_rank(every, 2)
+    assert zero3["sent_per_rank"] > zero2["sent_per_rank"]  # the backward gathers the blocks again

@@ -242,6 +242,54 @@ def unsharded_grad_bytes(model: nn.Module) -> int:
     return storage_bytes(grads)
 
 
+def unsharded_param_bytes(model: nn.Module) -> int:
+    """Bytes of FSDP2's gathered (unsharded) parameters still allocated: a resharded unit
+    frees them by resizing their storage to 0 (FSDP2's private ``FSDPParam``, as above)."""
+    held = []
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        group = getattr(get_state(), "_fsdp_param_group", None) if callable(get_state) else None
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None and unsharded.untyped_storage().nbytes() > 0:
+                held.append(unsharded)
+    return storage_bytes(held)
+
+
+def reshard_probe(
+    cfg: dict[str, Any], ctx: dist.Context, batch: Batch
+) -> dict[str, dict[str, float]] | None:
+    """FSDP2 with ``reshard_after_forward`` True (ZeRO-3) and False (ZeRO-2-like), one
+    micro-batch each on a fresh model: the gathered weights still held between forward and
+    backward, and the bytes sent per rank for that micro-batch. None when this labkit's FSDP2
+    has no such option."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from labkit.parallel.fsdp import FSDP2
+
+    mesh = init_device_mesh(ctx.device.type, tuple(cfg["mesh"]))
+    x, y = (t.to(ctx.device) for t in batch)
+    out = {}
+    for reshard in (True, False):
+        try:
+            strategy = FSDP2(
+                ctx.world_size, cfg["backend"], mesh=mesh, reshard_after_forward=reshard
+            )
+        except TypeError:
+            return None
+        model = strategy.wrap(build_model(cfg, ctx.device))
+        with comm.spying(strategy.bytes_counter):
+            _, loss = model(x, y)
+            held = unsharded_param_bytes(model)
+            loss.backward()
+        strategy.bytes_counter.end_step()
+        out[f"reshard_after_forward={reshard}"] = {
+            "held_after_forward": held,
+            "sent_per_rank": strategy.bytes_counter.summary()["sent_per_rank_last_step"],
+        }
+    return out
+
+
 def measure_memory(
     strategy: Strategy, model: nn.Module, opt: Any, batch: Batch, device: torch.device
 ) -> dict[str, int | None]:
@@ -358,6 +406,10 @@ def _one_strategy(
     }
     if check is not None:
         result["bytes_spy"] = check.summary()
+    if name == "fsdp2":
+        result["reshard_probe"] = reshard_probe(
+            cfg, ctx, rank_micro_batches(batches[0], ctx.rank, cfg)[0]
+        )
     return result, params
 
 
