@@ -32,7 +32,8 @@ Who drives the sampling, and why:
 
 - **As a launcher observer** (``launch.run(..., observers=[mon])``) the notebook cell blocks in
   ``run`` until the job ends, which starves anything scheduled on the kernel's event loop
-  (pitfalls.md, "Notebook execution"). So no thread and no asyncio task: the launcher's own
+  (ipykernel runs a cell on the thread that serves that loop, so callbacks wait for the cell
+  to return). So no thread and no asyncio task: the launcher's own
   supervision loop calls ``on_tick`` every ~0.25 s, and that samples (``Sampler.poll_due``),
   reads each rank's step from its heartbeat, and redraws.
 - **As a context manager** nothing else loops, so the sampler's own thread samples the kernel

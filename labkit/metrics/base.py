@@ -57,7 +57,7 @@ class Metric:
 
 # The one table of every metric the backends produce. Sources: NVML API reference
 # (docs.nvidia.com/deploy/nvml-api), `nvidia-smi --help-query-gpu`, `nvidia-smi dmon -h`,
-# psutil docs. Facts the course relies on are in /work/shared/facts.md (Telemetry).
+# psutil docs (psutil.readthedocs.io).
 _TABLE = (
     Metric("gpu_util_pct", "%", "gpu", "nvml",
            "Percent of the window in which at least one kernel was running on the GPU. One "
@@ -79,9 +79,12 @@ _TABLE = (
            "bytes, so their figure looks larger).",
            "instant", "nvmlDeviceGetMemoryInfo().total (bytes)", "memory.total (MiB)"),
     Metric("power_w", "W", "gpu", "nvml",
-           "Board power draw. On Ampere and newer NVML returns a one-second average, so a "
-           "short burst shows up smoothed.",
-           "1 s average on Ampere and newer; instant on older boards",
+           "Board power draw. On Ampere and newer boards, except the A100 (GA100), NVML "
+           "returns a one-second average, so a short burst shows up smoothed; on the A100 "
+           "and older boards it is the instantaneous draw (NVML API reference, "
+           "nvmlDeviceGetPowerUsage: "
+           "https://docs.nvidia.com/deploy/nvml-api/group__nvmlDeviceQueries.html).",
+           "1 s average on Ampere and newer except GA100 (A100); instant on GA100 and older",
            "nvmlDeviceGetPowerUsage (mW)", "power.draw (newer drivers: power.draw.average)"),
     Metric("energy_j", "J", "gpu", "nvml",
            "Energy the board used since the backend was opened (the run): the difference of "

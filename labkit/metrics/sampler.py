@@ -6,7 +6,8 @@
     s.samples                                           # every Sample, each with its own time
 
 Two modes, because a notebook cell that blocks starves anything scheduled on the kernel's
-event loop (pitfalls.md, "Notebook execution"):
+event loop (ipykernel runs a cell on the thread that serves that loop, so its callbacks wait
+until the cell returns):
 
 - **thread**: ``start()`` / ``stop()`` or ``with``. The thread sleeps on an ``Event``, so
   ``stop()`` wakes it at once instead of waiting out the period.
