@@ -92,3 +92,22 @@ def test_a_gloo_job_puts_at_least_its_payload_on_loopback():
     probe = (allreduce.PROBE_TIMES + 1) * (r0["probe_small_bytes"] + r0["probe_big_bytes"])
     assert r0["sent_payload_bytes"] == probe + 7 * 2**14 * 4  # 2 ranks: each sends S per all-reduce
     assert wire.sent >= r0["sent_payload_bytes"] + r1["sent_payload_bytes"]
+    # the worker's own window around its loop of 6 all-reduces, and a baseline as long
+    assert r0["wire_unavailable"] is None and r0["loop_allreduces"] == 6
+    assert r0["wire_loop_bytes"] >= 2 * 6 * 2**14 * 4
+    assert r0["wire_idle_bytes"] >= 0 and 0 < r0["wire_idle_s"]
+    assert r0["wire_loop_bytes"] <= wire.sent  # a window inside the job
+
+
+def test_the_worker_says_why_it_cannot_count_instead_of_counting(monkeypatch):
+    from labkit.workers import allreduce
+
+    class Ctx:
+        backend, world_size = "nccl", 2
+
+    assert "NVLink or PCIe" in allreduce._wire_unavailable(Ctx())
+    Ctx.backend = "gloo"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # 2 ranks, 1 on this host: two hosts
+    assert "several hosts" in allreduce._wire_unavailable(Ctx())
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert allreduce._wire_unavailable(Ctx()) is None

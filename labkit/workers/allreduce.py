@@ -7,11 +7,12 @@ Config (all optional):
     repeats  timed all-reduces after warm-up (default 10)
     warmup   untimed all-reduces first: connection setup and caches (default 3)
     op       the reduction: "sum" (default) or "max"
-    allreduce  False: run everything but the all-reduces (the link probe, a barrier): a
-               baseline job whose traffic is the launch's and the probe's, not the all-reduce's
+    wire     count the loopback interface's bytes around the timed all-reduces, and around a
+             baseline of the same ranks doing only a barrier for as long (default True; gloo
+             ranks on one Linux host only, see below)
     probe    time the link under the collective first: each rank sends a message to the next
              rank and receives one from the previous, as in one step of a ring, once with 4
-             bytes and once with numel/n elements (default True; see below)
+             bytes and once with numel/n elements, at least 1 MiB (default True; see below)
     fail_rank  this rank fails before the all-reduce, to show what a failing rank looks like
     fail_how   how it fails: "raise" (default: a Python exception) or "kill" (it sends itself
                SIGKILL, the signal Linux's out-of-memory killer sends: no code runs after it)
@@ -31,6 +32,14 @@ The probe's two timings are what ``formulas.alpha_beta_fit`` turns into a latenc
 bandwidth β, from which ``formulas.ring_allreduce_time`` predicts the all-reduce's time. Every
 byte the probe and the all-reduces send is counted in the result (``sent_payload_bytes``), so
 a caller counting the network interface's bytes can hold them against it.
+
+Bytes on the wire (``labkit.metrics.net``): gloo ranks on one host talk TCP over loopback, so
+the ``lo`` counters read between two barriers around the timed loop (``wire_loop_bytes`` in
+``wire_loop_s``) hold the warm-up and timed all-reduces of every rank, plus whatever else used
+``lo`` meanwhile. The baseline that follows (``wire_idle_bytes`` in ``wire_idle_s``: the ranks
+wait, then meet in a barrier, for as long as the loop took, at most ``WIRE_IDLE_MAX_S``) measures
+that background, to be subtracted at its rate. Where the bytes cannot be counted (NCCL moves
+them over NVLink or PCIe; not Linux) the entries are None and ``wire_unavailable`` says why.
 """
 
 from __future__ import annotations
@@ -45,9 +54,12 @@ import torch
 import torch.distributed as tdist
 
 from labkit import dist, formulas
+from labkit.metrics import net
 
 OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX}
 PROBE_TIMES = 20  # exchanges per probe size (median): a few ms over loopback
+PROBE_MIN_BIG = 2**18  # elements (1 MiB): the big message must take clearly longer than 4 bytes
+WIRE_IDLE_MAX_S = 3.0  # the longest baseline window; its bytes are scaled to the loop's time
 
 
 def _sync(device: torch.device) -> None:
@@ -70,7 +82,7 @@ def main(ctx: dist.Context) -> dict:
     op = ctx.config.get("op", "sum")
     if op not in OPS:
         raise ValueError(f"config op={op!r}: use one of {sorted(OPS)}")
-    do_allreduce = bool(ctx.config.get("allreduce", True))
+    wire_why = _wire_unavailable(ctx) if ctx.config.get("wire", True) else "not asked (wire=False)"
 
     fail_rank, fail_how = ctx.config.get("fail_rank"), ctx.config.get("fail_how", "raise")
     if fail_how not in ("raise", "kill"):
@@ -82,12 +94,13 @@ def main(ctx: dist.Context) -> dict:
         raise RuntimeError(f"rank {ctx.rank} fails on purpose (config fail_rank={fail_rank})")
 
     # 0. The link under the collective, timed before it (α and β of the α–β model): a tiny
-    # message (its time is the per-message cost α) and a ring step's chunk, numel/n elements.
+    # message (its time is the per-message cost α) and a ring step's chunk, numel/n elements
+    # (at least 1 MiB, so that its time stands clear of α even on a busy machine).
     sent = 0.0  # payload bytes this rank sends, probe and all-reduces
     probe_result: dict = {}
     if ctx.config.get("probe", True) and n > 1:
         small, small_sent = _probe(ctx, 1, PROBE_TIMES)
-        big, big_sent = _probe(ctx, max(numel // n, 2), PROBE_TIMES)
+        big, big_sent = _probe(ctx, max(numel // n, PROBE_MIN_BIG), PROBE_TIMES)
         sent += small_sent + big_sent
         probe_result = {"probe_small_bytes": small["bytes"], "probe_small_s": small["s"],
                         "probe_big_bytes": big["bytes"], "probe_big_s": big["s"]}  # fmt: skip
@@ -95,10 +108,9 @@ def main(ctx: dist.Context) -> dict:
     # 1. The values. The caller checks them (notebook 00 prints the check); a worker that
     # raised here would turn a wrong sum into a crashed rank, and the check could never fail.
     x = torch.full((numel,), float(ctx.rank + 1), dtype=torch.float32, device=ctx.device)
-    if do_allreduce:
-        with ctx.phase("all_reduce"):
-            tdist.all_reduce(x, op=OPS[op])
-        sent += formulas.ring_allreduce_bytes_per_rank(numel * x.element_size(), n)
+    with ctx.phase("all_reduce"):
+        tdist.all_reduce(x, op=OPS[op])
+    sent += formulas.ring_allreduce_bytes_per_rank(numel * x.element_size(), n)
     expected = n * (n + 1) / 2 if op == "sum" else float(n)
     farthest = x[(x - expected).abs().argmax()].item()
     wrong = int((x != expected).sum().item())
@@ -106,10 +118,14 @@ def main(ctx: dist.Context) -> dict:
     ctx.print0(f"all-reduce ({op}) of {n} ranks: element 0 = {value:g}, {wrong} of {numel} "
                f"elements differ from {expected:g} on rank 0")  # fmt: skip
 
-    # 2. Timing. A zero buffer stays zero under repeated sums, so values never overflow.
+    # 2. Timing, with loopback's bytes counted around the loop: the barriers put every rank's
+    # all-reduces inside the window and nothing of the setup before it.
     buf = torch.zeros(numel, dtype=torch.float32, device=ctx.device)
     times_s = []
-    for i in range(warmup + repeats if do_allreduce else 0):
+    # read before the barrier: a rank let go first may send before this rank reads again
+    loop_start, wire_start = time.perf_counter(), _wire_now(wire_why)
+    tdist.barrier()
+    for i in range(warmup + repeats):
         _sync(ctx.device)
         t0 = time.perf_counter()
         with ctx.phase("all_reduce"):
@@ -119,21 +135,27 @@ def main(ctx: dist.Context) -> dict:
             times_s.append(time.perf_counter() - t0)
         sent += formulas.ring_allreduce_bytes_per_rank(numel * buf.element_size(), n)
         ctx.heartbeat(step=i + 1, total=warmup + repeats)
-    tdist.barrier()  # the baseline job's one collective; here, every rank done before the end
+    tdist.barrier()
+    wire = _wire_delta(wire_start, _wire_now(wire_why), time.perf_counter() - loop_start, "loop")
+    if wire_why is None:
+        # The baseline: the same ranks, no all-reduce, as long (what else used lo meanwhile).
+        idle_s = min(wire["wire_loop_s"], WIRE_IDLE_MAX_S)
+        idle_start, t_idle = _wire_now(wire_why), time.perf_counter()
+        time.sleep(idle_s)
+        tdist.barrier()
+        wire |= _wire_delta(idle_start, _wire_now(wire_why), time.perf_counter() - t_idle, "idle")
+    else:
+        wire |= {"wire_idle_bytes": None, "wire_idle_s": None}
+    wire["wire_unavailable"] = wire_why
 
     msg_bytes = numel * x.element_size()
-    timed: dict = {"repeats": len(times_s), "median_s": None, "min_s": None,
-                   "algbw_GBps": None, "busbw_GBps": None}  # fmt: skip
-    if times_s:
-        median_s = statistics.median(times_s)
-        algbw = formulas.algbw(msg_bytes, median_s)  # bytes/s
-        busbw = algbw * formulas.bus_bandwidth_factor("all_reduce", n)
-        timed = {"repeats": len(times_s), "median_s": median_s, "min_s": min(times_s),
-                 "algbw_GBps": algbw / 1e9, "busbw_GBps": busbw / 1e9}  # fmt: skip
-        ctx.print0(
-            f"{msg_bytes / 2**20:.3g} MiB all-reduce: median {median_s * 1e3:.3g} ms, "
-            f"busbw {busbw / 1e9:.3g} GB/s ({ctx.backend}, {ctx.device.type})"
-        )
+    median_s = statistics.median(times_s)
+    algbw = formulas.algbw(msg_bytes, median_s)  # bytes/s
+    busbw = algbw * formulas.bus_bandwidth_factor("all_reduce", n)
+    ctx.print0(
+        f"{msg_bytes / 2**20:.3g} MiB all-reduce: median {median_s * 1e3:.3g} ms, "
+        f"busbw {busbw / 1e9:.3g} GB/s ({ctx.backend}, {ctx.device.type})"
+    )
     return {
         "rank": ctx.rank,
         "world_size": n,
@@ -151,11 +173,38 @@ def main(ctx: dist.Context) -> dict:
         "expected": expected,
         "bytes_per_element": x.element_size(),
         "message_bytes": msg_bytes,
-        "allreduces": (1 + warmup + repeats) if do_allreduce else 0,
+        "allreduces": 1 + warmup + repeats,
+        "loop_allreduces": warmup + repeats,
         "sent_payload_bytes": sent,
         **probe_result,
-        **timed,
+        **wire,
+        "repeats": len(times_s),
+        "median_s": median_s,
+        "min_s": min(times_s),
+        "algbw_GBps": algbw / 1e9,
+        "busbw_GBps": busbw / 1e9,
     }
+
+
+def _wire_unavailable(ctx: dist.Context) -> str | None:
+    """Why this job's traffic cannot be counted on loopback, or None."""
+    if ctx.backend != "gloo":
+        return f"{ctx.backend} moves the bytes over NVLink or PCIe, which no network interface counts"
+    if ctx.world_size != int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size)):
+        return "the ranks span several hosts: their traffic is not all on this host's loopback"
+    return net.unavailable("lo")
+
+
+def _wire_now(why: str | None) -> net.WireBytes | None:
+    return None if why else net.interface_bytes("lo")
+
+
+def _wire_delta(start: net.WireBytes | None, end: net.WireBytes | None, seconds: float,
+                name: str) -> dict:  # fmt: skip
+    """{"wire_<name>_bytes": bytes lo carried between the two readings, "wire_<name>_s": ...}."""
+    if start is None or end is None:
+        return {f"wire_{name}_bytes": None, f"wire_{name}_s": None}
+    return {f"wire_{name}_bytes": end.sent - start.sent, f"wire_{name}_s": seconds}
 
 
 def _probe(ctx: dist.Context, numel: int, times: int) -> tuple[dict, float]:
