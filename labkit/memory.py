@@ -255,3 +255,26 @@ def live_bytes_over_steps(
         record(step, "optimizer step", [], peak=True)
         optimizer.zero_grad(set_to_none=True)
     return rows
+
+
+def saved_activation_bytes(
+    model: nn.Module, batch: Batch, *, device: torch.device, dtype: str = "float32",
+) -> int:
+    """Bytes autograd saves for backward in one forward pass of ``model`` on ``batch``.
+
+    The activation part of :func:`measure_training_memory` alone: no backward, no optimiser
+    step, the model left unchanged (the graph is dropped when this returns). Cheap enough
+    for a sweep over batch sizes and sequence lengths.
+    """
+    param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in param_storages:
+            saved.append(t)
+        return t
+
+    x, y = (t.to(device) for t in batch)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(device, dtype):
+        model(x, y)
+    return storage_bytes(saved)

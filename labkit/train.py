@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -156,6 +157,7 @@ def train_step(
     tokens = 0
     with Timer(device) as timer:
         for i, (x, y) in enumerate(batches):
+            # Asynchronous only from pinned host memory (train() pins on CUDA: pin_batches).
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             sync_ctx = no_sync() if (no_sync is not None and i < n - 1) else contextlib.nullcontext()
             with sync_ctx:
@@ -206,13 +208,22 @@ class History:
     """Learning rate the step used (:func:`lr_at`)."""
     val_steps: list[int] = field(default_factory=list)
     val_loss: list[float] = field(default_factory=list)
+    data_seconds: list[float] = field(default_factory=list)
+    """Host time to draw (and on CUDA pin) the step's batches, outside the step's timer; NaN
+    where the caller did not measure it."""
+    iteration_seconds: list[float] = field(default_factory=list)
+    """Wall time of the whole iteration: the batches, then the synchronised step (evaluation
+    and callbacks excluded); NaN where the caller did not measure it."""
 
-    def record(self, step: int, stats: StepStats, *, lr: float) -> None:
+    def record(self, step: int, stats: StepStats, *, lr: float, data_s: float | None = None,
+               iteration_s: float | None = None) -> None:
         self.steps.append(step)
         self.loss.append(stats.loss)
         self.seconds.append(stats.seconds)
         self.tokens.append(stats.tokens)
         self.lr.append(lr)
+        self.data_seconds.append(math.nan if data_s is None else data_s)
+        self.iteration_seconds.append(math.nan if iteration_s is None else iteration_s)
 
     def tokens_per_s(self, skip: int = 1) -> float:
         """Steady-state throughput: total tokens / total time, skipping warm-up steps."""
@@ -220,8 +231,29 @@ class History:
         secs = sum(self.seconds[skip:])
         return sum(self.tokens[skip:]) / secs if secs > 0 else math.nan
 
+    def iteration_tokens_per_s(self, skip: int = 1) -> float:
+        """Throughput over whole iterations (data loading included), skipping warm-up steps;
+        NaN if any iteration in the range was not timed."""
+        skip = min(skip, max(len(self.steps) - 1, 0))
+        secs = sum(self.iteration_seconds[skip:])
+        return sum(self.tokens[skip:]) / secs if secs > 0 else math.nan
+
     def to_dict(self) -> dict:
         return dict(self.__dict__)
+
+
+def pin_batches(batches: Sequence[Batch], device: torch.device) -> list[Batch]:
+    """``batches`` in page-locked host memory when ``device`` is a CUDA GPU, else unchanged.
+
+    ``.to(device, non_blocking=True)`` is asynchronous only from pinned memory: from ordinary
+    (pageable) memory CUDA first copies into a pinned staging buffer, with the host waiting
+    (PyTorch tutorial "A guide on good usage of non_blocking and pin_memory()",
+    https://docs.pytorch.org/tutorials/intermediate/pinmem_nonblock.html). Pinning needs CUDA,
+    so a CPU run gets its batches back untouched.
+    """
+    if device.type != "cuda":
+        return list(batches)
+    return [(x.pin_memory(), y.pin_memory()) for x, y in batches]
 
 
 def batch_stream(data: torch.Tensor, cfg: RunConfig, generator: torch.Generator,
@@ -269,9 +301,15 @@ def train(
     for step in range(1, t.steps + 1):
         lr = lr_at(step, t)
         set_lr(optimizer, lr)
-        stats = train_step(model, optimizer, next(stream), device=device, dtype=t.dtype,
+        # The step's timer (train_step) starts after the batches exist; the iteration's clock
+        # starts before them, so the two together show what data loading costs.
+        start = time.perf_counter()
+        batches = pin_batches(next(stream), device)
+        data_s = time.perf_counter() - start
+        stats = train_step(model, optimizer, batches, device=device, dtype=t.dtype,
                            scaler=scaler, grad_clip=t.grad_clip, no_sync=no_sync)
-        history.record(step, stats, lr=lr)
+        history.record(step, stats, lr=lr, data_s=data_s,
+                       iteration_s=time.perf_counter() - start)
         if val_data is not None and t.eval_every and (step % t.eval_every == 0 or step == t.steps):
             val_batches = [get_batch(val_data, t.micro_batch, cfg.model.seq_len, val_gen)
                            for _ in range(4)]

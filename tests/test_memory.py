@@ -87,3 +87,25 @@ def test_optimizer_state_first_lives_beside_the_second_forward():
     assert at[1, "forward"].activations > 0 and at[1, "backward"].activations == 0
     assert at[1, "backward"].gradients == 4 * n and at[2, "start"].gradients == 0
     assert all(r.cuda_allocated is None and r.cuda_step_peak is None for r in rows)
+
+
+def test_saved_activation_bytes_grow_linearly_with_b_and_quadratically_with_s_under_math_sdpa():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def saved(b, s):
+        x = torch.randint(0, 256, (b, s), generator=torch.Generator().manual_seed(b * s))
+        with sdpa_kernel(SDPBackend.MATH):
+            return memory.saved_activation_bytes(model, (x, torch.roll(x, -1, 1)), device=CPU)
+
+    for b, s in ((1, 8), (2, 8), (2, 16), (2, 32), (4, 32)):
+        assert saved(b, s) == sum(memory.predicted_activations(
+            CFG, b, seq_len=s, attention="materialized").values())
+    # a·b + c in the batch; in s, the quadratic coefficient is L·a·b·4 (fp32 s×s scores)
+    assert saved(4, 16) - saved(2, 16) == 2 * (saved(2, 16) - saved(1, 16))
+    c = 4  # the loss's total_weight scalar: the only term that grows with neither
+    gamma = (saved(2, 32) - 2 * saved(2, 16) + c) / (2 * 16**2)
+    assert gamma == CFG.n_layer * CFG.n_head * 2 * 4
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))

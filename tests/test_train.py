@@ -1,4 +1,5 @@
 import copy
+import math
 
 import pytest
 import torch
@@ -137,3 +138,41 @@ def test_the_optimizer_uses_the_configured_adam_eps():
     optimizer = train.make_optimizer(model, TrainConfig(adam_eps=1e-12))
     assert {g["eps"] for g in optimizer.param_groups} == {1e-12}
     assert TrainConfig().adam_eps == 1e-8  # PyTorch's AdamW default
+
+
+def test_pin_batches_leaves_cpu_batches_alone():
+    given = batches(2, 2)
+    got = train.pin_batches(given, CPU)
+    assert all(gx is x and gy is y for (gx, gy), (x, y) in zip(got, given, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_pin_batches_pins_for_cuda():
+    got = train.pin_batches(batches(2, 2), torch.device("cuda", 0))
+    assert all(x.is_pinned() and y.is_pinned() for x, y in got)
+
+
+def test_history_records_data_and_iteration_time_beside_the_step():
+    h = train.History()
+    stats = train.StepStats(loss=1.0, seconds=0.5, tokens=100)
+    h.record(1, stats, lr=1e-3)  # a caller that times only the step
+    h.record(2, stats, lr=1e-3, data_s=0.25, iteration_s=1.0)
+    assert h.seconds == [0.5, 0.5] and h.data_seconds[1:] == [0.25]
+    assert math.isnan(h.data_seconds[0]) and math.isnan(h.iteration_seconds[0])
+    assert h.iteration_tokens_per_s(skip=1) == 100.0
+    assert math.isnan(h.iteration_tokens_per_s(skip=0))  # an untimed iteration in the range
+    assert h.tokens_per_s(skip=0) == 200.0
+
+
+def test_train_times_the_whole_iteration_around_the_step():
+    from labkit.config import RunConfig
+    cfg = RunConfig(model=CFG, train=TrainConfig(micro_batch=2, steps=3, warmup_steps=1))
+    torch.manual_seed(0)
+    data = torch.randint(0, CFG.vocab_size, (500,))
+    h = train.train(GPT(CFG), cfg, data, device=CPU)
+    assert len(h.data_seconds) == len(h.iteration_seconds) == 3
+    # the iteration's clock starts before the batches and stops after the synchronised step
+    for step_s, data_s, iteration_s in zip(h.seconds, h.data_seconds, h.iteration_seconds,
+                                           strict=True):
+        assert 0 <= data_s and step_s + data_s <= iteration_s
