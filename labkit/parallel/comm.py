@@ -160,6 +160,57 @@ def reduce_scatter(
     return fn(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
+def broadcast(
+    t: torch.Tensor, counter: ByteCounter | None, *, src: int = 0, group: Any = None
+) -> Any:
+    """Overwrite ``t`` on every rank with rank ``src``'s ``t`` (in place)."""
+    if counter is not None:
+        counter.add("broadcast", nbytes(t))
+    return dist.broadcast(t, src=src, group=group)
+
+
+@torch.no_grad()
+def sync_module_states(
+    module: torch.nn.Module,
+    *,
+    src: int = 0,
+    group: Any = None,
+    counter: ByteCounter | None = None,
+) -> int:
+    """Copy rank ``src``'s parameters and buffers into every rank's ``module``, in place.
+
+    What torch's DDP does when it wraps a model (``_sync_module_states`` in
+    torch/nn/parallel/distributed.py, called from ``DistributedDataParallel.__init__``): ranks
+    that initialised their replicas differently (another seed, another checkpoint) start
+    training from identical weights, and data parallelism keeps them identical only if they
+    start so. Tensors are concatenated per (device, dtype) and sent as one broadcast each, as
+    DDP coalesces them (``dist._broadcast_coalesced``). Returns the bytes broadcast.
+
+    Raises RuntimeError when no process group is initialised: there is no rank to copy from.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "sync_module_states needs an initialised process group to copy rank "
+            f"{src}'s weights from; call torch.distributed.init_process_group first (the labkit "
+            "workers do so in labkit.dist.entrypoint)"
+        )
+    # Tied parameters appear once in parameters(); keep each storage view once.
+    tensors = [t for t in list(module.parameters()) + list(module.buffers()) if t.numel() > 0]
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    sent = 0
+    for ts in groups.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in ts])
+        broadcast(flat, counter, src=src, group=group)
+        off = 0
+        for t in ts:
+            t.detach().copy_(flat[off : off + t.numel()].view_as(t))
+            off += t.numel()
+        sent += nbytes(flat)
+    return sent
+
+
 # --- DDP: count each bucket, then run the real hook --------------------------------------------
 
 

@@ -10,6 +10,10 @@ Two fixes to ``dp_naive`` (PyTorch DDP paper, Li et al. VLDB 2020, section 3.2):
 Backward produces gradients roughly in reverse order of the forward pass, so buckets are
 filled from the last parameters to the first. At the end of backward we wait on every
 handle, then copy the averaged buckets back into ``.grad`` before the optimizer steps.
+Like ``NaiveDP`` (and torch's DDP), ``wrap`` first broadcasts rank 0's parameters and buffers.
+
+    strategy = BucketedDP(world_size, bucket_cap_mb=25.0)
+    model = strategy.wrap(model)            # rank 0's weights everywhere; buckets and hooks
 """
 
 from __future__ import annotations
@@ -72,6 +76,8 @@ class BucketedDP(NaiveDP):
         self._where: dict[int, tuple[Bucket, int]] = {}  # id(param) -> (bucket, offset)
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        """Start every rank from rank 0's weights, make the buckets, hook every parameter."""
+        comm.sync_module_states(model)  # as DDP does on construction (see NaiveDP.wrap)
         self.params = [p for p in model.parameters() if p.requires_grad]
         # Reverse order: the last layers' gradients are ready first, so their bucket fills first.
         self.buckets = make_buckets(self.params[::-1], self.cap_bytes)

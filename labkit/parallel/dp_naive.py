@@ -6,7 +6,13 @@ over equally many sequences), so after
 
     grad <- (grad_0 + grad_1 + ... + grad_{n-1}) / n
 
-every rank takes the same optimizer step and the replicas never drift apart.
+every rank takes the same optimizer step and the replicas never drift apart, provided they
+start equal: ``wrap`` broadcasts rank 0's parameters and buffers first, as torch's DDP does
+(``_sync_module_states``), so ranks seeded differently still train one model.
+
+    strategy = NaiveDP(world_size)          # inside a process group
+    model = strategy.wrap(model)            # rank 0's weights everywhere; hooks registered
+    loss.backward()                         # gradients averaged when backward returns
 
 Naive because communication waits for the whole backward to finish and then sends one
 message per parameter tensor: many small messages (each pays a latency) and no overlap with
@@ -56,6 +62,11 @@ class NaiveDP(Strategy):
         self.callback_queued = False
 
     def wrap(self, model: nn.Module) -> nn.Module:
+        """Start every rank from rank 0's weights, then hook every trainable parameter."""
+        # As DDP does on construction: ranks seeded differently would otherwise train n
+        # different models on n shards of the data. Not counted in bytes_counter: it is
+        # sent once, not per step (DDP's own broadcast is not seen by its comm hooks either).
+        comm.sync_module_states(model)
         # parameters() yields a tied tensor once; frozen ones have no gradient to share.
         self.params = [p for p in model.parameters() if p.requires_grad]
         _queue_at_end_of_backward(self.params, self)
