@@ -81,13 +81,15 @@ def test_the_wire_carries_the_ring_formula_plus_headers_and_gloo_doubles_reduce_
     ddp = runs["ddp"]
     assert ddp["wire"]["interface"] == "lo"
     pred = ddp["bytes_predicted_sent_per_rank"]
-    # TCP/IP headers and ACKs make the wire carry a little more than the message, never less.
-    assert pred <= wire_per_rank(ddp) <= 1.25 * pred
+    # TCP/IP headers and ACKs make the wire carry a little more than the message, never less
+    # (seen: 1.01x). The upper bound leaves room for other traffic on lo during every step and
+    # still fails a count of both directions (lo reports each packet as sent and received).
+    assert pred <= wire_per_rank(ddp) <= 1.9 * pred
     # gloo runs reduce-scatter as an all-reduce (pytorch #118911): ZeRO-1's reduce-scatter
     # (half of its predicted bytes) goes out twice, so the wire carries ~1.5x the formula.
     zero1 = runs["zero1"]
     assert 1.4 * zero1["bytes_predicted_sent_per_rank"] <= wire_per_rank(zero1)
-    assert wire_per_rank(zero1) <= 1.75 * zero1["bytes_predicted_sent_per_rank"]
+    assert wire_per_rank(zero1) <= 2.5 * zero1["bytes_predicted_sent_per_rank"]  # seen: 1.51x
 
 
 @pytest.mark.slow
