@@ -767,6 +767,40 @@ def bucket_count(tensor_bytes: Sequence[float], cap_bytes: float) -> int:
     return count + (1 if open_bytes > 0 else 0)
 
 
+def dp_exposed_comm_s(bucket_bytes: Sequence[float], backward_s: float, n_ranks: int,
+                      latency_s: float, bandwidth_bytes_per_s: float) -> float:  # fmt: skip
+    """Seconds of gradient all-reduce still running after backward ends, when each bucket's
+    ring all-reduce starts as soon as the bucket is full (DDP's overlap), in the α–β model.
+
+    ``bucket_bytes``: the buckets in the order they fill (the reverse of the parameters).
+    Two assumptions make it a closed form: backward produces gradient bytes at a constant
+    rate (its FLOPs are 4N per token, proportional to the parameters of the matmul layers
+    behind them), so bucket k is full at ``backward_s`` × (bytes up to and including k) /
+    (all bytes); and one all-reduce runs at a time, in the order issued (a process group's
+    collectives run in order on one stream or thread), each taking
+    :func:`ring_allreduce_time`. Bucket k then ends at max(full_k, end_{k−1}) + T(bucket k)
+    and the result is end_last − backward_s.
+
+    Its shape in the bucket size is what a bucket-size sweep measures: one bucket sends
+    everything after backward (exposed = T(S) whole); tiny buckets pay the 2(n−1)·α of each
+    all-reduce so many times that communication outlasts backward; in between, only about
+    the last bucket's time is left exposed (Li et al., "PyTorch Distributed", VLDB 2020,
+    section 3.2 and Figure 2: https://arxiv.org/abs/2006.15704). 0 for one rank.
+    """
+    sizes = [_non_negative_number("bucket_bytes", b) for b in bucket_bytes]
+    backward = _non_negative_number("backward_s", backward_s)
+    n = _positive_int("n_ranks", n_ranks)
+    if not sizes or n == 1:
+        return 0.0
+    total = sum(sizes)
+    end, filled = 0.0, 0.0
+    for size in sizes:
+        filled += size
+        full_at = backward * filled / total if total > 0 else backward
+        end = max(full_at, end) + ring_allreduce_time(size, n, latency_s, bandwidth_bytes_per_s)
+    return end - backward
+
+
 def allgather_bytes_per_rank(total_bytes: float, n_ranks: int) -> float:
     """Bytes each rank receives in an all-gather whose *gathered* result is S bytes: (n−1)/n × S."""
     S = _non_negative_number("total_bytes", total_bytes)

@@ -409,6 +409,36 @@ def test_bucket_count_is_greedy_and_never_splits_a_tensor():
         f.bucket_count([1], 0)
 
 
+def test_dp_exposed_comm_is_u_shaped_in_the_bucket_size():
+    # Worked by hand: n = 2 (a ring all-reduce costs 2α + S/β), α = 1 ms, β = 1 GB/s,
+    # 100 MB of gradients, backward 0.2 s.
+    alpha, beta, S, bwd = 1e-3, 1e9, 100e6, 0.2
+    one = f.dp_exposed_comm_s([S], bwd, 2, alpha, beta)
+    assert one == pytest.approx(2e-3 + 0.1)  # everything after backward
+    # 4 buckets of 25 MB, full at 0.05, 0.10, 0.15, 0.20 s, each 27 ms: ends at 0.227 s
+    four = f.dp_exposed_comm_s([S / 4] * 4, bwd, 2, alpha, beta)
+    assert four == pytest.approx(0.027)  # only the last bucket is exposed
+    # 1000 buckets of 0.1 MB, each 2.1 ms > the 0.2 ms between them: latency-bound, the
+    # all-reduces queue up from the first (full at 0.2 ms) and end at 0.0002 + 1000 · 0.0021
+    many = f.dp_exposed_comm_s([S / 1000] * 1000, bwd, 2, alpha, beta)
+    assert many == pytest.approx(0.0002 + 2.1 - 0.2)
+    assert four < one < many
+
+
+def test_dp_exposed_comm_uses_the_ring_time_and_edge_cases():
+    # n = 4: one bucket after backward costs 2(n−1)·α + 2(n−1)/n · S/β (ring_allreduce_time)
+    assert f.dp_exposed_comm_s([8e6], 1.0, 4, 1e-4, 1e9) == pytest.approx(
+        f.ring_allreduce_time(8e6, 4, 1e-4, 1e9)) == pytest.approx(6e-4 + 1.5 * 8e-3)
+    assert f.dp_exposed_comm_s([8e6, 8e6], 1.0, 1, 1e-4, 1e9) == 0.0  # one rank: no traffic
+    assert f.dp_exposed_comm_s([], 1.0, 2, 1e-4, 1e9) == 0.0
+    # no backward time at all: nothing to hide behind, every bucket is exposed in turn
+    assert f.dp_exposed_comm_s([1e6, 1e6], 0.0, 2, 1e-4, 1e9) == pytest.approx(2 * (2e-4 + 1e-3))
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        f.dp_exposed_comm_s([-1.0], 1.0, 2, 1e-4, 1e9)
+    with pytest.raises(ValueError, match="backward_s"):
+        f.dp_exposed_comm_s([1.0], -1.0, 2, 1e-4, 1e9)
+
+
 # ---------------------------------------------------------------------------------------------
 # What a whole model saves beyond the per-layer formula
 
