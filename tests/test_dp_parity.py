@@ -203,3 +203,33 @@ def test_compression_hooks_shrink_the_bytes_and_still_learn(adamw_job):
     loss = runs["ddp_powersgd"]["loss"]
     assert loss[-1] < loss[0]
     assert loss == pytest.approx(ref_loss, abs=0.05)
+
+
+# --- launch 3: FSDP2's options, as the gpu preset uses them ----------------------------------------
+
+
+@pytest.mark.slow
+def test_fsdp2_bf16_policy_and_no_reshard_send_what_the_formula_says():
+    """train.dtype bfloat16 selects FSDP2's MixedPrecisionPolicy (bf16 all-gathers, fp32
+    reduce-scatters) by default, and reshard_after_forward=False drops the backward
+    all-gathers: the counted bytes equal the prediction for exactly that, about a quarter of
+    the all-gather bytes of fp32 with resharding (half for bf16, half for one gather)."""
+    cfg = config(
+        strategies=["fsdp2"],
+        global_batch=8,
+        fsdp_reshard_after_forward=False,
+        train={"steps": 2, "dtype": "bfloat16"},
+    )
+    checked = validate_dp_config(cfg, 2, 0)
+    assert checked["fsdp_mixed_precision"] == "bf16"
+    res, _ = launch(cfg)
+    run = res.rank(0)["runs"]["fsdp2"]
+    sent = run["bytes"]["sent_per_rank_last_step"]
+    assert sent == pytest.approx(run["bytes_predicted_sent_per_rank"])
+    gathered = run["bytes"]["last_step"]["all_gather"]["message_bytes"]
+    assert gathered == 2 * res.rank(0)["n_params"]  # every parameter once, in bf16
+    assert run["bytes"]["last_step"]["reduce_scatter"]["message_bytes"] == 4 * res.rank(0)[
+        "n_trainable"
+    ]  # gradients reduced in fp32
+    _, ref_loss = dp_train.train_reference(checked)
+    assert run["loss"] == pytest.approx(ref_loss, abs=0.02)

@@ -8,11 +8,14 @@ Data parallelism (notebook 02), every strategy behind the same small interface
 ``after_backward``, ``bytes_counter``, ``memory``):
 
     dp_naive      all-reduce every gradient once backward has finished, then average
+                  (every strategy first broadcasts rank 0's weights, as DDP does)
     dp_bucketed   gradient hooks fill buckets; asynchronous all-reduces overlap backward
     ddp           torch's DistributedDataParallel, with no_sync and communication hooks
                   (fp16/bf16 compression, PowerSGD)
     zero1         optimizer state sharded across ranks (ZeRO stage 1), written from scratch
-    fsdp          torch's FSDP2 ``fully_shard`` over an explicit device mesh (ZeRO stage 3)
+    fsdp          torch's FSDP2 ``fully_shard`` over an explicit device mesh (ZeRO stage 3), on
+                  any nn.Module (units named by a list or a policy), with bf16 mixed
+                  precision and ``reshard_after_forward`` as options
     comm          counted collectives: the bytes each strategy sends, by kind of collective
     dp_config     the shared interface, and the checks a data-parallel config passes before
                   any process starts

@@ -139,6 +139,11 @@ def validate_dp_config(
         bucket_cap_mb  bucket size for "bucketed" and DDP (default 25, DDP's default)
         powersgd_rank  PowerSGD matrix rank (default 2); powersgd_start_iter (default 2)
         mesh         FSDP2's device-mesh shape, required for "fsdp2": [world_size]
+        fsdp_mixed_precision  None or "bf16": FSDP2's MixedPrecisionPolicy with bf16
+                     parameters and fp32 gradient reduction (labkit.parallel.fsdp). Default:
+                     "bf16" when train.dtype is "bfloat16" (the gpu preset), else None
+        fsdp_reshard_after_forward  True (default: ZeRO-3, every block gathered again in
+                     backward) or False (blocks stay unsharded from forward to backward)
         spy          also count every collective with CollectiveSpy (slower; for checks)
         save_params  save each strategy's final parameters in the job directory
 
@@ -170,6 +175,8 @@ def validate_dp_config(
         "powersgd_rank",
         "powersgd_start_iter",
         "mesh",
+        "fsdp_mixed_precision",
+        "fsdp_reshard_after_forward",
         "spy",
         "save_params",
     }
@@ -273,6 +280,17 @@ def validate_dp_config(
                 "over one axis; 2-D meshes are for hybrid sharding)",
             )
 
+    fsdp_mp = cfg.get("fsdp_mixed_precision", "bf16" if train.dtype == "bfloat16" else None)
+    if fsdp_mp not in (None, "bf16"):
+        _fail(
+            "fsdp_mixed_precision",
+            fsdp_mp,
+            "None (parameters' own dtype) or 'bf16' (bf16 parameters, fp32 reduction)",
+        )
+    reshard = cfg.get("fsdp_reshard_after_forward", True)
+    if not isinstance(reshard, bool):
+        _fail("fsdp_reshard_after_forward", reshard, "True (ZeRO-3) or False (ZeRO-2-like)")
+
     return {
         "strategies": list(strategies),
         "model": dataclasses.asdict(model),
@@ -284,6 +302,8 @@ def validate_dp_config(
         "powersgd_rank": int(cfg.get("powersgd_rank", 2)),
         "powersgd_start_iter": int(cfg.get("powersgd_start_iter", 2)),
         "mesh": mesh,
+        "fsdp_mixed_precision": fsdp_mp,
+        "fsdp_reshard_after_forward": reshard,
         "spy": bool(cfg.get("spy", False)),
         "save_params": bool(cfg.get("save_params", False)),
         "device": device,

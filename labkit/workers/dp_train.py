@@ -164,18 +164,32 @@ def make_strategy(
 
         from labkit.parallel.fsdp import FSDP2
 
-        return FSDP2(world_size, backend, mesh=init_device_mesh(device_type, tuple(cfg["mesh"])))
+        return FSDP2(
+            world_size,
+            backend,
+            mesh=init_device_mesh(device_type, tuple(cfg["mesh"])),
+            mixed_precision=cfg.get("fsdp_mixed_precision"),
+            reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True),
+        )
     raise ValueError(f"strategy={name!r}: unknown")
 
 
 def predicted_sent_per_rank(
-    name: str, model: nn.Module, n: int, grad_accum: int = 1
+    name: str,
+    model: nn.Module,
+    n: int,
+    grad_accum: int = 1,
+    *,
+    fsdp_param_bytes: int = 4,
+    fsdp_reshard_after_forward: bool = True,
 ) -> float | None:
     """Modelled bytes sent per rank per step (ring formulas, fp32 gradients, no padding).
 
     Gradients are reduced once per step whatever ``grad_accum`` (no_sync), but FSDP2 must
-    all-gather the parameters for every micro-batch's forward and backward. None for
-    PowerSGD, whose volume depends on the matrix shapes and rank (see its count).
+    all-gather the parameters for every micro-batch's forward, and with
+    ``fsdp_reshard_after_forward`` again for its backward. ``fsdp_param_bytes``: bytes per
+    all-gathered parameter (2 under the bf16 MixedPrecisionPolicy; reduction stays fp32).
+    None for PowerSGD, whose volume depends on the matrix shapes and rank (see its count).
     """
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if name in ("naive", "bucketed", "ddp"):
@@ -191,8 +205,9 @@ def predicted_sent_per_rank(
         # stays unsharded after forward); reduce-scatter the trainable gradients.
         every = sum(p.numel() for p in model.parameters())
         blocks = sum(p.numel() for b in model.blocks for p in b.parameters())
+        gathered = every + (blocks if fsdp_reshard_after_forward else 0)
         return grad_accum * formulas.allgather_bytes_per_rank(
-            4 * (every + blocks), n
+            fsdp_param_bytes * gathered, n
         ) + formulas.reduce_scatter_bytes_per_rank(4 * trainable, n)
     return None
 
@@ -392,7 +407,14 @@ def _one_strategy(
         "timed_with_spy": spy is not None,
         "tokens_per_s": tokens * len(seconds[1:]) / sum(seconds[1:]) if len(seconds) > 1 else None,
         "bytes": strategy.bytes_counter.summary(),
-        "bytes_predicted_sent_per_rank": predicted_sent_per_rank(name, base, n, train.grad_accum),
+        "bytes_predicted_sent_per_rank": predicted_sent_per_rank(
+            name,
+            base,
+            n,
+            train.grad_accum,
+            fsdp_param_bytes=2 if cfg.get("fsdp_mixed_precision") == "bf16" else 4,
+            fsdp_reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True),
+        ),
         "memory": {**memory, "method": "storage bytes of local tensors after a real step"},
         "memory_predicted": predicted_memory(name, base, n, cfg["optimizer"]),
         "wire": None
