@@ -860,9 +860,9 @@ class _Supervisor:
             "torch.distributed.run",
             # c10d rendezvous on port 0: the OS picks a free port, so jobs never collide.
             # torch 2.13's torchrun does the same for a one-node job given no port
-            # (torch/distributed/run.py, pytorch PR #175699); passing it explicitly keeps it so on older
-            # torch, where the default was a static rendezvous on port 29500 (pytorch #73320),
-            # and an explicit --master-port still selects that static, collision-prone one.
+            # (torch/distributed/run.py, pytorch PR #175699); passing it explicitly keeps it
+            # so on older torch, whose default was a static rendezvous on port 29500 (pytorch
+            # #73320). An explicit --master-port still selects that static, colliding one.
             "--rdzv-backend=c10d",
             "--rdzv-endpoint=localhost:0",
             f"--rdzv-id={job.job_id}",
