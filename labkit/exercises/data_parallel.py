@@ -1,36 +1,50 @@
 """Exercise checks for notebook 02 (data parallelism) that run inside worker processes.
 
-A data-parallel exercise is only checked for real when several ranks run it, so the learner's
-code goes into a file (a ``%%writefile`` cell in the notebook) that a worker imports on every
-rank. The notebook then calls::
+The learner writes the real thing, three times: DDP that all-reduces each gradient
+asynchronously while backward still runs, the bucketed version of it, and ZeRO-1's sharded
+optimizer step. A data-parallel exercise is only checked for real when several ranks run it,
+so the learner's code goes into a file (a ``%%writefile`` cell in the notebook) that a worker
+imports on every rank. The notebook then calls::
 
     from labkit import exercises as ex
-    ex.check_in_workers("02.allreduce_grads", ex_dir / "dp_allreduce.py")
+    ex.check_in_workers("02.allreduce_grads", ex_dir / "dp_overlap.py")
     # ✓ 02.allreduce_grads: ... (checked in 2 worker processes)
 
 which reads the file in the kernel (a stub is reported at once) and then launches
-``labkit.exercises.dp_worker`` on ``nproc`` ranks. Each rank imports the file,
-runs the registered check (:func:`labkit.exercises.verify`) against labkit's own strategies
-and a single-process reference, and reports ok, not done (the generated stub) or failed with
-the reason. :func:`verify_file` turns the ranks' reports into one sentence or one
-:class:`~labkit.exercises.ExerciseIncomplete` / :class:`~labkit.exercises.ExerciseFailed`,
-which ``check_in_workers`` prints as one line, as ``exercises.check`` does in the kernel. Notebooks define no function a worker
-imports (a new process cannot import a notebook's memory: pytorch #20375).
+``labkit.exercises.dp_worker`` on ``nproc`` ranks. Each rank imports the file and runs the
+registered check (:func:`labkit.exercises.verify`) against what torch's
+``DistributedDataParallel`` computes (rank 0's weights, the mean of the ranks' gradients; the
+tests compare that reference with torch DDP itself) and ``torch.optim.AdamW``, and
+reports ok, not done (the generated stub) or failed with the reason. :func:`verify_file`
+turns the ranks' reports into one sentence or one :class:`~labkit.exercises.ExerciseIncomplete`
+/ :class:`~labkit.exercises.ExerciseFailed`, which ``check_in_workers`` prints as one line, as
+``exercises.check`` does in the kernel. Notebooks define no function a worker imports (a new
+process cannot import a notebook's memory: pytorch #20375).
 
 The checks register themselves with :func:`labkit.exercises.exercise` when this module is
 imported, and need a process group: in a worker the launcher made one; a test may make a
 one-rank group in process (``torch.distributed.init_process_group("gloo",
 store=torch.distributed.HashStore(), rank=0, world_size=1)``).
 
-The exercises:
+The exercises (the class each file must define, see :data:`EXERCISES`):
 
-* ``02.allreduce_grads``  ``allreduce_gradients(model, world_size)``: sum every gradient over
-  ranks and divide by the world size (naive DP, ``labkit.parallel.dp_naive``);
-* ``02.bucket_hook``      ``on_grad_ready(bucket, p, offset)``: copy a ready gradient into its
-  bucket and start the bucket's asynchronous all-reduce once it is full
-  (``labkit.parallel.dp_bucketed``);
-* ``02.zero1_shard``      ``shard_bounds(numel, rank, world_size)``: the slice of the zero-padded
-  flat buffer a rank owns under ZeRO-1 (``labkit.parallel.zero1``).
+* ``02.allreduce_grads``  ``OverlapDDP(model, world_size)``: broadcast rank 0's weights, then
+  one ``dist.all_reduce(p.grad, async_op=True)`` per parameter from a
+  ``register_post_accumulate_grad_hook``, and ``finish_gradient_sync()`` waits on the handles
+  and averages, before the optimizer steps (CS336 assignment 2's ``DDPIndividualParameters``);
+* ``02.bucketed_ddp``     ``BucketedDDP(model, world_size, bucket_cap_mb)``: the same with the
+  gradients grouped, in reverse order, into flat buckets of at most the cap, one all-reduce per
+  bucket started when its last gradient arrives (``labkit.parallel.dp_bucketed``; PyTorch DDP
+  paper, Li et al. VLDB 2020, section 3.2);
+* ``02.zero1_step``       ``ZeRO1Optimizer(params, make_optimizer, rank, world_size)``: its
+  ``shard_bounds`` and ``step`` (reduce-scatter the flat gradient, update this rank's shard
+  with the optimizer, all-gather the parameters: ZeRO paper, Rajbhandari et al. 2019, 5.1).
+
+How a check sees *when* things happened: while the learner's code runs, the collectives of
+``torch.distributed`` are replaced by thin wrappers that record each call (kind, bytes,
+``async_op``, whether backward was still running, how many gradients were ready) and hand out
+handles that record when they are waited on. The learner's code is unchanged; it must call the
+collectives as ``dist.<name>`` (``import torch.distributed as dist``), as PyTorch's tutorials do.
 
 Importing this module has no side effects beyond the registration: no process group, no
 files.
@@ -38,20 +52,22 @@ files.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
+import inspect
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as tdist
+import torch.nn.functional as F
 from torch import nn
 
 from labkit import diagnosis
-from labkit.config import ModelConfig
 from labkit.exercises import (
     ExerciseError,
     ExerciseFailed,
@@ -61,6 +77,8 @@ from labkit.exercises import (
     explain_job_error,
     incomplete,
     is_stub,
+    learner_frame,
+    short_repr,
     time_limit_paused,
     verify,
     without_failed_prefix,
@@ -69,22 +87,233 @@ from labkit.exercises import (
 WORKER = "labkit.exercises.dp_worker"
 
 EXERCISES: dict[str, str] = {
-    "02.allreduce_grads": "allreduce_gradients",
-    "02.bucket_hook": "on_grad_ready",
-    "02.zero1_shard": "shard_bounds",
+    "02.allreduce_grads": "OverlapDDP",
+    "02.bucketed_ddp": "BucketedDDP",
+    "02.zero1_step": "ZeRO1Optimizer",
 }
-"""Exercise id -> the function the learner's file must define."""
+"""Exercise id -> the class the learner's file must define."""
 
-# A GPT small enough to build and differentiate in milliseconds, with the two traps of a
-# real model (CS336's DDP tests use the same): a frozen parameter (no .grad at all) and a
-# tied one (wte.weight is lm_head.weight: one tensor, listed once by parameters()).
-CHECK_MODEL = ModelConfig(vocab_size=256, seq_len=16, n_layer=2, n_head=2, d_model=32)
-FROZEN = "wpe.weight"
+# fp32 gradients averaged by two different all-reduce schedules differ by rounding only
+# (with 2 ranks not even that: a + b is exact to compare, and /2 is exact); a missing average
+# is off by a factor of world_size.
+RTOL, ATOL = 1e-5, 1e-7
+STEPS = 2  # two steps: a list of handles that is never cleared shows in the second
 ROWS_PER_RANK = 2  # sequences in each rank's slice of the global batch
-# fp32 gradients of two rank-means vs the mean of the whole batch differ by rounding only
-# (~1e-7 relative); a missing average is off by a factor of world_size.
-RTOL, ATOL = 1e-4, 1e-6
-BUCKET_CAP_MB = 0.02  # ~20 kB buckets: several of them in CHECK_MODEL, as in a real model
+BUCKET_CAP_MB = 0.02  # ~20 kB: several buckets in CheckLM, and a small last one
+LR, WEIGHT_DECAY = 1e-2, 0.1  # SGD in the DDP checks, torch's AdamW in ZeRO-1's (and its reference)
+
+
+# --------------------------------------------------------------------------- the check model
+
+
+class CheckLM(nn.Module):
+    """A language model small enough to run in milliseconds, with a real model's traps.
+
+    * a frozen parameter (``wpe.weight``: ``requires_grad=False``, no ``.grad`` at all);
+    * a tied one (``head.weight`` is ``wte.weight``: one tensor, listed once by
+      ``parameters()``, whose gradient arrives from two places);
+    * a buffer (``shift``), random like the weights, which DDP broadcasts too;
+    * a tiny first parameter (``scale``, one element) used at the input: backward finishes it
+      last, so it lands in the last bucket, which stays smaller than any cap; and it makes the
+      number of trainable elements odd, so ZeRO-1's shards need padding on 2 ranks.
+    """
+
+    def __init__(self, vocab: int = 64, d: int = 32, n_layer: int = 2, seq_len: int = 8):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(seq_len, d)
+        self.wpe.weight.requires_grad_(False)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+            for _ in range(n_layer)
+        )
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight  # tied (Press & Wolf 2017), as in GPT-2
+        self.register_buffer("shift", 0.02 * torch.randn(d))
+        self.vocab, self.seq_len = vocab, seq_len
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) * self.scale + self.wpe(pos) + self.shift
+        for block in self.blocks:
+            x = x + block(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+FROZEN = "wpe.weight"
+
+
+def _model(seed: int, device: torch.device) -> CheckLM:
+    with torch.random.fork_rng(devices=[]):  # leave the caller's random state alone
+        torch.manual_seed(seed)
+        return CheckLM().to(device)
+
+
+def _batches(rank: int, world_size: int, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    """This rank's (x, y) for each of STEPS steps: rows r·b … (r+1)·b − 1 of a global batch
+    that every rank draws alike."""
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, 64, (world_size * ROWS_PER_RANK, 9), generator=g)
+        rows = tokens[rank * ROWS_PER_RANK : (rank + 1) * ROWS_PER_RANK].to(device)
+        out.append((rows[:, :-1], rows[:, 1:]))
+    return out
+
+
+def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+# --------------------------------------------------------------------------- reference answers
+# The notebook's solutions, as classes the checks can be tested with and the benchmark
+# (benchmarks/bench_dp_overlap.py) can time: naive, overlapped and bucketed DDP share one
+# interface, ``Cls(model, world_size, ...)`` then ``finish_gradient_sync()`` after backward.
+
+
+def _broadcast_from_rank0(model: nn.Module) -> None:
+    """Every rank starts from rank 0's parameters and buffers, as torch DDP does when it wraps
+    a model (https://pytorch.org/docs/stable/notes/ddp.html, "Construction")."""
+    for t in [*model.parameters(), *model.buffers()]:
+        tdist.broadcast(t.data, src=0)
+
+
+class NaiveDDP:
+    """After backward, one blocking all-reduce per gradient: nothing overlaps (the baseline)."""
+
+    def __init__(self, model: nn.Module, world_size: int) -> None:
+        _broadcast_from_rank0(model)
+        self.world_size = world_size
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    def finish_gradient_sync(self) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                tdist.all_reduce(p.grad)
+                p.grad /= self.world_size
+
+
+class OverlapDDP:
+    """One asynchronous all-reduce per gradient, started by its post-accumulate hook while
+    backward computes the earlier layers; waited on before the optimizer step (CS336
+    assignment 2's ``DDPIndividualParameters``)."""
+
+    def __init__(self, model: nn.Module, world_size: int) -> None:
+        _broadcast_from_rank0(model)
+        self.world_size = world_size
+        self.handles: list[tuple[torch.Tensor, Any]] = []
+        for p in model.parameters():
+            if p.requires_grad:
+                # https://pytorch.org/docs/stable/generated/torch.Tensor.register_post_accumulate_grad_hook.html
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        self.handles.append((p, tdist.all_reduce(p.grad, async_op=True)))
+
+    def finish_gradient_sync(self) -> None:
+        for p, handle in self.handles:
+            handle.wait()
+            p.grad /= self.world_size
+        self.handles.clear()
+
+
+class BucketedDDP:
+    """Gradients copied into flat buckets of at most ``bucket_cap_mb`` (reverse parameter
+    order); a bucket's asynchronous all-reduce starts when its last gradient arrives (PyTorch
+    DDP paper, Li et al. VLDB 2020, section 3.2; ``labkit.parallel.dp_bucketed``)."""
+
+    def __init__(self, model: nn.Module, world_size: int, bucket_cap_mb: float = 25.0) -> None:
+        _broadcast_from_rank0(model)
+        self.world_size = world_size
+        params = [p for p in model.parameters() if p.requires_grad]
+        cap_bytes = bucket_cap_mb * 2**20
+        groups: list[list[nn.Parameter]] = [[]]
+        size = 0
+        for p in reversed(params):  # backward makes the last layers' gradients first
+            nbytes = p.numel() * p.element_size()
+            if groups[-1] and size + nbytes > cap_bytes:
+                groups.append([])
+                size = 0
+            groups[-1].append(p)
+            size += nbytes
+        self.buckets: list[dict[str, Any]] = []
+        self.where: dict[int, tuple[dict[str, Any], int]] = {}
+        for group in groups:  # the last group too, however small
+            buffer = torch.zeros(sum(p.numel() for p in group), dtype=group[0].dtype,
+                                 device=group[0].device)  # fmt: skip
+            bucket = {"params": group, "buffer": buffer, "ready": 0, "handle": None}
+            offset = 0
+            for p in group:
+                self.where[id(p)] = (bucket, offset)
+                offset += p.numel()
+            self.buckets.append(bucket)
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        bucket, offset = self.where[id(p)]
+        bucket["buffer"][offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+        bucket["ready"] += 1
+        if bucket["ready"] == len(bucket["params"]):
+            bucket["handle"] = tdist.all_reduce(bucket["buffer"], async_op=True)
+
+    def finish_gradient_sync(self) -> None:
+        for bucket in self.buckets:
+            bucket["handle"].wait()
+            bucket["buffer"] /= self.world_size
+            offset = 0
+            for p in bucket["params"]:
+                p.grad.copy_(bucket["buffer"][offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+            bucket["ready"], bucket["handle"] = 0, None
+
+
+class ZeRO1Optimizer:
+    """ZeRO stage 1 (Rajbhandari et al. 2019, section 5.1): the flat parameters in equal,
+    zero-padded shards; ``make_optimizer([shard])`` keeps state for this rank's shard only;
+    ``step`` = reduce-scatter the gradients, update the shard, all-gather the weights."""
+
+    def __init__(self, params: Any, make_optimizer: Callable[[list[nn.Parameter]], Any],
+                 rank: int, world_size: int) -> None:  # fmt: skip
+        self.params = [p for p in params if p.requires_grad]
+        self.rank, self.world_size = rank, world_size
+        numel = sum(p.numel() for p in self.params)
+        self.start, self.stop = self.shard_bounds(numel, rank, world_size)
+        self.flat = torch.zeros(world_size * (self.stop - self.start),
+                                dtype=self.params[0].dtype, device=self.params[0].device)  # fmt: skip
+        self.flat[:numel] = torch.cat([p.detach().reshape(-1) for p in self.params])
+        self.shard = nn.Parameter(self.flat[self.start : self.stop].clone())
+        self.inner = make_optimizer([self.shard])
+
+    @staticmethod
+    def shard_bounds(numel: int, rank: int, world_size: int) -> tuple[int, int]:
+        shard = -(-numel // world_size)  # ceil without floats
+        return rank * shard, (rank + 1) * shard
+
+    @torch.no_grad()
+    def step(self) -> None:
+        grads = torch.zeros_like(self.flat)
+        offset = 0
+        for p in self.params:
+            if p.grad is not None:
+                grads[offset : offset + p.numel()] = p.grad.reshape(-1)
+            offset += p.numel()
+        shard_grad = torch.empty_like(self.shard)
+        tdist.reduce_scatter_single(shard_grad, grads)
+        self.shard.grad = shard_grad / self.world_size
+        self.inner.step()
+        tdist.all_gather_single(self.flat, self.shard.detach())
+        offset = 0
+        for p in self.params:
+            p.copy_(self.flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
 
 
 # --------------------------------------------------------------------------- shared pieces
@@ -102,108 +331,357 @@ def _group() -> tuple[int, int, torch.device]:
     return tdist.get_rank(), tdist.get_world_size(), device
 
 
-def _require_callable(answer: object, signature: str) -> Callable[..., Any]:
+def _require_class(answer: object, signature: str) -> Callable[..., Any]:
     if not callable(answer):
         raise ExerciseFailed(
-            f"expected the function {signature}, got {type(answer).__name__} {answer!r}"
+            f"expected the class {signature}, got {type(answer).__name__} {answer!r}"
         )
     return answer
 
 
-@dataclass
-class _Setup:
-    """The check model on this rank, its slice of the batch, and the reference gradients."""
+def _agree(problem: str | None) -> None:
+    """Every rank learns every rank's verdict, and all raise the first problem found.
 
-    model: nn.Module
-    x: torch.Tensor  # (ROWS_PER_RANK, T) int64: this rank's inputs
-    y: torch.Tensor  # (ROWS_PER_RANK, T) int64: this rank's targets
-    reference: dict[str, torch.Tensor]  # name -> gradient of the whole batch's mean loss
-
-
-def _setup(rank: int, world_size: int, device: torch.device) -> _Setup:
-    """Identical replicas on every rank (same seed), a global batch of world_size x
-    ROWS_PER_RANK sequences, and the gradient one process gets from all of it."""
-    from labkit.model import GPT
-
-    with torch.random.fork_rng(devices=[]):  # leave the caller's random state alone
-        torch.manual_seed(0)
-        model = GPT(CHECK_MODEL).to(device)
-    dict(model.named_parameters())[FROZEN].requires_grad_(False)
-    g = torch.Generator().manual_seed(1234)  # the same global batch on every rank
-    T = CHECK_MODEL.seq_len
-    tokens = torch.randint(0, CHECK_MODEL.vocab_size, (world_size * ROWS_PER_RANK, T + 1),
-                           generator=g).to(device)  # fmt: skip
-    x_all, y_all = tokens[:, :-1], tokens[:, 1:]  # (G, T) each
-
-    # The reference: one process, the whole batch (the mean over all G·T tokens equals the
-    # mean over ranks of each rank's mean, since every rank has equally many tokens).
-    reference_model = copy.deepcopy(model)
-    _, loss = reference_model(x_all, y_all)
-    loss.backward()
-    reference = {
-        n: p.grad.detach().clone()
-        for n, p in reference_model.named_parameters()
-        if p.grad is not None
-    }
-    rows = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
-    return _Setup(model, x_all[rows], y_all[rows], reference)
+    A rank that found a mistake must not leave the others waiting in the next collective:
+    after each phase of a check the ranks compare notes (``all_gather_object``), so every
+    rank stops at the same point, with the same message (which names the rank that found it).
+    """
+    n = tdist.get_world_size()
+    found: list[str | None] = [None] * n
+    tdist.all_gather_object(found, problem)
+    for message in found:
+        if message is not None:
+            raise ExerciseFailed(message)
 
 
-def _local_backward(s: _Setup, model: nn.Module | None = None) -> dict[str, torch.Tensor]:
-    """Backward on this rank's slice only (of ``s.model``, or of ``model``, a copy of it);
-    returns copies of the local gradients."""
-    model = s.model if model is None else model
-    _, loss = model(s.x, s.y)
-    loss.backward()
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+def _attempt(fn: Callable[[], Any]) -> tuple[Any, str | None]:
+    """Run a piece of the learner's code; (result, None), or (None, what went wrong)."""
+    try:
+        return fn(), None
+    except NotImplementedError:
+        raise
+    except ExerciseFailed as err:
+        return None, str(err)
+    except Exception as err:  # call() turns most into ExerciseFailed; this is the rest
+        return None, f"your code raised {type(err).__name__}: {err}{learner_frame(err)}"
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.allclose(a, b, rtol=RTOL, atol=ATOL)
 
 
-def _compare_gradients(
+def _why_gradient_differs(
+    got: torch.Tensor, want: torch.Tensor, local: torch.Tensor, n: int
+) -> str:
+    """The usual mistake a wrong averaged gradient points to."""
+    if not torch.isfinite(got).all():
+        return "it contains inf/NaN"
+    if _close(got, local):
+        return "it is still this rank's own gradient: it was never all-reduced with the other ranks"
+    if _close(got, n * want):
+        return (f"it is {n}x the average: all_reduce sums over the {n} ranks, so divide by "
+                "world_size once the all-reduce has finished")  # fmt: skip
+    if _close(got, want / n):
+        return f"it is 1/{n} of the average: it was divided by world_size twice"
+    if _close(got, local / n):
+        return ("it is this rank's gradient divided by world_size: the sum over ranks never "
+                "reached it (was it divided before the all-reduce finished, or was the "
+                "all-reduce started on a copy?)")  # fmt: skip
+    err = (got - want).abs().max().item()
+    return f"it differs from DDP's by up to {err:.3g}"
+
+
+# --------------------------------------------------------------------------- the collective spy
+
+
+@dataclass
+class _Call:
+    """One collective the learner's code called."""
+
+    kind: str  # "all_reduce", "reduce_scatter", "all_gather", "broadcast"
+    nbytes: int  # bytes of the tensor reduced / scattered from / gathered into / broadcast
+    async_op: bool
+    phase: str  # what the check was running: "init", "backward", "finish", "step"
+    ready: int  # gradients that were final (post-accumulate hooks run) when it was called
+    waited: str | None = None  # phase in which .wait() was first called on its handle
+    work: Any = None
+
+
+# torch.distributed names -> the kind of collective (several names for one kind: torch 2.13
+# renamed all_gather_into_tensor to all_gather_single, and the old names still work)
+_SPIED = {
+    "all_reduce": "all_reduce",
+    "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_single": "reduce_scatter",
+    "all_gather": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_single": "all_gather",
+    "broadcast": "broadcast",
+}
+
+
+class _Handle:
+    """A collective's work handle that remembers when it was first waited on."""
+
+    def __init__(self, work: Any, record: _Call, spy: _Spy) -> None:
+        self._work, self._record, self._spy = work, record, spy
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        if self._record.waited is None:
+            self._record.waited = self._spy.phase
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # is_completed, get_future, ...
+        return getattr(self._work, name)
+
+
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(o) for o in obj)
+    return 0
+
+
+class _Spy:
+    """Records the collectives ``torch.distributed`` is asked for while active, and counts the
+    gradients that are final (its own post-accumulate hooks, registered before the learner's,
+    so they run first for each parameter)."""
+
+    def __init__(self, params: Sequence[nn.Parameter] = ()) -> None:
+        self.calls: list[_Call] = []
+        self.phase = "init"
+        self.ready = 0
+        self.events: list[str] = []  # "reduce_scatter", "update", "all_gather"... in order
+        self._depth = 0  # a collective that calls another by its new name is one call
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_ready) for p in params]
+
+    def _on_ready(self, _: torch.Tensor) -> None:
+        self.ready += 1
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+    def _wrap(self, kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def spied(*args: Any, **kwargs: Any) -> Any:
+            if self._depth:
+                return fn(*args, **kwargs)
+            async_op = bool(kwargs.get("async_op", False))
+            # S as NCCL-tests counts it: the tensor reduced, the full input of a
+            # reduce-scatter, the gathered output of an all-gather (its first argument)
+            index = 1 if kind == "reduce_scatter" else 0
+            tensor = args[index] if len(args) > index else kwargs.get("input" if index else "tensor")
+            record = _Call(kind, _tensor_bytes(tensor), async_op, self.phase, self.ready)
+            self.calls.append(record)
+            self.events.append(kind)
+            self._depth += 1
+            try:
+                work = fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+            if work is None:
+                return None
+            record.work = work
+            return _Handle(work, record, self)
+
+        return spied
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[_Spy]:
+        import torch.distributed.distributed_c10d as c10d
+
+        saved = []
+        for module in (tdist, c10d):
+            for name, kind in _SPIED.items():
+                fn = getattr(module, name, None)
+                if fn is not None:
+                    saved.append((module, name, fn))
+                    setattr(module, name, self._wrap(kind, fn))
+        try:
+            yield self
+        finally:
+            for module, name, fn in saved:
+                setattr(module, name, fn)
+
+    def wait_all(self) -> None:
+        """Wait on every handle the learner left behind, so no collective is left in flight."""
+        for c in self.calls:
+            if c.work is not None:
+                c.work.wait()
+                c.work = None
+
+
+# --------------------------------------------------------------------------- DDP checks
+
+
+@dataclass
+class _DDPRun:
+    """What one check of a DDP class saw: its spy per step and its model."""
+
+    model: nn.Module
+    steps: list[_Spy] = field(default_factory=list)
+    init: _Spy | None = None
+
+
+def _reference_ddp(
     model: nn.Module,
-    reference: dict[str, torch.Tensor],
-    local: dict[str, torch.Tensor],
-    world_size: int,
-    advice: str,
-) -> None:
-    """Every trainable gradient must equal the reference; name the first one that does not
-    and the usual mistake its value points to. ``advice`` ends a message with no better one."""
-    params = dict(model.named_parameters())
-    if params[FROZEN].grad is not None and params[FROZEN].grad.abs().sum() != 0:
-        raise ExerciseFailed(
-            f"the frozen parameter {FROZEN} (requires_grad=False) now has a nonzero gradient; "
-            "leave parameters whose .grad is None alone"
-        )
-    for name, want in reference.items():
-        got = params[name].grad
-        if got is None:
-            raise ExerciseFailed(f"{name}.grad is None after your code; it must hold the average")
-        if _close(got, want):
-            continue
-        n = world_size
-        if not torch.isfinite(got).all():
-            why = "it contains inf/NaN"
-        elif _close(got, local[name]):
-            why = ("it is still this rank's own gradient: it was never all-reduced with the "
-                   "other ranks")  # fmt: skip
-        elif _close(got, n * want):
-            why = (f"it is {n}x the average: all_reduce sums over the {n} ranks, so divide "
-                   "by world_size afterwards")  # fmt: skip
-        elif _close(got, want / n):
-            why = f"it is 1/{n} of the average: it was divided by world_size twice"
-        elif _close(got, local[name] / n):
-            why = ("it is this rank's gradient divided by world_size: the sum over ranks never "
-                   "happened (was the all-reduce started on the tensor that is copied back?)")  # fmt: skip
-        else:
-            err = (got - want).abs().max().item()
-            why = f"it differs from the reference by up to {err:.3g}; {advice}"
-        raise ExerciseFailed(
-            f"{name}.grad does not equal the gradient of the whole batch on rank "
-            f"{tdist.get_rank()} of {n}: {why}"
-        )
+    batches: list[tuple[torch.Tensor, ...]],
+    bucket_cap_mb: float | None = None,
+    *,
+    use_torch_ddp: bool = False,
+) -> tuple[list[dict[str, torch.Tensor]], nn.Module]:
+    """What DDP computes on a copy of ``model``: the averaged gradients of each step (copies,
+    by name) and the model after STEPS SGD steps (:func:`_sgd_step`).
+
+    By hand by default: rank 0's parameters and buffers broadcast, then each step the mean over
+    ranks of every gradient, which is torch's ``DistributedDataParallel`` semantics
+    (https://pytorch.org/docs/stable/notes/ddp.html). ``use_torch_ddp=True`` runs torch's own
+    (the tests compare the two): its first use imports torch._dynamo, seconds that every check
+    job in a notebook would pay again.
+    """
+    replica = copy.deepcopy(model)
+    n = tdist.get_world_size()
+    if use_torch_ddp:
+        from torch.nn.parallel import DistributedDataParallel
+
+        kwargs = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+        forward: Callable[..., torch.Tensor] = DistributedDataParallel(replica, **kwargs)
+    else:
+        _broadcast_from_rank0(replica)
+        forward = replica
+    grads = []
+    for x, y in batches:
+        replica.zero_grad(set_to_none=True)
+        forward(x, y).backward()
+        if not use_torch_ddp:
+            for _, p in _trainable(replica):
+                tdist.all_reduce(p.grad)
+                p.grad /= n
+        grads.append({name: p.grad.detach().clone() for name, p in _trainable(replica)})
+        _sgd_step(replica)
+    return grads, replica
+
+
+@torch.no_grad()
+def _sgd_step(model: nn.Module) -> None:
+    """p -= LR · p.grad. Not a torch optimizer: creating one imports torch._dynamo (seconds,
+    in every check job); the DDP checks need the weights to move between steps, nothing more."""
+    for _, p in _trainable(model):
+        p.add_(p.grad, alpha=-LR)
+
+
+def _local_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """This rank's own gradients for one batch (of a copy: the model is left alone)."""
+    replica = copy.deepcopy(model)
+    replica(x, y).backward()
+    return {n: p.grad.detach().clone() for n, p in _trainable(replica)}
+
+
+def _ranks_disagree(model: nn.Module) -> str | None:
+    """Name the first parameter or buffer whose values differ across ranks (every rank gets
+    the same answer: it is computed with all-reduces of the values' max and min)."""
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        hi, lo = t.detach().clone(), t.detach().clone()
+        tdist.all_reduce(hi, op=tdist.ReduceOp.MAX)
+        tdist.all_reduce(lo, op=tdist.ReduceOp.MIN)
+        if not torch.equal(hi, lo):
+            return name
+    return None
+
+
+def _run_ddp_class(
+    cls: Callable[..., Any], args: tuple[Any, ...], signature: str
+) -> tuple[_DDPRun, list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]],
+           list[dict[str, torch.Tensor]], nn.Module]:  # fmt: skip
+    """Train CheckLM for STEPS steps with the learner's DDP class and with what DDP computes.
+
+    Every rank seeds its model differently (as separately initialised processes would): both
+    must broadcast rank 0's weights. Returns what the learner's run saw, its averaged
+    gradients per step, DDP's (:func:`_reference_ddp`), this rank's local ones, and the
+    reference's final model.
+    Between phases the ranks agree (:func:`_agree`), so a mistake stops all of them together.
+    """
+    rank, n, device = _group()
+    model = _model(100 + rank, device)
+    original = copy.deepcopy(model)  # for the reference, which runs after the learner's class
+    batches = _batches(rank, n, device)
+    params = [p for _, p in _trainable(model)]
+
+    run = _DDPRun(model)
+    spy = _Spy(params)  # registered first: counts a gradient before the learner's hook sees it
+    run.init = spy
+    with spy.active():
+        ddp, problem = _attempt(lambda: call(cls, model, n, *args))
+    _agree(problem)
+    disagree = _ranks_disagree(model)
+    if disagree is not None:
+        _agree(f"after {signature} the ranks hold different values of {disagree}: each rank "
+               "initialised its own model (a different seed per rank), and nothing made them "
+               "equal. In __init__, broadcast rank 0's parameters and buffers to every rank "
+               "(dist.broadcast(t.data, src=0) for each), as torch DDP does")  # fmt: skip
+    finish = getattr(ddp, "finish_gradient_sync", None)
+    if not callable(finish):
+        _agree(f"{type(ddp).__name__} has no method finish_gradient_sync(): the training loop "
+               "calls it after loss.backward() and before optimizer.step()")  # fmt: skip
+    want, reference = _reference_ddp(original, batches, args[0] if args else None)
+
+    got, local = [], []
+    for step, (x, y) in enumerate(batches):
+        local.append(_local_grads(model, x, y))
+        model.zero_grad(set_to_none=True)
+        spy.calls, spy.events, spy.ready = [], [], 0
+        problem = None
+        with spy.active():
+            spy.phase = "backward"
+            _, problem = _attempt(lambda: model(x, y).backward())  # noqa: B023
+            if problem is None:
+                spy.phase = "finish"
+                _, problem = _attempt(lambda: call(finish))
+        spy.phase = "after"
+        spy.wait_all()
+        run.steps.append(copy.copy(spy))
+        if problem is not None:
+            problem = f"in step {step + 1}: {problem}"
+        _agree(problem)
+        missing = [name for name, p in _trainable(model) if p.grad is None]
+        if missing:
+            _agree(f"after finish_gradient_sync() in step {step + 1}, {missing[0]}.grad is None "
+                   f"on rank {tdist.get_rank()}: leave the averaged gradient in p.grad")  # fmt: skip
+        got.append({name: p.grad.detach().clone() for name, p in _trainable(model)})
+        _sgd_step(model)
+    spy.remove_hooks()
+    return run, got, want, local, reference
+
+
+def _compare_steps(
+    got: list[dict[str, torch.Tensor]],
+    want: list[dict[str, torch.Tensor]],
+    local: list[dict[str, torch.Tensor]],
+    extra: Callable[[list[str]], str] | None = None,
+) -> str | None:
+    """The first gradient that differs from DDP's, and why; None when all agree.
+    ``extra(names of still-local gradients)`` may explain a pattern of them."""
+    rank, n = tdist.get_rank(), tdist.get_world_size()
+    for step, (g, w, loc) in enumerate(zip(got, want, local, strict=True)):
+        unreduced = [k for k in w if not _close(g[k], w[k]) and _close(g[k], loc[k])]
+        if unreduced and extra is not None and len(unreduced) < len(w):
+            return extra(unreduced)
+        for name, target in w.items():
+            if not _close(g[name], target):
+                return (f"in step {step + 1}, {name}.grad on rank {rank} of {n} is not "
+                        f"the averaged gradient DDP computes: "
+                        f"{_why_gradient_differs(g[name], target, loc[name], n)}")  # fmt: skip
+    return None
+
+
+def _frozen_untouched(model: nn.Module) -> str | None:
+    p = dict(model.named_parameters())[FROZEN]
+    if p.grad is not None:
+        return (f"the frozen parameter {FROZEN} (requires_grad=False) now has a .grad: "
+                "leave parameters that do not train alone")  # fmt: skip
+    return None
 
 
 # --------------------------------------------------------------------------- 02.allreduce_grads
@@ -211,173 +689,181 @@ def _compare_gradients(
 
 @exercise(
     "02.allreduce_grads",
-    "Average the gradients over ranks with all-reduce (naive data parallelism)",
+    "DDP from scratch: all-reduce each gradient asynchronously while backward runs",
     hints=(
-        "every rank computed the gradient of its own slice of the batch; the step needs the "
-        "gradient of the whole batch, which is the mean of the ranks' gradients",
-        "dist.all_reduce(t) replaces t on every rank by the sum over ranks, in place; a "
-        "parameter that does not train has no gradient at all (p.grad is None)",
-        "recipe: for each parameter with a gradient, all-reduce p.grad, then divide it by "
-        "world_size",
+        "the step needs the mean of the ranks' gradients; the all-reduce of one gradient can "
+        "run while backward still computes the earlier layers', if it starts the moment that "
+        "gradient is final and nothing waits for it until backward is over",
+        "p.register_post_accumulate_grad_hook(fn) calls fn(p) once p.grad is final; "
+        "dist.all_reduce(t, async_op=True) starts the sum over ranks and returns a handle at "
+        "once; handle.wait() blocks until it is done. Parameters with requires_grad=False get "
+        "no gradient (and a hook on them is an error); ranks seeded differently need rank 0's "
+        "weights first (dist.broadcast)",
+        "recipe: in __init__ broadcast every parameter and buffer from rank 0, keep a list of "
+        "handles, and hook each trainable p with a function that appends (p, "
+        "dist.all_reduce(p.grad, async_op=True)); in finish_gradient_sync() wait on each "
+        "handle, divide p.grad by world_size, and empty the list for the next step",
     ),
+    reference=OverlapDDP,
 )
-def _verify_allreduce_grads(allreduce_gradients: Any) -> str:
-    fn = _require_callable(allreduce_gradients, "allreduce_gradients(model, world_size) -> None")
-    rank, n, device = _group()
-    s = _setup(rank, n, device)
-    local = _local_backward(s)
-    call(fn, s.model, n)
-    _compare_gradients(s.model, s.reference, local, n,
-                       "compare with what one process computes on the whole batch")  # fmt: skip
+def _verify_overlap_ddp(cls: Any) -> str:
+    cls = _require_class(cls, "OverlapDDP(model, world_size)")
+    rank, n, _ = _group()
+    run, got, want, local, _ = _run_ddp_class(cls, (), "OverlapDDP(model, world_size)")
+    n_params = len(want[0])
+    for step, spy in enumerate(run.steps, start=1):
+        mine = [c for c in spy.calls if c.kind == "all_reduce"]
+        problem = None
+        after = [c for c in mine if c.phase != "backward"]
+        sync = [c for c in mine if c.phase == "backward" and not c.async_op]
+        early = [c for c in mine if c.waited == "backward"]
+        unwaited = [c for c in mine if c.async_op and c.waited not in ("backward", "finish")]
+        if not mine:
+            problem = ("no dist.all_reduce was called during backward or in "
+                       "finish_gradient_sync(): each gradient must be all-reduced (call it as "
+                       "dist.all_reduce, with import torch.distributed as dist)")  # fmt: skip
+        elif len(after) == len(mine):
+            problem = (f"all {len(mine)} all-reduces started in finish_gradient_sync(), after "
+                       "backward had ended: nothing overlaps with backward (that is naive data "
+                       "parallelism). Start each one from the gradient's "
+                       "register_post_accumulate_grad_hook")  # fmt: skip
+        elif sync:
+            problem = (f"{len(sync)} all-reduces ran with async_op=False inside backward: each "
+                       "one blocks backward until the bytes have moved, so nothing overlaps. "
+                       "Pass async_op=True and keep the handle")  # fmt: skip
+        elif early:
+            problem = (f"{len(early)} handles were waited on inside backward (the hook called "
+                       ".wait() right after starting the all-reduce): backward stops there "
+                       "until the bytes have moved, so nothing overlaps. Keep the handles and "
+                       "wait on them in finish_gradient_sync()")  # fmt: skip
+        elif unwaited:
+            problem = (f"{len(unwaited)} all-reduce handles were never waited on before "
+                       "finish_gradient_sync() returned: the optimizer would read gradients the "
+                       "all-reduce may still be writing. Wait on every handle there")  # fmt: skip
+        elif len(mine) > n_params:
+            problem = (f"{len(mine)} all-reduces for {n_params} trainable parameters: some "
+                       "gradient went out twice (a hook registered twice, or a tied weight "
+                       "listed twice?)")  # fmt: skip
+        if problem:
+            _agree(f"in step {step}: {problem}")
+    _agree(_frozen_untouched(run.model) or _compare_steps(got, want, local))
+    calls = [c for c in run.steps[-1].calls if c.kind == "all_reduce"]
+    before_end = sum(1 for c in calls if c.ready < n_params)
     return (
-        f"after allreduce_gradients(model, {n}) each rank holds the gradient of the whole "
-        f"{n * ROWS_PER_RANK}-sequence batch, as one process would (frozen {FROZEN} skipped, "
-        "tied wte/lm_head included)"
+        f"on rank {rank} of {n} your DDP broadcast rank 0's weights and, in each of {STEPS} "
+        f"SGD steps, all-reduced {len(calls)} gradients asynchronously from their hooks "
+        f"({before_end} of them while backward still had gradients to compute) and waited "
+        "before the step: every gradient equals DDP's (frozen wpe skipped, tied "
+        "wte/head once)"
     )
 
 
-# --------------------------------------------------------------------------- 02.bucket_hook
-
-
-@dataclass
-class _Arrival:
-    bucket: int  # index of the bucket the gradient belongs to
-    full: bool  # this gradient was the bucket's last one
-    launched: bool  # bucket.work went from None to a handle during this call
-    seen_before: int  # gradients that arrived (in all buckets) before this one
-
-
-def _bucket_harness(fill: Callable[..., Any], world_size: int, backend: str) -> Any:
-    """labkit's BucketedDP with its fill-and-launch step replaced by the learner's ``fill``.
-
-    Everything else (making buckets, queueing the end-of-backward callback, waiting, averaging
-    and copying back) is labkit's. The harness records when each bucket was launched, and
-    never raises inside autograd: the learner's exception is kept and raised after backward,
-    once labkit has launched and waited on every bucket itself, so all ranks leave backward
-    having issued the same collectives (no rank is left waiting).
-    """
-    from labkit.parallel.dp_bucketed import BucketedDP
-
-    class Harness(BucketedDP):
-        def __init__(self) -> None:
-            super().__init__(world_size, backend, bucket_cap_mb=BUCKET_CAP_MB)
-            self.error: Exception | None = None
-            self.arrivals: list[_Arrival] = []
-            self.work_at_end: list[Any] = []
-            self._index: dict[int, int] = {}
-            self._count: dict[int, int] = {}
-
-        def wrap(self, model: nn.Module) -> nn.Module:
-            out = super().wrap(model)
-            self._index = {id(b): k for k, b in enumerate(self.buckets)}
-            return out
-
-        def _on_grad_ready(self, p: torch.Tensor) -> None:
-            if not self.callback_queued:
-                self.callback_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self.after_backward)
-            bucket, offset = self._where[id(p)]
-            k = self._index[id(bucket)]
-            self._count[k] = self._count.get(k, 0) + 1
-            before = bucket.work
-            if self.error is None:
-                try:
-                    fill(bucket, p, offset)
-                except Exception as err:  # kept and raised after backward (see above)
-                    self.error = err
-            self.arrivals.append(
-                _Arrival(
-                    bucket=k,
-                    full=self._count[k] == len(bucket.params),
-                    launched=before is None and bucket.work is not None,
-                    seen_before=len(self.arrivals),
-                )
-            )
-
-        def after_backward(self) -> None:
-            self.work_at_end = [b.work for b in self.buckets]
-            for b in self.buckets:
-                if b.work is not None and not callable(getattr(b.work, "wait", None)):
-                    b.work = None  # not a handle: labkit sends the bucket itself
-            super().after_backward()
-            self._count.clear()
-
-    return Harness()
+# --------------------------------------------------------------------------- 02.bucketed_ddp
 
 
 @exercise(
-    "02.bucket_hook",
-    "Fill a gradient bucket and start its all-reduce asynchronously when it is full",
+    "02.bucketed_ddp",
+    "Bucketed DDP: one asynchronous all-reduce per bucket of gradients, started when it fills",
     hints=(
-        "the hook runs once per parameter, in the order backward finishes them; it must put "
-        "the gradient where the bucket's one big message will carry it, and start that message "
-        "only when nothing else in the bucket is still missing",
-        "p's slot in the flat bucket.buffer starts at offset and is p.numel() long; bucket.ready "
-        "remembers which parameters have arrived; async_op=True makes all_reduce return a "
-        "handle at once instead of waiting",
-        "recipe: copy p.grad flattened into its slot, add id(p) to bucket.ready, and when every "
-        "parameter of the bucket is ready set bucket.work = dist.all_reduce(bucket.buffer, "
-        "async_op=True)",
+        "one message per parameter pays the latency α once per parameter; grouping gradients "
+        "into a few flat buckets pays it once per bucket, and a bucket can still leave while "
+        "backward computes the layers before it, if the buckets follow the order in which "
+        "backward makes the gradients (the reverse of model.parameters())",
+        "walk the trainable parameters in reverse, start a new bucket when the next one would "
+        "take it past the cap (bucket_cap_mb · 2**20 bytes); give each bucket a flat buffer "
+        "and each parameter an offset in it. The last bucket is usually smaller than the cap, "
+        "and it must be sent too. A hook copies p.grad into its slot; when all of a bucket's "
+        "gradients are in, dist.all_reduce(buffer, async_op=True)",
+        "recipe: __init__: broadcast parameters and buffers from rank 0; group reversed "
+        "trainable parameters greedily (append the open group after the loop too); per bucket "
+        "a torch.zeros buffer, offsets, a count of ready gradients and a handle; hook each p: "
+        "buffer[off:off + p.numel()].copy_(p.grad.reshape(-1)), count += 1, when count == "
+        "len(params) start the all-reduce. finish_gradient_sync(): for each bucket wait, "
+        "divide the buffer by world_size, copy each slice back into p.grad (view_as(p)), reset "
+        "the count and the handle",
     ),
+    reference=BucketedDDP,
 )
-def _verify_bucket_hook(on_grad_ready: Any) -> str:
-    fn = _require_callable(on_grad_ready, "on_grad_ready(bucket, p, offset) -> None")
-    rank, n, device = _group()
-    s = _setup(rank, n, device)
-    local = _local_backward(s, copy.deepcopy(s.model))  # to recognise unreduced gradients
-    harness = _bucket_harness(fn, n, tdist.get_backend())
-    model = harness.wrap(s.model)
-    _, loss = model(s.x, s.y)
-    loss.backward()  # labkit's after_backward has waited on every bucket by now
-    err = harness.error
-    if isinstance(err, NotImplementedError):
-        raise err  # the stub: verify() reports the exercise as not done, with its hint
-    if err is not None:
-        raise ExerciseFailed(
-            f"on_grad_ready(bucket, p, offset) raised {type(err).__name__}: {err}"
-        ) from err
+def _verify_bucketed_ddp(cls: Any) -> str:
+    cls = _require_class(cls, "BucketedDDP(model, world_size, bucket_cap_mb)")
+    rank, n, _ = _group()
+    cap = int(BUCKET_CAP_MB * 2**20)
 
-    n_buckets, total = len(harness.buckets), len(harness.arrivals)
-    for k, bucket in enumerate(harness.buckets):
-        mine = [a for a in harness.arrivals if a.bucket == k]
-        launches = [a for a in mine if a.launched]
-        size = len(bucket.params)
-        work = harness.work_at_end[k]
-        if work is None:
-            raise ExerciseFailed(
-                f"bucket {k} ({size} gradients) was full but its all-reduce was never started "
-                "from on_grad_ready: bucket.work was still None when backward ended (without "
-                "async_op the call blocks and returns None, so there is no handle and nothing "
-                "overlaps with backward)"
-            )
-        if not callable(getattr(work, "wait", None)):
-            raise ExerciseFailed(
-                f"bucket.work of bucket {k} is {type(work).__name__} {work!r}, not the handle "
-                "of an asynchronous all-reduce (something with .wait())"
-            )
-        if launches and not launches[0].full:
-            got = mine.index(launches[0]) + 1
-            raise ExerciseFailed(
-                f"bucket {k}'s all-reduce started when {got} of its {size} gradients had "
-                "arrived: the rest would be missing from the sum"
-            )
-    # The values: what labkit copied back from the buckets must be the whole-batch gradient.
-    _compare_gradients(
-        model,
-        s.reference,
-        local,
-        n,
-        "is each gradient copied into its own slot of the bucket, before it is marked ready?",
+    def never_reduced(names: list[str]) -> str:
+        return (f"on rank {rank} the gradients of {', '.join(names)} were never all-reduced "
+                "(each is still this rank's own). They are the last ones backward produces "
+                "and fill a last bucket that never reaches the cap: that bucket was never "
+                "sent. After the loop that fills buckets, close the open one too; start a "
+                "bucket's all-reduce when all of its gradients are in, not when it reaches "
+                "the cap")  # fmt: skip
+
+    run, got, want, local, _ = _run_ddp_class(
+        cls, (BUCKET_CAP_MB,), f"BucketedDDP(model, world_size, bucket_cap_mb={BUCKET_CAP_MB})"
     )
-    overlapped = sum(1 for a in harness.arrivals if a.launched and a.seen_before < total - 1)
+    params = dict(_trainable(run.model))
+    n_params = len(params)
+    grad_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    largest = max(p.numel() * p.element_size() for p in params.values())
+    short: tuple[int, int] | None = None
+    for step, spy in enumerate(run.steps, start=1):
+        mine = [c for c in spy.calls if c.kind == "all_reduce"]
+        sent = sum(c.nbytes for c in mine)
+        problem = None
+        if not mine:
+            problem = ("no dist.all_reduce was called: each bucket's buffer must be all-reduced "
+                       "(call it as dist.all_reduce, with import torch.distributed as dist)")  # fmt: skip
+        elif all(c.phase != "backward" for c in mine):
+            problem = (f"all {len(mine)} all-reduces started in finish_gradient_sync(), after "
+                       "backward: nothing overlaps. Start a bucket's all-reduce from the hook "
+                       "of its last gradient")  # fmt: skip
+        elif any(c.phase == "backward" and not c.async_op for c in mine):
+            problem = ("an all-reduce ran with async_op=False inside backward: it blocks "
+                       "backward while the bucket moves. Pass async_op=True, keep the handle")  # fmt: skip
+        elif any(c.waited == "backward" for c in mine):
+            problem = ("a bucket's handle was waited on inside backward (right after starting "
+                       "it): backward stops there, so nothing overlaps. Wait in "
+                       "finish_gradient_sync()")  # fmt: skip
+        elif any(c.async_op and c.waited not in ("backward", "finish") for c in mine):
+            problem = ("a bucket's handle was never waited on before finish_gradient_sync() "
+                       "returned: the gradients copied out of it may be half-reduced")  # fmt: skip
+        elif len(mine) >= n_params:
+            problem = (f"{len(mine)} all-reduces for {n_params} trainable parameters: one "
+                       "message per gradient is not bucketing. Group gradients into flat "
+                       "buffers of up to bucket_cap_mb")  # fmt: skip
+        elif any(c.nbytes > cap + largest for c in mine) or len(mine) == 1:
+            problem = (f"messages of {sorted(c.nbytes for c in mine)} bytes for a cap of "
+                       f"{cap} bytes ({BUCKET_CAP_MB} MB · 2**20): a bucket holds up to the "
+                       "cap, so this model needs several")  # fmt: skip
+        elif min(c.ready for c in mine) >= n_params:
+            problem = ("every bucket's all-reduce started only once all gradients were ready: "
+                       "nothing overlapped with backward. Start each bucket as soon as its own "
+                       "gradients are in (buckets in reverse parameter order fill first)")  # fmt: skip
+        elif sent > grad_bytes:
+            problem = (f"the buckets carried {sent} bytes, more than the {grad_bytes} bytes of "
+                       "gradients: some gradient was sent twice")  # fmt: skip
+        if sent < grad_bytes:
+            short = short or (sent, grad_bytes)
+            problem = None  # a bucket never sent: the values below name its parameters
+        if problem:
+            _agree(f"in step {step}: {problem}")
+    values = _frozen_untouched(run.model) or _compare_steps(got, want, local, never_reduced)
+    if values is None and short:  # one rank: an unsent bucket has the right values anyway
+        values = (f"on rank {rank} the buckets carried {short[0]} of the {short[1]} bytes of "
+                  "gradients: the last gradients backward produces fill a last bucket that "
+                  "never reaches the cap, and that bucket was never sent. After the loop that "
+                  "fills buckets, close the open one too")  # fmt: skip
+    _agree(values)
+    calls = [c for c in run.steps[-1].calls if c.kind == "all_reduce"]
+    before_end = sum(1 for c in calls if c.ready < n_params)
     return (
-        f"{n_buckets} buckets each started their all-reduce as soon as they were full; "
-        f"{overlapped} of them while backward was still computing earlier layers, and the "
-        f"averaged gradients equal the whole batch's on rank {rank} of {n}"
+        f"on rank {rank} of {n}, {n_params} gradients travelled in {len(calls)} buckets of at "
+        f"most ~{BUCKET_CAP_MB * 1024:.0f} KiB ({sorted(c.nbytes for c in calls)} bytes), "
+        f"{before_end} of them started while backward was still running; over {STEPS} SGD "
+        "steps every gradient equals DDP's"
     )
 
 
-# --------------------------------------------------------------------------- 02.zero1_shard
+# --------------------------------------------------------------------------- 02.zero1_step
 
 # (numel, world sizes) that expose the usual mistakes: exact multiples, remainders of 1 and
 # n-1, fewer elements than ranks, and a size like a real parameter group.
@@ -403,8 +889,8 @@ def _check_bounds(fn: Callable[..., Any], numel: int, n: int) -> list[tuple[int,
         )
         if not ok:
             raise ExerciseFailed(
-                f"shard_bounds({numel}, {r}, {n}) returned {got!r}; return a tuple of two "
-                "ints (start, stop): the slice [start, stop) of the flat buffer"
+                f"shard_bounds({numel}, {r}, {n}) returned {short_repr(got)}; return a tuple of "
+                "two ints (start, stop): the slice [start, stop) of the flat buffer"
             )
         bounds.append((int(got[0]), int(got[1])))
     sizes = [stop - start for start, stop in bounds]
@@ -425,7 +911,7 @@ def _check_bounds(fn: Callable[..., Any], numel: int, n: int) -> list[tuple[int,
         lost = f"element {padded}" if numel - padded == 1 else f"elements {padded}..{numel - 1}"
         raise ExerciseFailed(
             f"{where}: {lost} belong(s) to no rank, so no rank would update it: the shards "
-            "are too small to cover numel"
+            "are too small to cover numel (round up)"
         )
     if padded - numel >= n:
         raise ExerciseFailed(
@@ -435,83 +921,247 @@ def _check_bounds(fn: Callable[..., Any], numel: int, n: int) -> list[tuple[int,
     return bounds
 
 
+def _flat(tensors: Sequence[torch.Tensor | None], like: Sequence[torch.Tensor], size: int) -> torch.Tensor:
+    """The tensors flattened in order into a zero-padded buffer of ``size`` elements."""
+    out = torch.zeros(size, dtype=like[0].dtype, device=like[0].device)
+    offset = 0
+    for t, ref in zip(tensors, like, strict=True):
+        if t is not None:
+            out[offset : offset + ref.numel()] = t.reshape(-1)
+        offset += ref.numel()
+    return out
+
+
+@dataclass
+class _Update:
+    """What the inner optimizer held when its step() began (a step pre-hook records it)."""
+
+    numel: int
+    param: torch.Tensor
+    grad: torch.Tensor | None
+    state_numel: int = 0
+
+
 @exercise(
-    "02.zero1_shard",
-    "ZeRO-1 bookkeeping: the slice of the zero-padded flat buffer each rank owns",
+    "02.zero1_step",
+    "ZeRO-1: reduce-scatter the gradients, update this rank's shard, all-gather the weights",
     hints=(
-        "reduce-scatter and all-gather move pieces of equal size, one per rank, in rank order; "
-        "the padding exists so that numel need not divide evenly",
-        "every shard has the same length, the smallest whole number of elements that lets "
-        "world_size shards cover all numel (round up, and without floats)",
-        "recipe: shard = ceil(numel / world_size) (in integers: -(-numel // world_size)); rank r "
-        "owns [r · shard, (r + 1) · shard)",
+        "under ZeRO-1 every rank keeps the whole model but the optimizer state of one shard of "
+        "the flat parameters only: a step needs the averaged gradient of that shard (not of "
+        "everything), an update of that shard, and then everyone's updated shards so that all "
+        "ranks hold the same new weights",
+        "shard_bounds: every shard has the same length (reduce-scatter and all-gather move "
+        "equal pieces), the smallest whole number that covers numel, so the flat buffer is "
+        "zero-padded at the end. step: dist.reduce_scatter_single(out, inp) leaves in out "
+        "(one shard) the sum over ranks of that piece of inp (the whole padded buffer); "
+        "dist.all_gather_single(out, inp) is the reverse. Order matters: gather what was "
+        "updated",
+        "recipe: shard = -(-numel // world_size); rank r owns [r·shard, (r+1)·shard). step(): "
+        "flatten every p.grad (zeros where None) into a zero buffer like self.flat; "
+        "reduce-scatter it into a shard-sized tensor; set self.shard.grad = that / world_size; "
+        "self.inner.step(); all-gather self.shard into self.flat; copy each parameter's slice of "
+        "self.flat back into it (p.copy_(... .view_as(p)))",
     ),
+    reference=ZeRO1Optimizer,
 )
-def _verify_zero1_shard(shard_bounds: Any) -> str:
-    fn = _require_callable(shard_bounds, "shard_bounds(numel, rank, world_size) -> (start, stop)")
+def _verify_zero1_step(cls: Any) -> str:
+    cls = _require_class(cls, "ZeRO1Optimizer(params, make_optimizer, rank, world_size)")
+    bounds = getattr(cls, "shard_bounds", None)
+    if not callable(bounds) and not inspect.isclass(cls):
+        with contextlib.suppress(ExerciseFailed):
+            call(cls)  # a stub that raises NotImplementedError is "not done yet"
+        raise ExerciseFailed(f"expected the class ZeRO1Optimizer, got {short_repr(cls)}")
+    if not callable(bounds):
+        raise ExerciseFailed(f"{getattr(cls, '__name__', cls)} has no shard_bounds(numel, rank, "
+                             "world_size): keep the @staticmethod the cell starts with")  # fmt: skip
     # 1. The rules, for every rank of every case: the same verdict on every rank, so a wrong
-    #    answer stops all ranks here, before any collective below.
+    #    answer stops all ranks here, before any collective.
     for numel, sizes in SHARD_CASES:
-        for n in sizes:
-            _check_bounds(fn, numel, n)
+        for k in sizes:
+            _check_bounds(bounds, numel, k)
 
     rank, n, device = _group()
-    s = _setup(rank, n, device)
-
-    # 2. The same layout as labkit's ZeRO-1 (its ShardedOptimizer flattens each parameter
-    #    group of labkit.train.make_optimizer into one padded buffer).
-    from labkit.config import TrainConfig
-    from labkit.parallel.comm import ByteCounter
-    from labkit.parallel.zero1 import ShardedOptimizer
-    from labkit.train import make_optimizer
-
-    replica = copy.deepcopy(s.model)
-    sharded = ShardedOptimizer(
-        replica, lambda m: make_optimizer(m, TrainConfig()), rank, n, ByteCounter(n)
+    model = _model(7, device)  # the same weights on every rank: ZeRO-1 does not broadcast
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(
+        [p for _, p in _trainable(reference)], lr=LR, weight_decay=WEIGHT_DECAY
     )
-    for group in sharded.groups:
-        total = sum(p.numel() for p in group.params)
-        lo = group.shard.storage_offset() - group.flat.storage_offset()
-        labkit_bounds = (lo, lo + group.shard.numel())
-        mine = tuple(call(fn, total, rank, n))
-        if mine != labkit_bounds:
-            raise ExerciseFailed(
-                f"for a parameter group of {total} elements on rank {rank} of {n}, "
-                f"labkit.parallel.zero1 owns {labkit_bounds}, you gave {mine}"
+    names = [name for name, _ in _trainable(model)]
+    params = [p for _, p in _trainable(model)]
+    numel = sum(p.numel() for p in params)
+    start, stop = bounds(numel, rank, n)
+    size = n * (stop - start)
+
+    updates: list[_Update] = []
+    spy = _Spy()
+    made: list[torch.optim.Optimizer] = []
+
+    def make_optimizer(shard_params: Any) -> torch.optim.Optimizer:
+        opt = torch.optim.AdamW(shard_params, lr=LR, weight_decay=WEIGHT_DECAY)
+
+        def before_step(o: torch.optim.Optimizer, *_: Any) -> None:
+            ps = [p for g in o.param_groups for p in g["params"]]
+            spy.events.append("update")
+            updates.append(_Update(
+                numel=sum(p.numel() for p in ps),
+                param=torch.cat([p.detach().reshape(-1) for p in ps]).clone(),
+                grad=None if any(p.grad is None for p in ps)
+                else torch.cat([p.grad.detach().reshape(-1) for p in ps]).clone(),
+            ))  # fmt: skip
+
+        def after_step(o: torch.optim.Optimizer, *_: Any) -> None:
+            updates[-1].state_numel = sum(
+                s["exp_avg"].numel() for s in o.state.values() if "exp_avg" in s
             )
 
-    # 3. Use the bounds for real: reduce-scatter this rank's flat gradient; the piece we get
-    #    back, averaged, must be the whole-batch gradient's slice [start, stop).
-    from labkit.parallel import comm
+        opt.register_step_pre_hook(before_step)
+        opt.register_step_post_hook(after_step)
+        made.append(opt)
+        return opt
 
-    _local_backward(s)
-    names = [name for name, p in s.model.named_parameters() if p.requires_grad]
-    params = dict(s.model.named_parameters())
-    numel = sum(params[name].numel() for name in names)
-    start, stop = call(fn, numel, rank, n)
-    flat = torch.zeros(n * (stop - start), device=device)  # zero padding at the end
-    want = torch.zeros_like(flat)
-    offset = 0
-    for name in names:
-        k = params[name].numel()
-        flat[offset : offset + k] = params[name].grad.reshape(-1)
-        want[offset : offset + k] = s.reference[name].reshape(-1)
-        offset += k
-    piece = torch.empty(stop - start, device=device)
-    comm.reduce_scatter(piece, flat, None)
-    piece /= n
-    if not _close(piece, want[start:stop]):
-        raise ExerciseFailed(
-            f"reduce-scattering the flat gradient gave rank {rank} a piece that is not "
-            f"the whole-batch gradient's elements [{start}, {stop})"
-        )
-    cases = sum(len(sizes) for _, sizes in SHARD_CASES)
+    signature = "ZeRO1Optimizer(model.parameters(), make_optimizer, rank, world_size)"
+    with spy.active():
+        zero, problem = _attempt(lambda: call(cls, model.parameters(), make_optimizer, rank, n))
+    _agree(problem)
+    if len(made) != 1:
+        _agree(f"{signature} called make_optimizer {len(made)} times: call it once, with the "
+               "shard this rank updates")  # fmt: skip
+    held = sum(p.numel() for g in made[0].param_groups for p in g["params"])
+    if held != stop - start:
+        _agree(f"on rank {rank} of {n} the optimizer was given {held} elements, but the rank "
+               f"owns a shard of {stop - start} of the {numel} (shard_bounds({numel}, {rank}, "
+               f"{n}) = ({start}, {stop})): give make_optimizer only [self.shard], so AdamW "
+               "keeps state for 1/world_size of the model")  # fmt: skip
+
+    batches = _batches(rank, n, device)
+    for step, (x, y) in enumerate(batches, start=1):
+        before = _flat([p.detach() for p in params], params, size)
+        # the reference: torch's AdamW on every parameter, with the averaged gradient
+        ref_params = [p for _, p in _trainable(reference)]
+        ref_opt.zero_grad(set_to_none=True)
+        reference(x, y).backward()
+        for p in ref_params:
+            tdist.all_reduce(p.grad)
+            p.grad /= n
+        averaged = _flat([p.grad for p in ref_params], ref_params, size)
+        ref_opt.step()
+        want = _flat([p.detach() for p in ref_params], ref_params, size)
+
+        zero_grad = getattr(zero, "zero_grad", None)
+        if callable(zero_grad):
+            zero_grad()
+        else:
+            for p in params:
+                p.grad = None
+        model(x, y).backward()
+        mine = _flat([p.grad for p in params], params, size)
+        spy.calls, spy.events = [], []
+        updates.clear()
+        with spy.active():
+            spy.phase = "step"
+            _, problem = _attempt(lambda: call(zero.step))
+        spy.phase = "after"
+        spy.wait_all()
+        _agree(None if problem is None else f"in step {step}: {problem}")
+        _agree(_zero1_problem(step, spy, updates, averaged, mine, before, want, params, names,
+                              (start, stop), rank, n, numel))  # fmt: skip
+    shard = stop - start
     return (
-        f"shard_bounds tiles a zero-padded buffer in equal shards in {cases} "
-        f"(numel, world_size) cases, matches labkit's ZeRO-1 layout, and on rank {rank} of "
-        f"{n} a real reduce-scatter delivers exactly the gradient slice [{start}, {stop}) "
-        f"of {numel} elements"
+        f"shard_bounds tiles a zero-padded buffer in equal shards in "
+        f"{sum(len(s) for _, s in SHARD_CASES)} (numel, world_size) cases; on rank {rank} of "
+        f"{n} AdamW keeps state for {shard} of {numel} elements (padding {size - numel}), and "
+        f"in each of {STEPS} steps reduce-scatter → update → all-gather gives every parameter "
+        "exactly what torch's AdamW gives it on the averaged gradient"
     )
+
+
+def _zero1_problem(
+    step: int,
+    spy: _Spy,
+    updates: list[_Update],
+    averaged: torch.Tensor,
+    mine: torch.Tensor,
+    before: torch.Tensor,
+    want_flat: torch.Tensor,
+    params: list[nn.Parameter],
+    names: list[str],
+    bounds: tuple[int, int],
+    rank: int,
+    n: int,
+    numel: int,
+) -> str | None:
+    """The first thing wrong with one ZeRO-1 step on this rank, or None."""
+    start, stop = bounds
+    where = f"in step {step} on rank {rank} of {n}"
+    events = [e for e in spy.events if e != "broadcast"]
+    if "update" not in events:
+        return f"{where}: step() never called self.inner.step(): the shard was not updated"
+    if events.count("update") > 1:
+        return f"{where}: step() called self.inner.step() {events.count('update')} times"
+    first_update = events.index("update")
+    if "all_reduce" in events[:first_update] and "reduce_scatter" not in events:
+        return (f"{where}: the gradients were all-reduced, so every rank received all of them; "
+                "ZeRO-1 needs only its shard's: reduce-scatter the flat gradient instead "
+                "(dist.reduce_scatter_single), half the bytes of an all-reduce")  # fmt: skip
+    if "reduce_scatter" not in events[:first_update]:
+        return (f"{where}: no reduce-scatter before the update: the shard's gradient must be "
+                "summed over ranks first (dist.reduce_scatter_single)")  # fmt: skip
+    gathers = [i for i, e in enumerate(events) if e == "all_gather"]
+    if gathers and all(i < first_update for i in gathers):
+        return (f"{where}: the all-gather ran before the update, so every rank received the "
+                "other shards' old weights and the new ones never left their rank: all-gather "
+                "after self.inner.step()")  # fmt: skip
+    if not gathers:
+        return (f"{where}: no all-gather after the update: only this rank's shard of the "
+                "weights changed. all_gather_single the updated shard into self.flat")  # fmt: skip
+    up = updates[0]
+    piece = slice(start, stop)
+    if up.grad is None:
+        return f"{where}: self.shard.grad was None when the optimizer stepped: set it first"
+    if not _close(up.param, before[piece]):
+        return (f"{where}: the parameter the optimizer updated is not this rank's slice "
+                f"[{start}, {stop}) of the flat parameters")  # fmt: skip
+    g, w = up.grad, averaged[piece]
+    if not _close(g, w):
+        if _close(g, n * w):
+            why = (f"it is {n}x the average: reduce-scatter sums over the {n} ranks, divide by "
+                   "world_size (AdamW hides most of it, weight decay and eps do not)")  # fmt: skip
+        elif _close(g, mine[piece]):
+            why = "it is this rank's own gradient: it was never reduced over the ranks"
+        elif _close(g, mine[piece] / n):
+            why = "it is this rank's own gradient divided by world_size: the sum never happened"
+        else:
+            why = f"it differs by up to {(g - w).abs().max().item():.3g}"
+        return (f"{where}: the gradient the optimizer saw for the shard [{start}, {stop}) is not "
+                f"the averaged gradient of those elements: {why}")  # fmt: skip
+    if up.state_numel and up.state_numel != stop - start:
+        return (f"{where}: AdamW keeps state for {up.state_numel} elements; ZeRO-1 keeps it for "
+                f"this rank's {stop - start}")  # fmt: skip
+    got = _flat([p.detach() for p in params], params, len(want_flat))
+    bad = (got[:numel] - want_flat[:numel]).abs() > ATOL + RTOL * want_flat[:numel].abs()
+    if bad.any():
+        first = int(bad.nonzero()[0])
+        offset, name = 0, names[0]
+        for p, nm in zip(params, names, strict=True):
+            if first < offset + p.numel():
+                name = nm
+                break
+            offset += p.numel()
+        stale = torch.equal(got[:numel][bad], before[:numel][bad])
+        theirs = not bool(bad[start:stop].any()) if start < numel else True
+        if stale and theirs:
+            why = ("they still hold the old weights, and they belong to other ranks' shards: "
+                   "the updated shards never came back. All-gather the updated self.shard into "
+                   "self.flat, then copy each parameter's slice of self.flat into it")  # fmt: skip
+        elif stale:
+            why = ("they were never changed: copy each parameter's slice of self.flat back "
+                   "into the parameter after the all-gather")  # fmt: skip
+        else:
+            why = (f"the first differs by {(got[first] - want_flat[first]).abs().item():.3g}; "
+                   "do the parameters get their own slices of self.flat?")  # fmt: skip
+        return (f"{where}: {int(bad.sum())} of {numel} weights (the first in {name}) differ "
+                f"from what torch's AdamW computes: {why}")  # fmt: skip
+    return None
 
 
 # --------------------------------------------------------------------------- running checks

@@ -2,7 +2,7 @@
 
     labkit.launch.run("labkit.exercises.dp_worker", nproc=2,
                       config={"exercises": ["02.allreduce_grads"],
-                              "module": "dp_allreduce", "module_dir": "/path/to/folder"})
+                              "module": "dp_overlap", "module_dir": "/path/to/folder"})
 
 Usually started by ``labkit.exercises.check_in_workers``. Every rank imports the learner's
 ``<module_dir>/<module>.py`` and runs each exercise's check (``labkit.exercises.data_parallel``) in its
