@@ -205,7 +205,7 @@ def test_compression_hooks_shrink_the_bytes_and_still_learn(adamw_job):
     assert loss == pytest.approx(ref_loss, abs=0.05)
 
 
-# --- launch 3: FSDP2's options, as the gpu preset uses them ----------------------------------------
+# --- launch 3: FSDP2's options, as the gpu preset uses them ---------------------------------
 
 
 @pytest.mark.slow

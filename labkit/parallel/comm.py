@@ -214,18 +214,35 @@ def sync_module_states(
 # --- DDP: count each bucket, then run the real hook --------------------------------------------
 
 
+def _note_bucket(buckets: dict[int, tuple[int, int]] | None, bucket: Any) -> None:
+    """Record where DDP's bucket lives: index -> (storage data_ptr, storage bytes). The
+    reducer launches buckets in index order, so index 0 starts a new backward pass."""
+    if buckets is None:
+        return
+    if bucket.index() == 0:
+        buckets.clear()  # rebuilt buckets replace the previous ones
+    storage = bucket.buffer().untyped_storage()
+    buckets[bucket.index()] = (storage.data_ptr(), storage.nbytes())
+
+
 def counting_hook(
-    counter: ByteCounter, inner: Callable[[Any, Any], torch.futures.Future], wire_dtype=None
+    counter: ByteCounter,
+    inner: Callable[[Any, Any], torch.futures.Future],
+    wire_dtype=None,
+    *,
+    buckets: dict[int, tuple[int, int]] | None = None,
 ) -> Callable[[Any, Any], torch.futures.Future]:
     """A DDP communication hook that records the bucket it is given, then calls ``inner``.
 
     ``wire_dtype``: the dtype ``inner`` sends (fp16 for ``fp16_compress_hook``); None means
     the bucket's own dtype. One all-reduce per bucket, as DDP's default hook does.
+    ``buckets``: a dict the hook fills with each bucket's storage (``TorchDDP.memory``).
     """
 
     # No annotations: DDP checks them with inspect, and this module's postponed (string)
     # annotations would not compare equal to dist.GradBucket.
     def hook(state, bucket):  # (state, dist.GradBucket) -> Future[Tensor]
+        _note_bucket(buckets, bucket)
         buf = bucket.buffer()
         size = torch.empty((), dtype=wire_dtype).element_size() if wire_dtype else None
         counter.add("all_reduce", buf.numel() * (size or buf.element_size()))
@@ -234,7 +251,12 @@ def counting_hook(
     return hook
 
 
-def counting_powersgd_hook(counter: ByteCounter, *, serialize: bool = False) -> Callable:
+def counting_powersgd_hook(
+    counter: ByteCounter,
+    *,
+    serialize: bool = False,
+    buckets: dict[int, tuple[int, int]] | None = None,
+) -> Callable:
     """PowerSGD's hook, counted by PowerSGD's own element counters.
 
     Before ``start_powerSGD_iter`` the hook runs a plain all-reduce of the bucket. After it,
@@ -254,6 +276,7 @@ def counting_powersgd_hook(counter: ByteCounter, *, serialize: bool = False) -> 
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
     def hook(state, bucket):  # (PowerSGDState, dist.GradBucket) -> Future[Tensor]
+        _note_bucket(buckets, bucket)
         buf = bucket.buffer()
         if state.iter < state.start_powerSGD_iter:
             counter.add("all_reduce", nbytes(buf))

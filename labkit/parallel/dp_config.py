@@ -136,7 +136,11 @@ def validate_dp_config(
                      global_batch / (world_size x grad_accum), which must be a whole number
         optimizer    "adamw" (default, labkit.train.make_optimizer) or "sgd" (parity tests)
         freeze       parameter names to freeze (requires_grad False), e.g. ["wpe.weight"]
-        bucket_cap_mb  bucket size for "bucketed" and DDP (default 25, DDP's default)
+        bucket_cap_mb  bucket size in MiB for "bucketed" and DDP; None (default): DDP's own
+                     default, 25 MiB with a 1 MiB first bucket (a number caps every bucket,
+                     the first included: labkit.parallel.ddp), and 25 for "bucketed"
+        gradient_as_bucket_view  DDP's .grad as views into its buckets (default True:
+                     4 bytes of gradient memory per parameter, not 8)
         powersgd_rank  PowerSGD matrix rank (default 2); powersgd_start_iter (default 2)
         mesh         FSDP2's device-mesh shape, required for "fsdp2": [world_size]
         fsdp_mixed_precision  None or "bf16": FSDP2's MixedPrecisionPolicy with bf16
@@ -172,6 +176,7 @@ def validate_dp_config(
         "optimizer",
         "freeze",
         "bucket_cap_mb",
+        "gradient_as_bucket_view",
         "powersgd_rank",
         "powersgd_start_iter",
         "mesh",
@@ -247,13 +252,16 @@ def validate_dp_config(
     if not isinstance(freeze, list) or any(f not in names for f in freeze):
         _fail("freeze", freeze, f"a list of parameter names from {sorted(names)}")
 
-    bucket_cap_mb = cfg.get("bucket_cap_mb", 25.0)
-    if (
+    bucket_cap_mb = cfg.get("bucket_cap_mb")
+    if bucket_cap_mb is not None and (
         isinstance(bucket_cap_mb, bool)
         or not isinstance(bucket_cap_mb, (int, float))
         or bucket_cap_mb <= 0
     ):
-        _fail("bucket_cap_mb", bucket_cap_mb, "a positive number of MiB")
+        _fail("bucket_cap_mb", bucket_cap_mb, "a positive number of MiB, or None for DDP's default")
+    as_view = cfg.get("gradient_as_bucket_view", True)
+    if not isinstance(as_view, bool):
+        _fail("gradient_as_bucket_view", as_view, "True (.grad views into DDP's buckets) or False")
     for key, default, low in (("powersgd_rank", 2, 1), ("powersgd_start_iter", 2, 2)):
         v = cfg.get(key, default)
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
@@ -298,7 +306,8 @@ def validate_dp_config(
         "global_batch": train.micro_batch * train.grad_accum * world_size,
         "optimizer": optimizer,
         "freeze": list(freeze),
-        "bucket_cap_mb": float(bucket_cap_mb),
+        "bucket_cap_mb": None if bucket_cap_mb is None else float(bucket_cap_mb),
+        "gradient_as_bucket_view": as_view,
         "powersgd_rank": int(cfg.get("powersgd_rank", 2)),
         "powersgd_start_iter": int(cfg.get("powersgd_start_iter", 2)),
         "mesh": mesh,

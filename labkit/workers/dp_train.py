@@ -143,7 +143,8 @@ def make_strategy(
 
         if name == "naive":
             return NaiveDP(world_size, backend)
-        return BucketedDP(world_size, backend, bucket_cap_mb=cfg["bucket_cap_mb"])
+        cap = cfg.get("bucket_cap_mb")
+        return BucketedDP(world_size, backend, bucket_cap_mb=25.0 if cap is None else cap)
     if name.startswith("ddp"):
         from labkit.parallel.ddp import TorchDDP
 
@@ -151,9 +152,10 @@ def make_strategy(
             world_size,
             backend,
             compression=name.partition("_")[2] or None,
-            bucket_cap_mb=cfg["bucket_cap_mb"],
+            bucket_cap_mb=cfg.get("bucket_cap_mb"),
             powersgd_rank=cfg["powersgd_rank"],
             powersgd_start_iter=cfg["powersgd_start_iter"],
+            gradient_as_bucket_view=cfg.get("gradient_as_bucket_view", True),
         )
     if name == "zero1":
         from labkit.parallel.zero1 import ZeRO1
