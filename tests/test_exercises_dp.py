@@ -539,3 +539,29 @@ def test_a_file_whose_top_level_never_finishes_is_stopped_by_the_time_limit(
     out = capsys.readouterr().out
     assert "✗ 02.allreduce_grads" in out and "did not finish within 1 s" in out, out
     assert "dp_toplevel.py, line 2" in out
+
+
+@pytest.mark.slow
+def test_the_overlap_benchmark_times_every_variant_and_models_each(tmp_path):
+    """benchmarks/bench_dp_overlap.py runs the reference classes above in one 2-rank job; its
+    record holds every variant's samples, ratios to naive and the α–β prediction beside them.
+    Nothing about speed is asserted (benchmarks/README.md)."""
+    import json
+    import sys
+
+    if str(ROOT) not in sys.path:  # `benchmarks` is a folder of the checkout, not of labkit
+        sys.path.insert(0, str(ROOT))
+    from benchmarks import _common, bench_dp_overlap
+
+    out = tmp_path / "record.json"
+    assert bench_dp_overlap.main(["--size", "smoke", "--rounds", "1", "--warmup", "0",
+                                  "--out", str(out)]) == 0  # fmt: skip
+    record = json.loads(out.read_text())
+    _common.check_record(record)
+    variants = ["naive", "overlap"] + [f"bucketed_{f:g}" for f in bench_dp_overlap.CAP_FRACTIONS]
+    assert sorted(record["samples_s"]) == sorted(variants)
+    assert sorted(record["ratios"]) == sorted(f"{v}/naive" for v in variants if v != "naive")
+    rows = {row["variant"]: row for row in record["sweep"]}
+    assert rows["bucketed_1"]["buckets"] == 1  # the whole gradient in one bucket
+    assert rows["overlap"]["buckets"] == record["model"]["n_params"]  # one message each
+    assert all(row["predicted_s"] > 0 and row["measured_s"] > 0 for row in rows.values())
