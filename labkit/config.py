@@ -308,6 +308,7 @@ ENVIRONMENT: dict[str, str] = {
     "LABKIT_KEEP_TORCH": "1: ./course keeps the torch already installed",
     "LABKIT_CHROMIUM": "the browser the browser test drives",
     "LABKIT_ARTIFACTS": "where the browser test leaves its screenshots",
+    "LABKIT_TEST_WORKERS": "how many pytest processes ./course test runs side by side (default 2)",
     "LABKIT_JOB_DIR": "set by the launcher for each job (internal)",
     "LABKIT_AGENT_PID": "set by the launcher for each job (internal)",
     "LABKIT_TEST_SESSION": "set by the test suite (internal)",

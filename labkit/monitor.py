@@ -666,6 +666,11 @@ def _headless_executor() -> str | None:
             for name in HEADLESS_EXECUTORS:
                 if any(name in word for word in program):
                     return name
+            # A pytest-xdist worker is `python -c <execnet bootstrap>`; it sets
+            # PYTEST_XDIST_WORKER after it starts, so only its children's environment has it.
+            if (proc.name().startswith("python") and "-c" in proc.cmdline()[1:3]
+                    and "PYTEST_XDIST_WORKER" in os.environ):  # fmt: skip
+                return "pytest-xdist"
             if proc.name() not in ("sh", "bash", "dash", "zsh"):
                 return None
             proc = proc.parent()

@@ -231,11 +231,20 @@ class FakeProc:
         # A JupyterLab server serves a live browser, even when a test started it in a temp dir.
         (FakeProc(["/venv/bin/python", "-m", "jupyterlab", "--root-dir=/tmp/pytest-of-x/p0"]),
          None),
+        # a pytest-xdist worker (`./course test`), told by the variable it gives its children
+        (FakeProc(["/venv/bin/python", "-u", "-c", "import sys;exec(eval(sys.stdin.readline()))"]),
+         "pytest-xdist"),
+        (FakeProc(["/venv/bin/python", "-c", "import sys;exec(eval(sys.stdin.readline()))"]),
+         None),
     ],
 )  # fmt: skip
 def test_the_kernels_parent_tells_a_headless_runner(monkeypatch, parent, runner):
     import psutil
 
+    if runner == "pytest-xdist":
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    else:
+        monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
     monkeypatch.setattr(psutil, "Process", lambda: FakeProc(["python", "-m", "ipykernel"], parent))
     assert monitor._headless_executor() == runner
 
