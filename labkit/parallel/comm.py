@@ -9,13 +9,15 @@ follows NCCL-tests' conventions (doc/PERFORMANCE.md): a collective's message siz
     reduce_scatter   the full input (n x the piece each rank keeps)
     broadcast        the tensor broadcast
 
-and the bytes each rank *sends* follow from S with the ring formulas (formulas.py):
+(``sync_module_states``, the one-off broadcast of rank 0's weights every strategy makes when
+it wraps a model, is not counted as a step's traffic, as DDP's own is not), and the bytes
+each rank *sends* follow from S with the ring formulas (formulas.py):
 all_reduce 2(n-1)/n·S, all_gather and reduce_scatter (n-1)/n·S, broadcast S.
 
 Three ways to count, from most to least direct, each named in the results:
 
-* our own wrappers (``all_reduce``, ``all_gather``, ``reduce_scatter`` below), used by the
-  strategies written here: the count is what we asked torch to send;
+* our own wrappers (``all_reduce``, ``all_gather``, ``reduce_scatter``, ``broadcast`` below),
+  used by the strategies written here: the count is what we asked torch to send;
 * a DDP communication hook that counts each bucket before calling the real hook
   (``counting_hook``): what DDP's reducer hands to the network;
 * ``CollectiveSpy``, a dispatch mode that sees every c10d collective the process issues from
