@@ -115,8 +115,12 @@ def main(ctx: dist.Context) -> dict:
     farthest = x[(x - expected).abs().argmax()].item()
     wrong = int((x != expected).sum().item())
     value = x[0].item()
-    ctx.print0(f"all-reduce ({op}) of {n} ranks: element 0 = {value:g}, {wrong} of {numel} "
-               f"elements differ from {expected:g} on rank 0")  # fmt: skip
+    if wrong:
+        ctx.print0(f"all-reduce of {n} ranks ({op}): {wrong} of {numel} elements differ from "
+                   f"{expected:g} on rank 0 (element 0 = {value:g})")  # fmt: skip
+    else:
+        ctx.print0(f"all-reduce of {n} ranks: every element = {value:g} (expected {expected:g}, "
+                   f"{op})")  # fmt: skip
 
     # 2. Timing, with loopback's bytes counted around the loop: the barriers put every rank's
     # all-reduces inside the window and nothing of the setup before it.
