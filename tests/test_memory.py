@@ -109,3 +109,20 @@ def test_saved_activation_bytes_grow_linearly_with_b_and_quadratically_with_s_un
     gamma = (saved(2, 32) - 2 * saved(2, 16) + c) / (2 * 16**2)
     assert gamma == CFG.n_layer * CFG.n_head * 2 * 4
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_live_bytes_over_steps_read_the_cuda_allocator():
+    cuda = torch.device("cuda", 0)
+    torch.manual_seed(0)
+    model = GPT(CFG).to(cuda)
+    opt = train.make_optimizer(model, TrainConfig())
+    rows = memory.live_bytes_over_steps(model, opt, [batch(2, 0), batch(2, 1)], device=cuda,
+                                        dtype="bfloat16")
+    assert all(r.cuda_allocated is not None for r in rows)
+    peaks = [r.cuda_step_peak for r in rows if r.phase == "optimizer step"]
+    assert len(peaks) == 2 and all(p is not None and p > 0 for p in peaks)
+    at = {(r.step, r.phase): r for r in rows}
+    n = model.num_params()
+    assert at[1, "forward"].optimizer_state == 0 and at[2, "forward"].optimizer_state == 8 * n
