@@ -112,3 +112,22 @@ def test_activation_memory_matches_the_schedule(job, schedule):
         assert act["peak_bytes"] == pytest.approx(act["predicted_peak_bytes"], rel=0.02)
         assert 0.0 <= run["bubble"] < 1.0 and run["bubble_formula"] == (P - 1) / (m + P - 1)
     assert job.ranks[0]["bounds"] == [[0, 2], [2, 4]]  # JSON turns tuples into lists
+
+
+def test_a_micro_batch_is_charged_its_own_token_ids_not_the_whole_batchs():
+    """Stage 0's input is a chunk (a view) of the batch's ids: the probe counts that slice, so
+    a micro-batch's bytes do not depend on how large a batch it was cut from."""
+    from labkit.model import GPT
+    from labkit.parallel.timeline import Timeline
+
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    half = CFG.n_layer // 2
+    stage = pipeline.StageModule(model, [(0, half), (half, CFG.n_layer)], stage=0)
+    charged = []
+    for batch in (2, 8):
+        stage.probe = pipeline.StageProbe(Timeline(rank=0), torch.device("cpu"), num_stages=P)
+        ids = torch.randint(0, CFG.vocab_size, (batch, CFG.seq_len))
+        stage(ids.chunk(batch // 2)[0])  # a 2-sequence micro-batch, a view into `ids`
+        charged.append(stage.probe.bytes_per_mb[0])
+    assert charged[0] == charged[1], charged

@@ -14,8 +14,8 @@ Schedules (action lists in ``labkit.parallel.schedules``):
 
 * ``naive``: the whole batch at once; stage i+1 waits for all of stage i (no micro-batches);
 * ``gpipe``: m micro-batches, all forwards then all backwards (Huang et al. 2019);
-* ``1f1b``: one-forward-one-backward, same bubble, fewer activations held (Narayanan et al.
-  2021, arXiv 2104.04473);
+* ``1f1b``: one-forward-one-backward, same bubble, fewer activations held (PipeDream-Flush,
+  Narayanan et al. 2021, arXiv 2006.09503; Megatron-LM's schedule, arXiv 2104.04473);
 * ``torch_gpipe``, ``torch_1f1b``: the same stage module run by PyTorch's own
   ``torch.distributed.pipelining`` (``PipelineStage`` + ``ScheduleGPipe``/``Schedule1F1B``).
 
@@ -334,10 +334,15 @@ class StageProbe:
         self.next_mb += 1
         param_storages = {p.untyped_storage().data_ptr() for p in stage.parameters()}
         saved: dict[int, int] = {}  # storage pointer -> bytes: views of one storage count once
+        # The first stage's input is a chunk (a view) of the whole batch's token ids: counted
+        # whole, every micro-batch would be charged for all the others' ids too.
+        inputs = x.untyped_storage().data_ptr()
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             s = t.untyped_storage()
-            if s.data_ptr() not in param_storages:
+            if s.data_ptr() == inputs:
+                saved.setdefault(s.data_ptr(), x.numel() * x.element_size())
+            elif s.data_ptr() not in param_storages:
                 saved.setdefault(s.data_ptr(), s.nbytes())
             return t
 

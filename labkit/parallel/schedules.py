@@ -12,8 +12,9 @@ test it without processes, and simulate it:
 * naive: the whole batch as one micro-batch; only one stage works at any time.
 * GPipe (Huang et al. 2019, arXiv 1811.06965): all m forwards, then all m backwards. A stage
   holds the activations of all m micro-batches at the peak.
-* 1F1B (PipeDream-Flush, Narayanan et al. 2021, arXiv 2104.04473): stage i runs p−1−i
-  warm-up forwards, then alternates one forward and one backward. The bubble is GPipe's, but
+* 1F1B (PipeDream-Flush: Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN
+  Training", ICML 2021, arXiv 2006.09503; used by Megatron-LM, arXiv 2104.04473): stage i runs
+  p−1−i warm-up forwards, then alternates one forward and one backward. The bubble is GPipe's, but
   a stage holds activations of at most p−i micro-batches, not m.
 
 ``simulate`` plays a schedule on an ideal clock (fixed forward and backward times, optional
