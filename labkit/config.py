@@ -288,7 +288,11 @@ def lab() -> RunConfig:
 
 
 def gpu() -> RunConfig:
-    """One data-centre GPU: a ~30 M-parameter GPT in bf16, big enough to load the GPU."""
+    """One data-centre GPU: a ~30 M-parameter GPT in bf16, big enough to load the GPU.
+
+    bf16 asks for Ampere's tensor cores (compute capability 8.0 and newer); the notebooks pass
+    this dtype through ``hardware.default_autocast_dtype``, which gives a V100 or T4 float16
+    with a GradScaler instead."""
     return RunConfig(
         model=ModelConfig(seq_len=512, n_layer=8, n_head=8, d_model=512),
         train=TrainConfig(micro_batch=32, steps=300, lr=1e-3, warmup_steps=30, min_lr=1e-4,
