@@ -8,7 +8,7 @@ each convention gets its own name and none is "the" answer.
 Pure Python: no torch, no I/O, no state. Units are in the names or the docstrings: bytes, FLOPs
 (floating-point operations, a count), FLOP/s (a rate), seconds.
 
-Notation (as in /work/shared/facts.md):
+Notation (Korthikanti et al. 2022, arXiv 2205.05198; the Ultra-Scale Playbook):
     N  parameters           L  layers              h  hidden size (d_model)
     a  attention heads      s  sequence length     b  micro-batch size (sequences)
     V  vocabulary size      p  pipeline stages     m  micro-batches per step
@@ -338,10 +338,12 @@ def activation_bytes_per_layer(
     statistic it keeps instead, ``4·a·s·b`` bytes (float32 log-sum-exp). Fused kernels also
     regenerate attention dropout instead of storing a mask.
 
-    What it does not count: the embedding and position lookups, the final LayerNorm, the logits
-    (b·s·V elements, often the largest single tensor for a small model), the loss, LayerNorm's
-    per-token mean and rstd (2 × 2 × 4·s·b bytes per layer in PyTorch), temporaries that live
-    only inside one op, and allocator overhead. Note also that PyTorch's CPU dropout keeps its
+    What it does not count: what a whole model saves outside its blocks (the ids the
+    embeddings keep, the final LayerNorm's input and output, the log-softmax output of the
+    loss; the logits themselves are not saved), LayerNorm's per-token mean and rstd
+    (2 × 2 × 4·s·b bytes per layer in PyTorch): all of these are
+    :func:`activation_bytes_omitted`; nor temporaries that live only inside one op, nor
+    allocator overhead. Note also that PyTorch's CPU dropout keeps its
     mask in the activation dtype (k = e), while the fused CUDA dropout keeps 1 byte (k = 1); with
     ``p = 0`` PyTorch stores no mask at all (pass ``dropout=False``).
 
@@ -419,8 +421,8 @@ def activation_bytes(
 ) -> float:
     """Activation bytes of ``n_layer`` identical layers: L × ``activation_bytes_per_layer(...)``.
 
-    Same conventions and the same omissions (embeddings, logits, loss) as the per-layer
-    function; keyword arguments (``bytes_per_element``, ``dropout``, ``attention``,
+    Same conventions and the same omissions (what :func:`activation_bytes_omitted` counts) as
+    the per-layer function; keyword arguments (``bytes_per_element``, ``dropout``, ``attention``,
     ``autocast``, ...) are passed through to it.
     """
     n = _positive_int("n_layer", n_layer)
@@ -915,6 +917,11 @@ def dp_overlap_ratio(
     With bf16 gradients (grad_bytes = 2) the condition is tokens_per_rank ≥ ((n−1)/n)·C/W: the
     scaling-book's "per-GPU token batch > C/W", about 2,200 tokens in an H100 node
     (990e12 / 450e9; gpus.md, "Data Parallelism").
+
+    ``tokens_per_rank`` is the tokens whose backward the all-reduce can hide behind: all of a
+    rank's tokens per step without gradient accumulation, but only the *last micro-batch's*
+    under ``no_sync`` accumulation (the earlier ones finish before the all-reduce can start),
+    which is :func:`dp_exposed_comm_fraction`'s condition.
 
     The Playbook (appendix A3) prints the ratio as (N / (2·tokens))·((n−1)/n)·(C/W). That
     expression is not dimensionless (N/tokens is a pure number but C/W is FLOPs per byte); its
