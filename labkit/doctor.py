@@ -877,7 +877,8 @@ def check_allreduce(probe: Probe) -> Check:
         res = launch.run(
             "labkit.workers.allreduce",
             nproc=nproc,
-            config={"numel": numel, "repeats": ALLREDUCE_REPEATS},
+            # the doctor asks whether the ranks connect and agree: no link probe, no wire count
+            config={"numel": numel, "repeats": ALLREDUCE_REPEATS, "probe": False, "wire": False},
             timeout_s=probe.timeout_s,
             device="auto" if on_gpu else "cpu",
             stream=False,

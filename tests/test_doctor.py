@@ -162,7 +162,8 @@ def test_allreduce_failure_is_a_fail_with_the_error_and_a_fix(monkeypatch, tmp_p
     assert "labkit cleanup" in check.fix and str(tmp_path) in check.fix
     ((module, kw),) = calls
     assert module == "labkit.workers.allreduce" and kw["nproc"] == 2 and kw["stream"] is False
-    assert kw["config"] == {"numel": 2**18, "repeats": doctor.ALLREDUCE_REPEATS}
+    assert kw["config"] == {"numel": 2**18, "repeats": doctor.ALLREDUCE_REPEATS, "probe": False,
+                            "wire": False}  # connect and agree: no link probe, no wire count
     if not torch.cuda.is_available():
         assert kw["device"] == "cpu"
 
