@@ -944,7 +944,9 @@ def dp_min_tokens_per_rank(
     *,
     grad_bytes: float = 2,
 ) -> float:
-    """Smallest tokens per rank per step for which ``dp_overlap_ratio`` ≤ 1.
+    """Smallest tokens per rank whose backward can hide the gradient all-reduce
+    (``dp_overlap_ratio`` ≤ 1): per step without accumulation, per *micro-batch* with it, since
+    only the last micro-batch's backward overlaps the all-reduce (:func:`dp_exposed_comm_fraction`).
 
     ``(grad_bytes/2) · ((n−1)/n) · C/W``; 0 for a single rank (nothing to communicate).
     """

@@ -957,7 +957,9 @@ class _Update:
         "dist.all_gather_single(out, inp) is the reverse. Order matters: gather what was "
         "updated",
         "recipe: shard = -(-numel // world_size); rank r owns [r·shard, (r+1)·shard). step(): "
-        "flatten every p.grad (zeros where None) into a zero buffer like self.flat; "
+        "flatten every p.grad into a zero buffer like self.flat (zeros stand in for a grad "
+        "that is None: here every trainable parameter gets one; labkit.parallel.zero1 also "
+        "skips such a parameter's update, as torch's optimizers skip grad None); "
         "reduce-scatter it into a shard-sized tensor; set self.shard.grad = that / world_size; "
         "self.inner.step(); all-gather self.shard into self.flat; copy each parameter's slice of "
         "self.flat back into it (p.copy_(... .view_as(p)))",

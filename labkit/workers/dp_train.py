@@ -319,7 +319,10 @@ def measure_memory(
         with strategy.no_sync():
             _, loss = model(x, y)
             loss.backward()  # gradients stay local (FSDP2: whole, not sharded)
-        accumulating = strategy.memory(model, opt)["gradients"] + unsharded_grad_bytes(model)
+        during = strategy.memory(model, opt)
+        # DDP: the buckets are a second copy once .grad is no longer a view of them
+        accumulating = (during["gradients"] + during.get("gradient_buckets", 0)
+                        + unsharded_grad_bytes(model))  # fmt: skip
     _, loss = model(x, y)
     loss.backward()  # gradients synchronised (or reduce-scattered) by now
     grads = strategy.memory(model, opt)["gradients"]
