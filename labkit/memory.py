@@ -177,6 +177,53 @@ def predicted_activations(
     return {name: int(v) for name, v in terms.items() if v}
 
 
+def predicted_stage_activations(
+    cfg: ModelConfig, micro_batch: int, *, blocks: int, first: bool, last: bool,
+    dtype: str = "float32", attention: str = "flash",
+) -> dict[str, int]:
+    """Bytes one pipeline stage of ``labkit.model.GPT`` saves per micro-batch, term by term.
+
+    A stage runs ``blocks`` transformer blocks, the first stage also the embeddings and the
+    last one the final LayerNorm and the output head (``labkit.parallel.pipeline``); the loss
+    is computed outside the stage. So from the whole model's terms
+    (:func:`labkit.formulas.activation_bytes_omitted`) a stage keeps:
+
+    * every stage: its blocks (``formulas.activation_bytes``) and their LayerNorms' float32
+      mean and rstd (2 norms per block, 2·4·s·b bytes each);
+    * the first: the int64 token ids its embedding saves (8·s·b) and the position ids (8·s);
+    * the last: the final LayerNorm's input, its output (the head's input) and its statistics,
+      and under autocast the head weight's 16-bit copy; no log-softmax, no targets.
+
+    Dropout must be off, as for :func:`predicted_activations`.
+    """
+    if cfg.dropout > 0:
+        raise ValueError(f"cfg.dropout={cfg.dropout!r}: the prediction is for dropout off; "
+                         "use a config with dropout=0.0 (every preset has it)")
+    if isinstance(blocks, bool) or not isinstance(blocks, int) or not 0 <= blocks <= cfg.n_layer:
+        raise ValueError(f"blocks={blocks!r}: the number of blocks this stage runs, 0 to "
+                         f"n_layer={cfg.n_layer}")  # fmt: skip
+    s, b, h = cfg.seq_len, micro_batch, cfg.d_model
+    e = formulas.dtype_bytes(dtype)
+    mixed = e < 4
+    whole = formulas.activation_bytes_omitted(
+        max(blocks, 1), s, b, h, cfg.vocab_size, bytes_per_element=e, autocast=mixed)
+    stats_per_norm = 2 * 4 * s * b  # float32 mean and rstd per token
+    terms: dict[str, float] = {}
+    if blocks:
+        terms[f"transformer layers ({attention} attention)"] = formulas.activation_bytes(
+            blocks, s, b, h, cfg.n_head, bytes_per_element=e, dropout=False,
+            attention=attention, autocast=mixed)  # fmt: skip
+        terms["LayerNorm statistics (blocks)"] = 2 * blocks * stats_per_norm
+    if first:
+        terms["token and position ids"] = 8 * s * b + 8 * s
+    if last:
+        terms["final LayerNorm input"] = whole.final_norm_input
+        terms["output head input (final LayerNorm output)"] = whole.head_input
+        terms["final LayerNorm statistics"] = stats_per_norm
+        terms["head weight copy (autocast)"] = whole.head_weight_copy
+    return {name: int(v) for name, v in terms.items() if v}
+
+
 @dataclass(frozen=True)
 class PhaseBytes:
     """Bytes alive at the end of one phase of one training step (tensor accounting)."""

@@ -131,3 +131,25 @@ def test_a_micro_batch_is_charged_its_own_token_ids_not_the_whole_batchs():
         stage(ids.chunk(batch // 2)[0])  # a 2-sequence micro-batch, a view into `ids`
         charged.append(stage.probe.bytes_per_mb[0])
     assert charged[0] == charged[1], charged
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_stages_saved_bytes_equal_the_prediction_to_the_byte(stage):
+    """memory.predicted_stage_activations: the blocks' formula plus what a stage keeps outside
+    them (ids on the first, the final LayerNorm's input, output and statistics on the last)."""
+    from labkit import memory
+    from labkit.model import GPT
+    from labkit.parallel.timeline import Timeline
+
+    torch.manual_seed(0)
+    half, b = CFG.n_layer // 2, 2
+    module = pipeline.StageModule(GPT(CFG), [(0, half), (half, CFG.n_layer)], stage=stage)
+    module.probe = pipeline.StageProbe(Timeline(rank=0), torch.device("cpu"), num_stages=P)
+    if stage == 0:
+        x = torch.randint(0, CFG.vocab_size, (b, CFG.seq_len))
+    else:
+        x = torch.randn(b, CFG.seq_len, CFG.d_model, requires_grad=True)
+    module(x)
+    predicted = memory.predicted_stage_activations(CFG, b, blocks=half, first=stage == 0,
+                                                   last=stage == P - 1)  # fmt: skip
+    assert module.probe.bytes_per_mb[0] == sum(predicted.values()), predicted
