@@ -63,6 +63,16 @@ def test_each_usual_mistake_is_named(wrong, says):
         ex.verify("00.ring_bytes", wrong)
 
 
+def test_a_failure_names_the_case_and_the_learners_value_but_not_the_target():
+    # 3 ranks, 3000 float32 elements: the target is 2·2/3·12000 = 8000 bytes; whole_message
+    # returns 12000. The message must carry the case and 12,000, never 8,000.
+    with pytest.raises(ex.ExerciseFailed) as failed:
+        ex.verify("00.ring_bytes", whole_message)
+    said = str(failed.value)
+    assert "whole_message(3000, 3, 4)" in said and "12,000" in said
+    assert "8,000" not in said and "8000" not in said
+
+
 def test_the_whole_message_passes_two_ranks_and_fails_three():
     # the point of the cases: on the notebook's 2 ranks S is right, so the check cannot stop there
     assert whole_message(2**16, 2) == first_job.reference_ring_bytes_sent(2**16, 2)

@@ -89,9 +89,11 @@ def _verify_ring_bytes(ring_bytes_sent: Any) -> str:
         right = reference_ring_bytes_sent(numel, p, e)
         if not math.isclose(float(got), right, rel_tol=1e-9, abs_tol=1e-9):
             raise ExerciseFailed(
-                f"{shown} returned {got:,.6g} bytes; a ring all-reduce of {numel:,} elements of "
-                f"{e} bytes over {p} rank{'s' if p != 1 else ''} sends {right:,.6g} per rank: "
-                f"{_ring_diagnosis(numel, p, e, float(got))}"
+                # The diagnosis, not the target: printing the expected bytes would hand over
+                # the answer the hints lead to one step at a time.
+                f"{shown} returned {got:,.6g} bytes, which is not what one rank sends in a ring "
+                f"all-reduce of {numel:,} elements of {e} bytes over {p} "
+                f"rank{'s' if p != 1 else ''}: {_ring_diagnosis(numel, p, e, float(got))}"
             )
     return (f"{_name(fn)}(numel, n_ranks, bytes_per_element) is 2(p−1)/p × numel × "
             "bytes_per_element on 1, 2, 3, 4 and 8 ranks; below, it predicts the bytes the "
