@@ -193,7 +193,15 @@ def main(ctx: dist.Context) -> dict:
 def _wire_unavailable(ctx: dist.Context) -> str | None:
     """Why this job's traffic cannot be counted on loopback, or None."""
     if ctx.backend != "gloo":
-        return f"{ctx.backend} moves the bytes over NVLink or PCIe, which no network interface counts"
+        # NVLink bytes can be counted, though not through a network interface: NVML field values
+        # NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX/RX
+        # (https://docs.nvidia.com/deploy/nvml-api/group__nvmlFieldValueEnums.html),
+        # `nvidia-smi nvlink -gt d`, DCGM's DCGM_FI_PROF_NVLINK_TX_BYTES
+        # (https://docs.nvidia.com/datacenter/dcgm/latest/dcgm-api/dcgm-api-field-ids.html).
+        # This worker does not read them yet.
+        return (f"{ctx.backend} moves the bytes over NVLink or PCIe, not through a network "
+                "interface; NVLink's own counters (NVML, `nvidia-smi nvlink -gt d`, DCGM) "
+                "could count them, but this course does not read them on the GPU tier yet")
     if ctx.world_size != int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size)):
         return "the ranks span several hosts: their traffic is not all on this host's loopback"
     return net.unavailable("lo")
