@@ -18,7 +18,8 @@ Sources cited below:
     [nanoGPT]      karpathy/nanoGPT, model.py (GPT.get_num_params, GPT.estimate_mfu) and
                    transformer_sizing.ipynb.
     [PaLM]         Chowdhery et al. 2022, "PaLM", arXiv 2204.02311, Appendix B (model FLOPs, MFU).
-    [llm.c]        karpathy/llm.c, train_gpt2.cu (FLOPs per token counting the causal half).
+    [llm.c]        karpathy/llm.c, train_gpt2.cu (adds 6·L·h·s per token, "the attention
+                   matmul", to 6N with N including the position table).
     [Kaplan]       Kaplan et al. 2020, "Scaling Laws for Neural Language Models", arXiv 2001.08361.
     [Playbook]     Hugging Face, "The Ultra-Scale Playbook" (memory section; appendix A3).
     [ZeRO]         Rajbhandari et al. 2019, arXiv 1910.02054 (section 3, Figure 1).
@@ -589,7 +590,8 @@ def flops_per_token(
     parameter accounts for; the conventions differ on how to count them::
 
         "full"    6N + 12·L·h·s   nanoGPT estimate_mfu (12·L·H·Q·T with H·Q = h); PaLM App. B
-        "causal"  6N +  6·L·h·s   llm.c: a causal mask needs only half of the s×s scores
+        "causal"  6N +  6·L·h·s   a causal mask needs only half of the s×s scores (the
+                                  term llm.c's train_gpt2.cu adds, without naming why)
         "none"    6N              the attention term ignored (Kaplan et al. 2020's C ≈ 6N)
 
     Which N? nanoGPT passes ``get_num_params()``, which subtracts the position embeddings (a
