@@ -148,7 +148,8 @@ class TorchDDP(Strategy):
         ``gradient_buckets``: bytes of DDP's bucket buffers that no ``.grad`` is a view of, a
         second copy of the gradients (0 under ``gradient_as_bucket_view`` once backward has
         made the views). Buckets are seen by the counting hook, so only after the first
-        synchronised backward; a later ``no_sync`` backward after ``zero_grad(set_to_none=True)``
+        synchronised backward, and DDP rebuilds them once, in the second synchronised step's
+        forward: the figure is steady from the third step on. A later ``no_sync`` backward after ``zero_grad(set_to_none=True)``
         gives fresh ``.grad`` tensors beside the buckets (measured in tests/test_dp_ddp.py)."""
         mem = super().memory(model, optimizer)
         params = [p for p in model.parameters() if p.grad is not None]
