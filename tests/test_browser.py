@@ -261,6 +261,7 @@ _RUN_FINISHED_JS = """() => {
   return prompts.length > 0 && !!idle && !prompts.some(p => p.includes('*'));
 }"""
 SAVE_S = 30  # saving a notebook of a few MB of figures to the local server
+RESAVE_S = 10  # then save again from the menu, once
 
 
 def _cell_prompts(page) -> list[str]:
@@ -308,6 +309,14 @@ def run_all_cells(page, timeout_s: float = RUN_ALL_S) -> None:
     page.wait_for_function(_RUN_FINISHED_JS, timeout=timeout_s * 1000, polling=500)
 
 
+def save_from_menu(page) -> None:
+    """File > Save Notebook (the menu item Ctrl+S stands for)."""
+    page.locator("#jp-MainMenu .lm-MenuBar-item", has_text=re.compile(r"^File$")).click()
+    page.locator(
+        ".lm-Menu-item .lm-Menu-itemLabel", has_text=re.compile(r"^Save( Notebook)?$")
+    ).first.click()
+
+
 def saved_run(page, lab: Lab, name: str) -> tuple[list[int | None], list[str]]:
     """Save the notebook (Ctrl+S) and read it back from the server: each code cell's execution
     count, and 'code cell N: Error: message' for every error output."""
@@ -317,6 +326,7 @@ def saved_run(page, lab: Lab, name: str) -> tuple[list[int | None], list[str]]:
     ]
     page.keyboard.press("Control+s")
     deadline = time.monotonic() + SAVE_S
+    resave = time.monotonic() + RESAVE_S
     while True:  # until the file holds what the page shows
         content = lab.api(f"/api/contents/{name}?content=1")
         cells = [c for c in content["content"]["cells"] if c["cell_type"] == "code"]
@@ -325,6 +335,12 @@ def saved_run(page, lab: Lab, name: str) -> tuple[list[int | None], list[str]]:
             break
         if time.monotonic() > deadline:
             pytest.fail(f"the saved {name} never matched the page: {counts} against {shown}")
+        if time.monotonic() > resave:
+            # On a loaded machine one CI run saved the notebook with no execution count at all
+            # while the page showed 1..15 and never saved again: save once more, from the
+            # menu, which needs no keyboard focus on the notebook.
+            save_from_menu(page)
+            resave = deadline
         time.sleep(0.5)
     errors = [
         f"code cell {i}: {out['ename']}: {out['evalue']}"
