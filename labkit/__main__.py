@@ -6,6 +6,7 @@
                        (--runs N: also delete all but the newest N job log folders)
     labkit notebooks   regenerate the learners' notebooks from solutions/ (--check to compare)
     labkit record-trace  record notebook 01's training run on a GPU, for replay without one
+    labkit exam        a mock exam drawn from every quiz bank, scored by sub-topic (--history)
 """
 
 from __future__ import annotations
@@ -58,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         from labkit import record
 
         return record.main(argv[1:])
+    if argv[:1] == ["exam"]:  # and exam
+        from labkit import exam
+
+        return exam.main(argv[1:])
     parser = argparse.ArgumentParser(prog="labkit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="pre-flight check of this machine (see: labkit doctor -h)")
@@ -72,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     nb.set_defaults(fn=_notebooks)
     sub.add_parser("record-trace", help="record notebook 01's run on a GPU (see: labkit "
                    "record-trace -h)")  # fmt: skip
+    sub.add_parser("exam", help="a mock exam from every quiz bank (see: labkit exam -h)")
     args = parser.parse_args(argv)
     return args.fn(args)
 

@@ -1,0 +1,201 @@
+"""The mock exam: the draw, the clock, the score and the results file (labkit.exam)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from labkit import exam, quiz
+from labkit.quiz import DOMAINS
+
+
+@pytest.fixture(autouse=True)
+def _home(tmp_path, monkeypatch):
+    monkeypatch.setenv("LABKIT_HOME", str(tmp_path / "home"))
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# --------------------------------------------------------------------------- the draw
+
+
+def test_allocation_follows_the_weights_by_largest_remainder():
+    available = {"a": 10, "b": 10, "c": 10}
+    assert exam.allocate(10, available, {"a": 1, "b": 1, "c": 1}) == {"a": 4, "b": 3, "c": 3}
+    assert exam.allocate(6, available, {"a": 3, "b": 2, "c": 1}) == {"a": 3, "b": 2, "c": 1}
+    assert exam.allocate(5, available, {"a": 1, "b": 0, "c": 0}) == {"a": 5, "b": 0, "c": 0}
+
+
+def test_a_capped_subtopic_passes_its_leftover_to_the_others():
+    got = exam.allocate(12, {"a": 2, "b": 20, "c": 20}, {"a": 1, "b": 1, "c": 1})
+    assert got == {"a": 2, "b": 5, "c": 5}
+
+
+def test_more_questions_than_the_banks_hold_is_refused_with_the_maximum():
+    total = sum(len(quiz.load(nb).questions) for nb in quiz.available())
+    with pytest.raises(exam.ExamError, match=f"at most {total}"):
+        exam.draw(total + 1)
+    assert len(exam.draw(total, seed=0).questions) == total
+
+
+def test_too_few_weighted_questions_is_refused():
+    with pytest.raises(exam.ExamError, match="give a weight to more sub-topics"):
+        exam.allocate(5, {"a": 2, "b": 9}, {"a": 1, "b": 0})
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"n": 0}, "at least 1"), ({"n": 2.5}, "whole number of questions"),
+    ({"n": True}, "whole number of questions"), ({"seed": -1}, "seed=-1"),
+    ({"seed": "abc"}, "seed='abc'"), ({"minutes": 0}, "positive number"),
+    ({"weights": {"NCP-GENL: cooking": 1}}, "unknown sub-topics"),
+    ({"weights": {DOMAINS[0]: -1}}, "negative or non-numeric"),
+    ({"notebooks": ["99"]}, "no quiz bank"),
+])  # fmt: skip
+def test_bad_arguments_are_named(kwargs, words):
+    with pytest.raises(exam.ExamError, match=words):
+        exam.draw(**{"n": 10, **kwargs})
+
+
+def test_the_draw_is_repeatable_by_seed_and_follows_the_banks_proportions():
+    a, b = exam.draw(30, seed=7), exam.draw(30, seed=7)
+    assert [q.id for q in a.questions] == [q.id for q in b.questions]
+    assert [q.id for q in exam.draw(30, seed=8).questions] != [q.id for q in a.questions]
+    assert len({q.id for q in a.questions}) == 30
+    assert Counter(q.domain for q in a.questions) == a.per_topic
+    sizes = {t: len(qs) for t, qs in exam.pool().items()}
+    total = sum(sizes.values())
+    for topic, k in a.per_topic.items():  # proportional to the pool, within one question
+        assert abs(k - 30 * sizes[topic] / total) < 1, topic
+
+
+def test_every_subtopic_has_enough_questions_for_a_full_exam():
+    """Every sub-topic appears in a default 30-question exam drawn with equal weights, and
+    every bank's tags are sub-topics (quiz.load validates them)."""
+    sizes = {t: len(qs) for t, qs in exam.pool().items()}
+    assert set(sizes) == set(DOMAINS)
+    equal = exam.draw(30, seed=0, weights={t: 1 for t in DOMAINS})
+    assert equal.per_topic == {t: 6 for t in DOMAINS}, sizes
+    assert min(sizes.values()) >= 6
+
+
+# --------------------------------------------------------------------------- taking it
+
+
+def test_no_feedback_while_answering_and_unanswered_counts_wrong():
+    e = exam.draw(4, seed=1)
+    attempt = exam.Attempt(e, clock=FakeClock())
+    q0, q1 = e.questions[:2]
+    assert attempt.answer(0, q0.answer) is None  # nothing says right or wrong
+    attempt.answer(1, (q1.answer + 1) % len(q1.choices))
+    result = attempt.finish()
+    assert result.score == (1, 4)
+    assert result.right == (True, False, False, False)
+    missed = {q.id for qs in result.revisit().values() for q in qs}
+    assert missed == {q.id for q in e.questions[1:]}
+    assert sum(k for _, k in result.by_topic().values()) == 4
+    assert attempt.finish() is result
+
+
+@pytest.mark.parametrize("choice", [True, 1.0, "a", -1, 99])
+def test_an_answer_of_the_wrong_type_is_refused_naming_what_is_allowed(choice):
+    attempt = exam.Attempt(exam.draw(3, seed=2))
+    with pytest.raises(exam.ExamError, match="an int from 0 to"):
+        attempt.answer(0, choice)
+    with pytest.raises(exam.ExamError, match="question number from 0 to 2"):
+        attempt.answer(3, 0)
+
+
+def test_the_time_limit_refuses_late_answers_and_marks_the_result():
+    clock = FakeClock()
+    attempt = exam.Attempt(exam.draw(3, seed=3, minutes=1), clock=clock)
+    clock.now += 30
+    assert attempt.time_left_s() == pytest.approx(30)
+    attempt.answer(0, 0)
+    clock.now += 31
+    with pytest.raises(exam.TimeUp, match="not counted"):
+        attempt.answer(1, 0)
+    result = attempt.finish()
+    assert result.timed_out and result.answers[1] is None
+    assert "time ran out" in result.as_text()
+
+
+# --------------------------------------------------------------------------- results on disk
+
+
+def _result(seed: int = 4) -> exam.Result:
+    e = exam.draw(5, seed=seed)
+    attempt = exam.Attempt(e, clock=FakeClock())
+    for i, q in enumerate(e.questions):
+        attempt.answer(i, q.answer)
+    return attempt.finish()
+
+
+def test_results_accumulate_over_attempts():
+    path, note = exam.save_result(_result())
+    assert note is None and path == exam.results_path()
+    exam.save_result(_result(5))
+    attempts, note = exam.load_history()
+    assert note is None and [a["right"] for a in attempts] == [5, 5]
+    assert "2 attempt(s)" in exam.progress_text(attempts)
+
+
+def test_a_corrupt_results_file_is_set_aside_not_overwritten():
+    path = exam.results_path()
+    path.parent.mkdir(parents=True)
+    path.write_text("{ not json", encoding="utf-8")
+    _, note = exam.save_result(_result())
+    aside = list(path.parent.glob("results.json.corrupt-*"))
+    assert len(aside) == 1 and aside[0].read_text(encoding="utf-8") == "{ not json"
+    assert aside[0].name in note and "starts afresh" in note
+    assert json.loads(path.read_text(encoding="utf-8"))["attempts"][0]["right"] == 5
+
+
+def test_an_unwritable_results_folder_is_named_with_the_fix(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("", encoding="utf-8")
+    monkeypatch.setenv("LABKIT_HOME", str(blocker))  # a folder cannot be made under a file
+    with pytest.raises(exam.ExamError, match="set LABKIT_HOME"):
+        exam.save_result(_result())
+
+
+# --------------------------------------------------------------------------- terminal, widget
+
+
+def test_the_terminal_exam_reasks_bad_input_and_saves(monkeypatch, capsys):
+    e = exam.draw(3, seed=9)
+    right = [exam.LETTERS[q.answer] for q in e.questions]
+    replies = iter(["zz", right[0], "", right[2] + ")"])
+    monkeypatch.setattr("builtins.input", lambda _prompt: next(replies))
+    assert exam.main(["-n", "3", "--seed", "9"]) == 0
+    out = capsys.readouterr().out
+    assert "'zz' is not one of" in out and "Score: 2/3" in out
+    assert "saved to" in out and "1 attempt(s)" in out
+    assert exam.main(["--history"]) == 0 and "1 attempt(s)" in capsys.readouterr().out
+    assert exam.main(["-n", "100000"]) == 2
+    assert "ask for at most" in capsys.readouterr().out
+
+
+def test_the_widget_gives_no_feedback_until_finish_and_then_saves():
+    pytest.importorskip("ipywidgets")
+    clock = FakeClock()
+    view = exam.ExamWidget(exam.draw(3, seed=11, minutes=1), clock=clock)
+    q = view.attempt.exam.questions
+    view.pick(0, q[0].answer)
+    view.pick(0, (q[0].answer + 1) % len(q[0].choices))  # a second click moves the choice
+    assert [b.value for b in view.rows[0]].count(True) == 1
+    assert view.result.value == ""  # nothing said yet
+    clock.now += 61
+    view.pick(1, q[1].answer)
+    assert "time is up" in view.status.value and view.attempt.answers[1] is None
+    result = view.finish()
+    assert result.score == (0, 3) and "Score: 0/3" in view.result.value
+    assert all(b.disabled for row in view.rows for b in row)
+    assert len(exam.load_history()[0]) == 1
