@@ -14,7 +14,6 @@ from pathlib import Path
 
 import nbformat
 import pytest
-import torch
 
 from labkit import exercises as ex
 from labkit import launch, nbgen
@@ -86,7 +85,9 @@ def test_check_on_the_stub_says_not_done_with_the_hint_without_launching(
     path = write(tmp_path, FILES[exercise_id], STUBS[FILES[exercise_id]])
     with pytest.raises(ex.ExerciseIncomplete) as info:
         exmp.verify_file(exercise_id, path)
-    assert str(info.value) == f"Exercise {exercise_id} is not done yet: {ex.get(exercise_id).hints[0]}"
+    assert (
+        str(info.value) == f"Exercise {exercise_id} is not done yet: {ex.get(exercise_id).hints[0]}"
+    )
     ex.check_in_workers(exercise_id, path)  # prints, does not raise: Run All goes on
     out = capsys.readouterr().out
     assert out.startswith(f"○ {exercise_id} (") and out.count("\n") == 1
@@ -208,11 +209,16 @@ def test_a_slice_of_the_wrong_dimension_of_a_square_layer_is_named():
 # --------------------------------------------------------------------------- 03.f_and_g
 
 
-def test_f_and_g_must_be_autograd_functions(launches):
+def test_f_and_g_must_be_autograd_functions_and_a_module(tmp_path, launches):
+    path = write(tmp_path, "mp_fg_types", SOLUTIONS["mp_fg"])
+    enter, leave, tp_mlp = exmp.answer_from_file("03.f_and_g", path)
     with pytest.raises(ex.ExerciseFailed, match=r"subclass of torch\.autograd\.Function"):
-        ex.verify("03.f_and_g", (lambda x: x, lambda x: x))
-    with pytest.raises(ex.ExerciseFailed, match=r"the pair \(Enter, Leave\)"):
-        ex.verify("03.f_and_g", torch.autograd.Function)
+        ex.verify("03.f_and_g", (lambda x: x, leave, tp_mlp))
+    with pytest.raises(ex.ExerciseFailed, match=r"a subclass of torch\.nn\.Module"):
+        ex.verify("03.f_and_g", (enter, leave, lambda mlp, rank, world_size: mlp))
+    with pytest.raises(ex.ExerciseFailed, match=r"\(Enter, Leave, TensorParallelMLP\), three"):
+        ex.verify("03.f_and_g", (enter, leave))
+    assert launches == []
 
 
 def test_results_from_the_ranks_become_the_notebooks_errors():
@@ -224,6 +230,94 @@ def test_results_from_the_ranks_become_the_notebooks_errors():
     bad = {**ok, "status": "failed", "message": "Likely: g's forward must all-reduce"}
     with pytest.raises(ex.ExerciseFailed, match=r"^on rank 1 of 2: Likely: g's forward"):
         exmp.raise_for_results("03.f_and_g", [ok, bad])
+
+
+def _variant(old: str, new: str) -> str:
+    """The solution file with the line(s) ``old`` replaced by ``new`` (a planted mistake)."""
+    sol = SOLUTIONS["mp_fg"]
+    assert sol.count(old) == 1, old
+    return sol.replace(old, new)
+
+
+FC_COPY = "            self.fc.weight.copy_(mlp.fc.weight[units])"
+FC_BIAS = "            self.fc.bias.copy_(mlp.fc.bias[units])"
+PROJ_COPY = "            self.proj.weight.copy_(mlp.proj.weight[:, units])"
+PROJ_BIAS = "            self.proj.bias.copy_(mlp.proj.bias)"
+UNITS = "        units = slice(rank * k, (rank + 1) * k)\n"
+LAYERS = "        self.proj = nn.Linear(k, h)\n"
+OUTPUT = "        return Leave.apply(partial) + self.proj.bias"
+ENTER = "        x = Enter.apply(x)"
+QUARTER = "h // world_size * rank : h // world_size * (rank + 1)"  # of the 12 input features
+
+# Mistakes the kernel catches before any launch: (planted file, what the message must say).
+WRONG_SHARDS = [
+    (_variant(FC_COPY, FC_COPY.replace("[units]", "[:, units]")),
+     "Likely: a slice does not fit its layer: column-parallel fc keeps this rank's hidden units, "
+     "which are fc's output features: dimension 0 (rows)"),
+    (_variant(LAYERS, LAYERS + f"        self.fc.weight = nn.Parameter(mlp.fc.weight[:, {QUARTER}].detach().clone())\n")
+     .replace(FC_COPY, "            pass"),
+     "fc.weight has shape (48, 6), expected (24, 12) = (4h/n, h) with n = 2: column-parallel fc"),
+    (_variant(PROJ_COPY, PROJ_COPY.replace("[:, units]", "[units]")),
+     "Likely: a slice does not fit its layer: row-parallel proj keeps the same hidden units, "
+     "which are proj's input features: dimension 1 (columns)"),
+    (_variant(LAYERS, LAYERS + f"        self.proj.weight = nn.Parameter(mlp.proj.weight[{QUARTER}].detach().clone())\n")
+     .replace(PROJ_COPY, "            pass"),
+     "proj.weight has shape (6, 48), expected (12, 24) = (h, 4h/n) with n = 2: row-parallel proj"),
+    (_variant(FC_BIAS, "            self.fc.bias = nn.Parameter(mlp.fc.bias.clone())"),
+     "fc.bias has shape (48,), expected (24,)"),
+    (_variant(PROJ_BIAS, "            self.proj.bias = nn.Parameter(mlp.proj.bias[units].clone())"),
+     "rank=1, world_size=2): Likely: proj.bias has shape (0,), expected (12,): proj's bias"),
+    (_variant(UNITS, "        units = slice((rank + 1) % world_size * k, ((rank + 1) % world_size + 1) * k)\n"),
+     "fc.weight holds rank 1's slice, not rank 0's"),
+    (_variant(FC_COPY, "            pass"), "fc.weight holds other values than rank 0's slice"),
+    (_variant(LAYERS, LAYERS + "        self.mlp = mlp\n"),
+     "your module holds 1824 parameters, its shards 612: keep only this rank's slices"),
+    (_variant(UNITS, "        units = slice(dist.get_rank() * k, (dist.get_rank() + 1) * k)\n"),
+     "use the rank and world_size arguments, not torch.distributed's"),
+    (SOLUTIONS["mp_fg"].replace("self.fc", "self.w1"), "your module has no fc.weight"),
+    (_variant(LAYERS, LAYERS + "        self.proj.weight.requires_grad_(False)\n"),
+     "proj.weight does not require a gradient"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "message"), WRONG_SHARDS)
+def test_wrong_shards_are_named_in_the_kernel_without_launching(text, message, tmp_path, launches):
+    path = write(tmp_path, "mp_fg_wrong", text)
+    with pytest.raises(ex.ExerciseFailed, match=r"^Exercise 03\.f_and_g \(") as info:
+        exmp.verify_file("03.f_and_g", path)
+    assert message in str(info.value)
+    assert launches == []
+
+
+def test_a_shard_that_is_not_a_parameter_is_named(tmp_path):
+    mlp, _, _ = exmp.tp_mlp_case()
+    sol = exmp.load_file(write(tmp_path, "mp_fg_buffer", SOLUTIONS["mp_fg"]))
+    module = sol.TensorParallelMLP(mlp, 0, 2)
+    weight = module.fc.weight.detach()
+    del module.fc.weight
+    module.fc.register_buffer("weight", weight)  # right values, but no gradient would be kept
+    assert "fc.weight is not a parameter of your module" in exmp.shard_diagnosis(module, mlp, 0, 2)
+
+
+def test_a_file_with_f_and_g_done_and_the_module_a_stub_is_not_done(tmp_path, launches):
+    stub_mlp = STUBS["mp_fg"][STUBS["mp_fg"].index("class TensorParallelMLP") :]
+    done_fg = SOLUTIONS["mp_fg"][: SOLUTIONS["mp_fg"].index("class TensorParallelMLP")]
+    path = write(tmp_path, "mp_fg_half", done_fg + stub_mlp)
+    with pytest.raises(ex.ExerciseIncomplete, match="not done yet"):
+        exmp.verify_file("03.f_and_g", path)
+    assert launches == []
+
+
+def test_the_reference_shards_are_the_slices_the_solution_takes(tmp_path):
+    mlp, _, _ = exmp.tp_mlp_case()
+    sol = exmp.load_file(write(tmp_path, "mp_fg_ref", SOLUTIONS["mp_fg"]))
+    for n in exmp.TP_WORLD_SIZES:
+        for r in range(n):
+            shards = exmp.reference_shards(mlp, r, n)
+            k = 48 // n  # hidden units per rank (d_model 12, 4 × 12 hidden)
+            assert shards["fc.weight"].equal(mlp.fc.weight[r * k : (r + 1) * k])
+            assert shards["proj.weight"].equal(mlp.proj.weight[:, r * k : (r + 1) * k])
+            assert exmp.shard_diagnosis(sol.TensorParallelMLP(mlp, r, n), mlp, r, n) is None
 
 
 # --------------------------------------------------------------------------- inside real ranks
@@ -240,7 +334,32 @@ def _fg_variants() -> dict[str, str]:
         "mp_fg_g_backward_reduces": head + sep + tail.replace("        return grad\n", F_BACKWARD),
         "mp_fg_g_forward_identity": head + sep + tail.replace(
             "        x = x.clone()\n        dist.all_reduce(x)\n", ""),
+        # the module's own mistakes, which only running it on ranks shows
+        "mp_tp_bias_every_rank": _variant(OUTPUT, "        return Leave.apply(self.proj(hidden))"),
+        "mp_tp_no_g": _variant(OUTPUT, "        return partial + self.proj.bias"),
+        "mp_tp_no_f": _variant(ENTER, "        pass"),
+        "mp_tp_exact_gelu": _variant(', approximate="tanh")', ")"),
+        "mp_tp_detached": _variant("F.gelu(self.fc(x), ",
+                                   "F.gelu(F.linear(x, self.fc.weight.detach(), self.fc.bias), "),
     }  # fmt: skip
+
+
+TP_RANK_MISTAKES = (
+    "mp_tp_bias_every_rank",
+    "mp_tp_no_g",
+    "mp_tp_no_f",
+    "mp_tp_exact_gelu",
+    "mp_tp_detached",
+)
+
+
+@pytest.mark.parametrize("name", TP_RANK_MISTAKES)
+def test_the_modules_forward_mistakes_pass_the_kernel_and_are_left_to_the_ranks(
+    name, tmp_path, launches
+):
+    path = write(tmp_path, name, _fg_variants()[name])
+    exmp.verify_file("03.f_and_g", path)  # shards right: only running it can tell
+    assert [c["module"] for c in launches] == [name]
 
 
 @pytest.fixture(scope="module")
@@ -257,9 +376,7 @@ def ranks(tmp_path_factory):
         "fg": ("03.f_and_g", "mp_fg_sol"),
         "column": ("03.column_parallel", "mp_column_sol"),
         "fg_stub": ("03.f_and_g", "mp_fg_stub"),
-        "fg_no_f_backward": ("03.f_and_g", "mp_fg_no_f_backward"),
-        "fg_g_backward_reduces": ("03.f_and_g", "mp_fg_g_backward_reduces"),
-        "fg_g_forward_identity": ("03.f_and_g", "mp_fg_g_forward_identity"),
+        **{name: ("03.f_and_g", name) for name in _fg_variants()},
         "column_all": ("03.column_parallel", "mp_column_all"),
         "broken": ("03.f_and_g", "mp_broken"),
     }
@@ -278,7 +395,8 @@ def test_solutions_pass_inside_the_ranks(ranks):
         assert [r["status"] for r in ranks[key]] == ["ok", "ok"], ranks[key]
     said = exmp.raise_for_results("03.one_f_one_b", ranks["order"])
     assert "real 2-stage pipeline" in said and "same loss" in said and "holding 2 of m=4" in said
-    assert "equal the unsplit MLP's" in exmp.raise_for_results("03.f_and_g", ranks["fg"])
+    said = exmp.raise_for_results("03.f_and_g", ranks["fg"])
+    assert "dL/dx (the same on every rank)" in said and "equal the unsplit MLP's" in said
     assert "all-gathered shards" in exmp.raise_for_results("03.column_parallel", ranks["column"])
 
 
@@ -287,13 +405,21 @@ def test_solutions_pass_inside_the_ranks(ranks):
     ("key", "status", "message"),
     [
         ("fg_stub", "incomplete", "Exercise 03.f_and_g is not done yet: "),
-        ("fg_no_f_backward", "failed", "f's backward must all-reduce"),
-        ("fg_g_backward_reduces", "failed", "2× too large: g's backward must return the gradient"),
-        ("fg_g_forward_identity", "failed", "g's forward must all-reduce"),
+        ("mp_fg_no_f_backward", "failed", "f's backward must all-reduce"),
+        ("mp_fg_g_backward_reduces", "failed", "2× too large: g's backward must return the gradient"),
+        ("mp_fg_g_forward_identity", "failed", "g's forward must all-reduce"),
+        ("mp_tp_bias_every_rank", "failed",
+         "your TensorParallelMLP: Likely: the output is off by (world_size − 1) × proj.bias = 1 × "
+         "proj.bias: every rank added proj's bias before g"),
+        ("mp_tp_no_g", "failed", "the output is this rank's partial sum, not the whole MLP's: g is missing"),
+        ("mp_tp_no_f", "failed", "the input gradients differ across ranks: each holds only its own part "
+         "of dL/dx, the part its slice of fc produced, so f is missing"),
+        ("mp_tp_exact_gelu", "failed", "the MLP's with exact GELU"),
+        ("mp_tp_detached", "failed", "fc.weight received no gradient"),
         ("column_all", "failed", "the output has all 24 features"),
         ("broken", "failed", "raised SyntaxError"),
     ],
-)
+)  # fmt: skip
 def test_mistakes_are_reported_by_every_rank_without_crashing_the_job(ranks, key, status, message):
     for rank in ranks[key]:
         assert rank["status"] == status and message in rank["message"], rank

@@ -10,7 +10,7 @@ notebook kernel (pytorch #20375), so the learner writes each answer to a file wi
     %%writefile {ex_dir}/mp_fg.py
     ...
     ex.check_in_workers("03.f_and_g", ex_dir / "mp_fg.py")
-    # ✓ 03.f_and_g: your f and g carry a column-then-row-parallel MLP on 2 ranks: ...
+    # ✓ 03.f_and_g: every rank's shards are right for world sizes 2, 3, 4; your ...
 
 ``check_in_workers`` (through :func:`verify_file`) imports the file in the kernel and runs the exercise's registered check
 (``labkit.exercises.verify``): first what can be checked here (a stub is reported at once, an
@@ -25,8 +25,12 @@ Exercises (``EXERCISES``: id -> the names the learner's file defines):
   workers, the learner's order drives a real 2-stage pipeline (``labkit.parallel.pipeline``)
   whose loss and gradients must equal GPipe's.
 * ``03.f_and_g``: Megatron's f and g as ``torch.autograd.Function`` classes ``Enter`` and
-  ``Leave``; in the workers they carry a column-then-row-parallel MLP, checked against the
-  unsplit MLP.
+  ``Leave``, and ``TensorParallelMLP(mlp, rank, world_size)``, an ``nn.Module`` holding one
+  rank's shards of a ``labkit.model.MLP`` (fc column-parallel, proj row-parallel) whose forward
+  is f, fc, GELU, proj, g, then proj's bias once. In the kernel every rank's shards are checked
+  for 2, 3 and 4 ranks; in the workers the f and g carry a bare MLP of the check's own, then
+  the learner's module's output, input gradient (the same on every rank) and shard gradients
+  are checked against the unsplit MLP.
 * ``03.column_parallel``: ``column_parallel_linear(x, linear, rank, world_size)``, one rank's
   output features of ``linear(x)``; in the workers each rank's shard, its gradient, and the
   all-gathered shards are checked against ``nn.Linear``.
@@ -56,6 +60,7 @@ from labkit.exercises import (
     get,
     incomplete,
     learner_frame,
+    short_repr,
     time_limit_paused,
     verify,
 )
@@ -68,7 +73,7 @@ PG_TIMEOUT_S = 30.0  # a learner's unmatched collective fails after this, not af
 
 EXERCISES: dict[str, tuple[str, ...]] = {
     "03.one_f_one_b": ("one_f_one_b",),
-    "03.f_and_g": ("Enter", "Leave"),
+    "03.f_and_g": ("Enter", "Leave", "TensorParallelMLP"),
     "03.column_parallel": ("column_parallel_linear",),
 }
 """Exercise id -> the names the learner's file must define (the answer, in this order)."""
@@ -442,6 +447,10 @@ def _rank_one_f_one_b(ctx: Any, fn: Callable[[int, int, int], Any]) -> str:
 
 # --------------------------------------------------------------------------- 03.f_and_g
 
+# The check has two parts. First the learner's f and g alone, in a bare column-then-row MLP
+# of the check's own (so a wrong f or g is named as such); then the learner's
+# TensorParallelMLP, which must slice a labkit.model.MLP and call f and g itself.
+
 FG_SHAPE = (2, 3, 8)  # x: (B, T, h); the MLP is h -> 2h -> h, split over the 2h hidden units
 
 
@@ -498,7 +507,8 @@ def fg_diagnosis(got: dict, ref: dict, local: dict, n: int) -> str | None:
     return None
 
 
-def _rank_f_and_g(ctx: Any, enter: Any, leave: Any) -> str:
+def _check_f_and_g(ctx: Any, enter: Any, leave: Any) -> None:
+    """On a rank: the learner's f and g carry the check's own bare MLP (raises ExerciseFailed)."""
     n, r = ctx.world_size, ctx.rank
     for cls, role in ((enter, "f (Enter)"), (leave, "g (Leave)")):
         if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
@@ -512,9 +522,273 @@ def _rank_f_and_g(ctx: Any, enter: Any, leave: Any) -> str:
     local = _mlp(case, rows, lambda t: t, lambda t: t)
     why = fg_diagnosis(got, ref, local, n)
     if why:
-        raise ExerciseFailed(f"Likely: {why}")
-    return (f"your f and g carry a column-then-row-parallel MLP on {n} ranks: output, dL/dx "
-            "and every weight gradient equal the unsplit MLP's")  # fmt: skip
+        raise ExerciseFailed(f"your f and g, tried on a bare column-then-row MLP: Likely: {why}")
+
+
+# The learner's TensorParallelMLP slices a labkit.model.MLP with d_model 12: 48 hidden units
+# split over 2, 3 and 4 ranks, and an input size (12) that 2, 3 and 4 divide too, so a slice
+# of the wrong dimension gives a shape of its own. Float32, as labkit's model is (a learner's
+# nn.Linear shards are float32 by default); every mistake below moves the output by far more
+# than TP_TOL.
+TP_MODEL = {"d_model": 12, "n_head": 2, "n_layer": 1, "seq_len": 3}
+TP_BATCH = 2
+TP_WORLD_SIZES = (2, 3, 4)  # every rank of each, in the kernel
+TP_TOL = 1e-5
+SHARDS = ("fc.weight", "fc.bias", "proj.weight", "proj.bias")
+
+FC_SPLIT = ("column-parallel fc keeps this rank's hidden units, which are fc's output features: "
+            "dimension 0 (rows) of nn.Linear's (out_features, in_features) weight, and the same "
+            "entries of its bias; every rank keeps all the input features")  # fmt: skip
+PROJ_SPLIT = ("row-parallel proj keeps the same hidden units, which are proj's input features: "
+              "dimension 1 (columns) of its (out_features, in_features) weight; its output "
+              "features, and its bias, stay whole")  # fmt: skip
+
+
+def tp_mlp_case(device: Any = "cpu") -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """(a labkit.model.MLP, x, dL/dy): seeded, the same on every rank, float32.
+
+    The weights and biases are redrawn at unit scale: with nn.Linear's small default init a
+    bias counted twice would still move the output visibly, but less plainly.
+    """
+    from labkit.config import ModelConfig
+    from labkit.model import MLP
+
+    cfg = ModelConfig(**TP_MODEL)
+    g = torch.Generator().manual_seed(7)
+    mlp = MLP(cfg)
+    with torch.no_grad():
+        for lin in (mlp.fc, mlp.proj):
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) / lin.in_features**0.5)
+            lin.bias.copy_(torch.randn(lin.bias.shape, generator=g))
+    x = torch.randn(TP_BATCH, cfg.seq_len, cfg.d_model, generator=g)
+    grad_out = torch.randn(TP_BATCH, cfg.seq_len, cfg.d_model, generator=g)
+    return mlp.to(device), x.to(device), grad_out.to(device)
+
+
+def reference_shards(mlp: torch.nn.Module, rank: int, n: int) -> dict[str, torch.Tensor]:
+    """What rank ``rank`` of ``n`` holds, by the course's own layers (labkit.parallel.tensor)."""
+    from labkit.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
+    fc = ColumnParallelLinear.from_linear(mlp.fc, world_size=n, rank=rank, copy_input=False)
+    proj = RowParallelLinear.from_linear(mlp.proj, world_size=n, rank=rank)
+    return {"fc.weight": fc.weight, "fc.bias": fc.bias,
+            "proj.weight": proj.weight, "proj.bias": proj.bias}  # fmt: skip
+
+
+def _shard(module: torch.nn.Module, name: str) -> Any:
+    obj: Any = module
+    for part in name.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def shard_diagnosis(module: torch.nn.Module, mlp: torch.nn.Module, rank: int, n: int) -> str | None:
+    """None if ``module`` holds exactly rank ``rank`` of ``n``'s shards of ``mlp``; else the
+    likely mistake (shapes first, then values, then anything held besides the shards)."""
+    h, hidden = mlp.fc.in_features, mlp.fc.out_features
+    k = hidden // n
+    want = reference_shards(mlp, rank, n)
+    got = {name: _shard(module, name) for name in SHARDS}
+    params = {id(p) for p in module.parameters()}
+    for name in SHARDS:
+        t = got[name]
+        if not isinstance(t, torch.Tensor):
+            layer = name.split(".")[0]
+            return (f"your module has no {name}: keep this rank's shard of mlp.{layer} as "
+                    f"self.{layer}, an nn.Linear (labkit.model.MLP's names), so its weight and "
+                    "bias are self.fc.weight, self.fc.bias, self.proj.weight, self.proj.bias")  # fmt: skip
+        if id(t) not in params:
+            return (f"{name} is not a parameter of your module: make it an nn.Parameter (an "
+                    "nn.Linear's own are), or autograd keeps no gradient for it and an "
+                    "optimizer never sees it")  # fmt: skip
+        if not t.requires_grad:
+            return (f"{name} does not require a gradient: a shard is trained like the weight it "
+                    "came from; leave requires_grad on (copy into it under torch.no_grad(), "
+                    "which does not turn it off)")  # fmt: skip
+    shape = {name: tuple(t.shape) for name, t in got.items()}
+    if shape["fc.weight"] != (k, h):
+        return (f"fc.weight has shape {shape['fc.weight']}, expected ({k}, {h}) = (4h/n, h) "
+                f"with n = {n}: {FC_SPLIT}")  # fmt: skip
+    if shape["fc.bias"] != (k,):
+        return (f"fc.bias has shape {shape['fc.bias']}, expected ({k},): it has one entry per "
+                "output feature of fc, so it is sliced like fc.weight's rows")  # fmt: skip
+    if shape["proj.weight"] != (h, k):
+        return (f"proj.weight has shape {shape['proj.weight']}, expected ({h}, {k}) = (h, 4h/n) "
+                f"with n = {n}: {PROJ_SPLIT}")  # fmt: skip
+    if shape["proj.bias"] != (h,):
+        return (f"proj.bias has shape {shape['proj.bias']}, expected ({h},): proj's bias "
+                "belongs to the full output every rank holds after g, so it is not split")  # fmt: skip
+    for name in SHARDS:
+        if torch.equal(got[name].detach().cpu(), want[name].detach().cpu()):
+            continue
+        for other in range(n):
+            if other != rank and torch.equal(got[name].detach().cpu(),
+                                              reference_shards(mlp, other, n)[name].detach().cpu()):  # fmt: skip
+                return (f"{name} holds rank {other}'s slice, not rank {rank}'s: this rank's "
+                        f"hidden units are rank × 4h/n to (rank + 1) × 4h/n")  # fmt: skip
+        return (f"{name} holds other values than rank {rank}'s slice of mlp's {name}: copy "
+                "the trained weights, do not initialise new ones")  # fmt: skip
+    held = sum(p.numel() for p in module.parameters())
+    shards = sum(t.numel() for t in got.values())
+    if held != shards:
+        return (f"your module holds {held} parameters, its shards {shards}: keep only this "
+                "rank's slices (a rank that also keeps the whole MLP, or a copy of it, saves "
+                "no memory, which is what tensor parallelism is for)")  # fmt: skip
+    return None
+
+
+def _line_in(err: BaseException, cls: Any) -> str:
+    """The last line of ``err``'s traceback in the file that defines ``cls`` (the learner's)."""
+    import inspect
+    import traceback
+
+    try:
+        path = inspect.getsourcefile(cls)
+    except TypeError:
+        return ""
+    lines = [f.line or "" for f in traceback.extract_tb(err.__traceback__) if f.filename == path]
+    return lines[-1] if lines else ""
+
+
+def _build(cls: Any, mlp: torch.nn.Module, rank: int, n: int) -> torch.nn.Module:
+    """``cls(mlp, rank, n)`` on a copy of ``mlp`` (a learner's module may share its memory),
+    with a construction error worded for this exercise."""
+    import copy
+
+    try:
+        module = call(cls, copy.deepcopy(mlp), rank, n)
+    except ExerciseFailed as err:
+        cause, text = err.__cause__, str(err)
+        if cause is not None and "process group" in str(cause):
+            text += (". Likely: use the rank and world_size arguments, not torch.distributed's: "
+                     "the check builds every rank's shards here, outside any process group")  # fmt: skip
+        elif isinstance(cause, RuntimeError) and "size" in str(cause):
+            where = _line_in(cause, cls)
+            fc, proj = "fc" in where, "proj" in where
+            split = FC_SPLIT if fc and not proj else PROJ_SPLIT if proj and not fc else (
+                f"{FC_SPLIT}; {PROJ_SPLIT}")  # fmt: skip
+            text += f". Likely: a slice does not fit its layer: {split}"
+        raise ExerciseFailed(text) from cause
+    if not isinstance(module, torch.nn.Module):
+        raise ExerciseFailed(f"TensorParallelMLP(...) made a {type(module).__name__}, not a module")
+    return module
+
+
+def check_tp_shards(cls: Any) -> str:
+    """In the kernel: every rank's shards for each of TP_WORLD_SIZES (no collectives needed)."""
+    if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+        raise ExerciseFailed(
+            f"TensorParallelMLP is {cls!r}: define it as a class, a subclass of torch.nn.Module"
+        )
+    mlp, _, _ = tp_mlp_case()
+    for n in TP_WORLD_SIZES:
+        for r in range(n):
+            why = shard_diagnosis(_build(cls, mlp, r, n), mlp, r, n)
+            if why:
+                raise ExerciseFailed(
+                    f"TensorParallelMLP(mlp, rank={r}, world_size={n}): Likely: {why}"
+                )
+    return ", ".join(map(str, TP_WORLD_SIZES))
+
+
+def _tp_forward_backward(module: Any, x: torch.Tensor, grad_out: torch.Tensor) -> dict[str, Any]:
+    x = x.clone().requires_grad_()
+    out = module(x)
+    if not isinstance(out, torch.Tensor) or out.shape != grad_out.shape:
+        # every rank runs the same code, so every rank stops here alike, before a collective
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ExerciseFailed(
+            f"forward returned {shape}, expected a tensor of x's shape {tuple(x.shape)}: after "
+            "g every rank holds the whole output"
+        )
+    out.backward(grad_out)
+    return {"out": out.detach(), "x_grad": x.grad}
+
+
+def tp_mlp_diagnosis(
+    got: dict[str, Any],
+    ref: dict[str, Any],
+    mlp: torch.nn.Module,
+    x: torch.Tensor,
+    rank: int,
+    n: int,
+) -> str | None:
+    """None if the learner's rank output, input gradients (``got["x_grads"]``, every rank's)
+    and shard gradients (``got["grads"]``) match the unsplit MLP (``ref``); else the mistake."""
+    import torch.nn.functional as F
+
+    def close(a: Any, b: torch.Tensor) -> bool:
+        return (isinstance(a, torch.Tensor) and a.shape == b.shape
+                and torch.allclose(a, b, atol=TP_TOL, rtol=TP_TOL))  # fmt: skip
+
+    shard = reference_shards(mlp, rank, n)
+    with torch.no_grad():
+        hidden = F.gelu(F.linear(x, shard["fc.weight"], shard["fc.bias"]), approximate="tanh")
+        partial = F.linear(hidden, shard["proj.weight"])  # this rank's term of the sum
+        exact = F.linear(F.gelu(mlp.fc(x)), mlp.proj.weight, mlp.proj.bias)  # GELU without tanh
+    bias = mlp.proj.bias.detach()
+    if not close(got["out"], ref["out"]):
+        if close(got["out"], ref["out"] + (n - 1) * bias):
+            return (f"the output is off by (world_size − 1) × proj.bias = {n - 1} × proj.bias: "
+                    f"every rank added proj's bias before g summed the ranks' outputs, so it "
+                    f"was counted {n} times. Apply proj's weight alone (F.linear(hidden, "
+                    "self.proj.weight)), pass that through g (Leave), and add the bias once, "
+                    "after it")  # fmt: skip
+        if close(got["out"], partial + bias) or close(got["out"], partial):
+            return ("the output is this rank's partial sum, not the whole MLP's: g is missing. "
+                    "Pass proj's output (before the bias) through Leave.apply, which sums the "
+                    "ranks' partial outputs")  # fmt: skip
+        if close(got["out"], exact):
+            return ("the output is the MLP's with exact GELU: labkit.model.MLP uses the tanh "
+                    "approximation, F.gelu(..., approximate=\"tanh\")")  # fmt: skip
+        return ("the output differs from the unsplit MLP's: the forward is f, this rank's fc, "
+                "GELU (approximate=\"tanh\"), this rank's proj, g, then proj's bias")  # fmt: skip
+    x_grads = got["x_grads"]
+    if any(g is None for g in x_grads):
+        return ("x received no gradient on some rank: the forward must compute the output from "
+                "x (through f), not from a detached copy")  # fmt: skip
+    if not all(close(g, x_grads[0]) for g in x_grads) or not close(x_grads[rank], ref["x_grad"]):
+        return ("the input gradients differ across ranks: each holds only its own part of "
+                "dL/dx, the part its slice of fc produced, so f is missing. Begin the forward "
+                "with x = Enter.apply(x), whose backward sums those parts on every rank")  # fmt: skip
+    for name in SHARDS:
+        layer, kind = name.split(".")
+        want = getattr(getattr(mlp, layer), kind).grad
+        if layer == "fc":
+            want = want[rank * want.shape[0] // n : (rank + 1) * want.shape[0] // n]
+        elif kind == "weight":
+            want = want[:, rank * want.shape[1] // n : (rank + 1) * want.shape[1] // n]
+        g = got["grads"][name]
+        if g is None:
+            return (f"{name} received no gradient: the forward must use the module's own "
+                    "parameters (self.fc, self.proj), not copies or mlp's")  # fmt: skip
+        if not close(g, want):
+            return f"{name}.grad differs from the matching slice of the unsplit MLP's gradient"
+    return None
+
+
+def _rank_f_and_g(ctx: Any, enter: Any, leave: Any, tp_mlp: Any) -> str:
+    import copy
+
+    import torch.distributed as tdist
+
+    n, r = ctx.world_size, ctx.rank
+    _check_f_and_g(ctx, enter, leave)
+    mlp, x, grad_out = tp_mlp_case(ctx.device)
+    module = _build(tp_mlp, mlp, r, n)
+    got = _tp_forward_backward(module, x, grad_out)
+    x_grads: list[Any] = [None] * n  # every rank's dL/dx, gathered before any verdict
+    tdist.all_gather_object(x_grads, None if got["x_grad"] is None else got["x_grad"].cpu())
+    got["x_grads"] = [g if g is None else g.to(ctx.device) for g in x_grads]
+    got["grads"] = {name: _shard(module, name).grad for name in SHARDS}
+    whole = copy.deepcopy(mlp)
+    ref = _tp_forward_backward(whole, x, grad_out)
+    why = tp_mlp_diagnosis(got, ref, whole, x, r, n)
+    if why:
+        raise ExerciseFailed(f"your TensorParallelMLP: Likely: {why}")
+    return (f"your TensorParallelMLP, with your f and g, on {n} ranks: the output, dL/dx (the "
+            "same on every rank) and every shard's weight and bias gradient equal the unsplit "
+            "MLP's")  # fmt: skip
 
 
 def _probe_backward(cls: Any, role: str) -> None:
@@ -541,24 +815,40 @@ def _probe_backward(cls: Any, role: str) -> None:
 
 @exercise(
     "03.f_and_g",
-    "Megatron's f and g operators as autograd Functions",
+    "A tensor-parallel MLP from Megatron's f and g",
     hints=(
         "f and g are conjugates: where one communicates in the forward pass the other "
         "communicates in the backward pass; ask which quantities each rank already holds in "
-        "full and which it holds only a part of",
+        "full and which it holds only a part of. The MLP's hidden units are what the ranks "
+        "share out: fc makes them, proj reads them",
         "before the column-parallel layer every rank has all of x, but each computes only part "
         "of dL/dx; after the row-parallel layer each rank has a partial sum of the output, and "
         "the gradient of a sum is passed to every term unchanged",
-        "recipe: Enter (f): forward returns x unchanged, backward all-reduces a clone of grad; "
-        "Leave (g): forward all-reduces a clone of x, backward returns grad unchanged",
+        "nn.Linear stores weight as (out_features, in_features): the hidden units are fc's "
+        "output features (rows of its weight, entries of its bias) and proj's input features "
+        "(columns of its weight); rank r keeps units r·k to (r + 1)·k, with k = 4h / world_size",
+        "proj's bias belongs to the whole output, which exists only after g has summed the "
+        "ranks' partial outputs: a bias added on every rank before g is counted world_size "
+        "times. Keep it whole, and add it once, after g",
+        "recipe: Enter (f): forward returns x.view_as(x), backward all-reduces a clone of grad; "
+        "Leave (g): forward all-reduces a clone of x, backward returns grad. "
+        "TensorParallelMLP: self.fc = nn.Linear(h, k) holding mlp.fc.weight[units] and "
+        "mlp.fc.bias[units], self.proj = nn.Linear(k, h) holding mlp.proj.weight[:, units] and "
+        "all of mlp.proj.bias (copy them under torch.no_grad()); forward: "
+        'Leave.apply(F.linear(F.gelu(self.fc(Enter.apply(x)), approximate="tanh"), '
+        "self.proj.weight)) + self.proj.bias",
     ),
 )
 def _verify_f_and_g(answer: Any) -> str:
-    if not (isinstance(answer, (tuple, list)) and len(answer) == 2):
-        raise ExerciseFailed(f"expected the pair (Enter, Leave) of classes, got {answer!r}")
+    if not (isinstance(answer, (tuple, list)) and len(answer) == 3):
+        raise ExerciseFailed(
+            f"expected (Enter, Leave, TensorParallelMLP), three classes, got {short_repr(answer)}"
+        )
     _probe_backward(answer[0], "f (Enter)")
     _probe_backward(answer[1], "g (Leave)")
-    return run_in_workers("03.f_and_g", list(answer))
+    sizes = check_tp_shards(answer[2])
+    said = run_in_workers("03.f_and_g", list(answer))
+    return f"every rank's shards are right for world sizes {sizes}; {said}"
 
 
 # --------------------------------------------------------------------------- 03.column_parallel

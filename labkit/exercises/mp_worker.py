@@ -2,7 +2,7 @@
 
     labkit.launch.run("labkit.exercises.mp_worker", nproc=2, config={"cases": [
         {"exercise": "03.f_and_g", "path": ".../mp_fg.py", "module": "mp_fg",
-         "names": ["Enter", "Leave"]},
+         "names": ["Enter", "Leave", "TensorParallelMLP"]},
     ]})
 
 The notebook's checks (``labkit.exercises.model_parallel``) build each case from the learner's objects;
