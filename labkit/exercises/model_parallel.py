@@ -658,13 +658,15 @@ def _build(cls: Any, mlp: torch.nn.Module, rank: int, n: int) -> torch.nn.Module
     try:
         module = call(cls, copy.deepcopy(mlp), rank, n)
     except ExerciseFailed as err:
-        cause, text = err.__cause__, str(err)
+        cause, text = err.__cause__, str(err).rstrip(".")
+        line = _line_in(cause, cls) if cause is not None else ""
+        if line and " (at " not in text:  # labkit's learner_frame skips paths with /labkit/ in
+            text += f" (at your line: {line})"  # them, and the workspace is ~/.cache/labkit/...
         if cause is not None and "process group" in str(cause):
             text += (". Likely: use the rank and world_size arguments, not torch.distributed's: "
                      "the check builds every rank's shards here, outside any process group")  # fmt: skip
         elif isinstance(cause, RuntimeError) and "size" in str(cause):
-            where = _line_in(cause, cls)
-            fc, proj = "fc" in where, "proj" in where
+            fc, proj = "fc" in line, "proj" in line
             split = FC_SPLIT if fc and not proj else PROJ_SPLIT if proj and not fc else (
                 f"{FC_SPLIT}; {PROJ_SPLIT}")  # fmt: skip
             text += f". Likely: a slice does not fit its layer: {split}"
