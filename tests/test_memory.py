@@ -126,3 +126,48 @@ def test_live_bytes_over_steps_read_the_cuda_allocator():
     at = {(r.step, r.phase): r for r in rows}
     n = model.num_params()
     assert at[1, "forward"].optimizer_state == 0 and at[2, "forward"].optimizer_state == 8 * n
+
+
+# --- the peak of a whole step: predicted tensor by tensor, measured as live tensor bytes --------
+
+SMOKE = ModelConfig(vocab_size=256, seq_len=64, n_layer=2, n_head=2, d_model=64)  # the preset
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_predicted_step_peak_is_the_measured_live_byte_peak_to_the_byte(dtype):
+    """The finder's trial step (a steady-state train_step, AdamW's moments present), counted by
+    LiveTensorBytes, peaks at the loss's backward with exactly the predicted tensors alive."""
+    from labkit.batching import trials
+
+    torch.manual_seed(0)
+    model = GPT(SMOKE)
+    for b in (2, 8):
+        measured = trials.measure_step_peak(model, b, seq_len=SMOKE.seq_len, dtype=dtype)
+        predicted = memory.predicted_step_peak(SMOKE, b, dtype=dtype)
+        assert predicted.bytes == measured, (b, predicted.as_dict())
+    p = memory.predicted_step_peak(SMOKE, 8, dtype=dtype)
+    terms = p.as_dict()
+    assert terms["parameters"] == 4 * model.num_params()
+    assert terms["optimizer state (AdamW exp_avg, exp_avg_sq)"] == 8 * model.num_params()
+    # every saved activation but the loss's 4-byte total_weight, released by nll_loss's backward
+    saved = sum(v for k, v in terms.items() if k.startswith("saved:"))
+    assert saved + terms["token ids, targets and position ids"] == sum(
+        memory.predicted_activations(SMOKE, 8, dtype=dtype).values()) - 4
+
+
+def test_cuda_block_bytes_rounds_up_to_512_byte_blocks():
+    assert [memory.cuda_block_bytes(n) for n in (0, 1, 4, 511, 512, 513, 1024, 1025)] == [
+        0, 512, 512, 512, 512, 1024, 1024, 1536]
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="nbytes="):
+            memory.cuda_block_bytes(bad)
+
+
+def test_cuda_prediction_rounds_each_tensor_not_the_total():
+    p = memory.predicted_step_peak(SMOKE, 8)
+    # the smoke GPT's 64-float biases and LayerNorm vectors (256 B) each take a 512 B block,
+    # parameters and both AdamW moments alike: 2 + 2·(4 + 2 + 2) + 2 = 20 vectors of h, 2 of 4h
+    vectors = 20
+    assert p.as_dict(cuda=True)["parameters"] - p.as_dict()["parameters"] == vectors * 256
+    assert p.cuda_bytes - p.bytes == 3 * vectors * 256 + 2 * 508  # + the loss's two scalars
+    assert p.cuda_bytes == sum(p.as_dict(cuda=True).values())

@@ -86,7 +86,9 @@ OMISSIONS = (
     "single kernel; on CUDA the caching allocator's rounding and the CUDA context. Counted but "
     "not all present at the peak: the gradients, which grow as the activations are freed"
 )
-"""What the prediction leaves out (labkit.formulas.activation_bytes_per_layer lists the same)."""
+"""What the prediction leaves out (labkit.formulas.activation_bytes_per_layer lists the same).
+``labkit.memory.predicted_step_peak`` counts all of it, tensor by tensor, at the moment the step
+peaks (dropout off); this affine model is the one the search starts from."""
 
 
 # ----------------------------------------------------------------------------------------------
