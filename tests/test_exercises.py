@@ -501,3 +501,21 @@ def test_expect_solved_makes_a_check_that_does_not_pass_raise(monkeypatch, capsy
     assert "○ 01.adam_bytes (" in out and "✗ 01.adam_bytes (" in out
     monkeypatch.delenv(ex.EXPECT_SOLVED)
     assert ex.check(exercise_id, stub) is reference  # a learner's copy: a line, no error
+
+
+def test_the_learners_line_is_found_in_the_exercise_workspace(tmp_path):
+    """The %%writefile files live in labkit_home()/exercises/NN, a folder called labkit:
+    their frames are the learner's, only the package's own files are not."""
+    import importlib.util
+
+    folder = tmp_path / ".cache" / "labkit" / "exercises" / "02"
+    folder.mkdir(parents=True)
+    (folder / "mine.py").write_text("def boom():\n    return 1 / 0\n", encoding="utf-8")
+    spec = importlib.util.spec_from_file_location("mine", folder / "mine.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(ZeroDivisionError) as err:
+        module.boom()
+    assert ex.learner_frame(err.value) == " (at mine.py, line 2: return 1 / 0)"
+    with pytest.raises(ex.ExerciseFailed, match=r"mine\.py, line 2"):
+        ex.call(module.boom)

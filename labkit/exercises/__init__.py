@@ -66,6 +66,7 @@ TIME_LIMIT_S_DEFAULT = 60.0
 under a second, so only code that never returns reaches it, even on a busy laptop."""
 
 _STDLIB = sysconfig.get_paths()["stdlib"]
+_PACKAGE = str(Path(__file__).resolve().parents[1]) + os.sep  # labkit/
 
 EXPECT_SOLVED = "LABKIT_EXPECT_SOLVED"
 """Environment variable: "1" makes every check that does not pass raise :class:`NotSolved`
@@ -573,9 +574,11 @@ def short_repr(value: Any, limit: int = 160) -> str:
 def _is_learners(path: str) -> bool:
     """Whether a traceback frame's file is the learner's code: not labkit's, not an installed
     package's (torch...), not the standard library's (a regex's or a sleep's frames)."""
-    if any(part in path for part in ("/labkit/", "/torch/", "-packages/", "<frozen")):
+    if any(part in path for part in ("/torch/", "-packages/", "<frozen")):
         return False
-    return not path.startswith(_STDLIB)
+    # labkit's own files, by where the package is: the learner's files live in a folder
+    # called labkit too (labkit_home()/exercises/NN), which a substring test would skip.
+    return not (path.startswith(_STDLIB) or path.startswith(_PACKAGE))
 
 
 def learner_frame(err: BaseException, prefix: str = "") -> str:
