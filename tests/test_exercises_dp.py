@@ -565,3 +565,27 @@ def test_the_overlap_benchmark_times_every_variant_and_models_each(tmp_path):
     assert rows["bucketed_1"]["buckets"] == 1  # the whole gradient in one bucket
     assert rows["overlap"]["buckets"] == record["model"]["n_params"]  # one message each
     assert all(row["predicted_s"] > 0 and row["measured_s"] > 0 for row in rows.values())
+
+
+@pytest.mark.slow
+def test_the_benchmark_times_the_learners_class_and_counts_the_messages_it_sends(tmp_path):
+    """Notebook 02 times the learner's own classes: a file whose OverlapDDP sends all the
+    gradients in one message must show up as one message (counted from the all_reduce
+    calls in the ranks, not read from the class), and the reference stays for the other."""
+    from labkit.exercises import dp_bench
+
+    path = tmp_path / "one_message.py"
+    path.write_text(
+        "from labkit.exercises.data_parallel import BucketedDDP\n\n\n"
+        "class OverlapDDP(BucketedDDP):\n"
+        "    def __init__(self, model, world_size):\n"
+        "        super().__init__(model, world_size, bucket_cap_mb=1e6)\n",
+        encoding="utf-8",
+    )
+    res = dp_bench.run(size="smoke", rounds=1, warmup=0, files={"OverlapDDP": path})
+    rows = {r["variant"]: r for r in res["sweep"]}
+    assert rows["overlap"]["buckets"] == 1 and rows["naive"]["buckets"] == res["n_params"]
+    assert res["classes"] == {"OverlapDDP": str(path), "BucketedDDP": "reference"}
+    assert sum(res["messages_bytes"]["overlap"]) == res["grad_bytes"]
+    with pytest.raises(ValueError, match="the classes are"):
+        dp_bench.run(files={"NaiveDDP": path})
