@@ -165,9 +165,10 @@ def test_cuda_block_bytes_rounds_up_to_512_byte_blocks():
 
 def test_cuda_prediction_rounds_each_tensor_not_the_total():
     p = memory.predicted_step_peak(SMOKE, 8)
-    # the smoke GPT's 64-float biases and LayerNorm vectors (256 B) each take a 512 B block,
-    # parameters and both AdamW moments alike: 2 + 2·(4 + 2 + 2) + 2 = 20 vectors of h, 2 of 4h
-    vectors = 20
+    # the smoke GPT's 64-float vectors (256 B) each take a 512 B block, in the parameters and in
+    # both AdamW moments: per block ln_1's 2, the q, k, v and proj biases, ln_2's 2 and the MLP's
+    # output bias (9), times 2 layers, plus ln_f's 2 (the MLP's 4h bias is 1,024 B: no rounding)
+    vectors = 9 * 2 + 2
     assert p.as_dict(cuda=True)["parameters"] - p.as_dict()["parameters"] == vectors * 256
     assert p.cuda_bytes - p.bytes == 3 * vectors * 256 + 2 * 508  # + the loss's two scalars
     assert p.cuda_bytes == sum(p.as_dict(cuda=True).values())
