@@ -12,6 +12,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -251,17 +252,51 @@ def pin_batches(batches: Sequence[Batch], device: torch.device) -> list[Batch]:
     https://docs.pytorch.org/tutorials/intermediate/pinmem_nonblock.html). Pinning needs CUDA,
     so a CPU run gets its batches back untouched.
 
-    What this buys here is little: :func:`train` pins each step's batches in the main thread,
-    right before copying them and using them at once, so neither the pinning nor the copy
-    overlaps any work, and the same tutorial notes that pinning then copying in one thread can
-    be slower than a plain ``.to(device)``. The whole-iteration time that :class:`History`
-    records includes the pinning, so it shows its cost. What would let the copy overlap is
-    pinning ahead of use, off the main thread: ``torch.utils.data.DataLoader(pin_memory=True)``
-    pins in a background thread while the previous step runs.
+    Pinning in the main thread right before the copy overlaps nothing, and the same tutorial
+    notes that pinning then copying in one thread can be slower than a plain ``.to(device)``:
+    :func:`train` therefore draws and pins each step's batches one step ahead, on a helper
+    thread, while the current step runs (:class:`PinAhead`), as
+    ``torch.utils.data.DataLoader(pin_memory=True)`` does with its pin-memory thread.
     """
     if device.type != "cuda":
         return list(batches)
     return [(x.pin_memory(), y.pin_memory()) for x, y in batches]
+
+
+class PinAhead:
+    """Each step's batches from ``stream``; on CUDA the next step's are drawn and pinned on a
+    helper thread while the caller runs this step (a CPU run draws them when asked).
+
+    ``get(more)`` returns this step's batches and, if ``more``, starts on the next step's, so
+    no batch is drawn that no step uses: the random windows are the same as drawing in the
+    main thread. ``close()`` waits for the helper (a context manager calls it).
+    """
+
+    def __init__(self, stream: Iterator[list[Batch]], device: torch.device) -> None:
+        self.stream, self.device = stream, device
+        self.pool = (ThreadPoolExecutor(1, thread_name_prefix="labkit-pin")
+                     if device.type == "cuda" else None)  # fmt: skip
+        self.next: Future | None = None
+
+    def _draw(self) -> list[Batch]:
+        return pin_batches(next(self.stream), self.device)
+
+    def get(self, more: bool) -> list[Batch]:
+        if self.pool is None:
+            return self._draw()
+        batches = (self.next or self.pool.submit(self._draw)).result()
+        self.next = self.pool.submit(self._draw) if more else None
+        return batches
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+
+    def __enter__(self) -> PinAhead:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def batch_stream(data: torch.Tensor, cfg: RunConfig, generator: torch.Generator,
@@ -305,26 +340,30 @@ def train(
     gen = torch.Generator().manual_seed(t.seed)
     val_gen = torch.Generator().manual_seed(t.seed + 1)
     history = History()
-    stream = batch_stream(train_data, cfg, gen, get_batch)
-    for step in range(1, t.steps + 1):
-        lr = lr_at(step, t)
-        set_lr(optimizer, lr)
-        # The step's timer (train_step) starts after the batches exist; the iteration's clock
-        # starts before them, so the two together show what data loading costs.
-        start = time.perf_counter()
-        batches = pin_batches(next(stream), device)
-        data_s = time.perf_counter() - start
-        stats = train_step(model, optimizer, batches, device=device, dtype=t.dtype,
-                           scaler=scaler, grad_clip=t.grad_clip, no_sync=no_sync)
-        history.record(step, stats, lr=lr, data_s=data_s,
-                       iteration_s=time.perf_counter() - start)
-        if val_data is not None and t.eval_every and (step % t.eval_every == 0 or step == t.steps):
-            val_batches = [get_batch(val_data, t.micro_batch, cfg.model.seq_len, val_gen)
-                           for _ in range(4)]
-            history.val_steps.append(step)
-            history.val_loss.append(evaluate(model, val_batches, device=device, dtype=t.dtype))
-        if on_step is not None:
-            on_step(step, stats)
+    with PinAhead(batch_stream(train_data, cfg, gen, get_batch), device) as ahead:
+        for step in range(1, t.steps + 1):
+            lr = lr_at(step, t)
+            set_lr(optimizer, lr)
+            # The step's timer (train_step) starts after the batches exist; the iteration's
+            # clock starts before them, so the two together show what data loading costs (on
+            # CUDA only what the pin thread has not finished while the last step ran).
+            start = time.perf_counter()
+            batches = ahead.get(more=step < t.steps)
+            data_s = time.perf_counter() - start
+            stats = train_step(model, optimizer, batches, device=device, dtype=t.dtype,
+                               scaler=scaler, grad_clip=t.grad_clip, no_sync=no_sync)
+            history.record(step, stats, lr=lr, data_s=data_s,
+                           iteration_s=time.perf_counter() - start)
+            if val_data is not None and t.eval_every and (
+                step % t.eval_every == 0 or step == t.steps
+            ):
+                val_batches = [get_batch(val_data, t.micro_batch, cfg.model.seq_len, val_gen)
+                               for _ in range(4)]
+                history.val_steps.append(step)
+                history.val_loss.append(evaluate(model, val_batches, device=device,
+                                                 dtype=t.dtype))
+            if on_step is not None:
+                on_step(step, stats)
     return history
 
 

@@ -176,3 +176,33 @@ def test_train_times_the_whole_iteration_around_the_step():
     for step_s, data_s, iteration_s in zip(h.seconds, h.data_seconds, h.iteration_seconds,
                                            strict=True):
         assert 0 <= data_s and step_s + data_s <= iteration_s
+
+
+class _FakeCuda:
+    """A device whose type says CUDA, so PinAhead uses its helper thread (pinning itself
+    needs CUDA: pin_batches is replaced below)."""
+
+    type = "cuda"
+
+
+def test_pin_ahead_draws_the_next_steps_batches_on_a_helper_thread(monkeypatch):
+    import threading
+
+    from labkit import train as tr
+
+    drawn_on: list[str] = []
+
+    def stream():
+        for i in range(10):
+            drawn_on.append(threading.current_thread().name)
+            yield [(torch.full((1,), i), torch.full((1,), i))]
+
+    monkeypatch.setattr(tr, "pin_batches", lambda batches, device: list(batches))
+    with tr.PinAhead(stream(), _FakeCuda()) as ahead:
+        got = [int(ahead.get(more=i < 3)[0][0]) for i in range(4)]
+    assert got == [0, 1, 2, 3]  # the same order as drawing in the main thread
+    assert len(drawn_on) == 4  # nothing drawn that no step uses
+    assert all(name.startswith("labkit-pin") for name in drawn_on)
+    cpu = tr.PinAhead(stream(), torch.device("cpu"))
+    assert cpu.pool is None and int(cpu.get(more=True)[0][0][0]) == 0
+    assert drawn_on[-1] == threading.current_thread().name  # on a CPU: drawn when asked
