@@ -5,6 +5,8 @@ One short module each, measurement apart from display:
     phases           phase(name): a record_function range and an NVTX range with one name
     capture          profile_steps (a schedule, tables, one trace per active window) and
                      profiler_overhead (the cost of looking, measured)
+    attribution      attribute_step: a step's time by kind of operator (matmul, attention,
+                     optimizer, ...), from the profiler's self times
     trace            load_trace / load_traces: exported Chrome traces, refused when truncated,
                      missing or not a trace
     overlap          compute vs communication per rank (hidden, exposed), find_straggler
@@ -20,6 +22,7 @@ Importing this package profiles nothing, touches no GPU and imports no plotting 
 
 from __future__ import annotations
 
+from labkit.profiling.attribution import Attribution, attribute_step, kind_of
 from labkit.profiling.capture import (
     MODES,
     Overhead,
@@ -63,6 +66,7 @@ __all__ = [
     "COMMUNICATION",
     "MODES",
     "PHASES",
+    "Attribution",
     "HtaReport",
     "MemoryTimeline",
     "NcuCommand",
@@ -76,11 +80,13 @@ __all__ = [
     "Straggler",
     "Trace",
     "TraceError",
+    "attribute_step",
     "compute_and_comm",
     "find_straggler",
     "forward_rise",
     "hidden_fraction",
     "hta_report",
+    "kind_of",
     "load_trace",
     "load_traces",
     "nvtx_backend",

@@ -1,0 +1,51 @@
+"""labkit.profiling.attribution: a real step's time by kind of operator (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labkit import config, train
+from labkit.model import GPT
+from labkit.profiling import attribution as at
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("aten::mm", "matmul"), ("aten::addmm", "matmul"), ("aten::bmm", "matmul"),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention (SDPA)"),
+    ("aten::_efficient_attention_backward", "attention (SDPA)"),
+    ("aten::native_layer_norm_backward", "layer norm"),
+    ("aten::_log_softmax_backward_data", "loss (log-softmax, NLL)"),
+    ("aten::nll_loss_forward", "loss (log-softmax, NLL)"),
+    ("aten::gelu", "other operators"), ("aten::copy_", "other operators"),
+])  # fmt: skip
+def test_operators_are_sorted_into_kinds(name, kind):
+    assert at.kind_of(name) == kind
+
+
+def test_a_real_step_is_attributed_and_the_parts_add_up_to_the_step():
+    torch.manual_seed(0)
+    cfg = config.preset("smoke")
+    model = GPT(cfg.model)
+    opt = train.make_optimizer(model, cfg.train)
+    x = torch.randint(0, cfg.model.vocab_size, (4, cfg.model.seq_len))
+
+    def step():
+        _, loss = model(x, x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    a = at.attribute_step(step, steps=2)
+    assert set(a.seconds) == set(at.ORDER) and a.clock == "CPU self time"
+    # every kind this step runs got time; the optimizer's operators (lerp_, sqrt, ...) count
+    # as "optimizer", not as "other", because they ran inside optimizer.step()
+    for kind in ("matmul", "attention (SDPA)", "layer norm", "loss (log-softmax, NLL)",
+                 "optimizer", "other operators"):
+        assert a.seconds[kind] > 0, kind
+    inside = sum(v for k, v in a.seconds.items() if k != at.OUTSIDE)
+    assert inside == pytest.approx(a.step_s - a.seconds[at.OUTSIDE]) or a.seconds[at.OUTSIDE] == 0
+    assert inside <= 1.5 * a.step_s  # self times do not double-count nested operators
+    assert "matmul" in a.table() and "%" in a.table()
+    with pytest.raises(ValueError, match="steps=0"):
+        at.attribute_step(step, steps=0)
