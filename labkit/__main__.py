@@ -7,6 +7,7 @@
     labkit notebooks   regenerate the learners' notebooks from solutions/ (--check to compare)
     labkit record-trace  record notebook 01's training run on a GPU, for replay without one
     labkit exam        a mock exam drawn from every quiz bank, scored by sub-topic (--history)
+    labkit capstone    new: a seed for notebook 07's slow job; reveal --seed N: its answer key
 """
 
 from __future__ import annotations
@@ -43,6 +44,27 @@ def _cleanup(args: argparse.Namespace) -> int:
     return 0
 
 
+def _capstone(args: argparse.Namespace) -> int:
+    from labkit import capstone, hardware
+
+    tier = args.tier or hardware.tier()
+    if args.action == "reveal" and args.seed is None:
+        print("labkit capstone: reveal needs --seed N, the seed the learner's job was given",
+              file=sys.stderr)
+        return 2
+    try:
+        seed = capstone.new_seed() if args.seed is None else capstone.parse_seed(args.seed)
+    except capstone.SeedError as err:
+        print(f"labkit capstone: {err}", file=sys.stderr)
+        return 2
+    if args.action == "new":
+        print(f"capstone seed {seed} ({tier} tier): give it to notebook 07 as seed={seed}; "
+              f"`python -m labkit capstone reveal --seed {seed}` shows the answer key")
+    else:
+        print(capstone.reveal(seed, tier), end="")
+    return 0
+
+
 def _notebooks(args: argparse.Namespace) -> int:
     from labkit import nbgen
 
@@ -72,6 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     cl.add_argument("--runs", type=int, metavar="N",
                     help="also delete all but the newest N job log folders")
     cl.set_defaults(fn=_cleanup)
+    cap = sub.add_parser("capstone", help="notebook 07's seeds and answer keys")
+    cap.add_argument("action", choices=["new", "reveal"])
+    cap.add_argument("--seed", help="a whole number (new: draw one if absent)")
+    cap.add_argument("--tier", choices=["cpu", "single-gpu", "multi-gpu"],
+                     help="the tier the job runs on (default: this machine's)")
+    cap.set_defaults(fn=_capstone)
     nb = sub.add_parser("notebooks", help="generate notebooks/ from solutions/")
     nb.add_argument("--check", action="store_true", help="only compare; exit 1 on drift")
     nb.set_defaults(fn=_notebooks)

@@ -33,6 +33,7 @@ LAYERS: dict[str, int] = {
     "recipes": 4,  # mixed-precision recipes, measured with memory and precision
     "fp8": 4,  # fp8 cast numerics and torchao fp8 training, over precision
     "profiling": 4,  # traces, phases, memory timelines, Nsight commands, planted bottlenecks
+    "capstone": 4,  # notebook 07's planted faults: the catalogue, the seeds, the job's runner
     # the jobs notebooks launch
     "workers": 5,
     # what notebooks and instructors call

@@ -1,0 +1,112 @@
+"""The capstone's faults: seeds, the answer key, and every CPU-visible fault planted in a real
+2-rank job, shown by the evidence the notebooks teach (labkit.capstone)."""
+
+from __future__ import annotations
+
+import pytest
+
+from labkit import capstone
+from labkit.capstone import faults as fl
+
+CPU_FAULTS = [f.id for f in capstone.available("cpu")]
+
+
+@pytest.mark.parametrize("seed", [0, 7, "42", " 123 ", 2**31 - 1])
+def test_a_seed_is_a_whole_number_given_as_int_or_digits(seed):
+    assert capstone.parse_seed(seed) == int(str(seed).strip())
+
+
+@pytest.mark.parametrize("seed", [-1, 2**31, "abc", "1.5", 1.0, True, None, "0x10"])
+def test_an_unknown_seed_format_is_named(seed):
+    with pytest.raises(capstone.SeedError, match="a whole number from 0 to"):
+        capstone.parse_seed(seed)
+
+
+def test_a_plan_is_repeatable_distinct_and_leaves_out_what_a_cpu_cannot_show():
+    for seed in range(200):
+        cpu = capstone.plan(seed, "cpu")
+        assert cpu == capstone.plan(str(seed), "cpu")  # the same seed, the same faults
+        assert len(set(cpu)) == capstone.PLANTED and set(cpu) <= set(CPU_FAULTS)
+        chosen = [capstone.BY_ID[f] for f in cpu]
+        assert sum(f.group == "sampler" for f in chosen) <= 1
+        assert any(f.kind == "speed" for f in chosen)
+    assert "fp32_on_gpu" not in CPU_FAULTS and "host_sync" not in CPU_FAULTS
+    drawn = {f for seed in range(200) for f in capstone.plan(seed, "multi-gpu")}
+    assert drawn == set(capstone.BY_ID)  # every fault can be drawn where it can be seen
+    with pytest.raises(ValueError, match="tier="):
+        capstone.plan(1, "tpu")
+
+
+def test_the_answer_key_names_the_planted_faults_and_what_the_tier_left_out():
+    key = capstone.reveal(5, "cpu")
+    assert all(f in key for f in capstone.plan(5, "cpu"))
+    assert "fp32_on_gpu" in key and "not drawn on this tier" in key
+
+
+def test_the_worker_plants_exactly_the_catalogues_faults():
+    from labkit.workers import capstone_train
+
+    assert set(capstone_train.FAULTS) == set(fl.BY_ID)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """A fault-free run, and two runs that carry every CPU fault between them (grouped so that
+    no fault hides another's evidence): three real 2-rank gloo jobs."""
+    a = ("slow_loader", "straggler", "sync_every_micro_batch", "no_set_epoch")
+    b = ("tiny_micro_batch", "oversubscribed_threads", "no_sampler")
+    assert set(a) | set(b) == set(CPU_FAULTS)
+    return {"base": capstone.run_job([]), "a": capstone.run_job(a), "b": capstone.run_job(b)}
+
+
+@pytest.mark.slow
+def test_each_cpu_fault_shows_in_its_evidence_and_not_without_it(runs):
+    base, a, b = (runs[k].evidence() for k in ("base", "a", "b"))
+    # slow_loader: the step waits for its data
+    assert a["data_share"] > 0.25 and a["data_share"] > 2 * base["data_share"]
+    # straggler: the last rank's forward holds the planted 50 ms; rank 0 waits in backward
+    assert a["forward_s"][-1] - a["forward_s"][0] > 0.04
+    assert a["backward_s"][0] > a["backward_s"][-1]
+    # sync_every_micro_batch: one all-reduce per micro-batch instead of one per step
+    assert (a["grad_accum"], a["allreduce_calls_per_step"]) == (2, 2)
+    assert (base["grad_accum"], base["allreduce_calls_per_step"]) == (2, 1)
+    # no_set_epoch: the second epoch repeats the first one's order on every rank
+    assert a["epochs_seen"] > 1 and a["epoch_repeats"]
+    assert base["epochs_seen"] > 1 and not base["epoch_repeats"]
+    # tiny_micro_batch: micro-batch 1, the same global batch in 16 pieces
+    assert (b["micro_batch"], b["grad_accum"]) == (1, 16) and base["micro_batch"] == 8
+    # oversubscribed_threads: more threads than cores, against one core per rank's share
+    assert b["threads_total"] > b["cores"] and base["threads_total"] <= base["cores"]
+    # no_sampler: every rank trains on the same samples; with the sampler, none are shared
+    assert b["first_epoch_overlap"] == 1.0 and base["first_epoch_overlap"] == 0.0
+
+
+@pytest.mark.slow
+def test_speed_faults_leave_the_result_alone_and_sampler_faults_change_it(runs):
+    """The same global batch in any micro-batch split trains the same model (to rounding);
+    training on the wrong samples does not."""
+    base = runs["base"].losses
+    assert runs["a"].losses != pytest.approx(base, abs=1e-5)  # no_set_epoch's order
+    assert runs["b"].losses != pytest.approx(base, abs=1e-5)  # no_sampler's data
+    alone = capstone.run_job(["tiny_micro_batch", "sync_every_micro_batch", "straggler"])
+    assert alone.losses == pytest.approx(base, abs=1e-5)
+
+
+def test_bad_faults_and_sizes_are_named():
+    with pytest.raises(ValueError, match="unknown; the catalogue holds"):
+        capstone.run_job(["gremlins"])
+    with pytest.raises(ValueError, match="size='huge'"):
+        capstone.run_job([], size="huge")
+
+
+def test_the_command_line_draws_a_seed_and_reveals_its_key(capsys):
+    from labkit.__main__ import main
+
+    assert main(["capstone", "new", "--tier", "cpu"]) == 0
+    seed = int(capsys.readouterr().out.split()[2])
+    assert main(["capstone", "reveal", "--seed", str(seed), "--tier", "cpu"]) == 0
+    assert capsys.readouterr().out == capstone.reveal(seed, "cpu")
+    assert main(["capstone", "reveal", "--tier", "cpu"]) == 2
+    assert "reveal needs --seed" in capsys.readouterr().err
+    assert main(["capstone", "reveal", "--seed", "x1"]) == 2
+    assert "seed='x1' is not allowed" in capsys.readouterr().err
