@@ -44,8 +44,25 @@ def test_a_real_step_is_attributed_and_the_parts_add_up_to_the_step():
                  "optimizer", "other operators"):
         assert a.seconds[kind] > 0, kind
     inside = sum(v for k, v in a.seconds.items() if k != at.OUTSIDE)
-    assert inside == pytest.approx(a.step_s - a.seconds[at.OUTSIDE]) or a.seconds[at.OUTSIDE] == 0
-    assert inside <= 1.5 * a.step_s  # self times do not double-count nested operators
+    assert inside <= 1.05 * a.step_s  # self times do not double-count nested operators
     assert "matmul" in a.table() and "%" in a.table()
     with pytest.raises(ValueError, match="steps=0"):
         at.attribute_step(step, steps=0)
+
+
+def test_time_spent_outside_every_operator_is_found_there():
+    """A step that sleeps 20 ms in Python between operators: the sleep is in no operator, so
+    it must show as "outside any operator", not in "other operators" (the profiler's own
+    ProfilerStep range would otherwise hold it)."""
+    import time
+
+    a_tensor = torch.ones(64, 64)
+
+    def step():
+        a_tensor @ a_tensor
+        time.sleep(0.02)
+        a_tensor @ a_tensor
+
+    a = at.attribute_step(step, steps=2)
+    assert a.seconds[at.OUTSIDE] >= 0.015
+    assert a.seconds[at.OTHER] < 0.005 and a.seconds["matmul"] > 0

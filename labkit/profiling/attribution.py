@@ -13,10 +13,14 @@ kinds (:data:`KINDS`, matched on the operator's name, :func:`kind_of`); every op
 inside ``optimizer.step()`` counts as "optimizer", whatever its name.
 
 Which clock: on a CPU, self CPU time, on the thread that ran the step; what the step's wall
-time holds beyond the operators ("outside any operator": Python, the autograd engine's
-bookkeeping, the profiler's own cost) is the difference. On a GPU, each kernel's device time,
-charged to the operator that launched it (``self_device_time_total``); the step's time beyond
-the kernels is time the GPU sat idle waiting for the CPU (launch overhead) or for a sync.
+time holds beyond the operators ("outside any operator": Python between operators, the
+autograd engine's own work around each backward function, the profiler's own cost) is the
+difference. The profiler's step range (``ProfilerStep*`` in its events) and the autograd
+engine's ``evaluate_function`` wrappers are not operators, so their self time is left to that
+difference. On a GPU, each kernel's device time, charged to the CPU operator that launched it
+(a CPU event's ``self_device_time_total``; the kernel events themselves are skipped, or every
+kernel would count twice); the step's time beyond the kernels is time the GPU sat idle waiting
+for the CPU (launch overhead) or for a sync.
 The profiler slows the step it watches (notebook 06 measures by how much), so the shares are
 of the profiled step, whose time is printed beside them.
 
@@ -33,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import profile, schedule
 
 from labkit.profiling.capture import activities
@@ -46,6 +51,9 @@ KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("loss (log-softmax, NLL)", ("log_softmax", "nll_loss", "cross_entropy")),
 )
 """Kind -> substrings of the operator names it covers (first match wins)."""
+NOT_OPERATORS = ("ProfilerStep", "autograd::engine::evaluate_function")
+"""Ranges whose self time is not an operator's: the profiler's step range (Python between
+operators) and the autograd engine's wrapper around each backward function."""
 OPTIMIZER = "optimizer"
 OTHER = "other operators"
 OUTSIDE = "outside any operator"
@@ -115,6 +123,8 @@ def attribute_step(step: Callable[[], object], *, device: torch.device | str = "
             prof.step()
     totals = dict.fromkeys(ORDER, 0.0)
     for event in events:
+        if event.device_type != DeviceType.CPU or event.name.startswith(NOT_OPERATORS):
+            continue  # a kernel (counted under its CPU operator), or not an operator at all
         us = event.self_device_time_total if gpu else event.self_cpu_time_total
         if us:
             totals[OPTIMIZER if _in_optimizer(event) else kind_of(event.name)] += us * 1e-6
