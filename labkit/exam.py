@@ -302,6 +302,10 @@ def load_history(path: Path | None = None) -> tuple[list[dict[str, Any]], str | 
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
         stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         aside = path.with_name(f"{path.name}.corrupt-{stamp}")
+        n = 1
+        while aside.exists():  # never over an earlier one set aside in the same second
+            n += 1
+            aside = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
         try:
             os.replace(path, aside)
         except OSError as move_err:
@@ -432,6 +436,7 @@ class ExamWidget:
 
         self.attempt = Attempt(exam, clock)
         self.save = save
+        self._setting = False  # True while the widget itself sets boxes
         self.rows: list[list[Any]] = []
         items: list[Any] = []
         for i, q in enumerate(exam.questions):
@@ -461,18 +466,32 @@ class ExamWidget:
         """Select ``choice`` for question ``index`` as a click does."""
         self.rows[index][choice].value = True
 
-    def _on_pick(self, i: int, j: int, checked: bool) -> None:
-        if not checked or self.attempt.result is not None:
-            return
-        for k, box in enumerate(self.rows[i]):
-            if k != j:
-                box.value = False
+    def unpick(self, index: int, choice: int) -> None:
+        """Clear ``choice`` for question ``index`` as a second click does."""
+        self.rows[index][choice].value = False
+
+    def _show(self, i: int, choice: int | None) -> None:
+        """Tick exactly ``choice`` in row ``i`` (none for None), without counting as clicks."""
+        self._setting = True
         try:
-            self.attempt.answer(i, j)
+            for k, box in enumerate(self.rows[i]):
+                box.value = k == choice
+        finally:
+            self._setting = False
+
+    def _on_pick(self, i: int, j: int, checked: bool) -> None:
+        """A click on choice j of question i: what the boxes show is what counts."""
+        if self.attempt.result is not None or self._setting:
+            return
+        recorded = self.attempt.answers[i]
+        choice = j if checked else (None if recorded == j else recorded)
+        try:
+            self.attempt.answer(i, choice)
         except TimeUp as err:
-            self.rows[i][j].value = False
+            self._show(i, recorded)  # the late click does not count: show the answer that does
             self.status.value = f"<p><b>{html.escape(str(err))}</b></p>"
             return
+        self._show(i, choice)
         left = self.attempt.time_left_s()
         if left is not None:
             self.status.value = f"<p>{_clock(left)} left.</p>"

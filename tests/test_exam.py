@@ -156,6 +156,9 @@ def test_a_corrupt_results_file_is_set_aside_not_overwritten():
     assert len(aside) == 1 and aside[0].read_text(encoding="utf-8") == "{ not json"
     assert aside[0].name in note and "starts afresh" in note
     assert json.loads(path.read_text(encoding="utf-8"))["attempts"][0]["right"] == 5
+    path.write_text("[]", encoding="utf-8")  # corrupt again, within the same second
+    exam.save_result(_result())
+    assert len(list(path.parent.glob("results.json.corrupt-*"))) == 2  # both kept
 
 
 def test_an_unwritable_results_folder_is_named_with_the_fix(tmp_path, monkeypatch):
@@ -192,10 +195,17 @@ def test_the_widget_gives_no_feedback_until_finish_and_then_saves():
     view.pick(0, (q[0].answer + 1) % len(q[0].choices))  # a second click moves the choice
     assert [b.value for b in view.rows[0]].count(True) == 1
     assert view.result.value == ""  # nothing said yet
+    view.unpick(0, (q[0].answer + 1) % len(q[0].choices))  # a click on the ticked box clears it
+    assert view.attempt.answers[0] is None and not any(b.value for b in view.rows[0])
+    view.pick(0, q[0].answer)
+    assert "Correct" not in view.status.value and "right" not in view.status.value
     clock.now += 61
     view.pick(1, q[1].answer)
     assert "time is up" in view.status.value and view.attempt.answers[1] is None
+    assert not any(b.value for b in view.rows[1])  # the late click shows as not counted
+    view.pick(0, (q[0].answer + 1) % len(q[0].choices))  # a late change is refused too
+    assert view.attempt.answers[0] == q[0].answer and view.rows[0][q[0].answer].value
     result = view.finish()
-    assert result.score == (0, 3) and "Score: 0/3" in view.result.value
+    assert result.score == (1, 3) and "Score: 1/3" in view.result.value
     assert all(b.disabled for row in view.rows for b in row)
     assert len(exam.load_history()[0]) == 1
