@@ -345,7 +345,10 @@ def cuda_block_bytes(nbytes: int) -> int:
     ``max_memory_allocated`` add up those rounded block sizes. A zero-byte storage allocates no
     block (``allocate`` calls ``malloc`` only for ``size != 0``). Not modelled: the
     ``roundup_power2_divisions`` option of ``PYTORCH_CUDA_ALLOC_CONF``, off by default, which
-    rounds larger requests further.
+    rounds larger requests further; and a cached block larger than the request that is not
+    split (``should_split``: in the large pool only when more than 1 MiB would remain), which
+    counts at its full size. Small requests, as in the course's models, are split and counted
+    as rounded here.
     """
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
         raise ValueError(f"nbytes={nbytes!r} is not allowed: give a number of bytes >= 0")

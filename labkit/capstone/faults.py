@@ -68,8 +68,8 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "sync_every_micro_batch", "an all-reduce for every micro-batch",
         "communication time grows with the accumulation steps",
-        "all-reduce calls per optimizer step = accumulation steps, not 1 (notebook 02's "
-        "counted bytes)",
+        "all-reduce calls per optimizer step = DDP's buckets × accumulation steps, not the "
+        "buckets alone (notebook 02's counted bytes)",
         "enter DDP's no_sync() for every micro-batch but the last", "speed",
     ),
     Fault(

@@ -180,6 +180,12 @@ def worker(ctx: dist.Context) -> dict[str, Any]:
     for name in variants:
         with _counting_all_reduce(messages.setdefault(name, [])):
             step_of(name)()
+    silent = [name for name, sizes in messages.items() if not sizes]
+    if silent:
+        raise RuntimeError(f"{silent} sent no message through torch.distributed.all_reduce in a "
+                           "step, so nothing can be counted or predicted: call it as "
+                           "dist.all_reduce(...) (with `import torch.distributed as dist`), not "
+                           "an all_reduce imported by name")  # fmt: skip
     samples = alternate({name: step_of(name) for name in variants}, rounds=rounds, warmup=warmup)
 
     # 4. the α–β prediction for each variant's step, from the messages it sent

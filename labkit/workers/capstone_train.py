@@ -34,7 +34,7 @@ What each fault switches (and its fix, the same switch off):
     no_sampler              a plain RandomSampler with one seed: every rank the same samples
     no_set_epoch            DistributedSampler without set_epoch: every epoch the same order
     fp32_on_gpu             fp32 instead of autocast to ``dtype`` (a GPU only)
-    host_sync               ``loss.item()`` after every micro-batch
+    host_sync               ``loss.item()`` after every micro-batch's forward
 """
 
 from __future__ import annotations
@@ -62,6 +62,27 @@ from labkit.train import autocast, make_optimizer
 FAULTS = ("slow_loader", "tiny_micro_batch", "sync_every_micro_batch", "straggler",
           "oversubscribed_threads", "no_sampler", "no_set_epoch", "fp32_on_gpu", "host_sync")
 SMOKE_MODEL = {"seq_len": 64, "n_layer": 2, "n_head": 2, "d_model": 64}
+
+
+class PhaseClock:
+    """Marks in time without waiting for the device: ``time.perf_counter`` on a CPU, CUDA events
+    on a GPU (read once the step has synchronised), so timing the phases adds no sync of its
+    own: one would hide the ``host_sync`` fault and blunt ``fp32_on_gpu``. On a GPU a phase is
+    device time, so a delay on the host (the straggler's sleep) shows as the other ranks
+    waiting in the all-reduce, not in the straggler's own forward."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, a: Any, b: Any) -> float:
+        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
 
 
 class Prepared(torch.utils.data.Dataset):
@@ -155,6 +176,7 @@ def main(ctx: dist.Context) -> dict[str, Any]:
     k = cfg["share"] // cfg["micro"]
     last = rank == n - 1
 
+    clock = PhaseClock(device)
     rec: dict[str, list[float]] = {p: [] for p in ("step_s", "data_s", "forward_s",
                                                    "backward_s", "optimizer_s")}  # fmt: skip
     losses, calls_per_step, epoch = [], [], 0
@@ -174,37 +196,39 @@ def main(ctx: dist.Context) -> dict[str, Any]:
             batch = next(batches)
         x, y = (t.to(device) for t in batch)
         t_data = time.perf_counter()
-        fwd = bwd = 0.0
         total = torch.zeros((), device=device)
         calls[0] = 0
+        spans = []  # (forward start, backward start, backward end) marks per micro-batch
         for j in range(k):
             sl = slice(j * cfg["micro"], (j + 1) * cfg["micro"])
             sync = (j == k - 1) or "sync_every_micro_batch" in faults
             with contextlib.nullcontext() if sync else ddp.no_sync():
-                a = time.perf_counter()
+                a = clock.mark()
                 if last and j == 0 and "straggler" in faults:
                     time.sleep(cfg["straggler_s"])  # a slow node: its compute takes longer
                 with autocast(device, dtype):
                     _, loss = ddp(x[sl], y[sl])
                 loss = loss / k
-                synchronize(device)
-                b = time.perf_counter()
+                if "host_sync" in faults:
+                    loss.item()  # the CPU waits for the GPU to drain its queue
+                b = clock.mark()
                 loss.backward()
-                synchronize(device)
-                fwd, bwd = fwd + (b - a), bwd + (time.perf_counter() - b)
-            if "host_sync" in faults:
-                loss.item()  # the CPU waits for the GPU to drain its queue
+                spans.append((a, b, clock.mark()))
             total += loss.detach()
-        c = time.perf_counter()
+        c = clock.mark()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        synchronize(device)
+        end = clock.mark()
+        synchronize(device)  # once per step: no other wait the faults could hide behind
         t_end = time.perf_counter()
+        fwd = sum(clock.seconds(a, b) for a, b, _ in spans)
+        bwd = sum(clock.seconds(b, e) for _, b, e in spans)
         calls_per_step.append(calls[0])
         tdist.all_reduce(total)  # the mean loss over ranks (reporting, not counted)
         losses.append(float(total) / n)
         for key, v in (("step_s", t_end - t_start), ("data_s", t_data - t_start),
-                       ("forward_s", fwd), ("backward_s", bwd), ("optimizer_s", t_end - c)):
+                       ("forward_s", fwd), ("backward_s", bwd),
+                       ("optimizer_s", clock.seconds(c, end))):
             rec[key].append(v)
         ctx.heartbeat(step=step + 1, total=cfg["steps"])
     with torch.no_grad():
