@@ -62,8 +62,9 @@ def runs():
 @pytest.mark.slow
 def test_each_cpu_fault_shows_in_its_evidence_and_not_without_it(runs):
     base, a, b = (runs[k].evidence() for k in ("base", "a", "b"))
-    # slow_loader: the step waits for its data
-    assert a["data_share"] > 0.25 and a["data_share"] > 2 * base["data_share"]
+    # slow_loader: the step waits for its data (a share of the step: a busy machine slows the
+    # compute too, so the bound is loose; without the fault the wait is a few per cent)
+    assert a["data_share"] > 0.15 and a["data_share"] > 3 * base["data_share"]
     # straggler: the last rank's forward holds the planted 50 ms; rank 0 waits in backward
     assert a["forward_s"][-1] - a["forward_s"][0] > 0.04
     assert a["backward_s"][0] > a["backward_s"][-1]
