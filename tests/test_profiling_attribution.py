@@ -65,4 +65,4 @@ def test_time_spent_outside_every_operator_is_found_there():
 
     a = at.attribute_step(step, steps=2)
     assert a.seconds[at.OUTSIDE] >= 0.015
-    assert a.seconds[at.OTHER] < 0.005 and a.seconds["matmul"] > 0
+    assert a.seconds[at.OTHER] < a.seconds[at.OUTSIDE] and a.seconds["matmul"] > 0
