@@ -440,14 +440,9 @@ class ExamWidget:
         self.rows: list[list[Any]] = []
         items: list[Any] = []
         for i, q in enumerate(exam.questions):
-            items.append(w.HTML(f"<p><b>{i + 1}.</b> {quiz._html(q.question)} <small "
-                                f'style="color:#57606a">[{html.escape(q.domain)}]</small></p>'))
-            row = [w.Checkbox(value=False, description=f"<b>{LETTERS[j]})</b> {quiz._html(c)}",
-                              description_allow_html=True, indent=False,
-                              layout=w.Layout(width="100%", height="auto"))
-                   for j, c in enumerate(q.choices)]  # fmt: skip
+            items.append(quiz.question_heading(q, i + 1))
+            row = quiz.choice_rows(q)
             for j, box in enumerate(row):
-                box.add_class("labkit-quiz-choice")
                 box.observe(lambda ch, i=i, j=j: self._on_pick(i, j, ch["new"]), names="value")
             self.rows.append(row)
             items += row

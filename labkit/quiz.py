@@ -283,6 +283,28 @@ def as_text(bank: Bank | str | int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def question_heading(question: Question, number: int) -> Any:
+    """The question's text as an HTML widget: its number, the question, its sub-topic."""
+    import ipywidgets as w
+
+    return w.HTML(f"<p><b>{number}.</b> {_html(question.question)} "
+                  f'<small style="color:#57606a">[{html.escape(question.domain)}]</small></p>')
+
+
+def choice_rows(question: Question) -> list[Any]:
+    """One Checkbox per choice, its label HTML beside a round selector (the quiz's CSS)."""
+    import ipywidgets as w
+
+    rows = []
+    for i, c in enumerate(question.choices):
+        row = w.Checkbox(value=False, description=f"<b>{LETTERS[i]})</b> {_html(c)}",
+                         description_allow_html=True, indent=False,
+                         layout=w.Layout(width="100%", height="auto"))  # fmt: skip
+        row.add_class("labkit-quiz-choice")
+        rows.append(row)
+    return rows
+
+
 class QuestionWidget:
     """One question as widgets: its text, one row per choice, a feedback area, "Show answer".
 
@@ -299,22 +321,9 @@ class QuestionWidget:
 
         self.question = question
         self.selected: int | None = None
-        self.text = w.HTML(
-            f"<p><b>{number}.</b> {_html(question.question)} "
-            f'<small style="color:#57606a">[{html.escape(question.domain)}]</small></p>'
-        )
-        self.choices = [
-            w.Checkbox(
-                value=False,
-                description=f"<b>{LETTERS[i]})</b> {_html(c)}",
-                description_allow_html=True,
-                indent=False,
-                layout=w.Layout(width="100%", height="auto"),
-            )
-            for i, c in enumerate(question.choices)
-        ]
+        self.text = question_heading(question, number)
+        self.choices = choice_rows(question)
         for i, row in enumerate(self.choices):
-            row.add_class("labkit-quiz-choice")
             row.observe(lambda change, i=i: self._on_pick(i, change["new"]), names="value")
         self.result = w.HTML("")
         self.result.add_class("labkit-quiz-feedback")
