@@ -43,10 +43,12 @@ def test_the_answer_key_names_the_planted_faults_and_what_the_tier_left_out():
     assert "fp32_on_gpu" in key and "not drawn on this tier" in key
 
 
-def test_the_worker_plants_exactly_the_catalogues_faults():
+def test_the_worker_refuses_a_fault_outside_the_catalogue():
     from labkit.workers import capstone_train
 
     assert set(capstone_train.FAULTS) == set(fl.BY_ID)
+    with pytest.raises(ValueError, match=r"faults=\['gremlins'\] are not planted"):
+        capstone_train._check({"faults": ["gremlins", "straggler"]}, 2)
 
 
 @pytest.fixture(scope="module")

@@ -33,9 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib.util
 import statistics
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -100,21 +98,11 @@ def _counting_all_reduce(sizes: list[int]) -> Iterator[None]:
         tdist.all_reduce = real
 
 
-def _load_class(path: str, name: str) -> Any:
-    """Class ``name`` from the learner's file ``path`` (a module named after the file)."""
-    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return getattr(module, name)
-
-
 @dist.entrypoint
 def worker(ctx: dist.Context) -> dict[str, Any]:
     from labkit import config
     from labkit.exercises import data_parallel as exdp
+    from labkit.exercises.model_parallel import load_file
     from labkit.model import GPT
     from labkit.timing import alternate
 
@@ -122,9 +110,10 @@ def worker(ctx: dist.Context) -> dict[str, Any]:
     preset = config.preset(cfg.get("size", "lab"))
     rounds, warmup = int(cfg.get("rounds", 8)), int(cfg.get("warmup", 2))
     files = cfg.get("files") or {}
-    overlap_cls = _load_class(files["OverlapDDP"], "OverlapDDP") if "OverlapDDP" in files \
+    # the learner's file where given (load_file: the module the exercise checks imported)
+    overlap_cls = load_file(files["OverlapDDP"]).OverlapDDP if "OverlapDDP" in files \
         else exdp.OverlapDDP  # fmt: skip
-    bucketed_cls = _load_class(files["BucketedDDP"], "BucketedDDP") if "BucketedDDP" in files \
+    bucketed_cls = load_file(files["BucketedDDP"]).BucketedDDP if "BucketedDDP" in files \
         else exdp.BucketedDDP  # fmt: skip
     n, device = ctx.world_size, ctx.device
     torch.manual_seed(0)

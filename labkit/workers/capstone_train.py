@@ -53,14 +53,15 @@ from torch.utils.data import DataLoader, RandomSampler, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 from labkit import dist
+from labkit.capstone.faults import BY_ID
 from labkit.config import ModelConfig, TrainConfig
 from labkit.model import GPT
+from labkit.parallel import comm
 from labkit.profiling.bottlenecks import TokenizingDataset
 from labkit.timing import synchronize
 from labkit.train import autocast, make_optimizer
 
-FAULTS = ("slow_loader", "tiny_micro_batch", "sync_every_micro_batch", "straggler",
-          "oversubscribed_threads", "no_sampler", "no_set_epoch", "fp32_on_gpu", "host_sync")
+FAULTS = tuple(BY_ID)  # the catalogue's ids: this job plants every one of them
 SMOKE_MODEL = {"seq_len": 64, "n_layer": 2, "n_head": 2, "d_model": 64}
 
 
@@ -162,13 +163,8 @@ def main(ctx: dist.Context) -> dict[str, Any]:
     torch.manual_seed(cfg["seed"])  # the same initial weights on every rank (DDP broadcasts)
     model = GPT(ModelConfig(**cfg["model"])).to(device)
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    calls: list[int] = [0]
-
-    def counting_hook(state, bucket):
-        calls[0] += 1
-        return default_hooks.allreduce_hook(state, bucket)
-
-    ddp.register_comm_hook(None, counting_hook)
+    counter = comm.ByteCounter(n, ctx.backend, "counted by a DDP communication hook")
+    ddp.register_comm_hook(None, comm.counting_hook(counter, default_hooks.allreduce_hook))
     opt = make_optimizer(ddp, TrainConfig(lr=cfg["lr"]))
     dtype = "float32"
     if device.type == "cuda" and "fp32_on_gpu" not in faults:
@@ -197,7 +193,6 @@ def main(ctx: dist.Context) -> dict[str, Any]:
         x, y = (t.to(device) for t in batch)
         t_data = time.perf_counter()
         total = torch.zeros((), device=device)
-        calls[0] = 0
         spans = []  # (forward start, backward start, backward end) marks per micro-batch
         for j in range(k):
             sl = slice(j * cfg["micro"], (j + 1) * cfg["micro"])
@@ -223,7 +218,8 @@ def main(ctx: dist.Context) -> dict[str, Any]:
         t_end = time.perf_counter()
         fwd = sum(clock.seconds(a, b) for a, b, _ in spans)
         bwd = sum(clock.seconds(b, e) for _, b, e in spans)
-        calls_per_step.append(calls[0])
+        counter.end_step()
+        calls_per_step.append(sum(v["calls"] for v in counter.steps[-1].values()))
         tdist.all_reduce(total)  # the mean loss over ranks (reporting, not counted)
         losses.append(float(total) / n)
         for key, v in (("step_s", t_end - t_start), ("data_s", t_data - t_start),
