@@ -642,12 +642,17 @@ def test_progress_lines_speak_at_start_every_few_seconds_and_at_the_end(tmp_path
 
 
 def _assert_dead_rank_is_the_cause(err: launch.JobFailed, how: str) -> str:
-    """Rank 1 died; rank 0 failed after it, in its all_reduce. The message must say so."""
+    """Rank 1 died; rank 0 ended after it, and the message must say so. Which comes first is
+    a race: usually gloo notices the closed connection and rank 0's all_reduce raises, but on
+    a loaded machine torchrun's agent can see rank 1's exit and stop rank 0 first (1 CI run of
+    about 20 here). Either is what happened, and either names rank 1 as the cause."""
     msg = str(err)
     assert err.rank == 1, msg
     assert msg.startswith(f"{FAULTS} failed on rank 1: {how}"), msg
     assert err.consequences == [0], msg
-    assert "rank 0: failed in collective 'all_reduce' because rank 1 was gone" in msg
+    assert re.search(r"rank 0: (failed in collective 'all_reduce' (because rank 1 was gone|"
+                     r"waiting for rank 1)|stopped by torchrun \(SIG\w+\) once rank 1 had "
+                     r"failed)", msg), msg
     assert "likely hung" not in msg, "a dead rank is not a hung one"
     assert msg.index("what followed from rank 1's failure") > msg.index("failed on rank 1")
     assert_no_survivors(err.result.log_dir, [err.result.agent_pid, *err.result.worker_pids])
