@@ -883,6 +883,12 @@ class _Supervisor:
         env = dict(os.environ)
         for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(key, None)  # a launcher inside a worker must not leak its own rank
+        if job.device == "cpu":
+            # CPU ranks never touch a GPU, even where one is visible (two ranks on a one-GPU
+            # machine). Some torch code checks torch.cuda.is_available() and not the tensor's
+            # device: torch 2.11's PowerSGD hook then calls torch.cuda.synchronize on a CPU
+            # tensor's device and fails ("Expected a cuda device, but got: cpu", seen on an H200).
+            env["CUDA_VISIBLE_DEVICES"] = ""
         env.update(self.extra_env)
         env.update(
             {

@@ -873,6 +873,22 @@ def test_no_free_port_is_said_at_once(home, tmp_path):
     assert not (home / "runs").exists(), "nothing may start without a port"
 
 
+def test_cpu_ranks_see_no_gpu_and_gpu_ranks_keep_theirs(tmp_path, monkeypatch):
+    """Ranks put on the CPU (two ranks, one GPU) get CUDA_VISIBLE_DEVICES="": torch code that
+    asks torch.cuda.is_available() instead of the tensor's device (PowerSGD's hook) would
+    otherwise reach for the GPU. A worker's own setting wins; GPU jobs keep the parent's."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+
+    def env(device, extra):
+        job = launch.Job("j", "m", 2, "gloo" if device == "cpu" else "nccl", device, {}, tmp_path)
+        return launch._Supervisor(job, [], extra, observers=[],
+                                  echo=launch._Echo(0, tmp_path))._env()  # fmt: skip
+
+    assert env("cpu", {})["CUDA_VISIBLE_DEVICES"] == ""
+    assert env("cuda", {})["CUDA_VISIBLE_DEVICES"] == "0"
+    assert env("cpu", {"CUDA_VISIBLE_DEVICES": "1"})["CUDA_VISIBLE_DEVICES"] == "1"
+
+
 def test_the_agent_failing_to_get_a_port_ends_the_job_at_once(tmp_path):
     """The port check passed, but the ports were gone by the time torchrun's agent asked:
     its first failed connection ends the job (it would otherwise retry for 60 s)."""
