@@ -335,7 +335,8 @@ def test_cuda_finder_recovers_from_real_ooms_on_an_emulated_small_card():
     cuda = torch.device("cuda", 0)
     fraction_before = torch.cuda.get_per_process_memory_fraction(cuda)
     budget = 256 * MiB  # a per-process memory fraction makes the big GPU a small card
-    result = finder.find_max_batch(SMOKE, budget, device=cuda, max_batch=1 << 16)
+    # a bare "cuda", as notebook 05 passes it (torch's memory-fraction calls need an index)
+    result = finder.find_max_batch(SMOKE, budget, device=torch.device("cuda"), max_batch=1 << 16)
     assert result.kind == "cuda OOM" and result.device == "cuda:0"
     assert result.trials[0].phase == "warm-up" and result.trials[0].fits
     assert result.failures >= 1  # real torch.OutOfMemoryError, caught and recovered from

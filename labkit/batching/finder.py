@@ -392,7 +392,7 @@ def find_max_batch(
     return MaxBatchResult(
         predicted=prediction.batch if prediction is not None else None,
         found=outcome.found, budget_bytes=trials.budget_bytes, kind=trials.kind,
-        limit=trials.limit, method=trials.method, device=str(device), dtype=dtype,
+        limit=trials.limit, method=trials.method, device=str(trials.device), dtype=dtype,
         seq_len=seq_len, max_batch=max_batch, capped=outcome.capped,
         trials=tuple(warmup) + outcome.trials, prediction=prediction, baseline_bytes=baseline,
     )  # fmt: skip

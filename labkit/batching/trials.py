@@ -339,6 +339,9 @@ class CudaOOM(_Trials):
 
     def __init__(self, template: nn.Module, budget_bytes: int | None, *,
                  device: torch.device, **kw: Any) -> None:  # fmt: skip
+        device = torch.device(device)
+        if device.index is None:  # torch.cuda's memory-fraction calls refuse a bare "cuda"
+            device = torch.device("cuda", torch.cuda.current_device())
         super().__init__(template, device=device, **kw)
         self.total_bytes = torch.cuda.get_device_properties(device).total_memory
         self.memory_fraction = None
