@@ -3,7 +3,7 @@
 #
 #   bash scripts/gpu_check.sh [--dry-run] [--wheels DIR] [--out DIR] [--timeout-s N]
 #                             [--bundle] [--all-tests] [--with-launch] [--notebooks GLOB]
-#                             [--parallel N]
+#                             [--parallel N] [--only STEPS] [--notebook-timeout-s N]
 #
 # Steps, in this order; every step runs (a failure does not stop the next one) under its
 # own `timeout`, clamped to what is left of the whole run's budget (--timeout-s, 480 s):
@@ -39,6 +39,11 @@
 #   --parallel N    run up to N notebooks at once (default 2 on a one-GPU machine, else 1):
 #                   on one GPU the multi-process labs run their ranks on the CPU, so two
 #                   notebooks share a 16-core machine well, and one short run covers them all
+#   --notebook-timeout-s N  one notebook's limit, seconds (default 240; notebook 04 at size
+#                   "gpu" trains a dozen short runs and took over 240 s on an H200)
+#   --only STEPS    only these step groups, comma-separated, from gpu-tests, record-trace,
+#                   benchmarks, notebooks, bench-launch (env always runs): two invocations
+#                   with disjoint groups can share one short device session side by side
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -52,6 +57,8 @@ ALL_TESTS=0
 WITH_LAUNCH=0
 NB_GLOB='[0-9][0-9]_*.ipynb'
 PARALLEL=""
+ONLY=""
+NB_TIMEOUT=240
 
 usage() { sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
 die() { echo "gpu_check: $*" >&2; exit 2; }
@@ -67,6 +74,8 @@ while [ $# -gt 0 ]; do
     --with-launch) WITH_LAUNCH=1 ;;
     --notebooks) [ $# -ge 2 ] || die "--notebooks needs a glob"; NB_GLOB=$2; shift ;;
     --parallel) [ $# -ge 2 ] || die "--parallel needs a number"; PARALLEL=$2; shift ;;
+    --notebook-timeout-s) [ $# -ge 2 ] || die "--notebook-timeout-s needs seconds"; NB_TIMEOUT=$2; shift ;;
+    --only) [ $# -ge 2 ] || die "--only needs step groups"; ONLY=$2; shift ;;
     -h|--help) usage; exit 0 ;;
     *) die "unknown argument '$1' (see --help)" ;;
   esac
@@ -79,10 +88,22 @@ fi
 case "$BUDGET" in
   ''|*[!0-9]*) die "--timeout-s=$BUDGET is not allowed: a whole number of seconds, e.g. 480" ;;
 esac
+case "$NB_TIMEOUT" in
+  ''|*[!0-9]*) die "--notebook-timeout-s=$NB_TIMEOUT is not allowed: a whole number of seconds" ;;
+esac
 case "$PARALLEL" in
   ''|[1-9]|[1-9][0-9]) ;;
   *) die "--parallel=$PARALLEL is not allowed: a whole number of notebooks >= 1" ;;
 esac
+GROUPS_KNOWN="gpu-tests record-trace benchmarks notebooks bench-launch"
+for g in ${ONLY//,/ }; do
+  case " $GROUPS_KNOWN " in
+    *" $g "*) ;;
+    *) die "--only $g is not a step group: choose from ${GROUPS_KNOWN// /, }" ;;
+  esac
+done
+# wanted GROUP: true when --only is unset or names GROUP
+wanted() { [ -z "$ONLY" ] || case ",$ONLY," in *",$1,"*) true ;; *) false ;; esac; }
 [ -z "$WHEELS" ] || [ -d "$WHEELS" ] || die "--wheels $WHEELS: no such folder"
 command -v timeout >/dev/null || die "coreutils 'timeout' is missing: every step needs it"
 command -v "$PY" >/dev/null || die "no '$PY' on PATH: set PYTHON=/path/to/python (with torch)"
@@ -305,43 +326,48 @@ step env 90 "" -- "$PY" "$WORK/env_report.py" "$OUT/env.json" "$MODE"
 
 # --- tests ---------------------------------------------------------------------------------------
 
-# addopts cleared: the project's defaults name nbval flags, and nbval may be missing here.
-PYTEST=("$PY" -m pytest -o addopts=-ra -p no:cacheprovider --rootdir "$ROOT")
-mapfile -t GPU_TEST_FILES < <(grep -l 'mark\.gpu' "$ROOT"/tests/test_*.py 2>/dev/null)
-if [ "${#GPU_TEST_FILES[@]}" -eq 0 ]; then
-  skip gpu-tests skipped "no test file uses @pytest.mark.gpu"
-else
-  step gpu-tests 150 "${#GPU_TEST_FILES[@]} file(s) with gpu tests" -- \
-    "${PYTEST[@]}" -m gpu "${GPU_TEST_FILES[@]}"
+if wanted gpu-tests; then
+  # addopts cleared: the project's defaults name nbval flags, and nbval may be missing here.
+  PYTEST=("$PY" -m pytest -o addopts=-ra -p no:cacheprovider --rootdir "$ROOT")
+  mapfile -t GPU_TEST_FILES < <(grep -l 'mark\.gpu' "$ROOT"/tests/test_*.py 2>/dev/null)
+  if [ "${#GPU_TEST_FILES[@]}" -eq 0 ]; then
+    skip gpu-tests skipped "no test file uses @pytest.mark.gpu"
+  else
+    step gpu-tests 150 "${#GPU_TEST_FILES[@]} file(s) with gpu tests" -- \
+      "${PYTEST[@]}" -m gpu "${GPU_TEST_FILES[@]}"
 fi
 if [ "$ALL_TESTS" = 1 ]; then
   step all-tests "$BUDGET" "the whole suite" -- "${PYTEST[@]}" "$ROOT/tests"
 fi
+fi
 
 # --- a recording of notebook 01's training run, for learners without a GPU -------------------------
 
-if [ "$DRY" = 1 ]; then
-  skip record-trace skipped "a recording holds real NVML readings: GPU machines only"
-else
-  step record-trace 150 "notebook 01's run at size=gpu; check the .png, then commit the trace" -- \
-    "$PY" -m labkit record-trace --out "$OUT/traces/nb01-train-$(date -u +%Y%m%d).jsonl" \
-    --steps 2000 --period-s 0.25  # 300 steps last ~5 s on an H200: too short to show anything
+if wanted record-trace; then
+  if [ "$DRY" = 1 ]; then
+    skip record-trace skipped "a recording holds real NVML readings: GPU machines only"
+  else
+    step record-trace 150 "notebook 01's run at size=gpu; check the .png, then commit the trace" -- \
+      "$PY" -m labkit record-trace --out "$OUT/traces/nb01-train-$(date -u +%Y%m%d).jsonl" \
+      --steps 2000 --period-s 0.25  # 300 steps last ~5 s on an H200: too short to show anything
+fi
 fi
 
 # --- benchmarks on the GPU ---------------------------------------------------------------------
 
-if [ "$DRY" = 1 ]; then
-  TP_ARGS=(--allow-cpu --warmup 1 --steps 3)
-  TS_ARGS=(--size smoke --rounds 3 --warmup 1)
-  SA_ARGS=(--size smoke --rounds 1 --warmup 0 --block-s 0.3)
-  PR_ARGS=(--rounds 2 --warmup 1)
-  LA_ARGS=(--rounds 1 --warmup 0)
-else
-  TP_ARGS=()
-  TS_ARGS=(--size gpu)
-  SA_ARGS=(--size gpu --rounds 4)
-  PR_ARGS=(--size lab)
-  LA_ARGS=()
+if wanted benchmarks; then
+  if [ "$DRY" = 1 ]; then
+    TP_ARGS=(--allow-cpu --warmup 1 --steps 3)
+    TS_ARGS=(--size smoke --rounds 3 --warmup 1)
+    SA_ARGS=(--size smoke --rounds 1 --warmup 0 --block-s 0.3)
+    PR_ARGS=(--rounds 2 --warmup 1)
+    LA_ARGS=(--rounds 1 --warmup 0)
+  else
+    TP_ARGS=()
+    TS_ARGS=(--size gpu)
+    SA_ARGS=(--size gpu --rounds 4)
+    PR_ARGS=(--size lab)
+    LA_ARGS=()
 fi
 step bench-gpu-throughput 120 "" -- \
   "$PY" -m benchmarks.bench_gpu_throughput "${TP_ARGS[@]}" --out "$OUT/bench_gpu_throughput.json"
@@ -351,65 +377,70 @@ step bench-sampler 90 "" -- \
   "$PY" -m benchmarks.bench_sampler "${SA_ARGS[@]}" --out "$OUT/bench_sampler.json"
 step bench-precision 120 "" -- \
   "$PY" -m benchmarks.bench_precision "${PR_ARGS[@]}" --out "$OUT/bench_precision.json"
+fi
 
 # --- notebooks -----------------------------------------------------------------------------------
 
-mapfile -t NOTEBOOKS < <(find "$ROOT/solutions" -maxdepth 1 -name "$NB_GLOB" | sort)
-if [ "${#NOTEBOOKS[@]}" -eq 0 ]; then
-  skip notebooks failed "no notebook in solutions/ matches '$NB_GLOB'"
-elif ! "$PY" -c 'import papermill' >/dev/null 2>&1; then
-  for nb in "${NOTEBOOKS[@]}"; do
-    skip "notebook:$(basename "$nb" .ipynb)" failed \
-      "papermill is not importable: pass --wheels DIR with papermill and its dependencies"
-  done
-else
-  # Up to $PARALLEL at a time, each under its own timeout; each one's output goes to its own
-  # log, appended to the main log in notebook order once all have ended.
-  NB_DIR=$WORK/notebook-steps
-  mkdir -p "$NB_DIR"
-  nb_cmd() {  # nb_cmd NOTEBOOK: the papermill command, into the array CMD
-    CMD=("$PY" -m papermill "$1" "$OUT/notebooks/$(basename "$1")" -p size "$SIZE"
-         --cwd "$ROOT/solutions" -k python3 --execution-timeout 300 --no-progress-bar)
-  }
-  for nb in "${NOTEBOOKS[@]}"; do
-    while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do wait -n; done
-    name=$(basename "$nb" .ipynb)
-    limit=$(limit_for 240)
-    if [ "$limit" -lt 5 ]; then
-      : >"$NB_DIR/$name.not-run"
-      continue
-    fi
-    nb_cmd "$nb"
-    say "=== notebook:$name started (timeout ${limit}s): ${CMD[*]}"
-    echo "$(now) $limit" >"$NB_DIR/$name.start"
-    (
-      timeout --kill-after=10 "$limit" "${CMD[@]}" </dev/null >"$NB_DIR/$name.log" 2>&1
-      echo "$? $(now)" >"$NB_DIR/$name.end"
-    ) &
-  done
-  wait
-  for nb in "${NOTEBOOKS[@]}"; do
-    name=$(basename "$nb" .ipynb)
-    nb_cmd "$nb"
-    if [ -e "$NB_DIR/$name.not-run" ]; then
-      not_run "notebook:$name" "${CMD[@]}"
-      continue
-    fi
-    read -r t0 limit <"$NB_DIR/$name.start"
-    read -r rc t1 <"$NB_DIR/$name.end"
-    say "=== notebook:$name output:"
-    tee -a "$LOG" <"$NB_DIR/$name.log"
-    finish "notebook:$name" "$rc" "$t0" "$t1" "$limit" "size=$SIZE" "${CMD[@]}"
-  done
+if wanted notebooks; then
+  mapfile -t NOTEBOOKS < <(find "$ROOT/solutions" -maxdepth 1 -name "$NB_GLOB" | sort)
+  if [ "${#NOTEBOOKS[@]}" -eq 0 ]; then
+    skip notebooks failed "no notebook in solutions/ matches '$NB_GLOB'"
+  elif ! "$PY" -c 'import papermill' >/dev/null 2>&1; then
+    for nb in "${NOTEBOOKS[@]}"; do
+      skip "notebook:$(basename "$nb" .ipynb)" failed \
+        "papermill is not importable: pass --wheels DIR with papermill and its dependencies"
+    done
+  else
+    # Up to $PARALLEL at a time, each under its own timeout; each one's output goes to its own
+    # log, appended to the main log in notebook order once all have ended.
+    NB_DIR=$WORK/notebook-steps
+    mkdir -p "$NB_DIR"
+    nb_cmd() {  # nb_cmd NOTEBOOK: the papermill command, into the array CMD
+      CMD=("$PY" -m papermill "$1" "$OUT/notebooks/$(basename "$1")" -p size "$SIZE"
+           --cwd "$ROOT/solutions" -k python3 --execution-timeout 300 --no-progress-bar)
+    }
+    for nb in "${NOTEBOOKS[@]}"; do
+      while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do wait -n; done
+      name=$(basename "$nb" .ipynb)
+      limit=$(limit_for "$NB_TIMEOUT")
+      if [ "$limit" -lt 5 ]; then
+        : >"$NB_DIR/$name.not-run"
+        continue
+      fi
+      nb_cmd "$nb"
+      say "=== notebook:$name started (timeout ${limit}s): ${CMD[*]}"
+      echo "$(now) $limit" >"$NB_DIR/$name.start"
+      (
+        timeout --kill-after=10 "$limit" "${CMD[@]}" </dev/null >"$NB_DIR/$name.log" 2>&1
+        echo "$? $(now)" >"$NB_DIR/$name.end"
+      ) &
+    done
+    wait
+    for nb in "${NOTEBOOKS[@]}"; do
+      name=$(basename "$nb" .ipynb)
+      nb_cmd "$nb"
+      if [ -e "$NB_DIR/$name.not-run" ]; then
+        not_run "notebook:$name" "${CMD[@]}"
+        continue
+      fi
+      read -r t0 limit <"$NB_DIR/$name.start"
+      read -r rc t1 <"$NB_DIR/$name.end"
+      say "=== notebook:$name output:"
+      tee -a "$LOG" <"$NB_DIR/$name.log"
+      finish "notebook:$name" "$rc" "$t0" "$t1" "$limit" "size=$SIZE" "${CMD[@]}"
+    done
+fi
 fi
 
 # --- the launcher --------------------------------------------------------------------------------
 
-if [ "$DRY" = 1 ] || [ "$WITH_LAUNCH" = 1 ]; then
-  step bench-launch 150 "2 ranks over gloo on the CPU" -- \
-    "$PY" -m benchmarks.bench_launch "${LA_ARGS[@]}" --out "$OUT/bench_launch.json"
-else
-  skip bench-launch skipped "the CPU launcher, measured on CPU machines; --with-launch runs it"
+if wanted bench-launch; then
+  if [ "$DRY" = 1 ] || [ "$WITH_LAUNCH" = 1 ]; then
+    step bench-launch 150 "2 ranks over gloo on the CPU" -- \
+      "$PY" -m benchmarks.bench_launch "${LA_ARGS[@]}" --out "$OUT/bench_launch.json"
+  else
+    skip bench-launch skipped "the CPU launcher, measured on CPU machines; --with-launch runs it"
+fi
 fi
 
 # --- summary -------------------------------------------------------------------------------------

@@ -190,3 +190,22 @@ def test_install_wheels_takes_only_what_the_image_lacks(tmp_path):
     assert "kept the image's own: psutil" in proc.stdout
     assert "never from a wheel (the image's torch stack): numpy, torch" in proc.stdout
     assert "FAILED (built for another Python or platform?): labkit_test_other_python" in proc.stdout
+
+
+@pytest.mark.slow
+def test_only_runs_the_named_groups_and_bad_options_are_named(tmp_path):
+    """--only splits the steps between two invocations that share one device session: here
+    only the environment report and the gpu tests run (skipped on a CPU, which is still a
+    step), and no notebook or benchmark starts."""
+    out = tmp_path / "o"
+    proc = gpu_check("--dry-run", "--only", "gpu-tests", "--out", str(out), timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    steps = [s["name"] for s in json.loads((out / "summary.json").read_text())["steps"]]
+    assert steps == ["env", "gpu-tests"]
+    assert not any((out / "notebooks").iterdir())
+
+    bad = gpu_check("--dry-run", "--only", "gpu-tests,notebook", "--out", str(tmp_path / "b"))
+    assert bad.returncode == 2
+    assert "--only notebook is not a step group" in bad.stderr and "notebooks" in bad.stderr
+    bad = gpu_check("--dry-run", "--notebook-timeout-s", "4m", "--out", str(tmp_path / "c"))
+    assert bad.returncode == 2 and "--notebook-timeout-s=4m is not allowed" in bad.stderr
