@@ -366,7 +366,7 @@ if wanted benchmarks; then
     TP_ARGS=()
     TS_ARGS=(--size gpu)
     SA_ARGS=(--size gpu --rounds 4)
-    PR_ARGS=(--size lab)
+    PR_ARGS=(--size gpu)
     LA_ARGS=()
 fi
 step bench-gpu-throughput 120 "" -- \
