@@ -2,7 +2,9 @@
 wrong), with faults planted from a seed, and the measurements that find each one.
 
     faults     the catalogue (FAULTS), which faults a seed plants (plan), the answer key (reveal)
-    job        run_job(faults): the job launched for real, and its evidence
+    settings   the job's knobs (Settings): what a seed sets wrong, what a learner changes
+    job        run_job(faults), given_job(seed), rerun(run, changes): the job launched for
+               real, and its evidence
 
 Importing this package launches nothing.
 """
@@ -21,7 +23,8 @@ from labkit.capstone.faults import (
     plan,
     reveal,
 )
-from labkit.capstone.job import CapstoneRun, run_job
+from labkit.capstone.job import CapstoneRun, given_job, last_given, rerun, run_job
+from labkit.capstone.settings import Settings, faults_in
 
 __all__ = [
     "BY_ID",
@@ -30,10 +33,15 @@ __all__ = [
     "CapstoneRun",
     "Fault",
     "SeedError",
+    "Settings",
     "available",
+    "faults_in",
+    "given_job",
+    "last_given",
     "new_seed",
     "parse_seed",
     "plan",
+    "rerun",
     "reveal",
     "run_job",
 ]

@@ -1,10 +1,10 @@
-"""Run the capstone's job with a set of faults, and read the evidence the notebooks teach.
+"""Run the capstone job with a set of faults, and read the evidence the notebooks teach.
 
     from labkit import capstone
-    base = capstone.run_job(capstone.plan(seed, tier))    # the learner's slow job
-    print(base.evidence_text())
-    fixed = capstone.run_job(remaining_faults)            # after the learner's fixes
-    fixed.tokens_per_s / base.tokens_per_s               # the speedup, measured
+    job = capstone.given_job(seed)                         # the learner's slow job
+    print(job.evidence_text())
+    fixed = capstone.rerun(job, {"prepare_data": "once"})  # one change of its settings
+    fixed.tokens_per_s / job.tokens_per_s                  # the speedup, measured
 
 Every number here is measured in the run: tokens/s from the median step (the first left
 out), per-rank phase medians, all-reduce calls counted by a DDP communication hook, PyTorch
@@ -14,11 +14,12 @@ threads per rank against the cores, and the sample indices each rank trained on.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from labkit.capstone.faults import BY_ID
+from labkit.capstone import settings as st
+from labkit.capstone.faults import BY_ID, parse_seed, plan
 
 MODULE = "labkit.workers.capstone_train"
 SIZES: dict[str, dict[str, Any]] = {
@@ -38,6 +39,17 @@ class CapstoneRun:
     faults: tuple[str, ...]
     ranks: list[dict[str, Any]]
     wall_s: float
+    settings: st.Settings = field(default_factory=st.Settings)
+    """What the job ran with; not in the ``repr``, since it names the faults."""
+    tier: str = "cpu"
+    size: str = "smoke"
+    seed: int | None = None
+    """The seed whose job this is (:func:`given_job`), or None for a job built from faults."""
+
+    def __repr__(self) -> str:
+        whose = f"seed {self.seed}" if self.seed is not None else f"{len(self.faults)} faults"
+        return (f"CapstoneRun({whose}, {self.tier} tier, size {self.size!r}: "
+                f"{self.tokens_per_s:,.0f} tokens/s measured)")
 
     @property
     def tokens_per_s(self) -> float:
@@ -77,6 +89,7 @@ class CapstoneRun:
             "epochs_seen": min(len(r["indices"]) for r in self.ranks),
             "epoch_repeats": all(repeats),
             "dtype": r0["dtype"],
+            "host_syncs_per_step": _median(r0["host_syncs"]),
         }
 
     def evidence_text(self) -> str:
@@ -97,10 +110,16 @@ class CapstoneRun:
         ])  # fmt: skip
 
 
-def run_job(faults: Sequence[str] = (), *, size: str = "smoke", nproc: int = 2,
-            device: str = "cpu", timeout_s: float = 180.0, stream: bool = False,
-            observers: Sequence[Any] = (), **overrides: Any) -> CapstoneRun:  # fmt: skip
-    """Run the capstone job with ``faults`` planted (ids of :data:`labkit.capstone.FAULTS`)."""
+def _tier(device: str, nproc: int) -> str:
+    return "cpu" if device == "cpu" else ("multi-gpu" if nproc > 1 else "single-gpu")
+
+
+def run_job(faults: Sequence[str] = (), *, settings: st.Settings | None = None,
+            size: str = "smoke", nproc: int = 2, device: str = "cpu", timeout_s: float = 180.0,
+            stream: bool = False, observers: Sequence[Any] = (),
+            **overrides: Any) -> CapstoneRun:  # fmt: skip
+    """Run the capstone job with ``faults`` planted (ids of :data:`labkit.capstone.FAULTS`), or
+    with ``settings`` (:class:`labkit.capstone.Settings`) when given."""
     from labkit import launch
 
     unknown = sorted(set(faults) - set(BY_ID))
@@ -108,7 +127,43 @@ def run_job(faults: Sequence[str] = (), *, size: str = "smoke", nproc: int = 2,
         raise ValueError(f"faults={unknown}: unknown; the catalogue holds {sorted(BY_ID)}")
     if size not in SIZES:
         raise ValueError(f"size={size!r} is not allowed: one of {sorted(SIZES)}")
-    config = {**SIZES[size], **overrides, "faults": sorted(faults)}
+    cores, tier = launch.usable_cpus(), _tier(device, nproc)
+    if settings is None:
+        settings = st.given(faults, cores=cores)
+    config = {**SIZES[size], **overrides,
+              **st.worker_config(settings, tier=tier, cores=cores, nproc=nproc)}  # fmt: skip
     res = launch.run(MODULE, nproc=nproc, device=device, config=config, timeout_s=timeout_s,
                      stream=stream, observers=list(observers), oversubscribe=False)  # fmt: skip
-    return CapstoneRun(tuple(sorted(faults)), res.ranks, res.wall_s)
+    present = st.faults_in(settings, tier=tier, cores=cores, nproc=nproc)
+    return CapstoneRun(present, res.ranks, res.wall_s, settings=settings, tier=tier, size=size)
+
+
+_GIVEN: dict[str, CapstoneRun] = {}
+
+
+def given_job(seed: int | str, *, size: str = "smoke", device: str = "cpu", nproc: int = 2,
+              **kwargs: Any) -> CapstoneRun:  # fmt: skip
+    """Run the job seed ``seed`` gives a learner (its faults drawn by :func:`plan` for the
+    tier the job runs on), and remember it: the capstone's check re-runs it with the
+    learner's changes (:func:`last_given`)."""
+    seed = parse_seed(seed)
+    run = run_job(plan(seed, _tier(device, nproc)), size=size, device=device, nproc=nproc,
+                  **kwargs)  # fmt: skip
+    run.seed = seed
+    _GIVEN["last"] = run
+    return run
+
+
+def last_given() -> CapstoneRun | None:
+    """The job :func:`given_job` ran last in this process, or None."""
+    return _GIVEN.get("last")
+
+
+def rerun(run: CapstoneRun, changes: Mapping[str, Any], **kwargs: Any) -> CapstoneRun:
+    """``run``'s job again, with ``changes`` (setting → value) applied to its settings."""
+    device = "cpu" if run.tier == "cpu" else "cuda"
+    nproc = run.ranks[0]["world_size"]
+    new = run_job(settings=st.apply(run.settings, changes), size=run.size, device=device,
+                  nproc=nproc, **kwargs)  # fmt: skip
+    new.seed = run.seed
+    return new

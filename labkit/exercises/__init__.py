@@ -58,6 +58,7 @@ MODULES: dict[str, str] = {
     "04": "labkit.exercises.mixed_precision",
     "05": "labkit.exercises.batch_size",
     "06": "labkit.exercises.profiling",
+    "07": "labkit.exercises.capstone",
 }
 """Notebook -> the module that registers its exercises."""
 

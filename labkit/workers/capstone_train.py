@@ -20,6 +20,8 @@ Config (all optional):
                    holds global_batch × epoch_steps windows, so a run sees several epochs
     loader_passes  tokeniser passes per item: the dataset's preprocessing (default 200)
     straggler_s    seconds the last rank loses per step under ``straggler`` (default 0.05)
+    threads        PyTorch threads per rank (default: the cores shared out among the ranks,
+                   or every core under ``oversubscribed_threads``)
     dtype          the autocast dtype on a GPU without ``fp32_on_gpu`` (default bfloat16)
     seed, lr       (default 0, 1e-3)
 
@@ -43,6 +45,7 @@ import contextlib
 import os
 import statistics
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -84,6 +87,31 @@ class PhaseClock:
 
     def seconds(self, a: Any, b: Any) -> float:
         return a.elapsed_time(b) / 1e3 if self.cuda else b - a
+
+
+class SyncCounter:
+    """Counts the host-device synchronisations inside a ``with`` block on a GPU, through
+    CUDA's sync debug mode (``torch.cuda.set_sync_debug_mode("warn")`` warns at every op that
+    makes the CPU wait for the GPU: ``.item()``, printing a CUDA tensor, ``.cpu()``). Counts 0
+    on a CPU, which has nothing to wait for."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda, self.count = device.type == "cuda", 0
+
+    def __enter__(self) -> SyncCounter:
+        if self.cuda:
+            self._mode = torch.cuda.get_sync_debug_mode()
+            self._caught = warnings.catch_warnings(record=True)
+            self._records = self._caught.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.cuda:
+            torch.cuda.set_sync_debug_mode(self._mode)
+            self._caught.__exit__(*exc)
+            self.count = sum("synchroniz" in str(w.message) for w in self._records)
 
 
 class Prepared(torch.utils.data.Dataset):
@@ -142,7 +170,8 @@ def main(ctx: dist.Context) -> dict[str, Any]:
     faults = set(cfg["faults"])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cores = cores or 1
-    torch.set_num_threads(cores if "oversubscribed_threads" in faults else max(1, cores // n))
+    threads = cfg.get("threads") or (cores if "oversubscribed_threads" in faults else max(1, cores // n))
+    torch.set_num_threads(int(threads))
 
     # The data: windows of the course corpus, preprocessed in __getitem__ (slow_loader) or once.
     seq_len = cfg["model"]["seq_len"]
@@ -175,7 +204,7 @@ def main(ctx: dist.Context) -> dict[str, Any]:
     clock = PhaseClock(device)
     rec: dict[str, list[float]] = {p: [] for p in ("step_s", "data_s", "forward_s",
                                                    "backward_s", "optimizer_s")}  # fmt: skip
-    losses, calls_per_step, epoch = [], [], 0
+    losses, calls_per_step, syncs_per_step, epoch = [], [], [], 0
     batches = iter(())
     if isinstance(inner, DistributedSampler) and "no_set_epoch" not in faults:
         inner.set_epoch(epoch)
@@ -194,22 +223,24 @@ def main(ctx: dist.Context) -> dict[str, Any]:
         t_data = time.perf_counter()
         total = torch.zeros((), device=device)
         spans = []  # (forward start, backward start, backward end) marks per micro-batch
-        for j in range(k):
-            sl = slice(j * cfg["micro"], (j + 1) * cfg["micro"])
-            sync = (j == k - 1) or "sync_every_micro_batch" in faults
-            with contextlib.nullcontext() if sync else ddp.no_sync():
-                a = clock.mark()
-                if last and j == 0 and "straggler" in faults:
-                    time.sleep(cfg["straggler_s"])  # a slow node: its compute takes longer
-                with autocast(device, dtype):
-                    _, loss = ddp(x[sl], y[sl])
-                loss = loss / k
-                if "host_sync" in faults:
-                    loss.item()  # the CPU waits for the GPU to drain its queue
-                b = clock.mark()
-                loss.backward()
-                spans.append((a, b, clock.mark()))
-            total += loss.detach()
+        host_syncs = SyncCounter(device)
+        with host_syncs:
+            for j in range(k):
+                sl = slice(j * cfg["micro"], (j + 1) * cfg["micro"])
+                sync = (j == k - 1) or "sync_every_micro_batch" in faults
+                with contextlib.nullcontext() if sync else ddp.no_sync():
+                    a = clock.mark()
+                    if last and j == 0 and "straggler" in faults:
+                        time.sleep(cfg["straggler_s"])  # a slow node: its compute takes longer
+                    with autocast(device, dtype):
+                        _, loss = ddp(x[sl], y[sl])
+                    loss = loss / k
+                    if "host_sync" in faults:
+                        loss.item()  # the CPU waits for the GPU to drain its queue
+                    b = clock.mark()
+                    loss.backward()
+                    spans.append((a, b, clock.mark()))
+                total += loss.detach()
         c = clock.mark()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -220,6 +251,7 @@ def main(ctx: dist.Context) -> dict[str, Any]:
         bwd = sum(clock.seconds(b, e) for _, b, e in spans)
         counter.end_step()
         calls_per_step.append(sum(v["calls"] for v in counter.steps[-1].values()))
+        syncs_per_step.append(host_syncs.count)
         tdist.all_reduce(total)  # the mean loss over ranks (reporting, not counted)
         losses.append(float(total) / n)
         for key, v in (("step_s", t_end - t_start), ("data_s", t_data - t_start),
@@ -234,7 +266,7 @@ def main(ctx: dist.Context) -> dict[str, Any]:
     return {
         "rank": rank, "faults": sorted(faults), **rec, "prepare_s": prepare_s,
         "tokens_per_s": tokens / statistics.median(steady),
-        "allreduce_calls": calls_per_step, "micro_batch": cfg["micro"], "grad_accum": k,
+        "allreduce_calls": calls_per_step, "host_syncs": syncs_per_step, "micro_batch": cfg["micro"], "grad_accum": k,
         "threads": torch.get_num_threads(), "cores": cores, "world_size": n,
         "indices": epochs, "losses": losses, "checksum": checksum, "dtype": dtype,
         "device": str(device),

@@ -1,0 +1,156 @@
+"""The capstone job's settings: what a seed sets wrong, and what a learner changes to fix it.
+
+A fault (:mod:`labkit.capstone.faults`) is a setting with a wrong value. :class:`Settings`
+holds every knob of the job with its right value by default; :func:`given` applies a seed's
+planted faults to it. The learner never sees the given settings (they would name the faults):
+they measure, and answer with *changes*, ``{"prepare_data": "once", ...}``, which
+:func:`apply` checks and applies to the hidden settings. :func:`faults_in` reads back which
+faults a set of settings still carries, so a re-run can name what is left.
+
+One knob is not a speed knob: ``global_batch`` is part of the training recipe (with the
+learning rate, it sets what the model learns), so changing it makes a different training run,
+faster or not; the capstone's check catches that by the losses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from labkit.capstone.faults import BY_ID
+
+PREPARE = ("once", "per_item")
+SAMPLERS = ("distributed", "random")
+DTYPES = ("bfloat16", "float16", "float32")
+STRAGGLER_DELAY_S = 0.05  # the planted slow node loses this much per step
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The job's knobs, right by default. Units in the names; each says which fault sets it."""
+
+    global_batch: int = 32
+    """Sequences per optimizer step over all ranks: the training recipe, not a speed knob."""
+    micro_batch: int = 8
+    """Sequences per forward/backward on each rank (``tiny_micro_batch`` sets 1); a rank's
+    share of the global batch is split into micro-batches of this size (accumulation)."""
+    prepare_data: str = "once"
+    """"once": tokenise the dataset before training; "per_item": in ``__getitem__``, every
+    epoch, in the training process (``slow_loader``)."""
+    no_sync: bool = True
+    """DDP's ``no_sync()`` for every micro-batch but the last (``sync_every_micro_batch``
+    sets False: an all-reduce per micro-batch)."""
+    straggler_delay_s: float = 0.0
+    """Seconds the last rank loses per step: a slow node (``straggler``). Its fix is to remove
+    the cause, which here means 0."""
+    threads_per_rank: int | None = None
+    """PyTorch threads in each rank; None: the cores shared out among the ranks, as torchrun
+    does (``oversubscribed_threads`` sets every core, in every rank)."""
+    sampler: str = "distributed"
+    """"distributed": each rank its share of a shuffled epoch; "random": the same shuffled
+    order on every rank (``no_sampler``)."""
+    set_epoch: bool = True
+    """Call ``sampler.set_epoch(epoch)`` every epoch (``no_set_epoch`` sets False)."""
+    dtype: str = "bfloat16"
+    """The autocast dtype on a GPU (``fp32_on_gpu`` sets float32); a CPU trains in float32."""
+    loss_item_every_micro_batch: bool = False
+    """Read ``loss.item()`` after every micro-batch (``host_sync``)."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            kind = {"int": int, "bool": bool, "str": str, "float": (int, float)}.get(str(f.type))
+            if f.name == "threads_per_rank":
+                ok = value is None or (isinstance(value, int) and not isinstance(value, bool))
+            elif kind is bool:
+                ok = isinstance(value, bool)
+            else:
+                ok = isinstance(value, kind) and not isinstance(value, bool)
+            if not ok:
+                raise ValueError(f"{f.name}={value!r} is not allowed: give a {f.type}")
+        for name, allowed in (("prepare_data", PREPARE), ("sampler", SAMPLERS),
+                              ("dtype", DTYPES)):  # fmt: skip
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not allowed: one of {allowed}")
+        if self.global_batch < 1 or self.micro_batch < 1:
+            raise ValueError("global_batch and micro_batch are sequences: 1 or more")
+        if self.threads_per_rank is not None and self.threads_per_rank < 1:
+            raise ValueError(f"threads_per_rank={self.threads_per_rank}: 1 or more, or None")
+        if self.straggler_delay_s < 0:
+            raise ValueError(f"straggler_delay_s={self.straggler_delay_s}: seconds, 0 or more")
+
+
+def given(faults: Iterable[str], *, cores: int) -> Settings:
+    """The settings of a job that carries ``faults`` (ids of the catalogue) on ``cores`` cores."""
+    wrong: dict[str, Any] = {
+        "slow_loader": {"prepare_data": "per_item"},
+        "tiny_micro_batch": {"micro_batch": 1},
+        "sync_every_micro_batch": {"no_sync": False},
+        "straggler": {"straggler_delay_s": STRAGGLER_DELAY_S},
+        "oversubscribed_threads": {"threads_per_rank": cores},
+        "no_sampler": {"sampler": "random"},
+        "no_set_epoch": {"set_epoch": False},
+        "fp32_on_gpu": {"dtype": "float32"},
+        "host_sync": {"loss_item_every_micro_batch": True},
+    }
+    assert set(wrong) == set(BY_ID), "every fault of the catalogue is a wrong setting"
+    changes: dict[str, Any] = {}
+    for fid in faults:
+        if fid not in BY_ID:
+            raise ValueError(f"faults=[{fid!r}]: unknown; the catalogue holds {sorted(BY_ID)}")
+        changes.update(wrong[fid])
+    return dataclasses.replace(Settings(), **changes)
+
+
+def apply(settings: Settings, changes: Mapping[str, Any]) -> Settings:
+    """``settings`` with ``changes`` (field name → new value), checked: an unknown name or a
+    value of the wrong kind is named with what is allowed."""
+    if not isinstance(changes, Mapping):
+        raise ValueError(f"changes={changes!r} is not allowed: a dict of setting → value, "
+                         "e.g. {'prepare_data': 'once'}")  # fmt: skip
+    known = [f.name for f in dataclasses.fields(Settings)]
+    unknown = sorted(set(changes) - set(known))
+    if unknown:
+        raise ValueError(f"changes name {unknown}, not settings of the job; it has {known}")
+    return dataclasses.replace(settings, **changes)
+
+
+def faults_in(s: Settings, *, tier: str, cores: int, nproc: int) -> tuple[str, ...]:
+    """The catalogue's faults that settings ``s`` carry, in catalogue order."""
+    share = s.global_batch // nproc
+    on_gpu = tier != "cpu"
+    threads = s.threads_per_rank if s.threads_per_rank is not None else max(1, cores // nproc)
+    present = {
+        "slow_loader": s.prepare_data == "per_item",
+        "tiny_micro_batch": s.micro_batch * 8 <= share,
+        "sync_every_micro_batch": not s.no_sync and s.micro_batch < share,
+        "straggler": s.straggler_delay_s > 0,
+        "oversubscribed_threads": threads * nproc > cores,
+        "no_sampler": s.sampler == "random",
+        "no_set_epoch": s.sampler == "distributed" and not s.set_epoch,
+        "fp32_on_gpu": on_gpu and s.dtype == "float32",
+        "host_sync": on_gpu and s.loss_item_every_micro_batch,
+    }
+    return tuple(fid for fid in BY_ID if present[fid])
+
+
+def worker_config(s: Settings, *, tier: str, cores: int, nproc: int) -> dict[str, Any]:
+    """The worker's config for settings ``s`` (:mod:`labkit.workers.capstone_train`)."""
+    if s.global_batch % nproc:
+        raise ValueError(f"global_batch={s.global_batch} does not split over {nproc} ranks")
+    share = s.global_batch // nproc
+    if share % s.micro_batch:
+        raise ValueError(f"micro_batch={s.micro_batch} does not divide a rank's share of the "
+                         f"global batch ({share} sequences): use one of "
+                         f"{[d for d in range(1, share + 1) if share % d == 0]}")  # fmt: skip
+    switches = [fid for fid in faults_in(s, tier=tier, cores=cores, nproc=nproc)
+                if fid not in ("tiny_micro_batch", "oversubscribed_threads")]  # fmt: skip
+    config: dict[str, Any] = {"faults": switches, "global_batch": s.global_batch,
+                              "micro_batch": s.micro_batch, "dtype": s.dtype}  # fmt: skip
+    if s.threads_per_rank is not None:
+        config["threads"] = s.threads_per_rank
+    if s.straggler_delay_s > 0:
+        config["straggler_s"] = s.straggler_delay_s
+    return config
