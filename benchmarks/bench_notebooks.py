@@ -35,6 +35,10 @@ def run_notebook(path: Path, size: str, out_dir: Path) -> float:
     """Execute ``path`` at ``size`` in a fresh kernel; its wall time in seconds."""
     import papermill as pm  # lazy: only this benchmark needs it
 
+    # notebook 07's job carries the faults its seed plants, and each costs its own time: the
+    # README's run time is seed 10's, the test suite's seed
+    os.environ.setdefault("LABKIT_CAPSTONE_SEED", "10")
+
     start = time.perf_counter()
     pm.execute_notebook(
         str(path), str(out_dir / f"{size}-{path.name}"), parameters={"size": size},

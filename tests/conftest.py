@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 os.environ.setdefault("LABKIT_SIZE", "smoke")
+os.environ.setdefault("LABKIT_CAPSTONE_SEED", "10")  # notebook 07: the same job every run
 os.environ.setdefault("LABKIT_HOME", tempfile.mkdtemp(prefix="labkit-test-home-"))
 # Inherited by every process a test starts: tells our jobs from other sessions' on this host.
 os.environ["LABKIT_TEST_SESSION"] = SESSION = uuid.uuid4().hex

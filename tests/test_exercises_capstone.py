@@ -178,7 +178,7 @@ def test_the_check_runs_the_real_job_and_passes_the_solution_only(capsys):
     run = capstone.given_job(10)
     assert set(run.faults) == set(PLANTED) and "seed 10" in repr(run)
     assert "slow_loader" not in repr(run)  # the key stays hidden
-    found, changes = excap.reference_diagnose(run)
+    found, _ = excap.reference_diagnose(run)
     assert found == set(PLANTED), run.evidence_text()
     assert_check_passes("07.diagnose", SOLUTION, capsys)
     with pytest.raises(ex.ExerciseFailed, match=r"still carries 1 fault\(s\): straggler"):

@@ -100,7 +100,7 @@ class CapstoneRun:
             f"measured: {self.tokens_per_s:,.0f} tokens/s; waiting for data "
             f"{e['data_share']:.0%} of the step (the rank that waited most)",
             f"measured: micro-batch {e['micro_batch']} × {e['grad_accum']} accumulation steps; "
-            f"{e['allreduce_calls_per_step']:g} all-reduce calls per optimizer step",
+            f"{e['allreduce_calls_per_step']:g} all-reduce call(s) per optimizer step",
             f"measured: per rank, forward {fwd} ms, backward {bwd} ms (median per step)",
             f"measured: {e['threads_per_rank']} PyTorch threads per rank, "
             f"{e['threads_total']} in all, on {e['cores']} cores",
