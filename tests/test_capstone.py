@@ -53,35 +53,51 @@ def test_the_worker_refuses_a_fault_outside_the_catalogue():
 
 @pytest.fixture(scope="module")
 def runs():
-    """A fault-free run, and two runs that carry every CPU fault between them (grouped so that
-    no fault hides another's evidence): three real 2-rank gloo jobs."""
-    a = ("slow_loader", "straggler", "sync_every_micro_batch", "no_set_epoch")
-    b = ("tiny_micro_batch", "oversubscribed_threads", "no_sampler")
-    assert set(a) | set(b) == set(CPU_FAULTS)
-    return {"base": capstone.run_job([]), "a": capstone.run_job(a), "b": capstone.run_job(b)}
+    """A fault-free run, and one run per CPU fault planted alone: real 2-rank gloo jobs."""
+    return {"base": capstone.run_job([]), **{f: capstone.run_job([f]) for f in CPU_FAULTS}}
 
 
 @pytest.mark.slow
-def test_each_cpu_fault_shows_in_its_evidence_and_not_without_it(runs):
-    base, a, b = (runs[k].evidence() for k in ("base", "a", "b"))
-    # slow_loader: the step waits for its data (a share of the step: a busy machine slows the
-    # compute too, so the bound is loose; without the fault the wait is a few per cent)
-    assert a["data_share"] > 0.15 and a["data_share"] > 3 * base["data_share"]
+def test_each_cpu_fault_alone_shows_in_its_evidence_and_not_without_it(runs):
+    base = runs["base"].evidence()
+    e = {f: runs[f].evidence() for f in CPU_FAULTS}
+    # slow_loader: the step waits for its data (without the fault: a few per cent)
+    assert e["slow_loader"]["data_share"] > 0.1 > base["data_share"]
     # straggler: the last rank's forward holds the planted 50 ms; rank 0 waits in backward
-    assert a["forward_s"][-1] - a["forward_s"][0] > 0.025  # medians: a busy machine adds noise
-    assert a["backward_s"][0] > a["backward_s"][-1]
+    fwd = e["straggler"]["forward_s"]
+    assert fwd[-1] - fwd[0] > 0.025 and e["straggler"]["backward_s"][0] > e["straggler"]["backward_s"][-1]
     # sync_every_micro_batch: one all-reduce per micro-batch instead of one per step
-    assert (a["grad_accum"], a["allreduce_calls_per_step"]) == (2, 2)
+    assert (e["sync_every_micro_batch"]["grad_accum"], e["sync_every_micro_batch"]["allreduce_calls_per_step"]) == (2, 2)
     assert (base["grad_accum"], base["allreduce_calls_per_step"]) == (2, 1)
     # no_set_epoch: the second epoch repeats the first one's order on every rank
-    assert a["epochs_seen"] > 1 and a["epoch_repeats"]
+    assert e["no_set_epoch"]["epochs_seen"] > 1 and e["no_set_epoch"]["epoch_repeats"]
     assert base["epochs_seen"] > 1 and not base["epoch_repeats"]
     # tiny_micro_batch: micro-batch 1, the same global batch in 16 pieces
-    assert (b["micro_batch"], b["grad_accum"]) == (1, 16) and base["micro_batch"] == 8
+    assert (e["tiny_micro_batch"]["micro_batch"], e["tiny_micro_batch"]["grad_accum"]) == (1, 16)
+    assert base["micro_batch"] == 8
     # oversubscribed_threads: more threads than cores, against one core per rank's share
-    assert b["threads_total"] > b["cores"] and base["threads_total"] <= base["cores"]
+    over = e["oversubscribed_threads"]
+    assert over["threads_total"] > over["cores"] and base["threads_total"] <= base["cores"]
     # no_sampler: every rank trains on the same samples; with the sampler, none are shared
-    assert b["first_epoch_overlap"] == 1.0 and base["first_epoch_overlap"] == 0.0
+    assert e["no_sampler"]["first_epoch_overlap"] == 1.0 and base["first_epoch_overlap"] == 0.0
+    assert base["host_syncs_per_step"] == 0  # a CPU has nothing to wait for
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", CPU_FAULTS)
+def test_each_fault_alone_is_found_by_its_evidence_and_its_fix_removes_it(runs, fault):
+    """The notebook's reference diagnosis finds exactly the planted fault from the evidence;
+    the job re-run with its fix carries no fault, and the diagnosis finds none in it."""
+    from labkit.exercises.capstone import reference_diagnose
+
+    run = runs[fault]
+    assert run.faults == (fault,)
+    found, changes = reference_diagnose(run)
+    assert found == {fault}, run.evidence_text()
+    fixed = capstone.rerun(run, changes)
+    assert fixed.faults == ()
+    assert reference_diagnose(fixed)[0] == set(), fixed.evidence_text()
+    assert reference_diagnose(runs["base"])[0] == set(), runs["base"].evidence_text()
 
 
 @pytest.mark.slow
@@ -89,10 +105,11 @@ def test_speed_faults_leave_the_result_alone_and_sampler_faults_change_it(runs):
     """The same global batch in any micro-batch split trains the same model (to rounding);
     training on the wrong samples does not."""
     base = runs["base"].losses
-    assert runs["a"].losses != pytest.approx(base, abs=1e-5)  # no_set_epoch's order
-    assert runs["b"].losses != pytest.approx(base, abs=1e-5)  # no_sampler's data
-    alone = capstone.run_job(["tiny_micro_batch", "sync_every_micro_batch", "straggler"])
-    assert alone.losses == pytest.approx(base, abs=1e-5)
+    for fault in ("no_set_epoch", "no_sampler"):
+        assert runs[fault].losses != pytest.approx(base, abs=1e-5), fault
+    for fault in ("tiny_micro_batch", "sync_every_micro_batch", "straggler", "slow_loader",
+                  "oversubscribed_threads"):  # fmt: skip
+        assert runs[fault].losses == pytest.approx(base, abs=1e-5), fault
 
 
 def test_bad_faults_and_sizes_are_named():
