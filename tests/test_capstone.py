@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from labkit import capstone
 from labkit.capstone import faults as fl
@@ -130,3 +131,24 @@ def test_the_command_line_draws_a_seed_and_reveals_its_key(capsys):
     assert "reveal needs --seed" in capsys.readouterr().err
     assert main(["capstone", "reveal", "--seed", "x1"]) == 2
     assert "seed='x1' is not allowed" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("fault", ["fp32_on_gpu", "host_sync"])
+def test_each_gpu_fault_alone_is_found_and_fixed_on_two_gpus(fault):
+    """On GPUs: fp32 shows as the step's dtype, a .item() per micro-batch as host syncs
+    counted by CUDA's sync debug mode; the reference diagnosis finds each, its fix removes it."""
+    from labkit.exercises.capstone import reference_diagnose
+
+    run = capstone.run_job([fault], device="cuda")
+    e = run.evidence()
+    if fault == "fp32_on_gpu":
+        assert e["dtype"] == "float32"
+    else:
+        assert e["host_syncs_per_step"] >= e["grad_accum"]
+    found, changes = reference_diagnose(run)
+    assert found == {fault}, run.evidence_text()
+    fixed = capstone.rerun(run, changes)
+    assert fixed.faults == () and reference_diagnose(fixed)[0] == set()
