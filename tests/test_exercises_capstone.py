@@ -54,7 +54,7 @@ def fake_run(settings: st.Settings, *, tokens_per_s: float = 1000.0,
     """A stand-in for a run of ``settings``: its faults read from the settings, its numbers
     given (2 ranks on 2 cores, the CPU tier)."""
     faults = st.faults_in(settings, tier="cpu", cores=2, nproc=2)
-    rank = {"tokens_per_s": tokens_per_s, "losses": list(losses), "world_size": 2}
+    rank = {"tokens_per_s": tokens_per_s, "losses": list(losses), "world_size": 2, "cores": 2}
     return capstone.CapstoneRun(faults, [rank, rank], 1.0, settings=settings, tier="cpu",
                                 seed=10)  # fmt: skip
 
@@ -183,3 +183,11 @@ def test_the_check_runs_the_real_job_and_passes_the_solution_only(capsys):
     assert_check_passes("07.diagnose", SOLUTION, capsys)
     with pytest.raises(ex.ExerciseFailed, match=r"still carries 1 fault\(s\): straggler"):
         ex.verify("07.diagnose", answer(PLANTED, {"prepare_data": "once", "set_epoch": True}))
+
+
+def test_a_fair_thread_count_is_the_right_setting_and_needs_no_second_run(given):
+    """threads_per_rank = cores // ranks is what None means: the fixed job is the right job."""
+    ex.verify("07.diagnose", answer(PLANTED, {**RIGHT, "threads_per_rank": 1}))
+    assert len(given) == 1
+    ex.verify("07.diagnose", answer(PLANTED, {**RIGHT, "micro_batch": 16}))
+    assert len(given) == 3  # another split: re-run, then the right job beside it
