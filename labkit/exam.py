@@ -18,7 +18,8 @@ weights passes them (``weights={sub-topic: weight}``).
 While it runs (:class:`Attempt`) nothing says whether an answer is right; answers are refused
 once the time limit has passed, and questions left unanswered count as wrong. The
 :class:`Result` gives the score per sub-topic and, for each notebook with a missed question,
-the notebook to revisit and the questions' explanations. Each result is appended to a JSON
+the notebook to revisit, the sections of it that teach the missed questions (each with how many
+were missed there) and the questions' explanations. Each result is appended to a JSON
 file under labkit's cache folder (:func:`results_path`), so a learner sees progress over
 attempts; a results file that cannot be read is set aside under a new name (never silently
 overwritten), and one that cannot be written is named with the fix.
@@ -33,6 +34,7 @@ import math
 import os
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -204,6 +206,8 @@ class Result:
             lines += ["", "To revisit:"]
             for nb, qs in missed.items():
                 lines.append(f"  notebook {nb} ({quiz.load(nb).title}):")
+                for section, k in Counter(q.section for q in qs).most_common():
+                    lines.append(f'    section "{section}": {k} question{"s" * (k > 1)} missed')
                 for q in qs:
                     a = self.answers[self.questions.index(q)]
                     given = "no answer" if a is None else f"you chose {LETTERS[a]})"

@@ -19,13 +19,17 @@ A bank is ``labkit/quizbank/NN.json``::
                     "question": "...", "choices": ["...", "...", "..."], "answer": 1,
                     "why_wrong": ["why the first choice is wrong", null, "why the third is"],
                     "explanation": "... (source: ...)",
-                    "domain": "NCP-GENL: performance profiling and troubleshooting"}]}
+                    "domain": "NCP-GENL: performance profiling and troubleshooting",
+                    "section": "3. Asynchronous execution: how to time a GPU"}]}
 
 ``answer`` is the 0-based index of the right choice. ``why_wrong`` runs parallel to
 ``choices``: ``null`` (or ``""``) at the answer, and at every other index what is wrong with that
 choice, written so that it does not give the answer away. ``explanation`` says why the answer is
 right and cites sources a learner can open (papers with a section, documentation pages, source
-files in public repositories). Text may use `backticks` for code. Banks are validated when
+files in public repositories). ``section`` is the heading, without its ``## ``, of the section
+of ``solutions/NN_*.ipynb`` that teaches the question: the mock exam (:mod:`labkit.exam`) points
+a learner there for each question missed (``tests/test_quiz.py`` checks every one against the
+notebook's headings). Text may use `backticks` for code. Banks are validated when
 loaded (:class:`Question` and :func:`load_file`): a mistake raises a :class:`QuizBankError`
 naming the file, the question and the field. How well the items are *written* (no option
 conspicuously longer than the rest, public citations) is checked by ``tests/test_quizbank.py``.
@@ -61,7 +65,7 @@ on how much each area weighs, so the course prints no weights.
 LETTERS = "abcdef"
 MIN_CHOICES, MAX_CHOICES = 2, len(LETTERS)
 _ID = re.compile(r"^\d\d\.[a-z][a-z0-9_]*$")
-_FIELDS = ("id", "question", "choices", "answer", "why_wrong", "explanation", "domain")
+_FIELDS = ("id", "question", "choices", "answer", "why_wrong", "explanation", "domain", "section")
 
 
 class QuizBankError(ValueError):
@@ -85,6 +89,8 @@ class Question:
     """Why the answer is right, citing public sources for any fact or number."""
     domain: str
     """One of :data:`DOMAINS`."""
+    section: str
+    """The heading (without ``## ``) of the notebook section that teaches this question."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "choices", tuple(self.choices))
@@ -93,7 +99,7 @@ class Question:
                 f"id={self.id!r} is not allowed: use 'NN.name' "
                 "(lower case, digits, underscores), e.g. '01.async_timing'"
             )
-        for name in ("question", "explanation"):
+        for name in ("question", "explanation", "section"):
             value = getattr(self, name)
             if not (isinstance(value, str) and value.strip()):
                 raise QuizBankError(f"{name}={value!r} is not allowed: a non-empty string")

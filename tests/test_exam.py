@@ -104,6 +104,24 @@ def test_no_feedback_while_answering_and_unanswered_counts_wrong():
     assert attempt.finish() is result
 
 
+def test_the_result_names_each_section_to_revisit_once_with_its_misses():
+    e = exam.draw(16, seed=5, notebooks=["02"])  # every question of bank 02
+    by_section = Counter(q.section for q in e.questions)
+    twice, once = [s for s, k in by_section.most_common() if k >= 2][:2]
+    missed = [q for q in e.questions if q.section == twice][:2]
+    missed += [q for q in e.questions if q.section == once][:1]
+    attempt = exam.Attempt(e, clock=FakeClock())
+    for i, q in enumerate(e.questions):
+        attempt.answer(i, (q.answer + 1) % len(q.choices) if q in missed else q.answer)
+    text = attempt.finish().as_text()
+    revisit = text.split("To revisit:\n")[1]
+    assert revisit.startswith(f"  notebook 02 ({quiz.load('02').title}):\n"
+                              f'    section "{twice}": 2 questions missed\n'
+                              f'    section "{once}": 1 question missed\n'), revisit  # fmt: skip
+    assert revisit.count("    section ") == 2  # only the sections of missed questions
+    assert all(f"    - {q.id}: you chose " in revisit for q in missed)  # explanations as before
+
+
 @pytest.mark.parametrize("choice", [True, 1.0, "a", -1, 99])
 def test_an_answer_of_the_wrong_type_is_refused_naming_what_is_allowed(choice):
     attempt = exam.Attempt(exam.draw(3, seed=2))

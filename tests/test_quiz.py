@@ -9,6 +9,7 @@ import pytest
 from labkit import quiz
 
 BANKS = sorted(quiz.BANK_DIR.glob("*.json"))
+SOLUTIONS = Path(__file__).resolve().parents[1] / "solutions"
 
 
 def good_question(**changes) -> dict:
@@ -20,6 +21,7 @@ def good_question(**changes) -> dict:
         "why_wrong": [None, "That <one> is off.", "Neither is too cautious."],
         "explanation": "Because <it> is.",
         "domain": quiz.DOMAINS[0],
+        "section": "1. Demo",
     }
     q.update(changes)
     return q
@@ -48,6 +50,24 @@ def test_every_shipped_bank_validates_and_is_not_guessable(path):
     assert all(q.domain in quiz.DOMAINS for q in bank.questions)
 
 
+def notebook_sections(notebook: str) -> list[str]:
+    """The ``##`` headings of ``solutions/NN_*.ipynb``, without their ``## ``."""
+    (path,) = SOLUTIONS.glob(f"{notebook}_*.ipynb")
+    cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+    return [line[3:].strip() for cell in cells if cell["cell_type"] == "markdown"
+            for line in "".join(cell["source"]).splitlines() if line.startswith("## ")]  # fmt: skip
+
+
+@pytest.mark.parametrize("path", BANKS, ids=lambda p: p.name)
+def test_every_question_points_to_a_teaching_section_of_its_notebook(path):
+    """A heading renamed in the notebook fails here, naming the questions that point to it."""
+    sections = notebook_sections(path.stem)
+    assert "Quiz" in sections  # the headings were read; the quiz itself teaches nothing
+    wrong = {q.id: q.section for q in quiz.load(path.stem).questions
+             if q.section not in sections or q.section == "Quiz"}  # fmt: skip
+    assert not wrong, f"not a section of notebook {path.stem}: {wrong}; its sections: {sections}"
+
+
 def test_domains_are_the_certification_sub_topics():
     assert len(quiz.DOMAINS) == len(set(quiz.DOMAINS)) == 5
     assert all(re.match(r"^NCP-(GENL|ADS): \S", d) for d in quiz.DOMAINS)
@@ -60,6 +80,8 @@ def test_domains_are_the_certification_sub_topics():
         ({"answer": True}, r"answer=True is not allowed"),
         ({"domain": "NCP-GENL: cooking"}, r"domain='NCP-GENL: cooking' is not allowed: one of"),
         ({"explanation": "  "}, r"explanation='  ' is not allowed: a non-empty string"),
+        ({"section": ""}, r"section='' is not allowed: a non-empty string"),
+        ({"section": None}, r"section=None is not allowed: a non-empty string"),
         ({"choices": ["a", "A "]}, r"repeat an entry"),
         ({"choices": ["only"]}, r"choices has 1 entries: 2 to 6 allowed"),
         ({"id": "demo"}, r"id='demo' is not allowed"),
