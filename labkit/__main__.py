@@ -45,9 +45,10 @@ def _cleanup(args: argparse.Namespace) -> int:
 
 
 def _capstone(args: argparse.Namespace) -> int:
-    from labkit import capstone, hardware
+    from labkit import capstone, launch
 
-    tier = args.tier or hardware.tier()
+    # notebook 07's job: one GPU per rank (2 ranks) or CPU ranks, whatever else the machine has
+    tier = args.tier or ("multi-gpu" if launch.visible_gpu_count() >= 2 else "cpu")
     if args.action == "reveal" and args.seed is None:
         print("labkit capstone: reveal needs --seed N, the seed the learner's job was given",
               file=sys.stderr)
@@ -59,7 +60,7 @@ def _capstone(args: argparse.Namespace) -> int:
         return 2
     if args.action == "new":
         print(f"capstone seed {seed} ({tier} tier): give it to notebook 07 as seed={seed}; "
-              f"`python -m labkit capstone reveal --seed {seed}` shows the answer key")
+              f"`python -m labkit capstone reveal --seed {seed} --tier {tier}` shows the answer key")
     else:
         print(capstone.reveal(seed, tier), end="")
     return 0
@@ -97,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     cap = sub.add_parser("capstone", help="notebook 07's seeds and answer keys")
     cap.add_argument("action", choices=["new", "reveal"])
     cap.add_argument("--seed", help="a whole number (new: draw one if absent)")
-    cap.add_argument("--tier", choices=["cpu", "single-gpu", "multi-gpu"],
-                     help="the tier the job runs on (default: this machine's)")
+    cap.add_argument("--tier", choices=["cpu", "multi-gpu"],
+                     help="the tier notebook 07's job runs on: multi-gpu with a GPU per rank, "
+                          "else cpu (default: this machine's)")
     cap.set_defaults(fn=_capstone)
     nb = sub.add_parser("notebooks", help="generate notebooks/ from solutions/")
     nb.add_argument("--check", action="store_true", help="only compare; exit 1 on drift")

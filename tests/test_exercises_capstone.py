@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from exercise_cells import assert_check_passes, assert_stub_is_not_done
+from exercise_cells import assert_check_passes, assert_stub_is_not_done, run_cell
 
 from labkit import capstone
 from labkit import exercises as ex
@@ -20,23 +20,31 @@ def diagnose(run):
     # BEGIN SOLUTION
     e = run.evidence()
     found, changes = set(), {}
-    if e["data_share"] > 0.1:
+    if e["threads_total"] > e["cores"]:  # threads fighting over the cores
+        found.add("oversubscribed_threads")
+        changes["threads_per_rank"] = max(1, e["cores"] // len(e["forward_s"]))
+    if e["data_share"] > 0.1:  # prepared data costs a few per cent of a step
         found.add("slow_loader")
         changes["prepare_data"] = "once"
-    if e["grad_accum"] >= 8:
+    fwd, bwd = e["forward_s"], e["backward_s"]  # per rank, median per step
+    slow = max(range(len(fwd)), key=fwd.__getitem__)
+    if any(fwd[slow] - fwd[r] > 0.05 and bwd[r] - bwd[slow] > 0.025
+           for r in range(len(fwd)) if r != slow):
+        found.add("straggler")  # its delay in its forward, the others' wait in backward
+        changes["straggler_delay_s"] = 0.0
+    if e["grad_accum"] >= 8:  # a rank's share cut into 8 or more micro-batches
         found.add("tiny_micro_batch")
         changes["micro_batch"] = e["micro_batch"] * e["grad_accum"] // 2
-    if e["grad_accum"] > 1 and e["allreduce_calls_per_step"] >= e["grad_accum"]:
+    if e["allreduce_calls_before_last_micro_batch"] > 0:  # no no_sync
         found.add("sync_every_micro_batch")
         changes["no_sync"] = True
-    fwd = e["forward_s"]
-    if max(fwd) - min(fwd) > 0.025 and max(fwd) > 1.5 * min(fwd):
-        found.add("straggler")
-        changes["straggler_delay_s"] = 0.0
-    if e["threads_total"] > e["cores"]:
-        found.add("oversubscribed_threads")
-        changes["threads_per_rank"] = max(1, e["cores"] // len(fwd))
-    if e["first_epoch_overlap"] > 0.5:
+    if run.tier != "cpu" and e["dtype"] == "float32":
+        found.add("fp32_on_gpu")
+        changes["dtype"] = "bfloat16"
+    if run.tier != "cpu" and e["host_syncs_per_step"] >= e["grad_accum"]:
+        found.add("host_sync")  # a wait for the GPU in every micro-batch
+        changes["loss_item_every_micro_batch"] = False
+    if e["first_epoch_overlap"] > 0.5:  # the ranks trained on the same samples
         found.add("no_sampler")
         changes.update(sampler="distributed", set_epoch=True)
     elif e["epochs_seen"] > 1 and e["epoch_repeats"]:
@@ -78,11 +86,13 @@ def given(monkeypatch):
 
     monkeypatch.setattr(excap, "last_given", lambda: job)
     monkeypatch.setattr(excap, "rerun", rerun)
-    monkeypatch.setattr(job, "evidence", lambda: {
+    evidence = {
         "data_share": 0.3, "grad_accum": 2, "micro_batch": 8, "allreduce_calls_per_step": 1,
-        "forward_s": [0.007, 0.057], "backward_s": [0.06, 0.013], "threads_total": 2,
+        "allreduce_calls_before_last_micro_batch": 0,
+        "forward_s": [0.007, 0.107], "backward_s": [0.11, 0.013], "threads_total": 2,
         "cores": 2, "first_epoch_overlap": 0.0, "epochs_seen": 2, "epoch_repeats": True,
-        "dtype": "float32", "host_syncs_per_step": 0})  # fmt: skip
+        "dtype": "float32", "host_syncs_per_step": 0}  # fmt: skip
+    monkeypatch.setattr(capstone.CapstoneRun, "evidence", lambda self: evidence)
     return reruns
 
 
@@ -135,21 +145,35 @@ def test_each_mistake_is_named(given, wrong, message):
         ex.verify("07.diagnose", wrong)
 
 
-def test_a_change_that_costs_speed_is_caught(given, monkeypatch):
-    """A fix that removes every fault but runs slower than the right job (here: stand-in
-    numbers, as a wrong thread count does for real) is named with the setting that differs."""
-    real = excap.rerun
+def test_a_change_that_costs_speed_is_caught(monkeypatch):
+    """Too few threads removes oversubscription but runs slower than the right job (stand-in
+    numbers: one thread per rank on 4 cores against a fair two)."""
+    def run_of(settings, tokens_per_s):
+        faults = st.faults_in(settings, tier="cpu", cores=4, nproc=2)
+        rank = {"tokens_per_s": tokens_per_s, "losses": [3.0, 2.9], "world_size": 2, "cores": 4}
+        return capstone.CapstoneRun(faults, [rank, rank], 1.0, settings=settings, seed=3)
 
-    def slower(run, changes, **kwargs):
-        out = real(run, changes, **kwargs)
-        if out.settings.micro_batch == 4:
-            out.ranks = [{**r, "tokens_per_s": 200.0} for r in out.ranks]
-        return out
-
-    monkeypatch.setattr(excap, "rerun", slower)
+    job = run_of(st.given(["oversubscribed_threads"], cores=4), 300.0)
+    monkeypatch.setattr(excap, "last_given", lambda: job)
+    monkeypatch.setattr(excap, "rerun", lambda run, changes, **kw: run_of(
+        st.apply(run.settings, changes),
+        200.0 if st.apply(run.settings, changes).threads_per_rank == 1 else 1000.0))
     with pytest.raises(ex.ExerciseFailed, match=r"one of your changes costs speed\. Settings "
-                                                r"that differ: micro_batch=4 \(right: 8\)"):
+                                                r"that differ: threads_per_rank=1 \(right: None\)"):
+        ex.verify("07.diagnose", answer(["oversubscribed_threads"], {"threads_per_rank": 1}))
+    ex.verify("07.diagnose", answer(["oversubscribed_threads"], {"threads_per_rank": 2}))
+
+
+def test_a_change_no_named_fault_needs_is_refused(given):
+    with pytest.raises(ex.ExerciseFailed, match=r"your changes to \['micro_batch'\] fix none of "
+                                                r"the faults you named"):
         ex.verify("07.diagnose", answer(PLANTED, {**RIGHT, "micro_batch": 4}))
+
+
+def test_the_learners_function_sees_measurements_not_the_key(given):
+    seen = []
+    ex.verify("07.diagnose", lambda run: seen.append(run) or (set(PLANTED), dict(RIGHT)))
+    assert seen[0].faults == () and seen[0].settings is None
 
 
 def test_without_a_job_the_check_says_which_cell_to_run(monkeypatch):
@@ -176,18 +200,14 @@ def test_the_check_runs_the_real_job_and_passes_the_solution_only(capsys):
     """For real: seed 10's job on 2 gloo ranks (slow loader, straggler, no set_epoch); the
     solution passes with a measured speed-up; a diagnosis that leaves the straggler fails."""
     run = capstone.given_job(10)
-    assert set(run.faults) == set(PLANTED) and "seed 10" in repr(run)
-    assert "slow_loader" not in repr(run)  # the key stays hidden
+    assert run.faults == () and run.settings is None and "seed 10" in repr(run)  # key hidden
+    assert set(capstone.last_given().faults) == set(PLANTED)
     found, _ = excap.reference_diagnose(run)
     assert found == set(PLANTED), run.evidence_text()
-    assert_check_passes("07.diagnose", SOLUTION, capsys)
+    mine = run_cell(SOLUTION)
+    assert ex.check("07.diagnose", mine) is mine
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1].startswith("✓ 07.diagnose: ") and "tokens/s" in lines[-1]
+    assert all(line.startswith("07.diagnose: your changes") for line in lines[:-1])  # progress
     with pytest.raises(ex.ExerciseFailed, match=r"still carries 1 fault\(s\): straggler"):
         ex.verify("07.diagnose", answer(PLANTED, {"prepare_data": "once", "set_epoch": True}))
-
-
-def test_a_fair_thread_count_is_the_right_setting_and_needs_no_second_run(given):
-    """threads_per_rank = cores // ranks is what None means: the fixed job is the right job."""
-    ex.verify("07.diagnose", answer(PLANTED, {**RIGHT, "threads_per_rank": 1}))
-    assert len(given) == 1
-    ex.verify("07.diagnose", answer(PLANTED, {**RIGHT, "micro_batch": 16}))
-    assert len(given) == 3  # another split: re-run, then the right job beside it

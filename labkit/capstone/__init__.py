@@ -24,11 +24,12 @@ from labkit.capstone.faults import (
     reveal,
 )
 from labkit.capstone.job import CapstoneRun, given_job, last_given, rerun, run_job
-from labkit.capstone.settings import Settings, faults_in
+from labkit.capstone.settings import FIXES, Settings, faults_in
 
 __all__ = [
     "BY_ID",
     "FAULTS",
+    "FIXES",
     "PLANTED",
     "CapstoneRun",
     "Fault",

@@ -53,7 +53,7 @@ FAULTS: tuple[Fault, ...] = (
         "slow_loader", "data loading on the critical path",
         "low device utilisation; every step starts with a wait",
         "the share of each iteration spent waiting for the next batch (notebook 06's data "
-        "phase): most of the step",
+        "phase): well above the few per cent a prepared dataset costs",
         "take the work out of __getitem__: tokenise once, ahead of training (or, with cores "
         "to spare, DataLoader workers)", "speed",
     ),
@@ -68,8 +68,8 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "sync_every_micro_batch", "an all-reduce for every micro-batch",
         "communication time grows with the accumulation steps",
-        "all-reduce calls per optimizer step = DDP's buckets × accumulation steps, not the "
-        "buckets alone (notebook 02's counted bytes)",
+        "all-reduces issued before a step's last micro-batch: none with no_sync, DDP's "
+        "buckets for each earlier micro-batch without it (notebook 02's counted calls)",
         "enter DDP's no_sync() for every micro-batch but the last", "speed",
     ),
     Fault(
@@ -85,8 +85,8 @@ FAULTS: tuple[Fault, ...] = (
         "per-step time erratic and long; the machine looks fully busy",
         "threads per rank × ranks > cores (torch.get_num_threads() in each rank, "
         "hardware.cpu_info())",
-        "one thread per rank's share of the cores (OMP_NUM_THREADS, torch.set_num_threads), "
-        "as torchrun's default does", "speed",
+        "no more threads in all than cores: each rank its share (OMP_NUM_THREADS, "
+        "torch.set_num_threads; torchrun's own default is 1 per worker)", "speed",
     ),
     Fault(
         "no_sampler", "no DistributedSampler: every rank trains on the same data",

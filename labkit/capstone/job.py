@@ -13,6 +13,7 @@ threads per rank against the cores, and the sample indices each rank trained on.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,8 +40,9 @@ class CapstoneRun:
     faults: tuple[str, ...]
     ranks: list[dict[str, Any]]
     wall_s: float
-    settings: st.Settings = field(default_factory=st.Settings)
-    """What the job ran with; not in the ``repr``, since it names the faults."""
+    settings: st.Settings | None = field(default_factory=st.Settings)
+    """What the job ran with; None in the learner's view (:meth:`public`), as are ``faults``:
+    either would name the faults."""
     tier: str = "cpu"
     size: str = "smoke"
     seed: int | None = None
@@ -50,6 +52,10 @@ class CapstoneRun:
         whose = f"seed {self.seed}" if self.seed is not None else f"{len(self.faults)} faults"
         return (f"CapstoneRun({whose}, {self.tier} tier, size {self.size!r}: "
                 f"{self.tokens_per_s:,.0f} tokens/s measured)")
+
+    def public(self) -> CapstoneRun:
+        """This run as the learner sees it: its measurements, not its faults or settings."""
+        return dataclasses.replace(self, faults=(), settings=None)
 
     @property
     def tokens_per_s(self) -> float:
@@ -79,6 +85,8 @@ class CapstoneRun:
             "micro_batch": r0["micro_batch"],
             "grad_accum": r0["grad_accum"],
             "allreduce_calls_per_step": _median(r0["allreduce_calls"]),
+            "allreduce_calls_before_last_micro_batch":
+                _median(r0["allreduce_calls_before_last_micro_batch"]),
             "threads_per_rank": max(r["threads"] for r in self.ranks),
             "threads_total": sum(r["threads"] for r in self.ranks),
             "cores": r0["cores"],
@@ -100,13 +108,17 @@ class CapstoneRun:
             f"measured: {self.tokens_per_s:,.0f} tokens/s; waiting for data "
             f"{e['data_share']:.0%} of the step (the rank that waited most)",
             f"measured: micro-batch {e['micro_batch']} × {e['grad_accum']} accumulation steps; "
-            f"{e['allreduce_calls_per_step']:g} all-reduce call(s) per optimizer step",
+            f"{e['allreduce_calls_per_step']:g} all-reduce call(s) per optimizer step, "
+            f"{e['allreduce_calls_before_last_micro_batch']:g} of them before its last micro-batch",
             f"measured: per rank, forward {fwd} ms, backward {bwd} ms (median per step)",
             f"measured: {e['threads_per_rank']} PyTorch threads per rank, "
             f"{e['threads_total']} in all, on {e['cores']} cores",
             f"measured: in the first epoch {e['first_epoch_overlap']:.0%} of rank 0's samples were "
             f"also rank {len(self.ranks) - 1}'s; epoch 2 repeats epoch 1's order: "
             f"{e['epoch_repeats'] if e['epochs_seen'] > 1 else 'one epoch only'}",
+            f"measured: the step computes in {e['dtype']}; "
+            + (f"{e['host_syncs_per_step']:g} host sync(s) per step (CUDA's sync debug mode)"
+               if self.tier != "cpu" else "host syncs: none to count on a CPU"),
         ])  # fmt: skip
 
 
@@ -138,32 +150,42 @@ def run_job(faults: Sequence[str] = (), *, settings: st.Settings | None = None,
     return CapstoneRun(present, res.ranks, res.wall_s, settings=settings, tier=tier, size=size)
 
 
-_GIVEN: dict[str, CapstoneRun] = {}
+_GIVEN: dict[int, CapstoneRun] = {}
+_LAST: list[int] = []
 
 
 def given_job(seed: int | str, *, size: str = "smoke", device: str = "cpu", nproc: int = 2,
               **kwargs: Any) -> CapstoneRun:  # fmt: skip
     """Run the job seed ``seed`` gives a learner (its faults drawn by :func:`plan` for the
-    tier the job runs on), and remember it: the capstone's check re-runs it with the
-    learner's changes (:func:`last_given`)."""
+    tier the job runs on) and return the learner's view of it (:meth:`CapstoneRun.public`).
+    The whole run is kept for :func:`rerun` and the capstone's check (:func:`last_given`)."""
     seed = parse_seed(seed)
     run = run_job(plan(seed, _tier(device, nproc)), size=size, device=device, nproc=nproc,
                   **kwargs)  # fmt: skip
     run.seed = seed
-    _GIVEN["last"] = run
-    return run
+    _GIVEN[seed] = run
+    _LAST[:] = [seed]
+    return run.public()
 
 
 def last_given() -> CapstoneRun | None:
-    """The job :func:`given_job` ran last in this process, or None."""
-    return _GIVEN.get("last")
+    """The whole of the job :func:`given_job` ran last in this process (faults and settings
+    included), or None."""
+    return _GIVEN[_LAST[0]] if _LAST else None
 
 
 def rerun(run: CapstoneRun, changes: Mapping[str, Any], **kwargs: Any) -> CapstoneRun:
-    """``run``'s job again, with ``changes`` (setting → value) applied to its settings."""
+    """``run``'s job again, with ``changes`` (setting → value) applied to its settings. A
+    learner's view in (settings hidden), a learner's view out, and the changes then apply to
+    the settings the seed gave, so pass every change you keep, not only the newest."""
+    hidden = run.settings is None
+    if hidden and run.seed not in _GIVEN:
+        raise ValueError("this run's settings are hidden and its seed's job did not run in "
+                         "this process: run capstone.given_job(seed) first")  # fmt: skip
+    base = _GIVEN[run.seed].settings if hidden else run.settings
     device = "cpu" if run.tier == "cpu" else "cuda"
     nproc = run.ranks[0]["world_size"]
-    new = run_job(settings=st.apply(run.settings, changes), size=run.size, device=device,
-                  nproc=nproc, **kwargs)  # fmt: skip
+    new = run_job(settings=st.apply(base, changes), size=run.size, device=device, nproc=nproc,
+                  **kwargs)  # fmt: skip
     new.seed = run.seed
-    return new
+    return new.public() if hidden else new

@@ -5,7 +5,9 @@
   carries, and the changes to its settings that remove them. The check compares the diagnosis
   with the seed's answer key, then re-runs the job with the changes, for real: it names any
   fault still present, and catches a change that trains a different model (the losses differ
-  from the job with the right settings) or that slows the job.
+  from the job with the right settings), that slows the job, or that no named fault needs.
+  The learner's function sees what the learner sees: the run's measurements, not its faults
+  or settings (:meth:`labkit.capstone.CapstoneRun.public`).
 
 The job the check uses is the one :func:`labkit.capstone.given_job` ran last in this kernel,
 so the check needs that cell to have run first.
@@ -17,7 +19,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from labkit.capstone import BY_ID, CapstoneRun, Settings, last_given, rerun
+from labkit.capstone import BY_ID, FIXES, CapstoneRun, Settings, last_given, rerun
 from labkit.exercises import ExerciseFailed, _require_callable, call, exercise, short_repr
 
 LOSS_TOLERANCE = 1e-4
@@ -34,36 +36,38 @@ def reference_diagnose(run: CapstoneRun) -> tuple[set[str], dict[str, Any]]:
     e = run.evidence()
     found: set[str] = set()
     changes: dict[str, Any] = {}
-    if e["data_share"] > 0.1:  # prepared data costs a few per cent of a step; this, more
+    if e["threads_total"] > e["cores"]:  # threads fighting over the cores
+        found.add("oversubscribed_threads")
+        changes["threads_per_rank"] = max(1, e["cores"] // len(e["forward_s"]))
+    if e["data_share"] > 0.1:  # prepared data costs a few per cent of a step
         found.add("slow_loader")
         changes["prepare_data"] = "once"
+    # A straggler: one rank's forward holds a delay the others spend waiting in backward's
+    # all-reduce; both must show, so noise on one rank alone is not a straggler.
+    fwd, bwd = e["forward_s"], e["backward_s"]
+    slow = max(range(len(fwd)), key=fwd.__getitem__)
+    if any(fwd[slow] - fwd[r] > 0.05 and bwd[r] - bwd[slow] > 0.025
+           for r in range(len(fwd)) if r != slow):  # fmt: skip
+        found.add("straggler")
+        changes["straggler_delay_s"] = 0.0
     if e["grad_accum"] >= 8:  # a rank's share cut into 8 or more micro-batches
         found.add("tiny_micro_batch")
         changes["micro_batch"] = e["micro_batch"] * e["grad_accum"] // 2
-    if e["grad_accum"] > 1 and e["allreduce_calls_per_step"] >= e["grad_accum"]:
-        found.add("sync_every_micro_batch")  # an all-reduce per micro-batch, not per step
+    if e["allreduce_calls_before_last_micro_batch"] > 0:  # no no_sync: every micro-batch syncs
+        found.add("sync_every_micro_batch")
         changes["no_sync"] = True
-    # A straggler: on a CPU its own phases are long; on a GPU its delay is host time, and the
-    # other ranks wait for it in the backward's all-reduce.
-    per_rank = e["forward_s"] if run.tier == "cpu" else e["backward_s"]
-    if max(per_rank) - min(per_rank) > 0.025 and max(per_rank) > 1.5 * min(per_rank):
-        found.add("straggler")
-        changes["straggler_delay_s"] = 0.0
-    if e["threads_total"] > e["cores"]:
-        found.add("oversubscribed_threads")
-        changes["threads_per_rank"] = max(1, e["cores"] // len(e["forward_s"]))
+    if run.tier != "cpu" and e["dtype"] == "float32":
+        found.add("fp32_on_gpu")
+        changes["dtype"] = "bfloat16"
+    if run.tier != "cpu" and e["host_syncs_per_step"] >= e["grad_accum"]:
+        found.add("host_sync")  # a wait for the GPU in every micro-batch
+        changes["loss_item_every_micro_batch"] = False
     if e["first_epoch_overlap"] > 0.5:  # the ranks trained on the same samples
         found.add("no_sampler")
         changes.update(sampler="distributed", set_epoch=True)
     elif e["epochs_seen"] > 1 and e["epoch_repeats"]:
         found.add("no_set_epoch")
         changes["set_epoch"] = True
-    if run.tier != "cpu" and e["dtype"] == "float32":
-        found.add("fp32_on_gpu")
-        changes["dtype"] = "bfloat16"
-    if run.tier != "cpu" and e["host_syncs_per_step"] >= e["grad_accum"]:
-        found.add("host_sync")
-        changes["loss_item_every_micro_batch"] = False
     return found, changes
 
 
@@ -99,35 +103,39 @@ def _differences(s: Settings) -> list[str]:
         "work through the suspects one at a time, as the worked example does: for each fault "
         "of capstone.FAULTS, its `evidence` says which measurement shows it. Read that number "
         "in run.evidence() and decide from the number, not from a guess",
-        "each fault has a signature you can test with a threshold: the share of the step spent "
-        "waiting for data, the micro-batch and how many pieces a rank's share is cut into, "
-        "all-reduce calls per step against the accumulation steps, one rank's phase times "
-        "against the others', threads against cores, the samples the ranks share, whether "
-        "epoch 2 repeats epoch 1",
-        "each fix is one setting of capstone.Settings (its docstrings say which fault sets "
-        "each one): return them as a dict of changes. Keep global_batch as it is: it is part of "
-        "the training recipe, and changing it trains a different model",
-        "recipe: e = run.evidence(); data_share > 0.1 → 'slow_loader', prepare_data='once'; "
-        "grad_accum >= 8 → 'tiny_micro_batch', micro_batch=micro_batch*grad_accum//2; "
-        "allreduce_calls_per_step >= grad_accum > 1 → 'sync_every_micro_batch', no_sync=True; "
-        "one rank's forward 25 ms and 1.5x longer than another's → 'straggler', "
-        "straggler_delay_s=0; threads_total > cores → 'oversubscribed_threads', "
-        "threads_per_rank=cores//ranks; first_epoch_overlap > 0.5 → 'no_sampler', "
-        "sampler='distributed', set_epoch=True; else epoch_repeats → 'no_set_epoch', "
-        "set_epoch=True",
+        "each fault has a signature you can test with a threshold against what a healthy job "
+        "shows: threads against cores; the share of the step spent waiting for data; one "
+        "rank's forward long while the other waits as long in its backward; how many pieces "
+        "a rank's share is cut into; all-reduces before a step's last micro-batch; the samples "
+        "the ranks share; whether epoch 2 repeats epoch 1; on GPUs the dtype and host syncs",
+        "each fix is one or two settings of capstone.Settings (its docstrings say which fault "
+        "sets each): return them as a dict of changes, and change nothing you did not "
+        "diagnose. Keep global_batch as it is: it is part of the training recipe",
+        "recipe: e = run.evidence(); threads_total > cores → 'oversubscribed_threads', "
+        "threads_per_rank=cores//ranks; data_share > 0.1 → 'slow_loader', prepare_data='once'; "
+        "a rank whose forward is 50 ms longer than another's while that one's backward is "
+        "25 ms longer → 'straggler', straggler_delay_s=0; grad_accum >= 8 → "
+        "'tiny_micro_batch', micro_batch=micro_batch*grad_accum//2; "
+        "allreduce_calls_before_last_micro_batch > 0 → 'sync_every_micro_batch', no_sync=True; "
+        "on a GPU dtype float32 → 'fp32_on_gpu', dtype='bfloat16', and host_syncs_per_step >= "
+        "grad_accum → 'host_sync', loss_item_every_micro_batch=False; first_epoch_overlap > "
+        "0.5 → 'no_sampler', sampler='distributed', set_epoch=True; else epoch_repeats → "
+        "'no_set_epoch', set_epoch=True",
     ),
     reference=reference_diagnose,
     time_limit_s=300.0,
 )
 def _verify_diagnose(diagnose: Any) -> str:
+    from labkit.launch import ProgressLines
+
     fn = _require_callable(diagnose, "diagnose(run) -> (faults found, changes)")
     run = last_given()
     if run is None:
         raise ExerciseFailed("no capstone job has run in this kernel yet: run the cell that "
                              "calls capstone.given_job(seed) first, then this check")  # fmt: skip
-    found, changes = _answer(call(fn, run))
+    found, changes = _answer(call(fn, run.public()))  # the learner sees measurements only
     try:
-        fixed = rerun(run, changes)
+        fixed = rerun(run, changes, observers=[ProgressLines("07.diagnose: your changes")])
     except ValueError as err:
         raise ExerciseFailed(f"your changes cannot run: {err}") from None
     planted = set(run.faults)
@@ -143,10 +151,16 @@ def _verify_diagnose(diagnose: Any) -> str:
             "your changes remove every fault, but the diagnosis does not match them"
             + (f"; not named, though your changes fixed them: {missed}" if missed else "")
             + (f"; named, but not in this job: {wrong} (read their evidence again)" if wrong else ""))  # fmt: skip
+    # The right job, split into the learner's micro-batches if theirs is a fair split (the
+    # same kernels and summation order, so the losses compare to rounding on any device).
     cores, ranks = fixed.ranks[0]["cores"], len(fixed.ranks)
-    share = Settings(threads_per_rank=max(1, cores // ranks))  # what None means on this machine
-    same = fixed.settings in (Settings(), share)
-    right = fixed if same else rerun(run, dataclasses.asdict(Settings()))
+    fair: dict[str, Any] = {"threads_per_rank": max(1, cores // ranks)}
+    if (Settings().global_batch // ranks) % fixed.settings.micro_batch == 0:
+        fair["micro_batch"] = fixed.settings.micro_batch
+    right_settings = dataclasses.replace(Settings(), **fair)
+    same = fixed.settings in (right_settings, dataclasses.replace(right_settings, threads_per_rank=None))
+    right = fixed if same else rerun(run, dataclasses.asdict(right_settings),
+                                     observers=[ProgressLines("07.diagnose: the right settings")])  # fmt: skip
     gap = max(abs(a - b) for a, b in zip(fixed.losses, right.losses, strict=True))
     if gap > LOSS_TOLERANCE:
         raise ExerciseFailed(
@@ -159,6 +173,13 @@ def _verify_diagnose(diagnose: Any) -> str:
             f"{SLOWER_THAN_RIGHT:.0%} of the {right.tokens_per_s:,.0f} of the job with the right "
             f"settings (measured one after the other): one of your changes costs speed. "
             f"Settings that differ: {', '.join(_differences(fixed.settings)) or 'none'}")  # fmt: skip
+    named = {name for f in found for name in FIXES[f]}
+    stray = sorted(set(changes) - named)
+    if stray:
+        raise ExerciseFailed(
+            f"your changes to {stray} fix none of the faults you named ({sorted(found)}): every "
+            f"change needs a diagnosis behind it (capstone.FIXES says which settings fix which "
+            f"fault)")  # fmt: skip
     return (f"diagnose named the job's {len(planted)} planted faults ({', '.join(sorted(planted))}) "
             f"and its changes removed them: {run.tokens_per_s:,.0f} → {fixed.tokens_per_s:,.0f} "
             f"tokens/s ({fixed.tokens_per_s / run.tokens_per_s:.2f}×, measured), the same losses "

@@ -93,6 +93,10 @@ class ByteCounter:
         entry["calls"] += calls
         entry["message_bytes"] += int(message_bytes)
 
+    def calls_so_far(self) -> int:
+        """Collectives recorded in the step not yet closed (all kinds)."""
+        return sum(v["calls"] for v in self._current.values())
+
     def end_step(self) -> None:
         """Close the current step (an empty step is recorded too: no_sync steps send nothing)."""
         self.steps.append(self._current)

@@ -19,7 +19,7 @@ Config (all optional):
     epoch_steps    optimizer steps per epoch with a correct sampler (default 4): the dataset
                    holds global_batch × epoch_steps windows, so a run sees several epochs
     loader_passes  tokeniser passes per item: the dataset's preprocessing (default 200)
-    straggler_s    seconds the last rank loses per step under ``straggler`` (default 0.05)
+    straggler_s    seconds the last rank loses per step under ``straggler`` (default 0.1)
     threads        PyTorch threads per rank (default: the cores shared out among the ranks,
                    or every core under ``oversubscribed_threads``)
     dtype          the autocast dtype on a GPU without ``fp32_on_gpu`` (default bfloat16)
@@ -72,8 +72,9 @@ class PhaseClock:
     """Marks in time without waiting for the device: ``time.perf_counter`` on a CPU, CUDA events
     on a GPU (read once the step has synchronised), so timing the phases adds no sync of its
     own: one would hide the ``host_sync`` fault and blunt ``fp32_on_gpu``. On a GPU a phase is
-    device time, so a delay on the host (the straggler's sleep) shows as the other ranks
-    waiting in the all-reduce, not in the straggler's own forward."""
+    the time between two events on the stream; an event recorded on an idle stream completes
+    at once, so a delay on the host between it and the next kernels (the straggler's sleep)
+    falls inside the phase, as it does on a CPU."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -158,7 +159,7 @@ def _check(cfg: dict[str, Any], n: int) -> dict[str, Any]:
     return {**cfg, "faults": faults, "global_batch": g, "share": share, "micro": micro,
             "steps": int(cfg.get("steps", 8)), "epoch_steps": int(cfg.get("epoch_steps", 4)),
             "passes": int(cfg.get("loader_passes", 200)),
-            "straggler_s": float(cfg.get("straggler_s", 0.05)),
+            "straggler_s": float(cfg.get("straggler_s", 0.1)),
             "seed": int(cfg.get("seed", 0)), "lr": float(cfg.get("lr", 1e-3)),
             "model": {**SMOKE_MODEL, **cfg.get("model", {})}}  # fmt: skip
 
@@ -204,7 +205,7 @@ def main(ctx: dist.Context) -> dict[str, Any]:
     clock = PhaseClock(device)
     rec: dict[str, list[float]] = {p: [] for p in ("step_s", "data_s", "forward_s",
                                                    "backward_s", "optimizer_s")}  # fmt: skip
-    losses, calls_per_step, syncs_per_step, epoch = [], [], [], 0
+    losses, calls_per_step, early_calls, syncs_per_step, epoch = [], [], [], [], 0
     batches = iter(())
     if isinstance(inner, DistributedSampler) and "no_set_epoch" not in faults:
         inner.set_epoch(epoch)
@@ -240,6 +241,8 @@ def main(ctx: dist.Context) -> dict[str, Any]:
                     b = clock.mark()
                     loss.backward()
                     spans.append((a, b, clock.mark()))
+                if j == k - 2:  # DDP's hook has run for every bucket this backward made ready
+                    early_calls.append(counter.calls_so_far())
                 total += loss.detach()
         c = clock.mark()
         opt.step()
@@ -264,9 +267,10 @@ def main(ctx: dist.Context) -> dict[str, Any]:
     tokens = cfg["global_batch"] * seq_len
     steady = rec["step_s"][1:] or rec["step_s"]
     return {
-        "rank": rank, "faults": sorted(faults), **rec, "prepare_s": prepare_s,
+        "rank": rank, **rec, "prepare_s": prepare_s,
         "tokens_per_s": tokens / statistics.median(steady),
-        "allreduce_calls": calls_per_step, "host_syncs": syncs_per_step, "micro_batch": cfg["micro"], "grad_accum": k,
+        "allreduce_calls": calls_per_step, "host_syncs": syncs_per_step,
+        "allreduce_calls_before_last_micro_batch": early_calls or [0] * len(calls_per_step), "micro_batch": cfg["micro"], "grad_accum": k,
         "threads": torch.get_num_threads(), "cores": cores, "world_size": n,
         "indices": epochs, "losses": losses, "checksum": checksum, "dtype": dtype,
         "device": str(device),
