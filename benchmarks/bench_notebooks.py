@@ -17,6 +17,7 @@ measured. Nothing here is a pass or fail: it is a report.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -79,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
                         choices=["smoke", "lab", "gpu"], help="sizes to run (default: smoke lab)")
     parser.add_argument("--rounds", type=int, default=1, help="runs of each notebook per size")
     parser.add_argument("--only", nargs="*", default=None,
-                        help="notebook numbers to run, e.g. 00 02 (default: all)")
+                        help="notebook numbers to run, e.g. 00 02 (default: all); with "
+                             "--record, merged into the recorded file")
     parser.add_argument("--record", action="store_true",
                         help="write benchmarks/results/notebooks-<machine>.json")
     parser.add_argument("--out", type=Path, help="write the record to this file")
@@ -102,8 +104,30 @@ def main(argv: list[str] | None = None) -> int:
     for name, s in record["summary"].items():
         print(f"{name:<34} median {s['median_s']:6.1f} s  (min {s['min_s']:.1f}, "
               f"max {s['max_s']:.1f})")  # fmt: skip
+    if args.record and args.only is not None:
+        record = merge_into_recorded(record)
     _common.emit(record, name="notebooks", out=args.out, record_it=args.record)
     return 0
+
+
+def merge_into_recorded(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` (some notebooks) merged into the recorded one, which keeps the others'
+    samples: each notebook's samples carry the date they were measured on."""
+    path = _common.record_path("notebooks", record)
+    if not path.exists():
+        return record
+    old = json.loads(path.read_text())
+    if old["params"]["sizes"] != record["params"]["sizes"]:
+        raise SystemExit(f"--only --record: the recorded sizes {old['params']['sizes']} differ "
+                         f"from these {record['params']['sizes']}: record every notebook again")  # fmt: skip
+    dates = old.get("measured_on") or {k: old["date"] for k in old["samples_s"]}
+    for k in record["samples_s"]:
+        dates[k] = record["date"]
+    merged = {**old, "samples_s": {**old["samples_s"], **record["samples_s"]},
+              "summary": {**old["summary"], **record["summary"]}, "measured_on": dates}
+    merged["params"] = {**old["params"], "notebooks": sorted(
+        set(old["params"]["notebooks"]) | set(record["params"]["notebooks"]))}
+    return merged
 
 
 if __name__ == "__main__":
