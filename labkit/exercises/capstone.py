@@ -44,9 +44,16 @@ def reference_diagnose(run: CapstoneRun) -> tuple[set[str], dict[str, Any]]:
         changes["prepare_data"] = "once"
     # A straggler: one rank's forward holds a delay the others spend waiting in backward's
     # all-reduce; both must show, so noise on one rank alone is not a straggler.
-    fwd, bwd = e["forward_s"], e["backward_s"]
+    # A planted delay is there in every step; threads fighting over cores slow a rank in
+    # some steps and not others: so in at least 4 steps of 5 (per-step forward times).
+    fwd, bwd, steps = e["forward_s"], e["backward_s"], e["forward_steps_s"]
     slow = max(range(len(fwd)), key=fwd.__getitem__)
-    if any(fwd[slow] - fwd[r] > 0.05 and bwd[r] - bwd[slow] > 0.025
+
+    def slower_in_most_steps(r):  # rank `slow`'s forward 50 ms longer than r's, 4 steps of 5
+        gaps = sorted(a - b for a, b in zip(steps[slow], steps[r], strict=True))
+        return gaps[len(gaps) // 5] > 0.05
+
+    if any(slower_in_most_steps(r) and bwd[r] - bwd[slow] > 0.025
            for r in range(len(fwd)) if r != slow):  # fmt: skip
         found.add("straggler")
         changes["straggler_delay_s"] = 0.0
@@ -105,7 +112,8 @@ def _differences(s: Settings) -> list[str]:
         "in run.evidence() and decide from the number, not from a guess",
         "each fault has a signature you can test with a threshold against what a healthy job "
         "shows: threads against cores; the share of the step spent waiting for data; one "
-        "rank's forward long while the other waits as long in its backward; how many pieces "
+        "rank's forward long in nearly every step while the other waits as long in its "
+        "backward (noise comes and goes, a slow rank does not); how many pieces "
         "a rank's share is cut into; all-reduces before a step's last micro-batch; the samples "
         "the ranks share; whether epoch 2 repeats epoch 1; on GPUs the dtype and host syncs",
         "each fix is one or two settings of capstone.Settings (its docstrings say which fault "
@@ -113,8 +121,9 @@ def _differences(s: Settings) -> list[str]:
         "diagnose. Keep global_batch as it is: it is part of the training recipe",
         "recipe: e = run.evidence(); threads_total > cores → 'oversubscribed_threads', "
         "threads_per_rank=cores//ranks; data_share > 0.1 → 'slow_loader', prepare_data='once'; "
-        "a rank whose forward is 50 ms longer than another's while that one's backward is "
-        "25 ms longer → 'straggler', straggler_delay_s=0; grad_accum >= 8 → "
+        "a rank whose forward is 50 ms longer than another's in 4 steps of 5 "
+        "(forward_steps_s) while that one's backward is 25 ms longer → 'straggler', "
+        "straggler_delay_s=0; grad_accum >= 8 → "
         "'tiny_micro_batch', micro_batch=micro_batch*grad_accum//2; "
         "allreduce_calls_before_last_micro_batch > 0 → 'sync_every_micro_batch', no_sync=True; "
         "on a GPU dtype float32 → 'fp32_on_gpu', dtype='bfloat16', and host_syncs_per_step >= "
