@@ -45,10 +45,10 @@ def _cleanup(args: argparse.Namespace) -> int:
 
 
 def _capstone(args: argparse.Namespace) -> int:
-    from labkit import capstone, launch
+    from labkit import capstone
 
     # notebook 07's job: one GPU per rank (2 ranks) or CPU ranks, whatever else the machine has
-    tier = args.tier or ("multi-gpu" if launch.visible_gpu_count() >= 2 else "cpu")
+    tier = args.tier or capstone.placement()[1]
     if args.action == "reveal" and args.seed is None:
         print("labkit capstone: reveal needs --seed N, the seed the learner's job was given",
               file=sys.stderr)

@@ -23,7 +23,15 @@ from labkit.capstone.faults import (
     plan,
     reveal,
 )
-from labkit.capstone.job import CapstoneRun, given_job, last_given, rerun, run_job
+from labkit.capstone.job import (
+    CapstoneRun,
+    given_job,
+    last_given,
+    placement,
+    rerun,
+    run_job,
+    tier_for,
+)
 from labkit.capstone.settings import FIXES, Settings, faults_in
 
 __all__ = [
@@ -41,8 +49,10 @@ __all__ = [
     "last_given",
     "new_seed",
     "parse_seed",
+    "placement",
     "plan",
     "rerun",
     "reveal",
     "run_job",
+    "tier_for",
 ]

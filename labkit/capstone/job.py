@@ -123,8 +123,21 @@ class CapstoneRun:
         ])  # fmt: skip
 
 
-def _tier(device: str, nproc: int) -> str:
+def tier_for(device: str, nproc: int) -> str:
+    """The tier a job of ``nproc`` ranks on ``device`` runs in (its faults depend on it)."""
     return "cpu" if device == "cpu" else ("multi-gpu" if nproc > 1 else "single-gpu")
+
+
+def placement(nproc: int = 2, gpus: int | None = None) -> tuple[str, str]:
+    """(device, tier) of notebook 07's job: a GPU for every one of its ``nproc`` ranks, or CPU
+    ranks over gloo (one GPU cannot hold two NCCL ranks). ``gpus``: the visible GPU count,
+    asked of torch when None (without creating a CUDA context)."""
+    if gpus is None:
+        from labkit import launch
+
+        gpus = launch.visible_gpu_count()
+    device = "cuda" if gpus >= nproc else "cpu"
+    return device, tier_for(device, nproc)
 
 
 def run_job(faults: Sequence[str] = (), *, settings: st.Settings | None = None,
@@ -140,7 +153,7 @@ def run_job(faults: Sequence[str] = (), *, settings: st.Settings | None = None,
         raise ValueError(f"faults={unknown}: unknown; the catalogue holds {sorted(BY_ID)}")
     if size not in SIZES:
         raise ValueError(f"size={size!r} is not allowed: one of {sorted(SIZES)}")
-    cores, tier = launch.usable_cpus(), _tier(device, nproc)
+    cores, tier = launch.usable_cpus(), tier_for(device, nproc)
     if settings is None:
         settings = st.given(faults, cores=cores)
     config = {**SIZES[size], **overrides,
@@ -161,7 +174,7 @@ def given_job(seed: int | str, *, size: str = "smoke", device: str = "cpu", npro
     tier the job runs on) and return the learner's view of it (:meth:`CapstoneRun.public`).
     The whole run is kept for :func:`rerun` and the capstone's check (:func:`last_given`)."""
     seed = parse_seed(seed)
-    run = run_job(plan(seed, _tier(device, nproc)), size=size, device=device, nproc=nproc,
+    run = run_job(plan(seed, tier_for(device, nproc)), size=size, device=device, nproc=nproc,
                   **kwargs)  # fmt: skip
     run.seed = seed
     _GIVEN[seed] = run
