@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import _common
+from labkit import ids
 
 ROOT = Path(__file__).resolve().parents[1]
-SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
+SOLUTIONS = sorted((ROOT / "solutions").glob(ids.NOTEBOOK_GLOB))
 
 
 def run_notebook(path: Path, size: str, out_dir: Path) -> float:
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: give 1 or more")
-    notebooks = [p for p in SOLUTIONS if args.only is None or p.name[:2] in args.only]
+    notebooks = [p for p in SOLUTIONS if args.only is None or ids.notebook_id(p) in args.only]
     if not notebooks:
         parser.error(f"--only {args.only}: no such notebook in solutions/")
 

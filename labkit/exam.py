@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from labkit import procs, quiz
+from labkit import ids, procs, quiz
 from labkit.quiz import DOMAINS, LETTERS, Question
 
 RESULTS_VERSION = 1
@@ -190,7 +190,7 @@ class Result:
         out: dict[str, list[Question]] = {}
         for q, ok in zip(self.questions, self.right, strict=True):
             if not ok:
-                out.setdefault(q.id[:2], []).append(q)
+                out.setdefault(ids.of(q.id), []).append(q)
         return dict(sorted(out.items()))
 
     def as_text(self) -> str:

@@ -55,6 +55,7 @@ from pathlib import Path
 
 import nbformat
 
+from labkit import ids
 from labkit.exercises import STUB_MESSAGE
 
 CODE_BEGIN = re.compile(r"^(?P<indent>[ \t]*)#\s*BEGIN SOLUTION\s*$")
@@ -64,7 +65,7 @@ MD_BEGIN = re.compile(r"^\s*<!--\s*BEGIN SOLUTION\s*-->\s*$")
 MD_END = re.compile(r"^\s*<!--\s*END SOLUTION\s*-->\s*$")
 
 MD_STUB = "*Your answer here.*"
-NOTEBOOK_GLOB = "[0-9][0-9]_*.ipynb"
+NOTEBOOK_GLOB = ids.NOTEBOOK_GLOB
 
 LANGUAGE_INFO = {
     "codemirror_mode": {"name": "ipython", "version": 3},

@@ -44,6 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from labkit.ids import NOTEBOOK_ID
+
 BANK_DIR = Path(__file__).with_name("quizbank")
 
 DOMAINS: tuple[str, ...] = (
@@ -64,7 +66,7 @@ on how much each area weighs, so the course prints no weights.
 
 LETTERS = "abcdef"
 MIN_CHOICES, MAX_CHOICES = 2, len(LETTERS)
-_ID = re.compile(r"^\d\d\.[a-z][a-z0-9_]*$")
+_ID = re.compile(rf"^{NOTEBOOK_ID}\.[a-z][a-z0-9_]*$")
 _FIELDS = ("id", "question", "choices", "answer", "why_wrong", "explanation", "domain", "section")
 
 
@@ -172,8 +174,8 @@ def load_file(path: str | Path) -> Bank:
             f"{path}: expected an object with 'notebook', 'title' and a 'questions' list"
         )
     notebook, title = raw.get("notebook"), raw.get("title")
-    if not (isinstance(notebook, str) and re.fullmatch(r"\d\d", notebook)):
-        raise QuizBankError(f"{path}: notebook={notebook!r} is not allowed: two digits, e.g. '01'")
+    if not (isinstance(notebook, str) and re.fullmatch(NOTEBOOK_ID, notebook)):
+        raise QuizBankError(f"{path}: notebook={notebook!r} is not allowed: two digits and an optional letter, e.g. '01' or '03b'")
     if not (isinstance(title, str) and title.strip()):
         raise QuizBankError(f"{path}: title={title!r} is not allowed: a non-empty string")
     if not raw["questions"]:
@@ -207,7 +209,8 @@ def load_file(path: str | Path) -> Bank:
 
 def available() -> list[str]:
     """Notebooks that have a bank, e.g. ``["00", "01"]``."""
-    return sorted(p.stem for p in BANK_DIR.glob("[0-9][0-9].json"))
+    banks = BANK_DIR.glob("[0-9][0-9]*.json")
+    return sorted(p.stem for p in banks if re.fullmatch(NOTEBOOK_ID, p.stem))
 
 
 def load(notebook: str) -> Bank:

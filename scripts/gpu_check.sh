@@ -35,7 +35,7 @@
 #                   (two files to carry back instead of one per notebook)
 #   --all-tests     also run the whole CPU test suite (slow: raise --timeout-s)
 #   --with-launch   also run bench-launch on a GPU machine
-#   --notebooks G   only the solutions matching glob G (default "[0-9][0-9]_*.ipynb")
+#   --notebooks G   only the solutions matching glob G (default "[0-9][0-9]*_*.ipynb")
 #   --parallel N    run up to N notebooks at once (default 2 on a one-GPU machine, else 1):
 #                   on one GPU the multi-process labs run their ranks on the CPU, so two
 #                   notebooks share a 16-core machine well, and one short run covers them all
@@ -55,7 +55,7 @@ BUDGET=""
 BUNDLE=0
 ALL_TESTS=0
 WITH_LAUNCH=0
-NB_GLOB='[0-9][0-9]_*.ipynb'
+NB_GLOB='[0-9][0-9]*_*.ipynb'
 PARALLEL=""
 ONLY=""
 NB_TIMEOUT=240

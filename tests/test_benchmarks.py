@@ -307,7 +307,7 @@ def readme_run_times() -> dict[str, tuple[int, int]]:
     """{"00_setup_and_first_job": (smoke_s, lab_s)} from the README's curriculum table."""
     import re
 
-    rows = re.findall(r"^\| \d\d \| `(\d\d_\w+)` \|.*\| ~(\d+) s / ~(\d+) s \|$",
+    rows = re.findall(r"^\| \d\d[a-z]? \| `(\d\d[a-z]?_\w+)` \|.*\| ~(\d+) s / ~(\d+) s \|$",
                       (ROOT / "README.md").read_text(), flags=re.M)  # fmt: skip
     return {name: (int(smoke), int(lab)) for name, smoke, lab in rows}
 

@@ -17,9 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from labkit import ids
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
+SOLUTIONS = sorted((ROOT / "solutions").glob(ids.NOTEBOOK_GLOB))
 BENCHMARKS = ("bench_gpu_throughput.json", "bench_train_step.json", "bench_sampler.json",
               "bench_launch.json")
 

@@ -19,6 +19,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "labkit"
 LAYERS: dict[str, int] = {
     # the names of number formats, below everything that takes a dtype: no labkit imports
     "dtypes": -1,
+    # how notebooks, exercises and quiz questions are named: no labkit imports
+    "ids": -1,
     # foundations: no labkit imports
     "config": 0, "timing": 0, "formulas": 0, "_spawn": 0, "quiz": 0,
     # facts about the machine, the data, the model, the worker side of a job

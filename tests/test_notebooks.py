@@ -24,10 +24,10 @@ import papermill as pm
 import pytest
 
 from labkit import exercises as ex
-from labkit import verdict
+from labkit import ids, verdict
 
 ROOT = Path(__file__).resolve().parents[1]
-SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
+SOLUTIONS = sorted((ROOT / "solutions").glob(ids.NOTEBOOK_GLOB))
 TIMEOUT_S = 300  # per cell: a hung cell fails the test instead of stalling CI
 
 
@@ -48,7 +48,7 @@ def outputs_text(nb) -> str:
 
 
 def test_there_are_notebooks():
-    assert [p.name[:2] for p in SOLUTIONS][:2] == ["00", "01"]
+    assert [ids.notebook_id(p) for p in SOLUTIONS][:2] == ["00", "01"]
 
 
 @pytest.mark.slow
@@ -79,7 +79,7 @@ def test_every_notebook_validates_its_size_before_doing_anything(path):
     )
 
 
-LEARNER_COPIES = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+LEARNER_COPIES = sorted((ROOT / "notebooks").glob(ids.NOTEBOOK_GLOB))
 
 
 # 01 and 02 print the verdicts that depend most on noisy timings: their learner copies run
@@ -94,7 +94,7 @@ def check_learner_run(path: Path, nb) -> str:
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert code[-1].execution_count is not None and code[-1].outputs, "the last cell ran"
     text = outputs_text(nb)
-    exercises = ex.catalogue(path.name[:2])
+    exercises = ex.catalogue(ids.notebook_id(path))
     calls = sum(c.source.count("ex.check(") + c.source.count("ex.check_in_workers(") for c in code)
     assert calls == len(exercises)
     for e in exercises:

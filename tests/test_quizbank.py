@@ -31,7 +31,7 @@ import pytest
 
 from labkit import quiz
 
-BANKS = sorted(quiz.BANK_DIR.glob("[0-9][0-9].json"))
+BANKS = [quiz.BANK_DIR / f"{nb}.json" for nb in quiz.available()]
 
 MAX_KEY_TO_DISTRACTOR = 1.5
 ALPHA = 0.05

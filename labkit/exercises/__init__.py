@@ -166,7 +166,7 @@ def get(exercise_id: str) -> Exercise:
             "(ex.catalogue() lists them)"
         )
     if exercise_id not in _REGISTRY:
-        _load(exercise_id[:2])
+        _load(exercise_id.split(".", 1)[0])
     try:
         return _REGISTRY[exercise_id]
     except KeyError:
