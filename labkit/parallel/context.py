@@ -1,0 +1,430 @@
+"""Context parallelism: ring attention over sequence shards, from scratch.
+
+Each of n ranks holds a contiguous shard of the sequence: q, k, v of shape (B, H, T/n, D),
+rank r holding positions [r·T/n, (r+1)·T/n). Attention needs every query against every key,
+so the key/value blocks travel around the ring (Liu, Zaharia & Abbeel 2023, "Ring Attention
+with Blockwise Transformers", arXiv 2310.01889): at step s rank r holds the block of rank
+(r - s) mod n, attends its queries to it, and passes it to rank r + 1 with a point-to-point
+``isend``/``irecv`` (n - 1 hops; the next hop is started before the current block is used,
+so the transfer can hide behind the compute).
+
+Each block gives a *partial* attention: softmax over that block's keys only. Partials over
+disjoint key sets combine exactly with the online softmax (Milakov & Gimelshein 2018, arXiv
+1805.02867; FlashAttention, Dao et al. 2022, arXiv 2205.14135): keep, per query, the output
+normalised over the keys seen so far and the log-sum-exp (lse) of their scaled scores;
+``merge`` folds in the next block. No rank ever holds more than a (T/n) x (T/n) block of
+scores, and no rank holds the whole sequence's q, k or v.
+
+Causal masking with contiguous shards: a block from a later rank (j > r) holds only future
+keys and is skipped; the diagonal block (j = r) is masked (key position <= query position);
+earlier blocks (j < r) are attended in full. Rank r therefore computes r + 1 blocks (the
+diagonal one half-full) while rank 0 computes one: the last rank does ~2n/(n+1) times the
+mean work, and every rank waits for it. Zig-zag layouts fix that by giving each rank one
+chunk from the head of the sequence and its mirror from the tail (Llama 3, Dubey et al. 2024,
+arXiv 2407.21783, section 3.3.2; torch's ``_HeadTailLoadBalancer``); striped attention gives
+rank r every n-th token (Brandon et al. 2023, arXiv 2311.09431). Skipped blocks are still
+forwarded: causal masking saves compute, never ring traffic.
+
+The gradient (``RingAttention``, a custom autograd function) recomputes each block's
+probabilities from the saved lse and runs the ring again: the k/v blocks travel as in the
+forward, and the gradients dK, dV of each block travel with it, accumulating, and take one
+last hop home (the scheme of Liu et al. 2023, section 3, and of ring-flash-attention).
+
+Shapes: B batch, H heads, T whole sequence, Tl = T/n the shard, D head size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+BlockKind = Literal["full", "diagonal", "skip"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation: before any process group exists.
+
+
+def validate_context_parallel(seq_len: int, world_size: int) -> None:
+    """Raise ValueError unless ``seq_len`` splits into ``world_size`` equal contiguous shards."""
+    for name, value in (("seq_len", seq_len), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: give a positive integer")
+    if seq_len % world_size:
+        raise ValueError(
+            f"seq_len={seq_len} is not divisible by the context-parallel degree {world_size}: "
+            f"every rank holds seq_len/{world_size} positions; choose a seq_len that is a "
+            f"multiple of {world_size} (e.g. {seq_len - seq_len % world_size or world_size})"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# The pieces: one block's partial attention, and the merge of two partials.
+
+
+def block_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of queries ``q`` (B, H, Tq, D) over one block of keys (B, H, Tk, D).
+
+    ``mask`` (Tq, Tk), True where a query may see a key. Returns the output normalised over
+    this block's keys (B, H, Tq, D) and the log-sum-exp of the scaled scores (B, H, Tq), both
+    float32. A query that sees no key gets output 0 and lse -inf, so that ``merge`` gives it
+    weight 0. The matmuls run in the inputs' dtype (as a fused kernel's tensor-core matmuls
+    do), the softmax statistics in float32.
+    """
+    s = (q @ k.transpose(-2, -1)).float() * scale  # (B, H, Tq, Tk)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)  # (B, H, Tq, 1); -inf on a fully masked row
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)  # exp(-inf - 0) = 0, no NaN
+    p = torch.exp(s - m)
+    denom = p.sum(dim=-1, keepdim=True)
+    out = (p.to(v.dtype) @ v).float() / torch.where(denom > 0, denom, torch.ones_like(denom))
+    lse = (m + torch.log(denom)).squeeze(-1)  # log(0) = -inf where no key is seen
+    return out, lse
+
+
+def merge(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two partial attentions over disjoint key sets into one over their union.
+
+    out_* (B, H, T, D): each normalised over its own keys; lse_* (B, H, T): the log-sum-exp
+    of its scaled scores. The union's lse is logaddexp(lse_a, lse_b) and its output the mix
+    of the two weighted by each part's share of the softmax mass, exp(lse_x - lse). A part
+    with lse -inf (a query that saw none of its keys) gets weight 0, whatever its output
+    holds; a query that saw no key in either part keeps output 0 and lse -inf.
+    """
+    lse = torch.logaddexp(lse_a, lse_b)
+    ref = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)  # avoid -inf - -inf
+    w_a = torch.exp(lse_a - ref).unsqueeze(-1)
+    w_b = torch.exp(lse_b - ref).unsqueeze(-1)
+    zero = torch.zeros((), dtype=out_a.dtype, device=out_a.device)
+    out = torch.where(w_a > 0, w_a * out_a, zero) + torch.where(w_b > 0, w_b * out_b, zero)
+    return out, lse
+
+
+def full_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one-device reference: softmax attention over the whole sequence, output and lse.
+
+    Materialises the whole (T x T) score matrix per batch and head, as a naive
+    implementation does.
+    """
+    T = q.shape[-2]
+    mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril() if causal else None
+    return block_attention(q, k, v, scale=1 / math.sqrt(q.shape[-1]), mask=mask)
+
+
+def block_kind(q_rank: int, kv_rank: int, *, causal: bool) -> BlockKind:
+    """What rank ``q_rank`` does with the k/v block of ``kv_rank`` (contiguous shards)."""
+    if not causal or kv_rank < q_rank:
+        return "full"
+    return "diagonal" if kv_rank == q_rank else "skip"
+
+
+def _diagonal_mask(n: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril()
+
+
+def blocks_computed(rank: int, world_size: int, *, causal: bool) -> int:
+    """Blocks rank ``rank`` attends to (the diagonal one counted whole): r + 1 causal, else n."""
+    return rank + 1 if causal else world_size
+
+
+def causal_imbalance(world_size: int) -> float:
+    """The busiest rank's attention work over the mean, contiguous causal shards.
+
+    Work in half-blocks: rank r does 2r + 1 (r full blocks and the half-full diagonal); the
+    mean is n; the last rank does 2n - 1, so the ratio is (2n - 1)/n (1.75 at n = 4).
+    """
+    n = world_size
+    return (2 * n - 1) / n
+
+
+def ring_local(
+    q: list[torch.Tensor], k: list[torch.Tensor], v: list[torch.Tensor], *, causal: bool = True
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The ring algorithm for n ranks simulated in one process: the same steps, no network.
+
+    ``q``, ``k``, ``v``: one (B, H, Tl, D) shard per rank. At step s rank r holds the block of
+    rank (r - s) mod n; it attends to it (or skips it) and merges. Returns each rank's output
+    and lse.
+    """
+    n = len(q)
+    outs, lses = [], []
+    for r in range(n):
+        acc: tuple[torch.Tensor, torch.Tensor] | None = None
+        for s in range(n):
+            j = (r - s) % n
+            part = _attend(q[r], k[j], v[j], block_kind(r, j, causal=causal))
+            if part is not None:
+                acc = part if acc is None else merge(*acc, *part)
+        assert acc is not None  # the diagonal block is never skipped
+        outs.append(acc[0])
+        lses.append(acc[1])
+    return outs, lses
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: BlockKind
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if kind == "skip":
+        return None
+    mask = _diagonal_mask(q.shape[-2], q.device) if kind == "diagonal" else None
+    return block_attention(q, k, v, scale=1 / math.sqrt(q.shape[-1]), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# The distributed ring.
+
+
+@dataclass
+class P2PCounter:
+    """Point-to-point sends this rank issued: calls and bytes, forward and backward apart.
+
+    The count is of what we asked torch to send (each ``isend``'s tensor bytes); a transport
+    adds its own headers on top.
+    """
+
+    calls: dict[str, int] = field(default_factory=lambda: {"forward": 0, "backward": 0})
+    bytes: dict[str, int] = field(default_factory=lambda: {"forward": 0, "backward": 0})
+
+    def add(self, pass_: str, t: torch.Tensor) -> None:
+        self.calls[pass_] += 1
+        self.bytes[pass_] += t.numel() * t.element_size()
+
+    def reset(self) -> None:
+        for d in (self.calls, self.bytes):
+            for key in d:
+                d[key] = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"calls": dict(self.calls), "bytes": dict(self.bytes)}
+
+
+class _Ring:
+    """Send to rank + 1, receive from rank - 1, within ``group``."""
+
+    def __init__(self, group: Any, counter: P2PCounter | None, pass_: str) -> None:
+        group = dist.group.WORLD if group is None else group
+        self.group = group
+        self.n = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.n)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.n)
+        self.counter, self.pass_ = counter, pass_
+
+    def start(self, t: torch.Tensor, tag: int = 0) -> tuple[torch.Tensor, list[Any]]:
+        """Begin passing ``t`` on; returns the buffer the previous rank's tensor arrives in.
+
+        Messages in flight at once between the same two ranks need distinct ``tag``s: gloo
+        matches a receive to a send by peer and tag (NCCL by issue order, the same here).
+        """
+        t = t.contiguous()
+        buf = torch.empty_like(t)
+        if self.counter is not None:
+            self.counter.add(self.pass_, t)
+        # Receive first: gloo pairs a send with the matching receive by tag and peer.
+        works = [dist.irecv(buf, self.prev, group=self.group, tag=tag),
+                 dist.isend(t, self.next, group=self.group, tag=tag)]  # fmt: skip
+        return buf, works
+
+    @staticmethod
+    def wait(works: list[Any]) -> None:
+        for w in works:
+            w.wait()
+
+
+def _ring_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    group: Any,
+    counter: P2PCounter | None,
+    timings: dict[str, float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    ring = _Ring(group, counter, "forward")
+    n, r = ring.n, ring.rank
+    kv = torch.stack([k, v])  # (2, B, H, Tl, D): one message per hop
+    acc: tuple[torch.Tensor, torch.Tensor] | None = None
+    for s in range(n):
+        j = (r - s) % n  # whose block this rank holds now
+        pending = ring.start(kv) if s < n - 1 else None  # the next hop overlaps this compute
+        t0 = _clock(q.device) if timings is not None else 0.0
+        part = _attend(q, kv[0], kv[1], block_kind(r, j, causal=causal))
+        if part is not None:
+            acc = part if acc is None else merge(*acc, *part)
+        if timings is not None:
+            timings["compute_s"] = timings.get("compute_s", 0.0) + _clock(q.device) - t0
+        if pending is not None:
+            kv, works = pending
+            t0 = _clock(q.device) if timings is not None else 0.0
+            ring.wait(works)
+            if timings is not None:
+                timings["wait_s"] = timings.get("wait_s", 0.0) + _clock(q.device) - t0
+    assert acc is not None
+    return acc
+
+
+def _clock(device: torch.device) -> float:
+    import time
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _ring_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
+    *,
+    causal: bool,
+    group: Any,
+    counter: P2PCounter | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of this rank's shard: the k/v blocks go round again, their gradients with them.
+
+    For a block with probabilities P = exp(S - lse) (recomputed, S the scaled scores):
+    dV += Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP - rowsum(dO ∘ O)), dQ += scale·dS K,
+    dK += scale·dSᵀ Q (FlashAttention-2, Dao 2023, arXiv 2307.08691, algorithm 2).
+    """
+    ring = _Ring(group, counter, "backward")
+    n, r = ring.n, ring.rank
+    scale = 1 / math.sqrt(q.shape[-1])
+    qf, do = q.float(), grad_out.float()
+    delta = (do * out).sum(-1, keepdim=True)  # (B, H, Tl, 1)
+    dq = torch.zeros_like(qf)
+    kv = torch.stack([k, v])
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+    for s in range(n):
+        j = (r - s) % n
+        pending = ring.start(kv) if s < n - 1 else None
+        kind = block_kind(r, j, causal=causal)
+        if kind != "skip":
+            kf, vf = kv[0].float(), kv[1].float()
+            sc = (qf @ kf.transpose(-2, -1)) * scale
+            if kind == "diagonal":
+                sc = sc.masked_fill(~_diagonal_mask(q.shape[-2], q.device), float("-inf"))
+            p = torch.exp(sc - lse.unsqueeze(-1))  # masked entries: exp(-inf) = 0
+            dkv[1] += p.transpose(-2, -1) @ do
+            ds = p * (do @ vf.transpose(-2, -1) - delta)
+            dq += scale * (ds @ kf)
+            dkv[0] += scale * (ds.transpose(-2, -1) @ qf)
+        # This block's gradient so far goes on with it; after the last step it goes home.
+        dkv, works = ring.start(dkv, tag=1)
+        ring.wait(works)
+        if pending is not None:
+            kv, works = pending
+            ring.wait(works)
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class RingAttention(torch.autograd.Function):
+    """Ring attention with a ring backward; saves only this rank's q, k, v, output and lse."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, group, counter):
+        out, lse = _ring_forward(q, k, v, causal=causal, group=group, counter=counter)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.group, ctx.counter = causal, group, counter
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(q, k, v, out, lse, grad_out, causal=ctx.causal,
+                                    group=ctx.group, counter=ctx.counter)  # fmt: skip
+        return dq, dk, dv, None, None, None
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    group: Any = None,
+    counter: P2PCounter | None = None,
+    timings: dict[str, float] | None = None,
+) -> torch.Tensor:
+    """This rank's attention output (B, H, Tl, D) over the whole sequence, by ring passing.
+
+    ``q``, ``k``, ``v``: this rank's contiguous shard (rank r of ``group`` holds positions
+    [r·Tl, (r+1)·Tl)). Differentiable (the backward runs the ring again). ``counter`` counts
+    the bytes sent; ``timings`` (forward without grad only) receives the seconds spent
+    computing and waiting for the next block.
+    """
+    if timings is not None:
+        out, _ = _ring_forward(q, k, v, causal=causal, group=group, counter=counter,
+                               timings=timings)  # fmt: skip
+        return out.to(q.dtype)
+    return RingAttention.apply(q, k, v, causal, group, counter)
+
+
+# ----------------------------------------------------------------------------------------------
+# Predictions: what the ring sends, and what it keeps per rank.
+
+
+def ring_kv_bytes_per_rank(
+    batch: int, heads: int, seq_len: int, head_dim: int, world_size: int, bytes_per_el: int
+) -> int:
+    """Bytes one rank sends in one forward: n - 1 hops of its K and V blocks.
+
+    2·(n-1)·B·H·(T/n)·D·bytes. The same with causal masking: skipped blocks still travel.
+    """
+    validate_context_parallel(seq_len, world_size)
+    n = world_size
+    return 2 * (n - 1) * batch * heads * (seq_len // n) * head_dim * bytes_per_el
+
+
+def ring_backward_bytes_per_rank(
+    batch: int,
+    heads: int,
+    seq_len: int,
+    head_dim: int,
+    world_size: int,
+    bytes_per_el: int,
+    grad_bytes_per_el: int = 4,
+) -> int:
+    """Bytes one rank sends in one backward: K, V n - 1 hops, their gradients n hops.
+
+    The gradients (float32 here) travel with their block and take one last hop home.
+    """
+    validate_context_parallel(seq_len, world_size)
+    n, blk = world_size, batch * heads * (seq_len // world_size) * head_dim
+    return 2 * blk * ((n - 1) * bytes_per_el + n * grad_bytes_per_el)
+
+
+def score_bytes(batch: int, heads: int, q_len: int, k_len: int, bytes_per_el: int = 4) -> int:
+    """One score matrix, B·H·Tq·Tk elements (float32 by default, as the softmax runs)."""
+    return batch * heads * q_len * k_len * bytes_per_el
+
+
+def saved_bytes_per_rank(
+    batch: int, heads: int, seq_len: int, head_dim: int, world_size: int, bytes_per_el: int
+) -> int:
+    """What ``RingAttention`` saves for backward per rank: q, k, v, out (float32) and lse.
+
+    Linear in T/n: the whole sequence's T x T probabilities are never kept.
+    """
+    validate_context_parallel(seq_len, world_size)
+    shard = batch * heads * (seq_len // world_size)
+    return shard * head_dim * (3 * bytes_per_el + 4) + shard * 4
