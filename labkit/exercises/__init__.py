@@ -50,6 +50,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from labkit import ids
+
 MODULES: dict[str, str] = {
     "00": "labkit.exercises.first_job",
     "01": "labkit.exercises.single_gpu",
@@ -58,6 +60,7 @@ MODULES: dict[str, str] = {
     "04": "labkit.exercises.mixed_precision",
     "05": "labkit.exercises.batch_size",
     "06": "labkit.exercises.profiling",
+    "03b": "labkit.exercises.composing",
     "07": "labkit.exercises.capstone",
 }
 """Notebook -> the module that registers its exercises."""
@@ -140,7 +143,7 @@ def exercise(
 ) -> Callable[[Callable[[Any], str]], Callable[[Any], str]]:
     """Register the decorated function as the ``verify`` of exercise ``id``."""
     notebook, _, name = id.partition(".")
-    if not (len(notebook) == 2 and notebook.isdigit() and name.isidentifier()):
+    if not (re.fullmatch(ids.NOTEBOOK_ID, notebook) and name.isidentifier()):
         raise ValueError(f"exercise id={id!r} is not allowed: use 'NN.name', e.g. '01.param_count'")
     if id in _REGISTRY:
         raise ValueError(f"exercise id={id!r} is already registered")

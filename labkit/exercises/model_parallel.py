@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -110,33 +110,38 @@ def load_file(path: str | Path, name: str | None = None) -> ModuleType:
     return module
 
 
-def answer_from_file(exercise_id: str, path: str | Path) -> Any:
-    """The learner's answer to ``exercise_id``: the objects ``EXERCISES`` names, from ``path``
-    (one object, or a tuple of them)."""
-    if exercise_id not in EXERCISES:
-        raise ValueError(f"exercise_id={exercise_id!r}: use one of {sorted(EXERCISES)}")
+def answer_from_file(
+    exercise_id: str, path: str | Path, exercises: Mapping[str, tuple[str, ...]] = EXERCISES
+) -> Any:
+    """The learner's answer to ``exercise_id``: the objects ``exercises`` (this notebook's
+    ``EXERCISES`` by default) names, from ``path`` (one object, or a tuple of them)."""
+    if exercise_id not in exercises:
+        raise ValueError(f"exercise_id={exercise_id!r}: use one of {sorted(exercises)}")
     module = load_file(path)
-    missing = [n for n in EXERCISES[exercise_id] if not hasattr(module, n)]
+    missing = [n for n in exercises[exercise_id] if not hasattr(module, n)]
     if missing:
         raise ExerciseFailed(
             f"{path} defines no {', '.join(missing)}: keep the names the exercise cell uses"
         )
-    objs = tuple(getattr(module, n) for n in EXERCISES[exercise_id])
+    objs = tuple(getattr(module, n) for n in exercises[exercise_id])
     return objs[0] if len(objs) == 1 else objs
 
 
-def verify_file(exercise_id: str, path: str | Path) -> tuple[str, str]:
-    """Check the learner's file ``path`` for ``exercise_id``, in the kernel and on 2 ranks.
+def verify_file(
+    exercise_id: str, path: str | Path, exercises: Mapping[str, tuple[str, ...]] = EXERCISES,
+    nproc: int = NPROC,
+) -> tuple[str, str]:
+    """Check the learner's file ``path`` for ``exercise_id``, in the kernel and on ``nproc`` ranks.
 
     Returns (what was verified, where) or raises ``ExerciseIncomplete`` (still the stub) or
     ``ExerciseFailed`` (what was expected, what came back, the likely mistake, which rank).
     Notebooks call it through :func:`labkit.exercises.check_in_workers`.
     """
     __tracebackhide__ = True
-    if exercise_id not in EXERCISES:
-        raise ValueError(f"exercise_id={exercise_id!r}: use one of {sorted(EXERCISES)}")
+    if exercise_id not in exercises:
+        raise ValueError(f"exercise_id={exercise_id!r}: use one of {sorted(exercises)}")
     try:
-        answer = answer_from_file(exercise_id, path)
+        answer = answer_from_file(exercise_id, path, exercises)
     except ExerciseFailed as err:
         err.args = (f"Exercise {exercise_id} ({get(exercise_id).title}) failed: {err}",)
         err.exercise_id = exercise_id
@@ -145,7 +150,7 @@ def verify_file(exercise_id: str, path: str | Path) -> tuple[str, str]:
         raise ExerciseFailed(
             f"importing {path} raised {type(err).__name__}: {err}{learner_frame(err)}"
         ) from err
-    return verify(exercise_id, answer), f"checked in the kernel and on {NPROC} ranks"
+    return verify(exercise_id, answer), f"checked in the kernel and on {nproc} ranks"
 
 
 def _source_file(obj: Any, what: str) -> tuple[str, str, str]:
@@ -192,8 +197,8 @@ def resolve(spec: dict[str, Any]) -> list[Any]:
 # --------------------------------------------------------------------------- running in ranks
 
 
-def run_in_workers(exercise_id: str, objs: Sequence[Any]) -> str:
-    """Launch ``WORKER`` on ``NPROC`` ranks to check ``objs`` there.
+def run_in_workers(exercise_id: str, objs: Sequence[Any], nproc: int = NPROC) -> str:
+    """Launch ``WORKER`` on ``nproc`` ranks to check ``objs`` there.
 
     Returns the ranks' sentence; raises ``ExerciseIncomplete`` or ``ExerciseFailed`` as the
     ranks report, naming the first rank that failed. The one place these checks launch a job
@@ -204,12 +209,12 @@ def run_in_workers(exercise_id: str, objs: Sequence[Any]) -> str:
     spec = answer_spec(exercise_id, objs)
     try:
         with time_limit_paused():  # the job has its own limit, and ends its processes
-            job = launch.run(WORKER, nproc=NPROC, device=DEVICE, config={"cases": [spec]},
+            job = launch.run(WORKER, nproc=nproc, device=DEVICE, config={"cases": [spec]},
                              timeout_s=LAUNCH_TIMEOUT_S, pg_timeout_s=PG_TIMEOUT_S,
                              stream=False)  # fmt: skip
     except (launch.JobFailed, launch.JobTimeout) as err:
         reports = {
-            r: f"on rank {r} of {NPROC}: {res['cases'][0]['message']}"
+            r: f"on rank {r} of {nproc}: {res['cases'][0]['message']}"
             for r, res in enumerate(err.result.ranks)
             if res.get("cases") and res["cases"][0].get("status") == "failed"
         }
@@ -244,6 +249,15 @@ def rank_check(exercise_id: str, objs: Sequence[Any], ctx: Any) -> dict[str, Any
         "03.f_and_g": _rank_f_and_g,
         "03.column_parallel": _rank_column_parallel,
     }
+    return run_rank_check(exercise_id, checks, objs, ctx)
+
+
+def run_rank_check(
+    exercise_id: str, checks: dict[str, Callable[..., str]], objs: Sequence[Any], ctx: Any
+) -> dict[str, Any]:
+    """Run ``checks[exercise_id](ctx, *objs)`` and turn its outcome into the rank's report:
+    {"exercise", "status": "ok" | "incomplete" | "failed", "message"}. Every notebook whose
+    checks run in ranks (03, 03b) reports through here."""
     if exercise_id not in checks:
         raise ValueError(f"exercise={exercise_id!r}: no rank-side check; use one of {list(checks)}")
     out = {"exercise": exercise_id}

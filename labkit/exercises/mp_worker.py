@@ -1,11 +1,13 @@
-"""Run a learner's notebook-03 exercise code inside real ranks and report what each rank saw.
+"""Run a learner's exercise code inside real ranks (notebooks 03 and 03b) and report what each
+rank saw.
 
     labkit.launch.run("labkit.exercises.mp_worker", nproc=2, config={"cases": [
         {"exercise": "03.f_and_g", "path": ".../mp_fg.py", "module": "mp_fg",
          "names": ["Enter", "Leave", "TensorParallelMLP"]},
     ]})
 
-The notebook's checks (``labkit.exercises.model_parallel``) build each case from the learner's objects;
+The notebook's checks (``labkit.exercises.model_parallel`` for 03, ``labkit.exercises.composing``
+for 03b: the module that registered the exercise) build each case from the learner's objects;
 this worker imports the learner's file itself (``model_parallel.resolve``), because a process
 cannot import code that exists only in the notebook kernel. Several cases run one after the
 other in one launch (the tests use that to check a solution, a stub and a wrong answer at the
@@ -21,10 +23,11 @@ not a crash: the job only fails if the worker itself cannot run.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-from labkit import dist
-from labkit.exercises import model_parallel
+from labkit import dist, ids
+from labkit.exercises import MODULES, model_parallel
 
 
 @dist.entrypoint
@@ -42,7 +45,8 @@ def main(ctx: dist.Context) -> dict[str, Any]:
             res = {"exercise": spec.get("exercise"), "status": "failed",
                    "message": f"importing {spec.get('path')} raised {type(err).__name__}: {err}"}  # fmt: skip
         else:
-            res = model_parallel.rank_check(spec["exercise"], objs, ctx)
+            checks = importlib.import_module(MODULES[ids.of(spec["exercise"])])
+            res = checks.rank_check(spec["exercise"], objs, ctx)
         results.append(res)
         ctx.heartbeat(step=i + 1, total=len(cases))
     return {"rank": ctx.rank, "cases": results}
