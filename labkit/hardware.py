@@ -811,6 +811,57 @@ def memory_spec(device_name: str) -> MemoryRow | None:
 
 
 # ----------------------------------------------------------------------------------------------
+# Published interconnect bandwidths, per GPU and per direction (a link carries as much each way at
+# once). Vendors print NVLink and PCIe as both directions added together; the rows halve them and
+# say so. Network rates are line rates in bits per second, divided by 8. Peaks: what a collective
+# reaches is less (scaling-book gpus.md: about 370 of NVLink 4's 450 GB/s each way), which
+# nccl-tests reports as busbw.
+
+_H100_PAGE = "NVIDIA H100 page, https://www.nvidia.com/en-us/data-center/h100/"
+
+
+@dataclass(frozen=True)
+class LinkRow:
+    """One published link bandwidth: bytes per second each way, per GPU."""
+
+    name: str
+    bytes_per_s: float
+    source: str
+
+
+# fmt: off
+LINK_TABLE: tuple[LinkRow, ...] = (
+    LinkRow("NVLink 4", 450e9, f"{_H100_PAGE} (H100 SXM: NVLink 900 GB/s, both directions "
+            "together; the H200 page prints the same 900 GB/s); jax-ml/scaling-book gpus.md: "
+            "450 GB/s each way per GPU"),
+    LinkRow("NVLink 3", 300e9, f"{_A100_SOURCE}: NVLink 600 GB/s per A100 SXM4, both "
+            "directions together"),
+    LinkRow("PCIe 5.0 x16", 64e9, f"{_H100_PAGE} (PCIe Gen5 128 GB/s, both directions "
+            "together); PCI-SIG PCIe 5.0 specification, 32 GT/s per lane"),
+    LinkRow("PCIe 4.0 x16", 32e9, f"{_A100_SOURCE}: PCIe Gen4 64 GB/s, both directions "
+            "together; PCI-SIG PCIe 4.0 specification, 16 GT/s per lane"),
+    LinkRow("InfiniBand NDR 400 Gb/s", 50e9, "jax-ml/scaling-book gpus.md (H100 nodes: 400 Gb/s "
+            "InfiniBand per GPU); Llama Team 2024, arXiv 2407.21783, section 3.3.1 (\"400 Gbps "
+            "interconnects between GPUs\"); 400e9 bit/s / 8"),
+    LinkRow("InfiniBand HDR 200 Gb/s", 25e9, "Narayanan et al. 2021, arXiv 2104.04473, "
+            "section 5 (Selene: eight 200 Gbps HDR InfiniBand HCAs per node of eight A100s, one "
+            "per GPU); 200e9 bit/s / 8"),
+    LinkRow("100 GbE", 12.5e9, "IEEE 802.3 100 Gb/s Ethernet: 100e9 bit/s line rate / 8"),
+)
+# fmt: on
+
+
+def link_bandwidth(name: str) -> LinkRow:
+    """The LINK_TABLE row called ``name``; an unknown link gets no guessed bandwidth."""
+    for row in LINK_TABLE:
+        if row.name == name:
+            return row
+    raise ValueError(f"link {name!r} is not in labkit.hardware.LINK_TABLE, so it has no "
+                     f"published bandwidth here: use one of {[r.name for r in LINK_TABLE]}, or "
+                     "measure the link and pass that figure as measured")  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
 # What this GPU runs: the default autocast dtype, and the attention kernel SDPA picks.
 
 BF16_MIN_CAPABILITY = (8, 0)

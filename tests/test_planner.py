@@ -1,0 +1,267 @@
+"""labkit.planner: constraints, memory and communication arithmetic on worked cases, and the
+published configurations it is held against. Pure arithmetic: no process is launched."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from labkit import config, formulas, hardware, planner
+from labkit.parallel import tensor
+
+CFG = config.ModelConfig(seq_len=128, n_layer=4, n_head=4, d_model=128)
+
+
+def machine(global_batch: int = 8, **kw):
+    return planner.this_machine(CFG, global_batch=global_batch, matmul_flops_per_s=50e9,
+                                link_bytes_per_s=1e9, link_latency_s=0.0, **kw)  # fmt: skip
+
+
+def gpt_case(n_gpus=8, gpus_per_node=8, **workload):
+    """A small GPT on table hardware (H100 SXM, NVLink 4, NDR InfiniBand)."""
+    model = planner.ModelSpec(n_layer=8, d_model=1024, n_head=16, vocab_size=50_304,
+                              seq_len=1024, name="GPT 100M")  # fmt: skip
+    cluster = planner.Cluster.from_tables("NVIDIA H100 80GB HBM3", n_gpus=n_gpus,
+                                          gpus_per_node=gpus_per_node, intra_node="NVLink 4",
+                                          inter_node="InfiniBand NDR 400 Gb/s")  # fmt: skip
+    return model, cluster, planner.Workload(**({"global_batch": 64} | workload))
+
+
+# --- parameter counts -------------------------------------------------------------------------
+
+
+def test_labkit_gpt_parameter_count_is_exact():
+    spec = planner.ModelSpec.from_model_config(CFG)
+    assert spec.params == formulas.gpt_params(CFG.vocab_size, CFG.d_model, CFG.n_layer,
+                                              seq_len=CFG.seq_len)  # fmt: skip
+
+
+def test_tp_parameters_per_rank_match_labkits_tensor_parallelism():
+    model, cluster, workload, search = machine()
+    pred = planner.predict(model, cluster, workload, planner.Layout(dp=2, tp=2, pp=1, zero=0),
+                           search)  # fmt: skip
+    assert pred.memory["parameters"] / workload.param_bytes == tensor.tp_params_per_rank(CFG, 2)
+
+
+def test_llama3_405b_shape_counts_about_405b_parameters():
+    llama = planner.published_cases()[0].model
+    assert llama.params == pytest.approx(405e9, rel=0.01)  # "405B" (arXiv 2407.21783, Table 3)
+
+
+# --- memory -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_model_states_follow_zero_per_stage(zero):
+    model, cluster, workload, search = machine()
+    pred = planner.predict(model, cluster, workload, planner.Layout(dp=4, tp=1, pp=1, zero=zero),
+                           search)  # fmt: skip
+    states = pred.memory["parameters"] + pred.memory["gradients"] + pred.memory["optimizer_state"]
+    if zero == 3:  # one layer is gathered whole while it computes
+        layer = model.attention_params + model.mlp_params
+        states -= workload.param_bytes * layer
+    expected = formulas.zero_memory_per_rank(model.params, zero, 4, k=8, param_bytes=4,
+                                             grad_bytes=4)  # fmt: skip
+    assert states == pytest.approx(expected)
+    # 842,496 parameters × 16 bytes = 13.48 MB without ZeRO; × (4 + 4 + 8/4) = 8.42 MB at stage 1
+    assert {0: 13.48e6, 1: 8.42e6, 2: 5.90e6, 3: 3.37e6}[zero] == pytest.approx(expected, rel=1e-3)
+
+
+def test_activations_match_korthikanti_table_2_with_and_without_sequence_parallelism():
+    # Korthikanti et al. 2022, Table 2: per layer, TP t without SP: s·b·h·(10 + 24/t + 5as/(ht));
+    # with SP: s·b·h/t·(34 + 5as/h). 16-bit activations, 1-byte dropout masks.
+    model, cluster, _ = gpt_case()
+    workload = planner.Workload(global_batch=8, dropout=True, attention="materialized")
+    s, b, h, a, L, t = 1024, 1, 1024, 16, 8, 4
+    for sp, per_layer in ((False, s * b * h * (10 + 24 / t + 5 * a * s / (h * t))),
+                          (True, s * b * h / t * (34 + 5 * a * s / h))):  # fmt: skip
+        search = planner.Search(sequence_parallel=sp)
+        pred = planner.predict(model, cluster, workload, planner.Layout(dp=2, tp=t, pp=1),
+                               search)  # fmt: skip
+        assert pred.memory["activations"] == pytest.approx(L * per_layer)
+
+
+def test_1f1b_first_stage_holds_p_micro_batches_and_interleaving_a_little_more():
+    model, cluster, workload = gpt_case()
+    one = planner.predict(model, cluster, workload, planner.Layout(dp=1, tp=2, pp=4))
+    per_layer_mb = one.memory["activations"] / (4 * 2)  # p = 4 micro-batches × 2 layers
+    flat = planner.predict(model, cluster, workload, planner.Layout(dp=2, tp=4, pp=1))
+    assert flat.memory["activations"] * 2 == pytest.approx(8 * per_layer_mb)  # tp 4 vs 2
+    two = planner.predict(model, cluster, workload, planner.Layout(dp=1, tp=2, pp=4, v=2))
+    # Korthikanti et al. 2022, section 4.2.3: × (1 + (p−1)/(p·v))
+    assert two.memory["activations"] == pytest.approx(one.memory["activations"] * (1 + 3 / 8))
+
+
+def test_full_recomputation_keeps_layer_inputs_only():
+    model, cluster, workload = gpt_case()
+    none = planner.predict(model, cluster, workload, planner.Layout(dp=8, tp=1, pp=1))
+    full = planner.predict(model, cluster, workload,
+                           planner.Layout(dp=8, tp=1, pp=1, recompute="full"))  # fmt: skip
+    one_layer = none.memory["activations"] / 8
+    assert full.memory["activations"] == pytest.approx(8 * 2 * 1024 * 1024 + one_layer)
+    assert full.hardware_flops > full.model_flops == none.model_flops
+
+
+# --- communication and time -------------------------------------------------------------------
+
+
+def test_tp_bytes_are_four_allreduces_per_layer_and_micro_batch():
+    model, cluster, workload, search = machine()
+    pred = planner.predict(model, cluster, workload, planner.Layout(dp=2, tp=2, pp=1), search)
+    counted = tensor.tp_allreduce_bytes_per_step(CFG, 1, n_microbatches=4)
+    assert pred.bytes_per_rank["tp"] == formulas.ring_allreduce_bytes_per_rank(
+        counted["message_bytes"], 2
+    )
+
+
+def test_dp_bytes_are_a_ring_allreduce_of_the_gradients():
+    model, cluster, workload, search = machine()
+    pred = planner.predict(model, cluster, workload, planner.Layout(dp=4, tp=1, pp=1, zero=0),
+                           search)  # fmt: skip
+    assert pred.bytes_per_rank["dp"] == pytest.approx(1.5 * 4 * model.params)
+    assert set(pred.bytes_per_rank) == {"tp", "cp", "ep", "pp", "dp"}
+    assert pred.bytes_per_rank["tp"] == pred.bytes_per_rank["pp"] == 0
+
+
+def test_pipeline_sends_one_activation_per_micro_batch_each_way():
+    model, cluster, workload, search = machine()
+    two = planner.predict(model, cluster, workload, planner.Layout(dp=2, tp=1, pp=2), search)
+    act = 1 * CFG.seq_len * CFG.d_model * 4
+    assert two.bytes_per_rank["pp"] == 4 * act  # 4 micro-batches, one way per rank
+    four = planner.predict(model, cluster, workload, planner.Layout(dp=1, tp=1, pp=4), search)
+    assert four.bytes_per_rank["pp"] == 2 * 8 * act  # a middle stage: both ways, 8 micro-batches
+
+
+def test_zero3_under_a_pipeline_gathers_parameters_every_micro_batch():
+    model, cluster, workload = gpt_case(n_gpus=16)
+    z1 = planner.predict(model, cluster, workload, planner.Layout(dp=8, tp=1, pp=2, zero=1))
+    z3 = planner.predict(model, cluster, workload, planner.Layout(dp=8, tp=1, pp=2, zero=3))
+    m = z1.micro_batches
+    assert m == 8
+    gathered = z3.bytes_per_rank["dp"] - z1.bytes_per_rank["dp"]
+    assert gathered == pytest.approx(m * 2 * z1.bytes_per_rank["dp"] / 2)  # 2 gathers per mb
+
+
+def test_bubble_is_p_minus_1_over_v_m_of_the_ideal_step():
+    model, cluster, workload = gpt_case()
+    for v in (1, 2):
+        pred = planner.predict(model, cluster, workload, planner.Layout(dp=2, tp=1, pp=4, v=v))
+        ideal = pred.time_s["compute"] + pred.time_s["tp"]
+        assert pred.time_s["bubble"] / ideal == pytest.approx(
+            formulas.bubble_overhead(4, pred.micro_batches, v)
+        )
+
+
+def test_everything_is_labelled_modelled():
+    model, cluster, workload = gpt_case()
+    plan = planner.plan(model, cluster, workload)
+    assert plan.predictions and all(p.label == "modelled" for p in plan.predictions)
+    assert "[modelled]" in plan.table()
+
+
+# --- constraints ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("n_gpus", "layout", "words"),
+    [
+        (8, dict(dp=2, tp=2, pp=1), "multiply to the GPU count"),
+        (8, dict(dp=4, tp=1, pp=1, cp=4), "multiply to the GPU count"),
+        (16, dict(dp=1, tp=16, pp=1), "does not fit in a node"),
+        (24, dict(dp=8, tp=1, pp=3), "does not divide n_layer"),
+        (8, dict(dp=8, tp=1, pp=1, micro_batch=16), "does not divide global_batch"),
+        (8, dict(dp=1, tp=1, pp=8, micro_batch=16), "at least as many micro-batches as stages"),
+        (8, dict(dp=1, tp=2, pp=4, v=4), "does not divide the 2 layers"),
+        (8, dict(dp=8, tp=1, pp=1, ep=2), "has no experts"),
+    ],
+)
+def test_bad_layouts_name_the_constraint(n_gpus, layout, words):
+    model, cluster, workload = gpt_case(n_gpus=n_gpus)
+    with pytest.raises(ValueError, match=words):
+        planner.check_layout(model, cluster, workload, planner.Layout(**layout))
+
+
+def test_tp_must_divide_the_heads_and_cp_the_sequence():
+    model = planner.ModelSpec(n_layer=4, d_model=768, n_head=12, vocab_size=1000, seq_len=12)
+    _, cluster, _ = gpt_case()
+    workload = planner.Workload(global_batch=8)
+    with pytest.raises(ValueError, match="divide the heads"):
+        planner.check_layout(model, cluster, workload, planner.Layout(dp=1, tp=8, pp=1))
+    with pytest.raises(ValueError, match="2·cp"):
+        planner.check_layout(model, cluster, workload, planner.Layout(dp=2, tp=1, pp=1, cp=4))
+
+
+def test_interleaving_needs_micro_batches_in_multiples_of_stages():
+    model, cluster, _ = gpt_case()
+    workload = planner.Workload(global_batch=6)
+    with pytest.raises(ValueError, match="multiple of pp=4"):
+        planner.check_layout(model, cluster, workload, planner.Layout(dp=1, tp=2, pp=4, v=2),
+                             planner.Search())  # fmt: skip
+
+
+def test_expert_parallel_degree_divides_experts_and_dp():
+    moe = planner.ModelSpec(n_layer=4, d_model=512, n_head=8, vocab_size=1000, seq_len=256,
+                            moe_experts=6, moe_top_k=2)  # fmt: skip
+    _, cluster, workload = gpt_case()
+    with pytest.raises(ValueError, match="does not divide moe_experts"):
+        planner.check_layout(moe, cluster, workload, planner.Layout(dp=8, tp=1, pp=1, ep=4))
+    ok = planner.predict(moe, cluster, workload, planner.Layout(dp=8, tp=1, pp=1, ep=2))
+    assert ok.bytes_per_rank["ep"] > 0 and moe.active_params < moe.params
+
+
+def test_an_unknown_device_gets_no_guessed_peak():
+    with pytest.raises(ValueError, match="no published bfloat16 peak"):
+        planner.Device.from_table("NVIDIA GeForce RTX 4090")
+    with pytest.raises(ValueError, match="no published memory size"):
+        planner.Device.from_table("NVIDIA A100")  # the board (SXM or PCIe, 40 or 80 GB) is unknown
+    with pytest.raises(ValueError, match="LINK_TABLE"):
+        planner.Link.from_table("NVLink 9")
+
+
+def test_every_link_row_has_a_source_and_a_plausible_order():
+    rows = {r.name: r for r in hardware.LINK_TABLE}
+    assert all(r.source and r.bytes_per_s > 0 for r in rows.values())
+    order = ["NVLink 4", "NVLink 3", "PCIe 5.0 x16", "InfiniBand NDR 400 Gb/s", "PCIe 4.0 x16",
+             "InfiniBand HDR 200 Gb/s", "100 GbE"]  # fmt: skip
+    speeds = [rows[n].bytes_per_s for n in order]
+    assert speeds == sorted(speeds, reverse=True)
+
+
+def test_workload_validates_and_converts_tokens():
+    assert planner.Workload.from_tokens(16 * 1024, 1024).global_batch == 16
+    with pytest.raises(ValueError, match="whole number of sequences"):
+        planner.Workload.from_tokens(1000, 1024)
+    with pytest.raises(ValueError, match="mfu"):
+        planner.Workload(global_batch=8, mfu=1.5)
+
+
+def test_plan_refuses_when_nothing_is_valid():
+    # one head and one layer: no TP, no PP, so 8 data-parallel replicas for 3 sequences
+    model = planner.ModelSpec(n_layer=1, d_model=64, n_head=1, vocab_size=100, seq_len=64)
+    _, cluster, _ = gpt_case()
+    with pytest.raises(ValueError, match="no layout"):
+        planner.plan(model, cluster, planner.Workload(global_batch=3))
+
+
+# --- this machine and the published configurations --------------------------------------------
+
+
+def test_this_machine_lists_every_2x2_layout():
+    plan = planner.plan(*machine())
+    names = {p.layout.name for p in plan.best_per_shape()}
+    assert {"DP2×TP2", "DP2×PP2", "TP2×PP2", "DP4", "TP4", "PP4"} <= names
+    assert all(p.fits is None for p in plan.predictions)  # host memory is not checked
+
+
+@pytest.mark.parametrize("case", planner.published_cases(), ids=lambda c: c.name)
+def test_published_layout_is_feasible_and_ranks_in_the_top_few(case):
+    plan = planner.plan(case.model, case.cluster, case.workload, case.search)
+    shape = (case.shape["dp"], case.shape["tp"], case.shape["pp"], case.shape["cp"], 1)
+    variants = [p for p in plan.predictions if p.layout.shape == shape]
+    assert variants, f"{case.name}: the published layout breaks a constraint"
+    assert any(p.fits for p in variants), f"{case.name}: no variant fits in memory"
+    rank = plan.rank_of(**case.shape)
+    assert rank is not None and rank <= 5, f"{case.name}: ranked {rank}\n{plan.table(8)}"
+    best = plan.best_per_shape()[0]
+    assert math.isfinite(best.step_s) and 0 < best.predicted_mfu <= case.workload.mfu
