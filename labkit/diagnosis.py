@@ -79,8 +79,11 @@ def is_peer_gone(text: str) -> bool:
 
 # A rank whose collective timed out waited for a peer that never came (gloo's "Timed out
 # waiting ... for recv", NCCL's watchdog): usually the echo of a peer stuck elsewhere.
+# TORCH_DISTRIBUTED_DEBUG=DETAIL runs a monitored barrier before each collective: a rank that
+# never arrives is named there ("[Rank 0]: Ranks 1 failed to pass monitoredBarrier in 3000 ms").
 _WAIT_TIMEOUT = re.compile(
-    r"Timed out waiting|Watchdog caught collective operation timeout|Socket Timeout",
+    r"Timed out waiting|Watchdog caught collective operation timeout|Socket Timeout"
+    r"|failed to pass monitoredBarrier",
     re.IGNORECASE,
 )
 
@@ -394,6 +397,16 @@ def failure_report(
             )
     else:
         what = f"the process {how_it_ended(cause)}"
+    mismatch = collective_mismatch(cause.exc_message) if cause.raised else None
+    if mismatch is not None:  # DETAIL's message is one 700-character line: say it short
+        what = f"collectives do not match across ranks (TORCH_DISTRIBUTED_DEBUG=DETAIL): {mismatch}"
+        others = [m for e in ends.values() if (m := collective_mismatch(e.exc_message))]
+        odd = odd_ones_out([f for m in others for f in (m.this, m.other)], nproc)
+        lines.append(
+            f"the odd one out: rank {', '.join(map(str, odd))}" if odd else
+            f"with {nproc} ranks the check cannot tell which rank is wrong (no majority): "
+            "compare each with the collective your code should issue there"
+        )  # fmt: skip
     headline = f"failed on rank {cause.rank}: {what}"
 
     hung: list[int] = []
@@ -408,6 +421,8 @@ def failure_report(
                 f"'{cause.heartbeat.get('phase')}'; likely hung: rank "
                 f"{', '.join(map(str, hung))} (not in a collective)"
             )
+        elif apart := waiting_apart(beats):
+            lines.append(desync_line(apart))
     log = rank_log_path(job_dir, cause.rank, "stderr")
     if cause.traceback:
         lines.append("  " + "\n  ".join(traceback_excerpt(cause.traceback).splitlines()))
@@ -472,6 +487,124 @@ def _agent_failure(
     return FailureReport(
         None, f"the torchrun agent {how} before any rank reported an error", lines, None, []
     )
+
+
+# --- collectives that do not match across ranks ------------------------------------------------
+
+# TORCH_DISTRIBUTED_DEBUG=DETAIL wraps the process group (c10d's ProcessGroupWrapper, torch/csrc/
+# distributed/c10d/ProcessGroupWrapper.cpp): before each collective the ranks all-gather its
+# fingerprint and each raises "Detected mismatch between collectives on ranks. Rank 0 is running
+# collective: CollectiveFingerPrint(SequenceNumber=2, OpType=ALLREDUCE, TensorShape=[1024],
+# TensorDtypes=Float, TensorDeviceTypes=...), but Rank 1 is running collective: ...
+# .Collectives differ in the following aspects: ..." (the wording of torch 2.13). A collective
+# without tensors (a barrier) prints "SequenceNumber=2OpType=BARRIER".
+_FINGERPRINT = re.compile(
+    r"Rank (?P<rank>\d+) is running collective: CollectiveFingerPrint\(SequenceNumber=(?P<seq>\d+),?"
+    r" ?OpType=(?P<op>\w+)(?:, TensorShape=\[(?P<shape>[^\]]*)\], TensorDtypes=(?P<dtypes>.*?), "
+    r"TensorDeviceTypes=(?P<devices>.*?device=(?P<device>\w+))?)?"
+)
+_ASPECTS = {"Sequence number": "sequence number", "Op type": "op type",
+            "Tensor shapes": "tensor shapes", "Tensor dtypes": "dtypes",
+            "Tensor devices": "devices"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What one rank was about to run, as DETAIL's check printed it: the collective (``op``, in
+    c10d's names: ALLREDUCE, ALLGATHER, BROADCAST, BARRIER...), its number on that rank's group
+    (``seq``), the first input tensor's shape (None: a collective without tensors), the input
+    dtypes and the device type."""
+
+    rank: int
+    seq: int
+    op: str
+    shape: tuple[int, ...] | None = None
+    dtypes: str = ""
+    device: str = ""
+
+    @property
+    def key(self) -> tuple:
+        """What must agree across ranks for the collective to run."""
+        return self.op, self.shape, self.dtypes, self.device
+
+    def __str__(self) -> str:
+        if self.shape is None:
+            return f"rank {self.rank} ran {self.op}"
+        shape = ", ".join(map(str, self.shape))
+        return f"rank {self.rank} ran {self.op} [{shape}] {self.dtypes}".rstrip()
+
+
+@dataclass(frozen=True)
+class CollectiveMismatch:
+    """DETAIL's mismatch report from one rank: its own fingerprint (``this``), the first other
+    rank's that differs (``other``), and the aspects torch says differ."""
+
+    this: Fingerprint
+    other: Fingerprint
+    aspects: tuple[str, ...]
+
+    def __str__(self) -> str:
+        seq = (f"collective #{self.this.seq} on both" if self.this.seq == self.other.seq else
+               f"collective #{self.this.seq} and #{self.other.seq}")  # fmt: skip
+        differ = " and ".join(self.aspects) or "an aspect torch did not name"
+        return f"{self.this}, {self.other} ({seq}): they differ in {differ}"
+
+
+def collective_mismatch(text: str) -> CollectiveMismatch | None:
+    """The mismatch ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` reported in ``text`` (an exception
+    message, a rank's log), or None if there is none."""
+    start = text.find("Detected mismatch between collectives on ranks")
+    if start < 0:
+        return None
+    found = []
+    for m in _FINGERPRINT.finditer(text, start):
+        shape = m["shape"]
+        found.append(Fingerprint(
+            int(m["rank"]), int(m["seq"]), m["op"],
+            None if shape is None else tuple(int(s) for s in shape.split(",") if s.strip()),
+            (m["dtypes"] or "").strip(), m["device"] or "",
+        ))  # fmt: skip
+        if len(found) == 2:
+            break
+    if len(found) < 2:
+        return None
+    _, _, tail = text[start:].partition("differ in the following aspects:")
+    aspects = tuple(name for key, name in _ASPECTS.items() if key in tail)
+    return CollectiveMismatch(found[0], found[1], aspects)
+
+
+def odd_ones_out(prints: Sequence[Fingerprint], nproc: int) -> list[int]:
+    """The ranks whose collective differs from what a strict majority of all ``nproc`` ranks
+    run, from the fingerprints seen (several reports may name the same rank); [] when no
+    majority is known (two ranks that disagree: either may be the wrong one)."""
+    by_rank = {f.rank: f.key for f in prints}
+    counts: dict[tuple, int] = {}
+    for key in by_rank.values():
+        counts[key] = counts.get(key, 0) + 1
+    if not counts:
+        return []
+    key, n = max(counts.items(), key=lambda kv: kv[1])
+    if 2 * n <= nproc:
+        return []
+    return sorted(r for r, k in by_rank.items() if k != key)
+
+
+def waiting_apart(heartbeats: dict[int, dict]) -> dict[int, dict]:
+    """{rank: heartbeat} when every unfinished rank waits in a collective, not all in the same
+    one (by phase name and step): the ranks' sequences of collectives no longer match. Else {}."""
+    active = {r: b for r, b in heartbeats.items() if b.get("phase") != "done"}
+    if len(active) < 2 or not all(b.get("in_collective") for b in active.values()):
+        return {}
+    where = {(b.get("phase"), b.get("step")) for b in active.values()}
+    return dict(sorted(active.items())) if len(where) > 1 else {}
+
+
+def desync_line(apart: dict[int, dict]) -> str:
+    """One line for ranks :func:`waiting_apart`."""
+    each = ", ".join(f"rank {r} in '{b.get('phase')}' {_where(b)}" for r, b in apart.items())
+    return (f"the ranks were waiting in different collectives ({each}): their sequences of "
+            "collectives no longer match (a desync: a rank skipped or added one). Run again with "
+            "TORCH_DISTRIBUTED_DEBUG=DETAIL to have each collective compared across ranks")  # fmt: skip
 
 
 # --- a stalled job ----------------------------------------------------------------------------

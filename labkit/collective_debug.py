@@ -1,0 +1,270 @@
+"""Planted collective bugs run side by side, and what each debugging tool said about them.
+
+    from labkit import collective_debug as cd
+    outcomes = cd.run_trials([cd.Trial("desync"), cd.Trial("desync", detail=True)])
+    print(cd.table(outcomes))
+
+Each :class:`Trial` is one real 2-rank job of ``labkit.workers.collective_faults`` with one bug
+planted on rank 1, launched by ``labkit.launch`` with a short process-group timeout, with or
+without ``TORCH_DISTRIBUTED_DEBUG=DETAIL``. The jobs run at the same time (one thread each:
+``launch.run`` blocks), so four of them cost about the wall time of the slowest. Each
+:class:`Outcome` keeps the launcher's error and reads off it: what ended the job, which rank the
+launcher named as the root cause and which as hung, DETAIL's mismatch (``diagnosis.
+collective_mismatch``), and the time from the bug to the report in this process (measured).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from labkit import diagnosis, dist, launch, procs
+
+WORKER = "labkit.workers.collective_faults"
+FAULTS = ("none", "desync", "shape", "hang")
+
+
+def first_divergence(plans: dict[int, Sequence[str]]) -> tuple[int, dict[int, str]] | None:
+    """Where the ranks' planned collectives first differ: (index, {rank: entry}), an entry
+    "(none: finished)" for a rank whose plan is shorter; None when every plan is the same.
+    The prediction a mismatch report is checked against."""
+    longest = max((len(p) for p in plans.values()), default=0)
+    for i in range(longest):
+        here = {r: (p[i] if i < len(p) else "(none: finished)") for r, p in plans.items()}
+        if len(set(here.values())) > 1:
+            return i, here
+    return None
+
+
+def plan_key(entry: str) -> tuple[str, tuple[int, ...]] | None:
+    """("ALLREDUCE", (1024,)) for a plan entry "step 2: all_reduce [1024]", in the names
+    DETAIL's fingerprints use; None for an entry that is no collective (a sleep)."""
+    _, _, what = entry.partition(": ")
+    op, _, shape = what.partition(" [")
+    if not shape.endswith("]") or not op.replace("_", "").isalpha():
+        return None
+    return op.replace("_", "").upper(), tuple(int(s) for s in shape[:-1].split(",") if s.strip())
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One job: ``fault`` planted on rank 1, with DETAIL's checks on or off."""
+
+    fault: str
+    detail: bool = False
+
+    def __post_init__(self) -> None:
+        if self.fault not in FAULTS:
+            raise ValueError(f"fault={self.fault!r}: use one of {FAULTS}")
+
+    @property
+    def label(self) -> str:
+        return f"{self.fault}, DETAIL {'on' if self.detail else 'off'}"
+
+
+@dataclass
+class Outcome:
+    """What one trial's job ended with, as the learner reads it.
+
+    Attributes:
+        trial: the job's fault and DETAIL setting.
+        error: the launcher's ``JobFailed``/``JobTimeout`` (None: the job finished).
+        result: what the job left (per-rank results, logs in ``result.log_dir``).
+        detect_s: measured seconds from the moment rank 1 planted the bug to the first
+            exception a rank raised (None where no rank raised: the bug never struck, or the
+            ranks were killed, as gloo's abort does); ``report_s`` (property) to the launcher's
+            error in this process, which adds the job's teardown.
+        wall_s: measured seconds of the whole job, start-up included.
+    """
+
+    trial: Trial
+    error: launch.JobError | None
+    result: launch.JobResult | None
+    detect_s: float | None
+    wall_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rank(self) -> int | None:
+        """The rank the launcher named as the root cause (None if it finished)."""
+        return getattr(self.error, "rank", None)
+
+    @property
+    def hung(self) -> list[int]:
+        """The ranks the launcher named as hung (outside any collective while others waited)."""
+        if isinstance(self.error, launch.JobTimeout):
+            return list(self.error.ranks)
+        return list(getattr(self.error, "hung_ranks", []) or [])
+
+    @property
+    def message(self) -> str:
+        return str(self.error) if self.error is not None else ""
+
+    @property
+    def headline(self) -> str:
+        """The first line of the launcher's message, without the module's name."""
+        return self.message.splitlines()[0].removeprefix(WORKER + " ") if self.error else "finished"
+
+    @property
+    def mismatch(self) -> diagnosis.CollectiveMismatch | None:
+        """DETAIL's mismatch, if DETAIL found one (in any rank's exception)."""
+        return diagnosis.collective_mismatch(self.message) if self.error else None
+
+    @property
+    def ended_by(self) -> str:
+        """Which mechanism ended the job, in words."""
+        msg, kind = self.message, getattr(self.error, "kind", "")
+        if self.error is None:
+            return "nothing: the job finished"
+        if isinstance(self.error, launch.JobTimeout):
+            return "the launcher's timeout"
+        if self.mismatch is not None:
+            return "DETAIL's fingerprint check"
+        if "monitoredBarrier" in msg:
+            return f"DETAIL's monitored barrier ({self.pg_timeout_s:g} s)"
+        if "SIGABRT" in msg and "collective mismatch" in msg:
+            return "gloo's own size check (abort)"
+        if "Timed out waiting" in msg or kind == "waited":
+            return f"the collective timeout ({self.pg_timeout_s:g} s)"
+        return kind or "an error"
+
+    @property
+    def report_s(self) -> float | None:
+        """Measured seconds from the bug to the launcher's error in this process."""
+        return self.extra.get("report_s")
+
+    @property
+    def pg_timeout_s(self) -> float:
+        return float(self.extra.get("pg_timeout_s", float("nan")))
+
+
+def run_trials(
+    trials: Sequence[Trial],
+    *,
+    pg_timeout_s: float = 3.0,
+    timeout_s: float = 90.0,
+    nproc: int = 2,
+    device: str = "cpu",
+    backend: str = "auto",
+    env: dict[str, str] | None = None,
+    config: dict[str, Any] | None = None,
+    flight_recorder: bool = False,
+    write: Callable[[str], None] = print,
+) -> list[Outcome]:
+    """Run every trial as its own job, all at once; their outcomes in the trials' order.
+
+    ``pg_timeout_s`` is the process-group timeout inside the workers (how long a collective
+    waits), ``timeout_s`` the launcher's outer limit per job. ``env`` adds environment variables
+    to every job (NCCL_DEBUG, say). ``flight_recorder`` turns on NCCL's flight recorder with a
+    dump on timeout into a folder of each job's own (``outcome.extra["fr_dir"]``). A line is
+    written as each job starts and ends.
+    """
+    if not trials:
+        raise ValueError("trials is empty: give at least one Trial")
+    if len(trials) > 6:
+        raise ValueError(f"{len(trials)} trials at once: at most 6 (each starts {nproc} ranks)")
+    for t in trials:
+        if not isinstance(t, Trial):
+            raise ValueError(f"{t!r}: give Trial objects, e.g. Trial('desync', detail=True)")
+    if not pg_timeout_s < timeout_s:
+        raise ValueError(f"pg_timeout_s={pg_timeout_s} must be < timeout_s={timeout_s}: the "
+                         "collective timeout is what the lesson shows, not the launcher's")  # fmt: skip
+
+    def one(trial: Trial) -> Outcome:
+        job_env = dict(env or {})
+        if trial.detail:
+            job_env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        extra: dict[str, Any] = {"pg_timeout_s": pg_timeout_s}
+        if flight_recorder:  # torch/csrc/distributed/c10d/FlightRecorder.hpp reads these
+            fr_dir = procs.labkit_home() / "flight_recorder" / uuid.uuid4().hex[:8]
+            fr_dir.mkdir(parents=True, exist_ok=True)
+            job_env.update(TORCH_NCCL_TRACE_BUFFER_SIZE="2000", TORCH_NCCL_DUMP_ON_TIMEOUT="1",
+                           TORCH_FR_DUMP_TEMP_FILE=str(fr_dir / "rank_"))  # fmt: skip
+            extra["fr_dir"] = str(fr_dir)
+        start = time.monotonic()
+        error: launch.JobError | None = None
+        try:
+            result = launch.run(WORKER, nproc=nproc, config={**(config or {}), "fault": trial.fault},
+                                pg_timeout_s=pg_timeout_s, timeout_s=timeout_s, device=device,
+                                backend=backend, env=job_env, stream=False)  # fmt: skip
+        except launch.JobError as e:
+            error, result = e, e.result
+        ended = time.time()
+        wall_s = time.monotonic() - start
+        fault_at = min((r["fault_at"] for r in result.ranks if r.get("fault_at")), default=None)
+        # A rank that raises writes a last heartbeat at that moment (labkit.dist): the first
+        # such is when the bug was detected. A rank that aborts (SIGABRT) writes none.
+        beats = dist.read_heartbeats(result.log_dir, nproc).values()
+        raised = [b["time"] for b in beats if b.get("failed") and isinstance(b.get("time"), float)]
+        detect = min(raised) - fault_at if fault_at and raised else None
+        extra["report_s"] = ended - fault_at if fault_at else None
+        return Outcome(trial, error, result, detect, wall_s, extra)
+
+    write(f"{len(trials)} jobs of {nproc} ranks side by side: "
+          + "; ".join(t.label for t in trials))  # fmt: skip
+    out: dict[Trial, Outcome] = {}
+    with ThreadPoolExecutor(max_workers=len(trials)) as pool:
+        futures = {pool.submit(one, t): t for t in trials}
+        for fut in as_completed(futures):
+            o = fut.result()
+            out[futures[fut]] = o
+            write(f"  {o.trial.label}: ended after {o.wall_s:.1f} s ({o.ended_by})")
+    return [out[t] for t in trials]
+
+
+def table(outcomes: Sequence[Outcome]) -> str:
+    """One line per outcome: what ended it, the ranks named, the time to detection."""
+
+    def secs(v: float | None) -> str:
+        return "-" if v is None else f"{v:.1f} s"
+
+    rows = [("trial", "ended by", "root cause", "hung", "bug → error", "bug → report")]
+    for o in outcomes:
+        rows.append((
+            o.trial.label, o.ended_by,
+            "-" if o.rank is None else f"rank {o.rank}",
+            ", ".join(f"rank {r}" for r in o.hung) or "-",
+            secs(o.detect_s), secs(o.report_s),
+        ))  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+                     for r in rows)  # fmt: skip
+
+
+def report_lines(o: Outcome, limit: int = 4) -> list[str]:
+    """The launcher's message, shortened for a notebook: headline and the lines that explain
+    (traceback and log paths left out)."""
+    keep = []
+    for line in o.message.splitlines()[1:]:
+        if line.startswith(("  ", "full ", "logs in", "what followed", "other ranks")):
+            continue
+        keep.append(line)
+    return [o.headline, *keep[:limit]]
+
+
+def nvidia_topology() -> str:
+    """``nvidia-smi topo -m``'s output, or a sentence saying why there is none."""
+    import subprocess
+
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return "nvidia-smi is not installed here (no NVIDIA driver): no GPU topology to show"
+    try:
+        out = subprocess.run([exe, "topo", "-m"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"nvidia-smi topo -m failed to run: {e}"
+    text = (out.stdout or "") + (out.stderr or "")
+    return text.rstrip() if out.returncode == 0 else f"nvidia-smi topo -m failed:\n{text.rstrip()}"
+
+
+def flight_recorder_files(folder: str | os.PathLike) -> list[Path]:
+    """The flight-recorder dumps written under ``folder`` (one file per rank)."""
+    p = Path(folder)
+    return sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else []

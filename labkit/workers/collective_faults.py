@@ -1,0 +1,126 @@
+"""Three classic collective bugs, planted one at a time on rank 1 of a 2-rank job.
+
+    labkit.launch.run("labkit.workers.collective_faults", nproc=2,
+                      config={"fault": "desync"}, pg_timeout_s=3, timeout_s=60,
+                      env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+
+Every rank runs ``steps`` training-like steps; each step issues two collectives, as a data-
+parallel step with logging does:
+
+    all_reduce(grads)         the gradient sync, ``numel`` float32 values
+    all_gather(loss)          every rank's loss, one float32 each, for the log line
+
+Config ``fault`` plants one bug at step ``fault_step`` (default 2) on rank ``fault_rank``
+(default 1); the other ranks run the healthy program:
+
+    "none"    nothing: the healthy job, for comparison
+    "desync"  the faulty rank skips that step's all_reduce (a data-dependent ``if`` around a
+              collective, say): its next collective is the all_gather while the others are
+              still in the all_reduce. The ranks' sequences of collectives no longer match
+    "shape"   the faulty rank all-reduces a tensor of another shape (``numel`` + 1 values: a
+              bucket that held one parameter more on that rank)
+    "hang"    the faulty rank sleeps outside any collective (a stuck data loader, a deadlock
+              in Python) while the others wait for it in the all_reduce
+
+What catches each one is the lesson, not this module: gloo's own checks, the process-group
+timeout (``pg_timeout_s``), ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (which wraps the process group
+and compares every collective's op, shapes and dtypes across ranks before running it), and
+the launcher's heartbeats (each collective here runs in ``ctx.phase``).
+
+Every rank writes its result (rank, pid, the fault, the collectives it *plans* to issue) before
+it misbehaves, so a test can find its processes and a notebook can show the plan.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+from labkit import dist
+
+FAULTS = ("none", "desync", "shape", "hang")
+_FOREVER_S = 3600.0
+
+
+def check_config(cfg: dict[str, Any], world_size: int | None = None) -> dict[str, Any]:
+    """The config with its defaults, or ValueError naming the constraint and the fix."""
+    out = {"fault": cfg.get("fault", "none"), "steps": cfg.get("steps", 3),
+           "fault_step": cfg.get("fault_step", 2), "fault_rank": cfg.get("fault_rank", 1),
+           "numel": cfg.get("numel", 1024)}  # fmt: skip
+    if out["fault"] not in FAULTS:
+        raise ValueError(f"fault={out['fault']!r}: use one of {FAULTS}")
+    for key in ("steps", "fault_step", "numel"):
+        v = out[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{key}={v!r}: need an integer >= 1")
+    if out["fault_step"] > out["steps"]:
+        raise ValueError(f"fault_step={out['fault_step']} > steps={out['steps']}: the fault "
+                         "would never happen; use fault_step <= steps")  # fmt: skip
+    r = out["fault_rank"]
+    if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+        raise ValueError(f"fault_rank={r!r}: need a rank >= 0")
+    if world_size is not None:
+        if world_size < 2:
+            raise ValueError(f"{world_size} rank(s): a collective bug needs two ranks; nproc=2")
+        if r >= world_size:
+            raise ValueError(f"fault_rank={r} but only ranks 0..{world_size - 1} exist: use "
+                             f"fault_rank < nproc")  # fmt: skip
+    return out
+
+
+def planned(cfg: dict[str, Any], rank: int) -> list[str]:
+    """The collectives ``rank`` will issue, in order: "step 2: all_reduce [1024]"."""
+    cfg = check_config(cfg)
+    plan = []
+    for step in range(1, cfg["steps"] + 1):
+        here = rank == cfg["fault_rank"] and step == cfg["fault_step"]
+        if here and cfg["fault"] == "hang":
+            plan.append(f"step {step}: (sleeps, outside any collective)")
+            break
+        if not (here and cfg["fault"] == "desync"):
+            n = cfg["numel"] + (1 if here and cfg["fault"] == "shape" else 0)
+            plan.append(f"step {step}: all_reduce [{n}]")
+        plan.append(f"step {step}: all_gather [1]")
+    return plan
+
+
+@dist.entrypoint
+def main(ctx: dist.Context) -> dict[str, Any]:
+    cfg = check_config(ctx.config, ctx.world_size)
+    fault, steps, numel = cfg["fault"], cfg["steps"], cfg["numel"]
+    device = dist.collective_device()  # NCCL takes GPU tensors, gloo CPU ones
+    result = {"rank": ctx.rank, "pid": os.getpid(), "fault": fault, "backend": ctx.backend,
+              "debug": os.environ.get("TORCH_DISTRIBUTED_DEBUG", "OFF"),
+              "plan": planned(cfg, ctx.rank)}  # fmt: skip
+    ctx.write_result(result)  # before anything can go wrong
+    losses = []
+    for step in range(1, steps + 1):
+        ctx.heartbeat(step=step, total=steps, phase="compute")
+        faulty = ctx.rank == cfg["fault_rank"] and step == cfg["fault_step"]
+        if faulty and fault != "none":  # when the bug struck, for the time to detection
+            ctx.write_result({**result, "fault_at": time.time(), "steps_done": step - 1})
+        grads = torch.full((numel,), float(ctx.rank + 1), device=device)
+        if faulty and fault == "hang":
+            time.sleep(_FOREVER_S)  # outside any collective: the others wait for us
+        if faulty and fault == "shape":
+            grads = torch.ones(numel + 1, device=device)
+        if not (faulty and fault == "desync"):
+            with ctx.phase("all_reduce grads"):
+                tdist.all_reduce(grads)
+        loss = torch.tensor([10.0 * step + ctx.rank], device=device)
+        gathered = [torch.empty_like(loss) for _ in range(ctx.world_size)]
+        with ctx.phase("all_gather loss"):
+            tdist.all_gather(gathered, loss)
+        losses.append([t.item() for t in gathered])
+        result.update(steps_done=step, grad0=grads[0].item(), losses=losses)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return result
+
+
+if __name__ == "__main__":
+    main()
