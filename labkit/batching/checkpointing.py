@@ -16,6 +16,11 @@ original block through ``torch.utils.checkpoint.checkpoint``.
 * Dropout stays correct: ``checkpoint`` keeps ``preserve_rng_state=True`` by default, stashing
   the CPU (and the input's device) RNG state before the forward and restoring it for the
   recompute, so the recomputed dropout masks are the masks of the forward.
+* Selective recomputation (Korthikanti et al. 2022): :func:`apply_ac` with ``"selective"``
+  keeps the outputs of the matmuls and the attention kernel and recomputes only the cheap
+  elementwise ops around them (PyTorch's ``create_selective_checkpoint_contexts``); see the
+  section "Selective recomputation" below for why that, and not the attention core, is the
+  selective choice for a GPT whose attention is a fused SDPA kernel.
 * ``state_dict`` keys do not change. The wrapper holds the block as ``self.block``, which would
   add ``.block`` to every key (``blocks.0.block.ln_1.weight``); two state-dict hooks strip it on
   save and add it back on load, as torch's own ``checkpoint_wrapper`` does
@@ -26,12 +31,17 @@ original block through ``torch.utils.checkpoint.checkpoint``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from labkit import formulas
 from labkit.config import ModelConfig
@@ -40,15 +50,22 @@ _PREFIX = "block."
 
 
 class CheckpointedBlock(nn.Module):
-    """Runs ``block`` under non-reentrant activation checkpointing; same state_dict keys."""
+    """Runs ``block`` under non-reentrant activation checkpointing; same state_dict keys.
 
-    def __init__(self, block: nn.Module) -> None:
+    ``selective=True`` keeps the outputs of the ops :func:`selective_policy` saves (matmuls
+    and the attention kernel) through the backward and recomputes only the rest.
+    """
+
+    def __init__(self, block: nn.Module, *, selective: bool = False) -> None:
         super().__init__()
         self.block = block
+        self.selective = selective
         self.register_state_dict_post_hook(_strip_prefix)
         self.register_load_state_dict_pre_hook(_add_prefix)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.selective:
+            return checkpoint(self.block, x, use_reentrant=False, context_fn=_selective_contexts)
         return checkpoint(self.block, x, use_reentrant=False)
 
 
@@ -159,3 +176,248 @@ def predict_checkpointing(
     checkpointed = 0 if every is None else len(range(0, cfg.n_layer, every))
     return CheckpointPrediction(checkpointed=checkpointed, n_layer=cfg.n_layer,
                                 per_layer_bytes=per_layer, input_bytes=s * b * cfg.d_model * 4)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# Selective recomputation: keep what is expensive to recompute, recompute what is cheap.
+#
+# Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
+# arXiv 2205.05198, section 4.2) recompute only the attention core (QKᵀ, softmax, dropout,
+# ·V): its a·s²·b-sized tensors are most of a layer's activations at long sequences, and its
+# FLOPs are few. labkit's GPT runs attention through ``F.scaled_dot_product_attention``, whose
+# fused kernel (flash on CUDA and on CPU) already never stores the s×s matrix: it keeps a
+# float32 log-sum-exp per row and recomputes the scores inside its own backward (Dao et al.
+# 2022, FlashAttention, arXiv 2205.14135, section 3.1). So the paper's selective recompute is
+# built into the kernel here, and checkpointing the attention core again would save nothing.
+# What is left that is cheap to recompute and costs memory are the elementwise ops around the
+# matmuls: the LayerNorms, GELU (its 4h-wide input and output are half of a block's saved
+# bytes), the residual adds and the reshapes. The policy below is the same idea applied to
+# them, with PyTorch's selective activation checkpointing (``create_selective_checkpoint_
+# contexts``, torch.utils.checkpoint; torchtitan's ``apply_ac`` in "selective op" mode): keep
+# the output of every matmul and of the attention kernel, recompute everything else.
+
+
+def _op(name: str) -> Any:
+    return getattr(torch.ops.aten, name).default
+
+
+_SAVE_NAMES = ("mm", "addmm", "bmm", "baddbmm",
+               "_scaled_dot_product_flash_attention_for_cpu",  # SDPA's fused kernel on a CPU
+               "_scaled_dot_product_flash_attention",  # on CUDA (flash, efficient, cuDNN)
+               "_scaled_dot_product_efficient_attention",
+               "_scaled_dot_product_cudnn_attention")  # fmt: skip
+SELECTIVE_SAVE_OPS = frozenset(_op(n) for n in _SAVE_NAMES if hasattr(torch.ops.aten, n))
+"""The ops whose outputs :func:`selective_policy` keeps: matmuls and the fused attention kernels."""
+
+
+def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Keep matmul and attention-kernel outputs (MUST_SAVE); recompute every other op."""
+    return (CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVE_OPS
+            else CheckpointPolicy.PREFER_RECOMPUTE)  # fmt: skip
+
+
+_selective_contexts = functools.partial(create_selective_checkpoint_contexts, selective_policy)
+
+AC_MODES = ("none", "selective", "full")
+
+
+def apply_ac(model: nn.Module, mode: str) -> list[str]:
+    """Activation recomputation for every block of ``model.blocks``, in place (torchtitan style).
+
+    * ``"none"``: nothing changes; every block keeps all it saves for the backward.
+    * ``"full"``: each block keeps only its input and reruns its whole forward in the backward
+      (:func:`apply_checkpointing` with ``every=1``): about one more forward of the blocks.
+    * ``"selective"``: each block keeps its input and the outputs of its matmuls and attention
+      kernel (:func:`selective_policy`); the backward reruns only the LayerNorms, GELU, the
+      residual adds and reshapes, using the kept outputs instead of redoing the matmuls.
+
+    Loss and gradients are the same to the bit on a CPU (the recompute runs the same ops on the
+    same inputs). Returns the names of the wrapped blocks (none for ``"none"``).
+    """
+    if mode not in AC_MODES:
+        raise ValueError(f"mode={mode!r} is not allowed: one of {', '.join(map(repr, AC_MODES))}")
+    if mode == "none":
+        return []
+    if mode == "full":
+        return apply_checkpointing(model, every=1)
+    apply_checkpointing(model, every=1)  # validates the model, then makes the blocks selective
+    for block in model.blocks:
+        block.selective = True
+    return [f"blocks.{i}" for i in range(len(model.blocks))]
+
+
+def measure_held_bytes(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> int:
+    """Bytes a forward of ``model`` leaves alive for its backward (measured, tensor accounting).
+
+    Every storage allocated during the forward and still alive when the backward would start,
+    with the logits dropped and the loss kept: what autograd saved, plus, under selective
+    checkpointing, the outputs its policy caches. Those are held in the checkpoint's own
+    cache, not through ``saved_tensors_hooks``, so :func:`labkit.memory.saved_activation_bytes`
+    does not see them; :class:`labkit.batching.trials.LiveTensorBytes` counts every storage an
+    op creates until it is freed, and does. The token ids exist before the forward and are not
+    counted. Runs a real backward afterwards (gradients accumulate in ``model``).
+    """
+    from labkit.batching.trials import LiveTensorBytes
+
+    x, y = batch
+    model.train()
+    with LiveTensorBytes() as counter:
+        loss = model(x, y)[1]  # the logits are freed here: the loss saved its log-softmax
+        held = counter.current
+        loss.backward()
+    return held
+
+
+@dataclass(frozen=True)
+class RecomputePrediction:
+    """Bytes one block holds for the backward and FLOPs re-run, for one recompute mode (predicted).
+
+    Per block and micro-batch of ``micro_batch`` sequences of ``seq_len`` tokens, float32,
+    dropout off, flash attention (``F.scaled_dot_product_attention``'s fused kernel). Terms,
+    with sbh = seq_len·micro_batch·d_model values of 4 bytes and a = heads:
+
+    * ``"none"``: ``formulas.activation_bytes_per_layer`` (16·sbh values and the 4·a·s·b-byte
+      log-sum-exp) plus LayerNorm's mean and rstd (2 norms × 2 × 4·s·b bytes), which that
+      formula leaves out: 64·sbh + 4·asb + 16·sb bytes;
+    * ``"selective"``: the block input (sbh) and the outputs of the matmuls and the attention
+      kernel the policy keeps: q, k, v (3·sbh), the attention output and its log-sum-exp
+      (sbh + a·s·b), the output projection (sbh), the MLP's two linears (4·sbh + sbh):
+      44·sbh + 4·asb bytes;
+    * ``"full"``: the block input alone, 4·sbh bytes.
+
+    Measured (:func:`measure_held_bytes`, torch 2.13, CPU, float32): exact to the byte for each
+    mode. On CUDA the attention kernels keep extra small outputs (RNG seed and offset, a padded
+    log-sum-exp) that this does not count.
+    """
+
+    mode: str
+    n_layer: int
+    per_layer_bytes: float
+    none_per_layer_bytes: float
+    outside_bytes: float
+    """Held outside the blocks, the same in every mode: the final LayerNorm's input, output and
+    statistics, the log-softmax output, the position ids, the loss and its total_weight
+    (``formulas.activation_bytes_omitted`` less the blocks' LayerNorm statistics, counted in
+    ``per_layer_bytes``, and less the token ids, which exist before the forward)."""
+    recompute_flops_per_token: float
+    """FLOPs re-run in the backward, per token, all blocks (modelled; see predict_recompute)."""
+    step_flops_per_token: float
+    """FLOPs of one training step without recompute, per token (formulas.flops_per_token)."""
+
+    @property
+    def held_bytes(self) -> float:
+        """The whole model, one micro-batch: held from the forward into the backward."""
+        return self.n_layer * self.per_layer_bytes + self.outside_bytes
+
+    @property
+    def saving_bytes(self) -> float:
+        """Held bytes less than with no recompute."""
+        return self.n_layer * (self.none_per_layer_bytes - self.per_layer_bytes)
+
+    @property
+    def flops_factor(self) -> float:
+        """Training FLOPs of a step with this recompute over those without."""
+        return 1 + self.recompute_flops_per_token / self.step_flops_per_token
+
+
+ELEMENTWISE_FLOPS_PER_TOKEN_PER_LAYER = 50
+"""Modelled FLOPs per token per d_model of a block's non-matmul forward ops, re-run under
+selective recompute: two LayerNorms (~8 FLOPs per element each: mean, subtract, square, mean,
+rsqrt, scale, shift), tanh-GELU on 4·h elements (~8 each) and two residual adds (1 each):
+(2·8 + 4·8 + 2)·h = 50·h. An order of magnitude, not a count of kernel instructions."""
+
+
+def predict_recompute(cfg: ModelConfig, micro_batch: int, mode: str, *,
+                      seq_len: int | None = None) -> RecomputePrediction:
+    """What a block holds and what the backward re-runs under ``mode`` (``AC_MODES``), predicted.
+
+    FLOPs per token (the ``"full"`` attention convention of ``formulas.flops_per_token``, N
+    without the position table): a step is 6N + 12·L·h·s, three passes of a forward of 2N +
+    4·L·h·s. ``"full"`` re-runs the blocks' forward but their last matmul, L·(16h² + 4hs):
+    torch's non-reentrant checkpoint stops the rerun once it has rebuilt the last tensor the
+    backward needs ("early stop", on by default, ``torch.utils.checkpoint.set_checkpoint_early_
+    stop``), and nothing needs the MLP output projection's output (8h² per token). So a little
+    less than one pass more, less again for the output head's share. ``"selective"`` re-runs no matmul and no attention kernel; only
+    the elementwise ops, ``ELEMENTWISE_FLOPS_PER_TOKEN_PER_LAYER``·h per layer (modelled).
+    """
+    if mode not in AC_MODES:
+        raise ValueError(f"mode={mode!r} is not allowed: one of {', '.join(map(repr, AC_MODES))}")
+    if cfg.dropout > 0:
+        raise ValueError(f"cfg.dropout={cfg.dropout!r}: the prediction is for dropout off; "
+                         "use a config with dropout=0.0 (every preset has it)")
+    s = cfg.seq_len if seq_len is None else formulas._positive_int("seq_len", seq_len)
+    if s > cfg.seq_len:
+        raise ValueError(f"seq_len={s} is not allowed: the model's context is {cfg.seq_len} "
+                         f"tokens; give 1..{cfg.seq_len}")
+    b = formulas._positive_int("micro_batch", micro_batch)
+    L, h, a = cfg.n_layer, cfg.d_model, cfg.n_head
+    sbh = s * b * h
+    none = formulas.activation_bytes_per_layer(
+        s, b, h, a, bytes_per_element=4, dropout=False, attention="flash") + 2 * 2 * 4 * s * b
+    per_layer = {"none": none, "selective": 4 * (11 * sbh) + 4 * a * s * b, "full": 4 * sbh}[mode]
+    omitted = formulas.activation_bytes_omitted(L, s, b, h, cfg.vocab_size)
+    outside = (omitted.total - 2 * L * 2 * 4 * s * b  # the blocks' LayerNorm statistics
+               - 2 * 8 * s * b  # the token ids and targets: allocated before the forward
+               + 4)  # the loss itself  # fmt: skip
+    n_params = formulas.gpt_params(cfg.vocab_size, h, L, tied=cfg.tie_weights)
+    step = formulas.flops_per_token(n_params, L, h, s, attention="full")
+    recompute = {"none": 0.0, "full": L * (16 * h * h + 4 * h * s),
+                 "selective": L * ELEMENTWISE_FLOPS_PER_TOKEN_PER_LAYER * h}[mode]
+    return RecomputePrediction(mode=mode, n_layer=L, per_layer_bytes=per_layer,
+                               none_per_layer_bytes=none, outside_bytes=outside,
+                               recompute_flops_per_token=recompute,
+                               step_flops_per_token=step)  # fmt: skip
+
+
+def paper_bytes_per_layer(seq_len: int, micro_batch: int, d_model: int, n_head: int,
+                          mode: str) -> float:
+    """Korthikanti et al. 2022's activation bytes per layer (16-bit, dropout on, s×s stored).
+
+    ``"none"``: s·b·h·(34 + 5·a·s/h) (their eq. 1); ``"selective"``: 34·s·b·h, the attention
+    core's 5·a·s²·b recomputed (section 4.2); ``"full"``: 2·s·b·h, the layer's 16-bit input
+    (section 4.2, "full activation recomputation"). The paper's convention, not this GPT's.
+    """
+    if mode not in AC_MODES:
+        raise ValueError(f"mode={mode!r} is not allowed: one of {', '.join(map(repr, AC_MODES))}")
+    s, b = formulas._positive_int("seq_len", seq_len), formulas._positive_int("micro_batch", micro_batch)
+    h, a = formulas._positive_int("d_model", d_model), formulas._positive_int("n_head", n_head)
+    return {"none": s * b * h * (34 + 5 * a * s / h), "selective": 34 * s * b * h,
+            "full": 2 * s * b * h}[mode]  # fmt: skip
+
+
+def one_f_one_b_in_flight(stages: int, micro_batches: int) -> list[int]:
+    """Micro-batches each pipeline stage holds at once under 1F1B: min(p - i, m) for stage i.
+
+    Stage i runs p - i forwards before its first backward (PipeDream-Flush, Narayanan et al.
+    2021, arXiv 2104.04473, section 2.2), then one backward frees one micro-batch for each new
+    forward. So the first stage holds p micro-batches' activations, the last one; GPipe holds
+    all m on every stage.
+    """
+    p = formulas._positive_int("stages", stages)
+    m = formulas._positive_int("micro_batches", micro_batches)
+    return [min(p - i, m) for i in range(p)]
+
+
+def measure_in_flight_bytes(stage: nn.Module, inputs: list[torch.Tensor]) -> list[int]:
+    """Live bytes a pipeline stage holds after each of its forwards, none backward yet (measured).
+
+    Each input is cloned inside the count (the receive buffer a stage fills), made to require
+    grad (a stage sends its input's gradient back), and run through ``stage``; every output is
+    kept, as a 1F1B stage keeps each micro-batch it has sent on until its backward. Returns the
+    bytes alive after 1, 2, ... forwards; then runs the backwards, so nothing leaks.
+    """
+    from labkit.batching.trials import LiveTensorBytes
+
+    if not inputs:
+        raise ValueError("inputs is empty: give one activation tensor per micro-batch in flight")
+    outputs, held = [], []
+    with LiveTensorBytes() as counter:
+        for x in inputs:
+            received = x.detach().clone().requires_grad_(True)
+            outputs.append(stage(received))
+            del received
+            held.append(counter.current)
+        for out in outputs:
+            out.sum().backward()
+        outputs.clear()
+    return held
