@@ -55,6 +55,8 @@ another name, so "ddp_bf16" runs on gloo; the parity test shows what it costs in
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -91,6 +93,7 @@ class TorchDDP(Strategy):
         powersgd_rank: int = 2,
         powersgd_start_iter: int = 2,
         gradient_as_bucket_view: bool = True,
+        group: Any = None,
     ) -> None:
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression={compression!r}: use one of {COMPRESSIONS}")
@@ -100,7 +103,7 @@ class TorchDDP(Strategy):
             if compression == "powersgd"
             else "counted by a DDP communication hook wrapper (bucket bytes, wire dtype)"
         )
-        super().__init__(world_size, backend)
+        super().__init__(world_size, backend, group=group)
         self.backend = backend
         self.compression = compression
         self.bucket_cap_mb = bucket_cap_mb
@@ -118,12 +121,13 @@ class TorchDDP(Strategy):
             model,
             bucket_cap_mb=self.bucket_cap_mb,  # None: DDP's default, with its 1 MiB first bucket
             gradient_as_bucket_view=self.gradient_as_bucket_view,
+            process_group=self.group,  # None: every rank
         )
         counter = self.bytes_counter
         seen = self.bucket_storages
         if self.compression == "powersgd":
             state = psgd.PowerSGDState(
-                process_group=None,
+                process_group=self.group,
                 matrix_approximation_rank=self.powersgd_rank,
                 start_powerSGD_iter=self.powersgd_start_iter,
             )
@@ -133,14 +137,14 @@ class TorchDDP(Strategy):
         elif self.compression == "fp16":
             fp16 = default_hooks.fp16_compress_hook
             hook = comm.counting_hook(counter, fp16, torch.float16, buckets=seen)
-            self.ddp.register_comm_hook(None, hook)
+            self.ddp.register_comm_hook(self.group, hook)
         elif self.compression == "bf16":
             bf16 = default_hooks.bf16_compress_hook
             hook = comm.counting_hook(counter, bf16, torch.bfloat16, buckets=seen)
-            self.ddp.register_comm_hook(None, hook)
+            self.ddp.register_comm_hook(self.group, hook)
         else:
             hook = comm.counting_hook(counter, default_hooks.allreduce_hook, buckets=seen)
-            self.ddp.register_comm_hook(None, hook)
+            self.ddp.register_comm_hook(self.group, hook)
         return self.ddp
 
     def memory(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:

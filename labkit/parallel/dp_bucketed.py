@@ -19,6 +19,7 @@ Like ``NaiveDP`` (and torch's DDP), ``wrap`` first broadcasts rank 0's parameter
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -69,15 +70,23 @@ class BucketedDP(NaiveDP):
     name = "bucketed"
     counting = "counted by our all_reduce wrapper (one call per bucket)"
 
-    def __init__(self, world_size: int, backend: str = "gloo", bucket_cap_mb: float = 25.0):
-        super().__init__(world_size, backend)
+    def __init__(
+        self,
+        world_size: int,
+        backend: str = "gloo",
+        bucket_cap_mb: float = 25.0,
+        *,
+        group: Any = None,
+    ):
+        super().__init__(world_size, backend, group=group)
         self.cap_bytes = int(bucket_cap_mb * 2**20)
         self.buckets: list[Bucket] = []
         self._where: dict[int, tuple[Bucket, int]] = {}  # id(param) -> (bucket, offset)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """Start every rank from rank 0's weights, make the buckets, hook every parameter."""
-        comm.sync_module_states(model)  # as DDP does on construction (see NaiveDP.wrap)
+        # As DDP does on construction (see NaiveDP.wrap).
+        comm.sync_module_states(model, src=self.src, group=self.group)
         self.params = [p for p in model.parameters() if p.requires_grad]
         # Reverse order: the last layers' gradients are ready first, so their bucket fills first.
         self.buckets = make_buckets(self.params[::-1], self.cap_bytes)
@@ -104,7 +113,9 @@ class BucketedDP(NaiveDP):
             self._launch(bucket)
 
     def _launch(self, bucket: Bucket) -> None:
-        bucket.work = comm.all_reduce(bucket.buffer, self.bytes_counter, async_op=True)
+        bucket.work = comm.all_reduce(
+            bucket.buffer, self.bytes_counter, async_op=True, group=self.group
+        )
 
     def after_backward(self) -> None:
         self.callback_queued = False

@@ -4,6 +4,7 @@ The interface is small on purpose (torchtitan and picotron keep the model ignora
 parallelism and add it from outside):
 
     strategy = NaiveDP(world_size)              # or BucketedDP, TorchDDP, ZeRO1, FSDP2
+    strategy = NaiveDP(2, group=mesh["dp"].get_group())   # or over one dimension of a mesh
     model = strategy.wrap(model)                # hooks, wrapper or sharding
     opt = strategy.optimizer(model, make_opt)   # make_opt(model) -> AdamW; ZeRO-1 shards it
     labkit.train.train_step(model, opt, micro_batches, device=..., no_sync=strategy.no_sync)
@@ -55,6 +56,10 @@ class Strategy:
 
     Attributes:
         name: the strategy's name in configs and results.
+        world_size: the ranks gradients are averaged over (the size of ``group``).
+        group: the process group it communicates in: None for every rank (the default), or
+            one dimension of a device mesh (``mesh["dp"].get_group()``: see
+            ``labkit.parallel.mesh``), so data parallelism composes with another dimension.
         bytes_counter: a :class:`~labkit.parallel.comm.ByteCounter` of what it sends.
         counting: how bytes are counted, shown in results.
     """
@@ -62,9 +67,19 @@ class Strategy:
     name = "none"
     counting = "nothing is sent"
 
-    def __init__(self, world_size: int, backend: str = "gloo") -> None:
+    def __init__(self, world_size: int, backend: str = "gloo", *, group: Any = None) -> None:
         self.world_size = world_size
+        self.group = group
         self.bytes_counter = ByteCounter(world_size, backend, method=self.counting)
+
+    @property
+    def src(self) -> int:
+        """The global rank whose weights every rank of ``group`` starts from: its first."""
+        if self.group is None:
+            return 0
+        import torch.distributed as tdist
+
+        return tdist.get_global_rank(self.group, 0)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """Prepare ``model`` for this strategy; returns the module to train."""
@@ -142,7 +157,12 @@ def validate_dp_config(
         gradient_as_bucket_view  DDP's .grad as views into its buckets (default True:
                      4 bytes of gradient memory per parameter, not 8)
         powersgd_rank  PowerSGD matrix rank (default 2); powersgd_start_iter (default 2)
-        mesh         FSDP2's device-mesh shape, required for "fsdp2": [world_size]
+        mesh         the device mesh the strategies communicate over: [world_size] (1-D,
+                     unnamed), or one named dimension {"dp": world_size}, whose process
+                     group every strategy then takes (labkit.parallel.mesh). Required for
+                     "fsdp2". A 2-D mesh composes data parallelism with another dimension:
+                     labkit.parallel.compose (FSDP2 x TP, HSDP), run by
+                     labkit.workers.mesh_train
         fsdp_mixed_precision  None or "bf16": FSDP2's MixedPrecisionPolicy with bf16
                      parameters and fp32 gradient reduction (labkit.parallel.fsdp). Default:
                      "bf16" when train.dtype is "bfloat16" (the gpu preset), else None
@@ -274,19 +294,34 @@ def validate_dp_config(
             _fail("strategies", "ddp_bf16", "with NCCL >= 2.10 only (bf16 all-reduce)")
 
     mesh = cfg.get("mesh")
-    if "fsdp2" in strategies:
-        if mesh is None:
-            raise ValueError(
-                "mesh=None with strategy 'fsdp2': FSDP2 shards over an explicit device mesh "
-                f"(on CPU/gloo it cannot infer one: pytorch #132471); pass mesh=[{world_size}]"
-            )
+    if "fsdp2" in strategies and mesh is None:
+        raise ValueError(
+            "mesh=None with strategy 'fsdp2': FSDP2 shards over an explicit device mesh "
+            f"(on CPU/gloo it cannot infer one: pytorch #132471); pass mesh=[{world_size}]"
+        )
+    if isinstance(mesh, list) and all(isinstance(m, int) and not isinstance(m, bool) for m in mesh):
         if mesh != [world_size]:
             _fail(
                 "mesh",
                 mesh,
-                f"[{world_size}]: a 1-D mesh over all ranks (this lab shards "
-                "over one axis; 2-D meshes are for hybrid sharding)",
+                f"[{world_size}] (1-D over all ranks) or a named dimension such as "
+                f"{{'dp': {world_size}}}: strategies take their process group from a named "
+                "dimension, so a mesh of more than one dimension needs names",
             )
+    elif mesh is not None:
+        from labkit.parallel.mesh import validate_mesh
+
+        spec = validate_mesh(mesh, world_size)
+        if len(spec.dims) > 1:
+            _fail(
+                "mesh",
+                mesh,
+                f"one named dimension such as {{'dp': {world_size}}}: this job trains every "
+                "rank data-parallel; a 2-D mesh composes data parallelism with another "
+                "dimension (labkit.parallel.compose: FSDP2 x TP, HSDP; worker "
+                "labkit.workers.mesh_train)",
+            )
+        mesh = spec.as_dict()
 
     fsdp_mp = cfg.get("fsdp_mixed_precision", "bf16" if train.dtype == "bfloat16" else None)
     if fsdp_mp not in (None, "bf16"):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -55,8 +56,8 @@ class NaiveDP(Strategy):
     name = "naive"
     counting = "counted by our all_reduce wrapper (one call per gradient tensor)"
 
-    def __init__(self, world_size: int, backend: str = "gloo") -> None:
-        super().__init__(world_size, backend)
+    def __init__(self, world_size: int, backend: str = "gloo", *, group: Any = None) -> None:
+        super().__init__(world_size, backend, group=group)
         self.params: list[nn.Parameter] = []
         self.require_sync = True  # False inside no_sync(): gradients stay local
         self.callback_queued = False
@@ -66,7 +67,7 @@ class NaiveDP(Strategy):
         # As DDP does on construction: ranks seeded differently would otherwise train n
         # different models on n shards of the data. Not counted in bytes_counter: it is
         # sent once, not per step (DDP's own broadcast is not seen by its comm hooks either).
-        comm.sync_module_states(model)
+        comm.sync_module_states(model, src=self.src, group=self.group)
         # parameters() yields a tied tensor once; frozen ones have no gradient to share.
         self.params = [p for p in model.parameters() if p.requires_grad]
         _queue_at_end_of_backward(self.params, self)
@@ -77,7 +78,7 @@ class NaiveDP(Strategy):
         for p in self.params:
             if p.grad is None:  # unused this step; every rank must still join the collective
                 p.grad = torch.zeros_like(p)
-            comm.all_reduce(p.grad, self.bytes_counter)  # sum over ranks, in place
+            comm.all_reduce(p.grad, self.bytes_counter, group=self.group)  # sum, in place
             p.grad /= self.world_size  # sum -> mean (gloo lacks ReduceOp.AVG before 2.8)
 
     @contextlib.contextmanager

@@ -42,6 +42,11 @@ so ranks seeded differently would otherwise train a patchwork of their initialis
 
 On CPU/gloo FSDP2 needs an explicit device mesh (``init_device_mesh("cpu", (n,))``,
 pytorch #132471): ``apply_fsdp2`` takes one and refuses to guess.
+
+A mesh with more dimensions works too: ``FSDP2(n, mesh=mesh, mesh_dim="dp")`` shards over the
+named dimension only (the other may hold tensor or pipeline parallelism), and a 2-D
+("replicate", "shard") mesh, given whole, is HSDP: sharded within each shard group and
+replicated across them (``labkit.parallel.compose``).
 """
 
 from __future__ import annotations
@@ -135,11 +140,29 @@ def apply_fsdp2(
     return model
 
 
+def sync_over_mesh(model: nn.Module, mesh: Any) -> None:
+    """Give every rank of ``mesh`` the weights of its first rank: a broadcast within each
+    dimension's groups, outer dimension first (after the outer step every rank holds its
+    row's first weights, after the inner one the mesh's first). None: the whole world."""
+    import torch.distributed as tdist
+
+    if mesh is None or (mesh.ndim == 1 and mesh.size() == tdist.get_world_size()):
+        comm.sync_module_states(model)
+        return
+    names = mesh.mesh_dim_names or tuple(range(mesh.ndim))
+    for dim in names:
+        group = mesh.get_group(dim)
+        comm.sync_module_states(model, src=tdist.get_global_rank(group, 0), group=group)
+
+
 class FSDP2(Strategy):
     """torch FSDP2 over a 1-D mesh; bytes counted by ``CollectiveSpy`` (see the worker).
 
     Args:
         mesh: the device mesh to shard over (required).
+        mesh_dim: the dimension(s) of ``mesh`` to shard over, by name ("dp", or
+            ("replicate", "shard") for HSDP); None: the whole mesh. Rank 0's weights are
+            broadcast within those dimensions only.
         modules: the units to shard (a list or a policy; see ``shard_units``).
         mixed_precision: None or "bf16" (``mixed_precision_policy``).
         reshard_after_forward: False keeps every unit unsharded from forward to backward.
@@ -154,10 +177,13 @@ class FSDP2(Strategy):
         backend: str = "gloo",
         mesh: Any = None,
         *,
+        mesh_dim: str | tuple[str, ...] | None = None,
         modules: Units = None,
         mixed_precision: str | None = None,
         reshard_after_forward: bool = True,
     ) -> None:
+        if mesh is not None and mesh_dim is not None:
+            mesh = mesh[mesh_dim]
         super().__init__(world_size, backend)
         if mixed_precision not in MIXED_PRECISION:
             raise ValueError(f"mixed_precision={mixed_precision!r}: use one of {MIXED_PRECISION}")
@@ -169,7 +195,7 @@ class FSDP2(Strategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         # Before sharding: fully_shard keeps each rank's slice of its *own* weights.
-        comm.sync_module_states(model)
+        sync_over_mesh(model, self.mesh)
         self.model = apply_fsdp2(
             model,
             self.mesh,

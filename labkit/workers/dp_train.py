@@ -132,19 +132,39 @@ def train_reference(
 # --- strategies --------------------------------------------------------------------------------
 
 
+def device_mesh(cfg: dict[str, Any], device_type: str) -> tuple[Any, str | None]:
+    """(the job's DeviceMesh, the name of its data-parallel dimension), or (None, None)
+    without a mesh. ``cfg["mesh"]`` is [n] (unnamed) or {name: n} (validate_dp_config)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    spec = cfg.get("mesh")
+    if spec is None:
+        return None, None
+    if isinstance(spec, dict):
+        from labkit.parallel import mesh
+
+        return mesh.build(spec, device_type), next(iter(spec))
+    return init_device_mesh(device_type, tuple(spec)), None
+
+
 def make_strategy(
     name: str, cfg: dict[str, Any], rank: int, world_size: int, device_type: str = "cpu"
 ) -> Strategy:
-    """The strategy called ``name``, configured from ``cfg`` (a validated config)."""
+    """The strategy called ``name``, configured from ``cfg`` (a validated config). With a
+    named mesh every strategy but ZeRO-1 takes its process group from the named dimension."""
     backend = cfg["backend"]
+    dm, dim = device_mesh(cfg, device_type)
+    group = dm.get_group(dim) if dim is not None else None
     if name in ("naive", "bucketed"):
         from labkit.parallel.dp_bucketed import BucketedDP
         from labkit.parallel.dp_naive import NaiveDP
 
         if name == "naive":
-            return NaiveDP(world_size, backend)
+            return NaiveDP(world_size, backend, group=group)
         cap = cfg.get("bucket_cap_mb")
-        return BucketedDP(world_size, backend, bucket_cap_mb=25.0 if cap is None else cap)
+        return BucketedDP(
+            world_size, backend, bucket_cap_mb=25.0 if cap is None else cap, group=group
+        )
     if name.startswith("ddp"):
         from labkit.parallel.ddp import TorchDDP
 
@@ -156,20 +176,20 @@ def make_strategy(
             powersgd_rank=cfg["powersgd_rank"],
             powersgd_start_iter=cfg["powersgd_start_iter"],
             gradient_as_bucket_view=cfg.get("gradient_as_bucket_view", True),
+            group=group,
         )
     if name == "zero1":
         from labkit.parallel.zero1 import ZeRO1
 
         return ZeRO1(world_size, backend, rank=rank)
     if name == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
-
         from labkit.parallel.fsdp import FSDP2
 
         return FSDP2(
             world_size,
             backend,
-            mesh=init_device_mesh(device_type, tuple(cfg["mesh"])),
+            mesh=dm,
+            mesh_dim=dim,
             mixed_precision=cfg.get("fsdp_mixed_precision"),
             reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True),
         )
@@ -280,11 +300,9 @@ def reshard_probe(
     micro-batch each on a fresh model: the gathered weights still held between forward and
     backward, and the bytes sent per rank for that micro-batch. None when this labkit's FSDP2
     has no such option."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     from labkit.parallel.fsdp import FSDP2
 
-    mesh = init_device_mesh(ctx.device.type, tuple(cfg["mesh"]))
+    mesh, _ = device_mesh(cfg, ctx.device.type)
     x, y = (t.to(ctx.device) for t in batch)
     out = {}
     for reshard in (True, False):

@@ -1,0 +1,225 @@
+"""Two-dimensional parallelism on 4 ranks: a mesh's groups, FSDP2 × TP, and HSDP.
+
+    labkit.launch.run("labkit.workers.mesh_train", nproc=4, config={"steps": 3})
+
+Parts (``parts``, all three by default):
+
+    groups   each rank reads, from the real DeviceMesh, the ranks of its process group on
+             every dimension of both meshes (torch.distributed.get_process_group_ranks)
+    fsdp_tp  the course GPT with DTensor tensor parallelism on mesh["tp"] and FSDP2 on
+             mesh["dp"] (``compose.apply_fsdp_tp``), ``steps`` AdamW steps on real text
+    hsdp     the same GPT under FSDP2 on a ("replicate", "shard") mesh (``compose.apply_hsdp``)
+
+Data: step s uses the s-th global batch of ``batch_size`` rows (``make_batches``); each
+data-parallel index d takes rows [d·b, (d+1)·b), b = batch_size / (data-parallel degree). In
+fsdp_tp the two ranks of a TP group share one index (they compute one batch together); in
+hsdp every rank is its own index (replicate coordinate × shard + shard coordinate = rank).
+
+Per training part, each rank reports: losses (mean over the data-parallel shards); the
+bytes of every collective issued in the first step's forward and backward, counted per mesh
+dimension by a dispatch-mode spy that reads each collective's process group
+(``mesh.MeshSpy``), next to ``mesh.predict_comm``; the parameter, gradient and AdamW-state bytes
+this rank holds after the last step, measured on local shards, next to
+``mesh.predict_memory``; and step times. Rank 0 saves the first step's gradients and the final
+parameters, gathered whole, to ``mesh_<part>_params.pt`` in the job directory.
+
+Config (all optional): model (ModelConfig fields; default seq_len 32, 2 layers, 4 heads,
+d_model 64), batch_size (global, 8), steps (3), seed (0), lr (3e-3), weight_decay (0.1),
+grad_clip (1.0 or null), parts, save (true), fsdp_tp_mesh ({"dp": 2, "tp": 2}),
+hsdp_mesh ({"replicate": 2, "shard": 2}).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+from labkit import data, dist, timing
+from labkit.config import ModelConfig, RunConfig, TrainConfig
+from labkit.memory import optimizer_state_tensors, storage_bytes
+from labkit.model import GPT
+from labkit.parallel import compose, mesh, tensor
+from labkit.parallel.dp_config import local
+from labkit.train import make_optimizer
+
+DEFAULT_MODEL = {"seq_len": 32, "n_layer": 2, "n_head": 4, "d_model": 64}
+PARTS = ("groups", "fsdp_tp", "hsdp")
+MESHES = {"fsdp_tp": {"dp": 2, "tp": 2}, "hsdp": {"replicate": 2, "shard": 2}}
+DATA_DIMS = {"fsdp_tp": ("dp",), "hsdp": ("replicate", "shard")}
+
+
+def make_batches(
+    cfg: ModelConfig, batch_size: int, steps: int, seed: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One global (x, y) batch of real text per step; the single-process reference uses it."""
+    g = torch.Generator().manual_seed(seed)
+    train = data.load_splits().train
+    return [data.get_batch(train, batch_size, cfg.seq_len, g) for _ in range(steps)]
+
+
+def data_index(spec: mesh.MeshLike, part: str, rank: int) -> tuple[int, int]:
+    """(this rank's data-parallel index, the data-parallel degree) for ``part``."""
+    s = mesh.as_spec(spec)
+    dims = DATA_DIMS[part]
+    index, degree = 0, 1
+    for name in dims:  # row-major over the data dimensions, outer first
+        coord = s.names.index(name)
+        stride = 1
+        for later in s.shape[coord + 1 :]:
+            stride *= later
+        index = index * s[name] + (rank // stride) % s[name]
+        degree *= s[name]
+    return index, degree
+
+
+def validate(conf: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """The job's settings, complete, or ValueError naming the field (no process group yet)."""
+    cfg = RunConfig(model=ModelConfig(**{**DEFAULT_MODEL, **conf.get("model", {})})).model
+    parts = list(conf.get("parts", PARTS))
+    bad = [p for p in parts if p not in PARTS]
+    if bad or not parts:
+        raise ValueError(f"parts={parts!r}: choose from {PARTS}")
+    B = conf.get("batch_size", 8)
+    meshes = {}
+    for part in ("fsdp_tp", "hsdp"):
+        spec = mesh.validate_mesh(conf.get(f"{part}_mesh", MESHES[part]), world_size, model_cfg=cfg)
+        missing = [d for d in MESHES[part] if d not in spec.names]
+        if missing or len(spec.names) != 2:
+            raise ValueError(
+                f"{part}_mesh={spec.as_dict()}: {part} needs the 2 dimensions "
+                f"{list(MESHES[part])} (outer first), e.g. {MESHES[part]}"
+            )
+        _, degree = data_index(spec, part, 0)
+        if isinstance(B, bool) or not isinstance(B, int) or B < 1 or B % degree:
+            raise ValueError(
+                f"batch_size={B!r} does not divide among the {degree} data-parallel shards of "
+                f"{part}'s mesh {spec}: use a positive multiple of {degree}"
+            )
+        meshes[part] = spec
+    clip = conf.get("grad_clip", 1.0)
+    tcfg = TrainConfig(
+        micro_batch=B,
+        steps=int(conf.get("steps", 3)),
+        lr=float(conf.get("lr", 3e-3)),
+        weight_decay=float(conf.get("weight_decay", 0.1)),
+        grad_clip=None if clip is None else float(clip),
+        seed=int(conf.get("seed", 0)),
+    )
+    return {"model": cfg, "train": tcfg, "parts": parts, "meshes": meshes}
+
+
+# --- the parts --------------------------------------------------------------------------------
+
+
+def _groups(ctx: dist.Context, meshes: dict[str, mesh.MeshSpec]) -> dict[str, Any]:
+    out = {}
+    for part, spec in meshes.items():
+        dm = mesh.build(spec, ctx.device.type)
+        out[part] = {d: tdist.get_process_group_ranks(dm[d].get_group()) for d in spec.names}
+    return out
+
+
+def _measure_memory(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
+    params = list(model.parameters())
+    got = {
+        "parameters": storage_bytes(local(p) for p in params),
+        "gradients": storage_bytes(local(p.grad) for p in params if p.grad is not None),
+        "optimizer_state": storage_bytes(local(t) for t in optimizer_state_tensors(opt)),
+    }
+    got["total"] = sum(got.values())
+    return got
+
+
+def _train_part(
+    ctx: dist.Context, part: str, job: dict[str, Any], batches: list
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    cfg, tcfg, spec = job["model"], job["train"], job["meshes"][part]
+    dm = mesh.build(spec, ctx.device.type)
+    torch.manual_seed(tcfg.seed)  # same weights on every rank before sharding
+    model = GPT(cfg).to(ctx.device)
+    if part == "fsdp_tp":
+        compose.apply_fsdp_tp(model, dm)
+    else:
+        compose.apply_hsdp(model, dm)
+    opt = make_optimizer(model, tcfg)
+    for group in opt.param_groups:  # DTensors on different meshes share no foreach kernel
+        group["foreach"] = False
+    index, degree = data_index(spec, part, ctx.rank)
+    b = tcfg.micro_batch // degree
+    names = {dm[d].get_group().group_name: d for d in spec.names}
+    spy = mesh.MeshSpy(names)
+    losses, times, first_grads, memory = [], [], {}, {}
+    for i, (x, y) in enumerate(batches):
+        x, y = x[index * b : (index + 1) * b].to(ctx.device), y[index * b : (index + 1) * b]
+        timing.synchronize(ctx.device)
+        t = time.perf_counter()
+        with ctx.phase(f"{part} step"):
+            if i == 0:
+                with spy:
+                    _, loss = model(x, y.to(ctx.device))
+                    loss.backward()
+            else:
+                _, loss = model(x, y.to(ctx.device))
+                loss.backward()
+            if i == 0:  # gathered whole for the parity test; not part of the timed step
+                timing.synchronize(ctx.device)
+                t_gather = time.perf_counter()
+                first_grads = tensor.full_state(model, grads=True)
+                t += time.perf_counter() - t_gather
+            if tcfg.grad_clip is not None:
+                compose.clip_grad_norm_(model, tcfg.grad_clip)
+            opt.step()
+        timing.synchronize(ctx.device)
+        times.append(time.perf_counter() - t)
+        if i == len(batches) - 1:
+            memory = _measure_memory(model, opt)  # gradients still held: before zero_grad
+        opt.zero_grad(set_to_none=True)
+        mean = loss.detach().reshape(1).clone()
+        tdist.all_reduce(mean)  # reporting: every data shard's loss, averaged (TP peers agree)
+        losses.append(float(mean) / ctx.world_size)
+        ctx.heartbeat(step=i + 1, total=len(batches), part=part)
+    predicted = mesh.predict_comm(cfg, spec, part, b)
+    result = {
+        "mesh": spec.as_dict(),
+        "losses": losses,
+        "step_s": times,
+        "bytes": spy.summary(spec.as_dict()),
+        "bytes_predicted": predicted,
+        "bytes_unknown_ops": sorted(set(spy.unknown)),
+        "memory": {**memory, "method": "storage bytes of local shards after the last step"},
+        "memory_predicted": mesh.predict_memory(cfg, spec, part),
+    }
+    state = {"params": tensor.full_state(model), "first_grads": first_grads}
+    return result, state
+
+
+@dist.entrypoint
+def main(ctx: dist.Context) -> dict[str, Any]:
+    job = validate(ctx.config, ctx.world_size)
+    # DTensor logs a warning each time it redistributes over two mesh dimensions in two
+    # collectives (full_tensor of a (_StridedShard, Shard) tensor): the gathers here are for
+    # the parity check only, and the per-mesh norms in clip_grad_norm_ are two scalars.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    save = bool(ctx.config.get("save", True)) and ctx.job_dir is not None
+    tcfg = job["train"]
+    batches = make_batches(job["model"], tcfg.micro_batch, tcfg.steps, tcfg.seed)
+    result: dict[str, Any] = {"rank": ctx.rank}
+    if "groups" in job["parts"]:
+        result["groups"] = _groups(ctx, job["meshes"])
+    for part in ("fsdp_tp", "hsdp"):
+        if part not in job["parts"]:
+            continue
+        result[part], state = _train_part(ctx, part, job, batches)
+        if save and ctx.rank == 0:
+            torch.save(state, ctx.job_dir / f"mesh_{part}_params.pt")
+        ctx.print0(f"{part} on {job['meshes'][part]}: losses "
+                   f"{[round(v, 4) for v in result[part]['losses']]}")  # fmt: skip
+    return result
+
+
+if __name__ == "__main__":
+    main()

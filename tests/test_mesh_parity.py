@@ -1,0 +1,105 @@
+"""FSDP2 × tensor parallelism and HSDP on a 2 × 2 mesh of 4 gloo ranks equal one process.
+
+One launch (``labkit.workers.mesh_train``, all three parts) checks: every rank's process
+groups read from torch's DeviceMesh against ``mesh.group_ranks``; both compositions'
+losses, first-step gradients and parameters after 3 AdamW steps against the single-process
+GPT on the same global batches (tolerances as tests/test_tp_parity.py: the collectives only
+sum in another order; parameters looser because Adam divides near-zero gradients by their
+RMS); the bytes counted on each mesh dimension against ``mesh.predict_comm``; the bytes of
+parameters, gradients and optimizer state each rank holds against ``mesh.predict_memory``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labkit import launch
+from labkit.config import ModelConfig, TrainConfig
+from labkit.model import GPT
+from labkit.parallel import mesh
+from labkit.train import make_optimizer
+from labkit.workers import mesh_train
+
+N, B, STEPS, SEED = 4, 8, 3, 0
+CFG = ModelConfig(**mesh_train.DEFAULT_MODEL)
+PARTS = ("fsdp_tp", "hsdp")
+
+
+@pytest.fixture(scope="module")
+def job():
+    return launch.run(
+        "labkit.workers.mesh_train",
+        nproc=N,
+        config={"batch_size": B, "steps": STEPS, "seed": SEED, "grad_clip": 1.0},
+        timeout_s=240,
+        stream=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The single-process GPT on each whole global batch, same clip and AdamW."""
+    torch.manual_seed(SEED)
+    model = GPT(CFG)
+    opt = make_optimizer(model, TrainConfig(micro_batch=B, lr=3e-3, weight_decay=0.1))
+    losses, first_grads = [], {}
+    for x, y in mesh_train.make_batches(CFG, B, STEPS, SEED):
+        _, loss = model(x, y)
+        loss.backward()
+        if not first_grads:
+            first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses, first_grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.slow
+def test_every_rank_sees_the_groups_group_ranks_predicts(job):
+    for r in range(N):
+        got = job.ranks[r]["groups"]
+        for part, spec in mesh_train.MESHES.items():
+            for dim in spec:
+                assert got[part][dim] == mesh.group_ranks(spec, dim, r), (part, dim, r)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("part", PARTS)
+def test_composition_equals_single_process_after_k_steps(job, reference, part, tmp_path):
+    ref_losses, ref_grads, ref_params = reference
+    for r in range(N):
+        assert job.ranks[r][part]["losses"] == pytest.approx(ref_losses, abs=1e-5)
+    saved = torch.load(job.log_dir / f"mesh_{part}_params.pt")
+    params, grads = saved["params"], saved["first_grads"]
+    assert set(params) == set(grads) == set(ref_params)
+    for name, ref in ref_grads.items():
+        torch.testing.assert_close(grads[name], ref, atol=1e-6, rtol=1e-4, msg=name)
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(params[name], ref, atol=1e-4, rtol=0, msg=name)
+    # The parameters moved: comparing two unchanged copies would prove nothing.
+    torch.manual_seed(SEED)
+    init = dict(GPT(CFG).named_parameters())
+    assert not torch.allclose(params["blocks.0.mlp.fc.weight"], init["blocks.0.mlp.fc.weight"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("part", PARTS)
+def test_bytes_per_dimension_and_memory_per_rank_match_the_formulas(job, part):
+    spec = mesh_train.MESHES[part]
+    predicted = mesh.predict_comm(CFG, spec, part, B // (N if part == "hsdp" else 2))
+    full = 16 * sum(p.numel() for p in GPT(CFG).parameters())  # fp32 param + grad + m + v
+    for r in range(N):
+        res = job.ranks[r][part]
+        assert res["bytes_unknown_ops"] == []
+        assert set(res["bytes"]) == set(spec)  # every collective filed under a named dim
+        for dim in spec:
+            counted, want = res["bytes"][dim], predicted[dim]
+            assert counted["message_bytes"] == want["message_bytes"], (part, dim)
+            assert counted["calls"] == want["calls"], (part, dim)
+            assert counted["sent_per_rank"] == pytest.approx(want["sent_per_rank"])
+        mem, want = res["memory"], mesh.predict_memory(CFG, spec, part)
+        for key in ("parameters", "gradients", "optimizer_state", "total"):
+            assert mem[key] == want[key], (part, key)
+        assert mem["total"] <= full / 2  # each rank: at most half the model's state (shard=2)
