@@ -47,7 +47,7 @@ gradients and optimizer state from ``formulas.zero_memory_per_rank`` over the da
 group; activations per layer from ``formulas.activation_bytes_per_layer`` (Korthikanti et al.
 2022, section 4), sharded by TP (all of it with sequence parallelism, all but the
 LayerNorm and dropout regions without) and by CP, times the micro-batches a 1F1B first stage
-holds: min(p, m), × (1 + (p−1)/(p·v)) when interleaved (Korthikanti et al. 2022, section 4.2.3).
+holds: min(p, m), × (1 + (p−1)/(p·v)) when interleaved (Korthikanti et al. 2022, section 4.2, eq. 5 and the interleaved correction).
 
 What the model leaves out, on purpose (say so when comparing with a real run): GEMM efficiency
 falling at small micro-batches or thin TP shards (one MFU for every layout); communication
@@ -587,7 +587,7 @@ def predict(model: ModelSpec, cluster: Cluster, workload: Workload, layout: Layo
     act = formulas.activation_bytes_per_layer(s_local, b, h, model.n_head, bytes_per_element=e,
                                               dropout=w.dropout, attention=w.attention)  # fmt: skip
     k = 1 if w.dropout else 0
-    if tp > 1 and not sp:  # LayerNorm inputs, the two block inputs, dropout masks: replicated
+    if tp > 1 and not sp:  # the LayerNorm and dropout regions: replicated (10·sbh at e=2, k=1)
         replicated = s_local * b * h * (4 * e + 2 * k)
         act = replicated + (act - replicated) / tp
     else:

@@ -89,7 +89,7 @@ def test_1f1b_first_stage_holds_p_micro_batches_and_interleaving_a_little_more()
     flat = planner.predict(model, cluster, workload, planner.Layout(dp=2, tp=4, pp=1))
     assert flat.memory["activations"] * 2 == pytest.approx(8 * per_layer_mb)  # tp 4 vs 2
     two = planner.predict(model, cluster, workload, planner.Layout(dp=1, tp=2, pp=4, v=2))
-    # Korthikanti et al. 2022, section 4.2.3: × (1 + (p−1)/(p·v))
+    # Korthikanti et al. 2022, section 4.2: × (1 + (p−1)/(p·v))
     assert two.memory["activations"] == pytest.approx(one.memory["activations"] * (1 + 3 / 8))
 
 
@@ -265,3 +265,18 @@ def test_published_layout_is_feasible_and_ranks_in_the_top_few(case):
     assert rank is not None and rank <= 5, f"{case.name}: ranked {rank}\n{plan.table(8)}"
     best = plan.best_per_shape()[0]
     assert math.isfinite(best.step_s) and 0 < best.predicted_mfu <= case.workload.mfu
+
+
+def test_the_rankings_section_10_describes():
+    # Notebook 03b, section 10 states these ranks at the assumed MFU of 50%: keep them in step.
+    ranks = {}
+    for case in planner.published_cases(mfu=0.5):
+        plan = planner.plan(case.model, case.cluster, case.workload, case.search)
+        ranks[case.name] = plan.rank_of(**case.shape)
+        if case.name.startswith("Llama"):
+            first = plan.best_per_shape()[0]
+            assert first.layout.shape == (1024, 8, 1, 1, 1) and first.layout.zero == 3
+            assert len(plan.best_per_shape()) == 7
+            pub = plan.best_per_shape()[ranks[case.name] - 1]
+            assert pub.layout.zero == 3 and pub.layout.v > 1  # ZeRO-2 does not fit interleaved
+    assert list(ranks.values()) == [4, 2, 1]
