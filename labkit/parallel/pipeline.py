@@ -28,9 +28,16 @@ a *copy* of it as ``lm_head.weight``; after the backward the two gradients are s
 an all-reduce between the first and the last rank, so both copies take identical optimiser
 steps and stay equal. That sum is exactly the gradient of the single shared matrix.
 
-Scope: the pipeline spans all ranks of the job (stage i runs on rank i), dropout should be 0
-for exact parity, and each rank builds the whole model before keeping its stage (fine at lab
-sizes; real systems build only their stage, e.g. on the meta device).
+**Composed with data parallelism** (``group=``): by default the pipeline spans all ranks of
+the job (stage i on rank i). Pass the process group of a device mesh's "pp" dimension (or the
+mesh itself) and the pipeline runs over that group's ranks only: with 4 ranks and a mesh
+("pp", "dp") of shape (2, 2), ranks {0, 2} form one pipeline and {1, 3} another, each a
+data-parallel replica of the other (``pp_group``). Stage i is then the i-th rank of the group;
+sends, receives, the loss broadcast and the tied-embedding sum stay inside it.
+
+Scope: dropout should be 0 for exact parity, and each rank builds the whole model before
+keeping its stage (fine at lab sizes; real systems build only their stage, e.g. on the meta
+device).
 """
 
 from __future__ import annotations
@@ -99,6 +106,79 @@ def validate_pipeline(
             f"schedule='torch_1f1b' needs n_microbatches >= p (torch's Schedule1F1B requires"
             f" it), got n_microbatches={n_microbatches}, p={p}: use more micro-batches"
         )
+
+
+# --- composed with data parallelism: what each stage's dp group sends per step ------------------
+
+DP_SYNCS = ("all_reduce", "per_microbatch", "zero1", "zero3")
+
+
+def dp_sync_per_step(
+    stage_params: int,
+    dp: int,
+    m: int,
+    sync: str = "all_reduce",
+    param_bytes: int = 4,
+    buffers: int = 1,
+) -> dict[str, float]:
+    """Predicted data-parallel collectives of one pipeline stage in one optimizer step.
+
+    A stage's d = ``dp`` replicas (same stage, other pipelines) must agree on its gradient.
+    S = ``stage_params`` × ``param_bytes`` (the gradient's bytes); ring costs per rank:
+    all-reduce 2(d−1)/d·S, all-gather and reduce-scatter (d−1)/d·S each.
+
+    * "all_reduce": one all-reduce after the stage's last backward of the step (the
+      gradients of the m micro-batches have accumulated locally): 1 call;
+    * "per_microbatch": the mistake, syncing after every micro-batch's backward: m calls,
+      m times the bytes, for the same result;
+    * "zero1": optimizer state sharded over the dp group (ZeRO-1): one reduce-scatter of the
+      gradients and one all-gather of the updated weights: 2 calls, the all-reduce's bytes;
+    * "zero3": parameters sharded too: each micro-batch all-gathers them for its forward and
+      again for its backward, and reduce-scatters its gradient (3 calls per micro-batch):
+      3m calls, 3m/2 times the all-reduce's bytes. Pipelining multiplies ZeRO-3's traffic
+      by m, which is why pipelined runs keep parameters gathered across micro-batches
+      (ZeRO-1/2, or FSDP with ``reshard_after_forward=False``).
+
+    ``buffers``: how many flat buffers each collective is split into (``zero1.ZeRO1`` keeps
+    one per optimizer group: 2, with and without weight decay): calls × buffers, same bytes.
+
+    Returns {"calls", "message_bytes" (S), "sent_per_rank"}.
+    """
+    for name, value in (("stage_params", stage_params), ("dp", dp), ("m", m),
+                        ("param_bytes", param_bytes), ("buffers", buffers)):  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: need a positive integer")
+    S = stage_params * param_bytes
+    share = (dp - 1) / dp * S  # one all-gather or reduce-scatter, per rank
+    calls, sent = {
+        "all_reduce": (1, 2 * share),
+        "per_microbatch": (m, 2 * share * m),
+        "zero1": (2, 2 * share),
+        "zero3": (3 * m, 3 * share * m),
+    }.get(sync, (None, None))
+    if calls is None:
+        raise ValueError(f"sync={sync!r}: use one of {DP_SYNCS}")
+    return {"calls": calls * buffers, "message_bytes": S, "sent_per_rank": sent}
+
+
+def validate_dp_pp(
+    model_cfg: ModelConfig, world_size: int, pp: int, dp: int, batch_size: int, m: int
+) -> None:
+    """Raise ValueError for a data × pipeline layout that cannot run, before any launch."""
+    for name, value in (("pp", pp), ("dp", dp), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r}: need a positive integer")
+    if pp * dp != world_size:
+        raise ValueError(
+            f"a mesh of pp={pp} × dp={dp} = {pp * dp} ranks but the job has {world_size}:"
+            f" the mesh must cover every rank (launch nproc={pp * dp})"
+        )
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size % dp:
+        raise ValueError(
+            f"batch_size={batch_size!r} does not split into dp={dp} equal replica batches:"
+            f" use a multiple of {dp}"
+        )
+    validate_pipeline(model_cfg, pp, batch_size // dp, m, "1f1b")
 
 
 # --- partition -------------------------------------------------------------------------------
@@ -506,11 +586,25 @@ def p2p_deadlock(batches: Sequence[Sequence[Batch]]) -> str | None:
             return f"deadlock: {waiting}"
 
 
+def pp_group(group: Any, dim: str = "pp") -> Any:
+    """The process group a pipeline runs over: ``group`` itself, or a mesh's ``dim`` group.
+
+    Accepts None (the whole job), a ``ProcessGroup``, or a ``DeviceMesh`` (torch's
+    ``init_device_mesh``) with a dimension named ``dim``.
+    """
+    if group is None or not hasattr(group, "get_group"):
+        return group
+    names = getattr(group, "mesh_dim_names", None) or ()
+    if dim not in names:
+        raise ValueError(f"the mesh has dimensions {names}: name one of them {dim!r}")
+    return group.get_group(dim)
+
+
 # --- the pipeline, one rank's view -------------------------------------------------------------
 
 
 class _Links:
-    """Point-to-point transfers with the neighbour stages (global rank = stage index).
+    """Point-to-point transfers with the neighbour stages (``ranks[stage]`` is its global rank).
 
     Everything goes through ``batch_isend_irecv``, one batch as ``p2p_plan`` says. A batch with
     a receive is waited for at once (the stage cannot compute without its input; its held-back
@@ -518,7 +612,8 @@ class _Links:
     it travels, and ``wait`` ends the step's last ones.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, ranks: Sequence[int] | None = None, group: Any = None) -> None:
+        self.ranks, self.group = ranks, group  # None: stage index = global rank, world group
         self.outbox: dict[tuple[str, int], torch.Tensor] = {}  # ("act"/"grad", mb) -> to send
         self.pending: list[tuple[list[Any], list[torch.Tensor]]] = []  # send works, tensors
 
@@ -533,15 +628,17 @@ class _Links:
         if not batch:
             return {}
         ops, sent, received = [], [], {}
-        for verb, peer, what, mb in batch:
+        kw = {} if self.group is None else {"group": self.group}
+        for verb, peer_stage, what, mb in batch:
+            peer = peer_stage if self.ranks is None else self.ranks[peer_stage]
             if verb == "send":
                 t = self.outbox.pop((what, mb))
                 sent.append(t)
-                ops.append(tdist.P2POp(tdist.isend, t, peer))
+                ops.append(tdist.P2POp(tdist.isend, t, peer, **kw))
             else:
                 buf = torch.empty(shape, dtype=torch.float32, device=device)
                 received[(what, mb)] = buf
-                ops.append(tdist.P2POp(tdist.irecv, buf, peer))
+                ops.append(tdist.P2POp(tdist.irecv, buf, peer, **kw))
         works = tdist.batch_isend_irecv(ops)
         if received:
             for work in works:
@@ -564,11 +661,14 @@ class Pipeline:
 
     Args:
         model: the whole GPT, built with the same seed on every rank; this rank keeps
-            ``bounds[rank]`` of it (``StageModule``).
+            ``bounds[stage]`` of it (``StageModule``).
         bounds: one (start, end) per stage, e.g. from ``partition``; len(bounds) must equal
-            the world size.
-        rank: this process's rank = its stage index.
+            the number of ranks in the pipeline (the world, or ``group``).
+        rank: this process's global rank. Its stage is its index in ``group`` (= ``rank``
+            when the pipeline spans the world); ``self.rank`` is that stage index.
         device: where the stage lives (``ctx.device``).
+        group: the pipeline's process group, e.g. ``mesh.get_group("pp")``, or a
+            ``DeviceMesh`` with a "pp" dimension; None spans every rank of the job.
         t0, clock: events are ``clock() - t0`` seconds; set ``pipe.timeline.t0`` from
             ``timeline.common_t0()`` before a step so all ranks share the origin.
     """
@@ -582,20 +682,38 @@ class Pipeline:
         device: torch.device,
         t0: float = 0.0,
         clock: Callable[[], float] = time.perf_counter,
+        group: Any = None,
     ) -> None:
         self.p = len(bounds)
-        world = tdist.get_world_size() if tdist.is_initialized() else 1
-        if world != self.p:
-            raise ValueError(
-                f"{self.p} stages in bounds but {world} ranks: the pipeline spans every rank "
-                f"(launch nproc={self.p}, or partition into p={world} stages)"
-            )
-        self.rank, self.device = rank, device
-        self.stage = StageModule(model, bounds, rank).to(device)
-        self.timeline = Timeline(rank, t0=t0, clock=clock)
+        group = pp_group(group)
+        if group is None:
+            world = tdist.get_world_size() if tdist.is_initialized() else 1
+            if world != self.p:
+                raise ValueError(
+                    f"{self.p} stages in bounds but {world} ranks: the pipeline spans every rank"
+                    f" (launch nproc={self.p}, partition into p={world} stages, or pass the"
+                    f" group of a mesh's 'pp' dimension)"
+                )
+            self.stage_ranks = list(range(self.p))
+            stage_index = rank
+        else:
+            self.stage_ranks = tdist.get_process_group_ranks(group)
+            if len(self.stage_ranks) != self.p:
+                raise ValueError(
+                    f"{self.p} stages in bounds but the pipeline group has"
+                    f" {len(self.stage_ranks)} ranks {self.stage_ranks}: partition into"
+                    f" p={len(self.stage_ranks)} stages"
+                )
+            if rank not in self.stage_ranks:
+                raise ValueError(f"rank {rank} is not in the pipeline group {self.stage_ranks}")
+            stage_index = self.stage_ranks.index(rank)
+        self.group, self.global_rank = group, rank
+        self.rank, self.device = stage_index, device
+        self.stage = StageModule(model, bounds, stage_index).to(device)
+        self.timeline = Timeline(stage_index, t0=t0, clock=clock)
         self.probe = StageProbe(self.timeline, device, self.p)
         self.stage.probe = self.probe
-        self.links = _Links()
+        self.links = _Links(None if group is None else self.stage_ranks, group)
         self._p2p_ready = False  # True once a collective has run (see step)
         self._torch_schedules: dict[tuple[str, int], Any] = {}
         self.model_cfg = model.cfg
@@ -622,7 +740,7 @@ class Pipeline:
             # docstring); a 1F1B step's first batch joins only stages 0 and 1. A collective
             # first, once, makes any later subset legal (pp_train's common_t0 is one, but
             # other callers, e.g. the exercises, step without one).
-            tdist.barrier()
+            tdist.barrier(group=self.group)
             self._p2p_ready = True
         if schedule.startswith("torch_"):
             loss_sum = self._run_torch(schedule, x, y, n_microbatches)
@@ -632,7 +750,7 @@ class Pipeline:
         self.sync_tied_grads()
         # The loss exists on the last stage only; every rank reports it.
         loss = torch.tensor([loss_sum], dtype=torch.float32, device=self.device)
-        tdist.broadcast(loss, src=self.p - 1)
+        tdist.broadcast(loss, src=self.stage_ranks[-1], group=self.group)
         return float(loss.item())
 
     def _run_order(self, schedule: str, x: torch.Tensor, y: torch.Tensor, m: int) -> float:
@@ -677,7 +795,7 @@ class Pipeline:
 
         key = (schedule, m)
         if key not in self._torch_schedules:
-            pstage = PipelineStage(self.stage, self.rank, self.p, self.device)
+            pstage = PipelineStage(self.stage, self.rank, self.p, self.device, group=self.group)
             cls = ScheduleGPipe if schedule == "torch_gpipe" else Schedule1F1B
             # scale_grads=True (default) divides the gradients by m: the mean loss's gradient.
             self._torch_schedules[key] = cls(pstage, n_microbatches=m, loss_fn=loss_fn)
@@ -694,9 +812,9 @@ class Pipeline:
     def sync_tied_grads(self) -> None:
         """Sum the gradients of the two copies of a tied embedding (first and last stage).
 
-        Only those two ranks hold a copy; with p = 2 they are the whole world. For p > 2 the
-        sum still runs over the world, the middle stages adding zeros: one collective every
-        rank joins, no extra process group to create.
+        Only those two ranks hold a copy; with p = 2 they are the whole pipeline. For p > 2
+        the sum still runs over the pipeline's group, the middle stages adding zeros: one
+        collective every stage joins, no extra process group to create.
         """
         if not self.stage.tied or self.p == 1:
             return
@@ -713,7 +831,7 @@ class Pipeline:
             if w is not None
             else torch.zeros(self.vocab_size, self.d_model, device=self.device)
         )
-        tdist.all_reduce(buf)  # in place: both copies now hold the shared matrix's gradient
+        tdist.all_reduce(buf, group=self.group)  # in place: both copies now hold the sum
 
     def activation_summary(self, schedule: str, m: int) -> dict[str, Any]:
         """Activation memory of this stage in the last step, measured and predicted."""

@@ -133,3 +133,204 @@ def simulate(
         if not progressed:
             raise RuntimeError(f"schedule {name!r} deadlocks for p={p}, m={m}")
     return sorted(events, key=lambda e: (e["rank"], e["start_s"]))
+
+
+# --- modern schedules: several stages per rank, backward split in two ----------------------------
+#
+# torch.distributed.pipelining runs them; this module predicts their bubble, checks the number
+# of micro-batches before any process starts, and replays torch's own action lists on an ideal
+# clock. An action there is (kind, stage, micro-batch) with kind "F" (forward), "B" (the whole
+# backward), or, in the zero-bubble schedules, "I" (backward to the input: what the previous
+# stage waits for) and "W" (backward to the weights: nobody waits for it, so it can fill a gap).
+
+# Our names for torch's schedules; v is the number of stages each rank holds.
+TORCH_SCHEDULES = {
+    "gpipe": ("ScheduleGPipe", 1),
+    "1f1b": ("Schedule1F1B", 1),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", 2),
+    "interleaved_zb": ("ScheduleInterleavedZeroBubble", 2),
+    "zbv": ("ScheduleZBVZeroBubble", 2),
+}
+
+
+def validate_torch_schedule(name: str, p: int, m: int, batch_size: int, n_layer: int) -> int:
+    """Raise ValueError for a (schedule, p, m) torch's pipelining would refuse; return v.
+
+    The rules, read from torch 2.13's ``torch/distributed/pipelining/schedules.py``:
+
+    * ``Schedule1F1B``: m >= p (it raises otherwise);
+    * ``ScheduleInterleaved1F1B`` and ``ScheduleInterleavedZeroBubble``: micro-batches run in
+      rounds of r = max(1, m // p); m must be a multiple of r (m = 5 with p = 2 fails, 4 and
+      6 run). Megatron-LM's original interleaved schedule is stricter: m a multiple of p;
+    * ``ScheduleZBVZeroBubble``: exactly 2 stages per rank, placed in a V (rank r holds
+      stages r and 2p−1−r); its steady state needs m >= 2p−1 to be bubble-free (torch plans
+      for max(2p−1, m) and drops the rest);
+
+    and ours: v·p stages need at least that many blocks, and m must divide the batch.
+    Call it before ``launch.run``: the error appears in the cell, not from every rank.
+    """
+    if name not in TORCH_SCHEDULES:
+        raise ValueError(f"schedule={name!r}: use one of {tuple(TORCH_SCHEDULES)}")
+    for arg, value in (("p", p), ("m", m), ("batch_size", batch_size), ("n_layer", n_layer)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{arg}={value!r}: need a positive integer")
+    v = TORCH_SCHEDULES[name][1]
+    if v * p > n_layer:
+        raise ValueError(
+            f"schedule={name!r} puts {v} stages on each of p={p} ranks: {v * p} stages, but the"
+            f" model has n_layer={n_layer} blocks; use p <= {n_layer // v} or a deeper model"
+        )
+    if batch_size % m:
+        raise ValueError(
+            f"m={m} micro-batches do not divide batch_size={batch_size}: use a divisor of it"
+        )
+    if name == "1f1b" and m < p:
+        raise ValueError(
+            f"schedule='1f1b' needs m >= p (torch's Schedule1F1B), got m={m}, p={p}: use m >= {p}"
+        )
+    if name in ("interleaved_1f1b", "interleaved_zb"):
+        rounds = max(1, m // p)
+        if m % rounds:
+            ok = [k for k in range(1, 4 * p + 1) if k % max(1, k // p) == 0]
+            raise ValueError(
+                f"schedule={name!r} runs micro-batches in rounds of max(1, m // p) ="
+                f" {rounds}, and m={m} is not a multiple of it (torch's"
+                f" {TORCH_SCHEDULES[name][0]}); use m in {ok} (a multiple of p={p} always works)"
+            )
+    return v
+
+
+def stage_placement(name: str, p: int) -> list[list[int]]:
+    """Which stages each rank holds: ``[[stages of rank 0], [stages of rank 1], ...]``.
+
+    One stage per rank (GPipe, 1F1B): [[0], [1]]. Interleaved ("loop"): rank r holds r, r+p,
+    ... (p = 2: [[0, 2], [1, 3]]), so a micro-batch visits every rank v times. ZB-V ("V"):
+    rank r holds r and 2p−1−r (p = 2: [[0, 3], [1, 2]]): the first rank also runs the last
+    stage, and the loss's backward starts where the forward ended.
+    """
+    v = TORCH_SCHEDULES[name][1] if name in TORCH_SCHEDULES else None
+    if v is None:
+        raise ValueError(f"schedule={name!r}: use one of {tuple(TORCH_SCHEDULES)}")
+    if name == "zbv":
+        return [[r, 2 * p - 1 - r] for r in range(p)]
+    return [[r + k * p for k in range(v)] for r in range(p)]
+
+
+def interleaved_overhead(p: int, v: int, m: int) -> float:
+    """Bubble time over ideal time for interleaved 1F1B: (p−1)/(v·m).
+
+    Narayanan et al. 2021 (arXiv 2104.04473), section 2.2.2: each of the v chunks a rank
+    holds is 1/v of its layers, so the warm-up and cool-down, p−1 chunk-steps long, shrink v
+    times; the price is v times more point-to-point messages. v = 1 is 1F1B's (p−1)/m.
+    """
+    for arg, value in (("p", p), ("v", v), ("m", m)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{arg}={value!r}: need a positive integer")
+    return (p - 1) / (v * m)
+
+
+def zero_bubble_time(schedule: str, p: int, t_f: float, t_b: float, t_w: float) -> float:
+    """Idle time per rank of one step, from Qi et al. 2023 (arXiv 2401.10241), per schedule.
+
+    ``t_f`` forward, ``t_b`` backward to the input ("B" in the paper, "I" in torch), ``t_w``
+    backward to the weights, all per micro-batch per stage:
+
+    * "1f1b": (p−1)(t_f + t_b + t_w): the whole backward waits (paper, section 2);
+    * "zb-h1": (p−1)(t_f + t_b − t_w): W is delayed to fill the cool-down, one third of
+      1F1B's bubble when the three are equal (section 2.1, Figure 3 top); torch's
+      ``ScheduleInterleavedZeroBubble`` is its interleaved form (ZB1P);
+
+    ZB-V (section 6; torch's ``ScheduleZBVZeroBubble``) claims zero bubble when t_f = t_b =
+    t_w and m >= 2p−1, and gives no closed form for unequal times: for it, and for the
+    interleaved ZB1P, replay torch's own action list with measured times
+    (``simulate_actions``): a modelled prediction, not a formula.
+    """
+    for arg, value in (("t_f", t_f), ("t_b", t_b), ("t_w", t_w)):
+        if not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"{arg}={value!r}: need a non-negative number of seconds")
+    if isinstance(p, bool) or not isinstance(p, int) or p < 1:
+        raise ValueError(f"p={p!r}: need a positive integer")
+    if schedule == "1f1b":
+        return (p - 1) * (t_f + t_b + t_w)
+    if schedule == "zb-h1":
+        return (p - 1) * max(0.0, t_f + t_b - t_w)
+    raise ValueError(f"schedule={schedule!r}: use '1f1b' or 'zb-h1'")
+
+
+StageAction = tuple[str, int, int]  # (kind "F"/"B"/"I"/"W", stage, micro-batch)
+
+
+def simulate_actions(
+    orders: dict[int, list[StageAction]] | list[list[StageAction]],
+    *,
+    t_f: float = 1.0,
+    t_b: float = 2.0,
+    t_w: float | None = None,
+    t_comm: float = 0.0,
+) -> list[dict[str, Any]]:
+    """Play per-rank action lists with several stages per rank on an ideal clock.
+
+    ``orders[rank]`` lists that rank's (kind, stage, micro-batch) in order, e.g. torch's
+    ``schedule.pipeline_order`` (None entries, torch's idle slots, are skipped: the clock
+    decides idleness here). Durations: F ``t_f``; a whole backward B ``t_b`` (+ ``t_w`` if
+    given); I ``t_b``; W ``t_w`` (required when the orders split the backward).
+    Dependencies: F(s, j) after F(s−1, j); B or I (s, j) after B or I (s+1, j), the last
+    stage's after its own F(s, j); W(s, j) after I(s, j). A hop between ranks costs
+    ``t_comm``. Returns events {rank, stage, mb, kind, start_s, end_s}, sorted per rank.
+    Raises RuntimeError on a deadlock (an action waits for one that never runs).
+    """
+    if not isinstance(orders, dict):
+        orders = dict(enumerate(orders))
+    orders = {r: [a for a in acts if a is not None] for r, acts in orders.items()}
+    kinds = {a[0] for acts in orders.values() for a in acts}
+    if not kinds <= {"F", "B", "I", "W"}:
+        raise ValueError(f"unknown action kinds {sorted(kinds - {'F', 'B', 'I', 'W'})}")
+    if kinds & {"I", "W"} and t_w is None:
+        raise ValueError("the orders split the backward into I and W: pass t_w")
+    dur = {"F": t_f, "B": t_b + (t_w or 0.0), "I": t_b, "W": t_w or 0.0}
+    owner = {a[1]: r for r, acts in orders.items() for a in acts}
+    last = max(owner)
+    done: dict[tuple[str, int, int], float] = {}  # ("F"/"G"/"W", stage, mb) -> end
+    free = dict.fromkeys(orders, 0.0)
+    nxt = dict.fromkeys(orders, 0)
+    events: list[dict[str, Any]] = []
+    while any(nxt[r] < len(orders[r]) for r in orders):
+        progressed = False
+        for r, acts in orders.items():
+            while nxt[r] < len(acts):
+                kind, s, j = acts[nxt[r]]
+                if kind == "F":
+                    dep = ("F", s - 1, j) if s > 0 else None
+                elif kind in ("B", "I"):
+                    dep = ("F", s, j) if s == last else ("G", s + 1, j)
+                else:
+                    dep = ("G", s, j)
+                if dep is not None and dep not in done:
+                    break
+                ready = 0.0
+                if dep is not None:
+                    ready = done[dep] + (t_comm if owner[dep[1]] != r else 0.0)
+                start = max(free[r], ready)
+                end = start + dur[kind]
+                key = ("F" if kind == "F" else "W" if kind == "W" else "G", s, j)
+                done[key] = free[r] = end
+                events.append(
+                    {"rank": r, "stage": s, "mb": j, "kind": kind, "start_s": start, "end_s": end}
+                )
+                nxt[r] += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"the action lists deadlock: next actions {nxt}")
+    return sorted(events, key=lambda e: (e["rank"], e["start_s"]))
+
+
+def order_from_torch(pipeline_order: dict[int, list[Any]]) -> dict[int, list[StageAction]]:
+    """torch's ``schedule.pipeline_order`` ({rank: [_Action or None]}) as plain tuples."""
+    return {
+        int(r): [
+            (str(a.computation_type.value), int(a.stage_index), int(a.microbatch_index))
+            for a in acts
+            if a is not None
+        ]
+        for r, acts in pipeline_order.items()
+    }

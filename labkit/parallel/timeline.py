@@ -128,7 +128,8 @@ def plot_timeline(
     events = list(events)
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 0.6 + 0.5 * len({e["rank"] for e in events})))
-    colors = {"F": "#7fb3e6", "B": "#1f5f99"}
+    # F forward, B whole backward; I and W: the backward split in two (zero-bubble schedules)
+    colors = {"F": "#7fb3e6", "B": "#1f5f99", "I": "#1f5f99", "W": "#e69f00"}
     for e in events:
         left, width = e["start_s"] * scale, (e["end_s"] - e["start_s"]) * scale
         ax.barh(
@@ -147,7 +148,7 @@ def plot_timeline(
             ha="center",
             va="center",
             fontsize=7,
-            color="black" if e["kind"] == "F" else "white",
+            color="white" if e["kind"] in ("B", "I") else "black",
         )
     ranks = sorted({e["rank"] for e in events})
     ax.set_yticks(ranks, [f"stage {r}" for r in ranks])

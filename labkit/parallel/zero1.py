@@ -101,8 +101,12 @@ class ShardedOptimizer:
         rank: int,
         world_size: int,
         counter: comm.ByteCounter,
+        group: Any = None,
     ) -> None:
+        # group: the data-parallel process group to shard over (e.g. a device mesh's "dp"
+        # group when composed with pipelining); rank and world_size are within it.
         self.rank, self.world_size, self.counter = rank, world_size, counter
+        self.group = group
         reference = make(model)  # the optimizer, groups and hyperparameters to mirror
         self.groups: list[_FlatGroup] = []
         inner_groups = []
@@ -173,14 +177,14 @@ class ShardedOptimizer:
                     self._into_buffer(p)  # a gradient set by hand, not by backward
                 got.append(p.grad is not None)
             # Reduce-scatter the persistent buffer: we receive the sum over ranks of our shard.
-            comm.reduce_scatter(g.shard_grad, g.grads, self.counter)
+            comm.reduce_scatter(g.shard_grad, g.grads, self.counter, group=self.group)
             g.shard_grad.div_(self.world_size)  # sum -> mean
             for piece in g.pieces:  # None where the parameter had no gradient: skipped
                 piece.view.grad = g.shard_grad[piece.lo : piece.hi] if got[piece.index] else None
         self.inner.step()  # updates the shard only, which writes into the model's weights
         for g in self.groups:
             # Everyone's updated shard -> every rank's full buffer (the model's weights).
-            comm.all_gather(g.flat, g.shard.clone(), self.counter)
+            comm.all_gather(g.flat, g.shard.clone(), self.counter, group=self.group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for g in self.groups:

@@ -1,0 +1,331 @@
+"""Pipelines composed: data × pipeline on a 2-D mesh, and torch's multi-stage schedules.
+
+    labkit.launch.run("labkit.workers.pp_compose", nproc=4, config={"part": "dp_pp"})
+    labkit.launch.run("labkit.workers.pp_compose", nproc=2, config={"part": "schedules"})
+
+part="dp_pp" (pp × dp ranks, default 2 × 2). A mesh ("pp", "dp"): rank = stage·dp + replica,
+so ranks {0, 2} are one pipeline and {1, 3} the other. Each pipeline runs its half of the
+batch with 1F1B (``labkit.parallel.pipeline.Pipeline`` over the mesh's "pp" group); then
+each stage syncs its gradients with its replica over the "dp" group, once per step:
+
+* run "all_reduce": one flat all-reduce of the stage's gradients after its last backward,
+  then AdamW on every rank (full optimizer state everywhere);
+* run "zero1": no all-reduce; ZeRO-1 (``labkit.parallel.zero1.ShardedOptimizer`` over the
+  "dp" group) reduce-scatters the gradients, steps its shard, all-gathers the weights.
+
+Both are checked against one process (same seed, whole batch, AdamW): loss, gradients and
+the weights after the step. Collectives are counted by our wrappers (``comm.ByteCounter``):
+calls and bytes per step, next to ``pipeline.dp_sync_per_step``.
+
+part="schedules" (p ranks, default 2). The GPT cut into v·p stages (one block each at 4
+layers), run by torch.distributed.pipelining's ``ScheduleGPipe`` and ``Schedule1F1B`` (v = 1)
+and ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``
+(v = 2) on the same batch. Every F, B, I (backward to the input) and W (backward to the
+weights) each rank runs is timestamped by wrapping the stage's own methods, so the bubble is
+measured whichever schedule drives it. Loss and gradients are compared with one process.
+
+Config (all optional): part, model (ModelConfig fields), batch_size (global, default 8),
+microbatches (m, default 4), seed, warmup/repeats (untimed and timed steps, default 1/3),
+pp and dp (dp_pp), schedules (list of names from ``schedules.TORCH_SCHEDULES``).
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+
+from labkit import dist
+from labkit.config import ModelConfig, RunConfig, TrainConfig
+from labkit.memory import optimizer_state_tensors, storage_bytes
+from labkit.parallel import comm, pipeline, schedules
+from labkit.parallel.timeline import bubble_from_events, common_t0
+from labkit.parallel.zero1 import ShardedOptimizer
+from labkit.timing import synchronize
+from labkit.train import make_optimizer
+from labkit.workers.pp_train import DEFAULT_MODEL, build_model, make_batch
+
+PARTS = ("dp_pp", "schedules")
+
+
+def reference(cfg: ModelConfig, x: torch.Tensor, y: torch.Tensor, seed: int) -> dict[str, Any]:
+    """One process, the whole batch: loss, gradients, and the weights after one AdamW step."""
+    model = build_model(cfg, seed)
+    _, loss = model(x, y)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    opt = make_optimizer(model, TrainConfig())
+    opt.step()
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"loss": float(loss.detach()), "grads": grads, "weights": weights}
+
+
+def ref_name(name: str) -> str:
+    """A stage's parameter name as the whole GPT spells it (``blocks.2.…``; the last stage's
+    copy of a tied embedding, ``lm_head.weight``, is ``wte.weight`` in the GPT)."""
+    return "wte.weight" if name == "lm_head.weight" else name
+
+
+def max_error(module: torch.nn.Module, ref: dict[str, torch.Tensor], what: str) -> float:
+    """Largest |ours − reference| over ``module``'s gradients ("grad") or weights ("weight")."""
+    worst = 0.0
+    for n, p in module.named_parameters():
+        t = p.grad if what == "grad" else p
+        if t is None:
+            raise RuntimeError(f"{n} has no gradient")
+        worst = max(worst, float((t.detach().cpu() - ref[ref_name(n)]).abs().max()))
+    return worst
+
+
+# --- part 1: data × pipeline ---------------------------------------------------------------------
+
+
+def _dp_pp(ctx: dist.Context, cfg: ModelConfig, conf: dict[str, Any]) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    pp, dp = int(conf.get("pp", 2)), int(conf.get("dp", 2))
+    B, m, seed = (
+        int(conf.get("batch_size", 8)),
+        int(conf.get("microbatches", 4)),
+        int(conf.get("seed", 0)),
+    )
+    pipeline.validate_dp_pp(cfg, ctx.world_size, pp, dp, B, m)  # again, first thing on the rank
+    mesh = init_device_mesh(ctx.device.type, (pp, dp), mesh_dim_names=("pp", "dp"))
+    dp_group, dp_rank = mesh.get_group("dp"), mesh.get_local_rank("dp")
+    stage_index = mesh.get_local_rank("pp")
+    x, y = make_batch(cfg, B, seed)
+    ref = reference(cfg, x, y, seed)
+    xr, yr = x.chunk(dp)[dp_rank], y.chunk(dp)[dp_rank]  # this replica's half of the batch
+    bounds = pipeline.partition(cfg, pp)
+    model = build_model(cfg, seed)
+    runs: dict[str, Any] = {}
+    events: list[dict[str, Any]] = []
+    for sync in ("all_reduce", "zero1"):
+        pipe = pipeline.Pipeline(model, bounds, rank=ctx.rank, device=ctx.device, group=mesh)
+        stage = pipe.stage
+        counter = comm.ByteCounter(dp, ctx.backend)
+        if sync == "zero1":
+            opt: Any = ShardedOptimizer(
+                stage, lambda mod: make_optimizer(mod, TrainConfig()), dp_rank, dp, counter,
+                group=dp_group,
+            )  # fmt: skip
+        else:
+            opt = make_optimizer(stage, TrainConfig())
+        pipe.timeline.t0 = common_t0()
+        with ctx.phase(f"dp×pp {sync}: pipeline step"):
+            loss = pipe.step("1f1b", xr, yr, m)  # mean over this replica's half
+        last_b = max(e["end_s"] for e in pipe.timeline.events if e["kind"] == "B")
+        sync_start = pipe.timeline.now()
+        with ctx.phase(f"dp×pp {sync}: gradient sync over dp"):
+            if sync == "all_reduce":
+                grads = [p.grad for p in stage.parameters()]
+                flat = torch.cat([g.reshape(-1) for g in grads])
+                comm.all_reduce(flat, counter, group=dp_group)  # once per step, all micro-batches
+                flat /= dp
+                off = 0
+                for g in grads:
+                    g.copy_(flat[off : off + g.numel()].view_as(g))
+                    off += g.numel()
+                grad_err = max_error(stage, ref["grads"], "grad")
+                opt.step()
+            else:
+                # ZeRO-1's step reduce-scatters: only the owner of a shard sees its mean
+                # gradient, so the gradient parity is read on the shards, and the weights
+                # after the all-gather are the end-to-end check.
+                opt.step()
+                grad_err = float("nan")
+        sync_end = pipe.timeline.now()
+        loss_t = torch.tensor([loss], dtype=torch.float64, device=dist.collective_device(dp_group))
+        tdist.all_reduce(loss_t, group=dp_group)  # the whole batch's mean: average of halves
+        counter.end_step()
+        summary = counter.summary()
+        stage_params = sum(p.numel() for p in stage.parameters())
+        runs[sync] = {
+            "loss": float(loss_t.item()) / dp,
+            "loss_error": abs(float(loss_t.item()) / dp - ref["loss"]),
+            "grad_error": grad_err,
+            "weight_error": max_error(stage, ref["weights"], "weight"),
+            "counted": summary,
+            "predicted": pipeline.dp_sync_per_step(
+                stage_params, dp, m, sync, buffers=len(opt.groups) if sync == "zero1" else 1
+            ),
+            "predicted_zero3": pipeline.dp_sync_per_step(stage_params, dp, m, "zero3"),
+            "optimizer_state_bytes": storage_bytes(optimizer_state_tensors(opt)),
+            "stage_params": stage_params,
+            "last_backward_end_s": last_b,
+            "sync_start_s": sync_start,
+            "sync_end_s": sync_end,
+        }
+        if sync == "all_reduce":
+            events = [{**e, "rank": ctx.rank, "stage": stage_index} for e in pipe.timeline.events]
+        ctx.heartbeat(step=len(runs), total=2)
+    gathered: list[Any] = [None] * ctx.world_size
+    tdist.all_gather_object(gathered, events)
+    return {
+        "rank": ctx.rank,
+        "stage": stage_index,
+        "dp_rank": dp_rank,
+        "pp_group": tdist.get_process_group_ranks(mesh.get_group("pp")),
+        "dp_group": tdist.get_process_group_ranks(dp_group),
+        "reference_loss": ref["loss"],
+        "runs": runs,
+        "events": [e for evs in gathered for e in evs] if ctx.rank == 0 else None,
+    }
+
+
+# --- part 2: torch's schedules with several stages per rank -----------------------------------
+
+
+def _timed(method: Any, log: list[dict[str, Any]], kind: Any, rank: int, stage: int,
+           clock: Any) -> Any:  # fmt: skip
+    """Wrap a PipelineStage method so each call becomes an event {kind, stage, mb, times}."""
+
+    @functools.wraps(method)
+    def wrapper(mb: int, *args: Any, **kwargs: Any) -> Any:
+        start = clock()
+        out = method(mb, *args, **kwargs)
+        k = kind(kwargs) if callable(kind) else kind
+        log.append({"rank": rank, "stage": stage, "mb": int(mb), "kind": k,
+                    "start_s": start, "end_s": clock()})  # fmt: skip
+        return out
+
+    return wrapper
+
+
+def _sum_tied(mods: list[torch.nn.Module], vocab: int, d: int) -> None:
+    """Sum the two copies of a tied embedding over the ranks that hold them (Megatron's way;
+    with ZB-V both are on rank 0). Every rank joins the one all-reduce."""
+    copies = [mod.wte.weight for mod in mods if mod.is_first]
+    copies += [mod.lm_head.weight for mod in mods if mod.is_last and not mod.is_first]
+    buf = torch.zeros(vocab, d, device=dist.collective_device())  # NCCL needs a GPU tensor
+    for w in copies:
+        buf += w.grad.detach().to(buf.device)
+    tdist.all_reduce(buf)
+    for w in copies:
+        w.grad.copy_(buf)
+
+
+def _schedules(ctx: dist.Context, cfg: ModelConfig, conf: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed.pipelining as tpp
+
+    p = ctx.world_size
+    B, m, seed = (
+        int(conf.get("batch_size", 8)),
+        int(conf.get("microbatches", 4)),
+        int(conf.get("seed", 0)),
+    )
+    names = list(conf.get("schedules", schedules.TORCH_SCHEDULES))
+    for name in names:  # again, first thing on the rank
+        schedules.validate_torch_schedule(name, p, m, B, cfg.n_layer)
+    warmup, repeats = int(conf.get("warmup", 1)), int(conf.get("repeats", 3))
+    x, y = make_batch(cfg, B, seed)
+    ref = reference(cfg, x, y, seed)
+    model = build_model(cfg, seed)
+    out: dict[str, Any] = {}
+    orders: dict[str, Any] = {}
+    total, done = len(names) * (warmup + repeats), 0
+    t0 = [0.0]  # the step's common start, set before each step
+
+    def clock() -> float:  # on a GPU, an op's time is only true once its kernels have run
+        synchronize(ctx.device)
+        return time.perf_counter() - t0[0]
+
+    for name in names:
+        cls_name, v = schedules.TORCH_SCHEDULES[name]
+        n_stages = v * p
+        bounds = pipeline.partition(cfg, n_stages)
+        mine = schedules.stage_placement(name, p)[ctx.rank]
+        mods = [pipeline.StageModule(model, bounds, s).to(ctx.device) for s in mine]
+        pstages = [
+            tpp.PipelineStage(mod, s, n_stages, ctx.device)
+            for mod, s in zip(mods, mine, strict=True)
+        ]
+        cls = getattr(tpp, cls_name)
+        sched = cls(pstages if v > 1 else pstages[0], n_microbatches=m, loss_fn=pipeline.loss_fn)
+        log: list[dict[str, Any]] = []
+        for ps, s in zip(pstages, mine, strict=True):
+            ps.forward_one_chunk = _timed(ps.forward_one_chunk, log, "F", ctx.rank, s, clock)
+            ps.backward_one_chunk = _timed(
+                ps.backward_one_chunk, log,
+                lambda kw: "B" if kw.get("full_backward", True) else "I", ctx.rank, s, clock,
+            )  # fmt: skip
+            ps.backward_weight_one_chunk = _timed(
+                ps.backward_weight_one_chunk, log, "W", ctx.rank, s, clock
+            )
+        holds_first, holds_last = 0 in mine, n_stages - 1 in mine
+        bubbles, steps_s, loss = [], [], float("nan")
+        for i in range(warmup + repeats):
+            for mod in mods:
+                mod.zero_grad(set_to_none=True)
+            log.clear()
+            t0[0] = common_t0()
+            losses: list[torch.Tensor] = []
+            args = (x.to(ctx.device),) if holds_first else ()
+            with ctx.phase(f"{name} step"):
+                sched.step(*args, target=y.to(ctx.device) if holds_last else None, losses=losses)
+            if cfg.tie_weights:
+                _sum_tied(mods, cfg.vocab_size, cfg.d_model)
+            box = torch.tensor(
+                [sum(float(v_.detach()) for v_ in losses) / m if losses else 0.0],
+                device=dist.collective_device(),
+            )
+            tdist.all_reduce(box)  # only the last stage's holder has the loss
+            loss = float(box.item())
+            gathered: list[Any] = [None] * p
+            tdist.all_gather_object(gathered, log)
+            events = [e for evs in gathered for e in evs]
+            done += 1
+            ctx.heartbeat(step=done, total=total)
+            if i < warmup:
+                continue
+            per_rank = bubble_from_events(events)
+            bubbles.append(statistics.fmean(r["idle_s"] / r["busy_s"] for r in per_rank.values()))
+            steps_s.append(per_rank[0]["step_s"])
+        grad_err = max(max_error(mod, ref["grads"], "grad") for mod in mods)
+        errs: list[Any] = [None] * p
+        tdist.all_gather_object(errs, grad_err)
+        durations = {
+            k: statistics.median(e["end_s"] - e["start_s"] for e in events if e["kind"] == k)
+            for k in {e["kind"] for e in events}
+        }
+        out[name] = {
+            "v": v,
+            "stages": schedules.stage_placement(name, p),
+            "loss": loss,
+            "loss_error": abs(loss - ref["loss"]),
+            "grad_error": max(errs),
+            "overhead": statistics.median(bubbles),  # idle / busy, mean over ranks
+            "overhead_samples": bubbles,
+            "step_s": statistics.median(steps_s),
+            "step_s_samples": steps_s,
+            "op_s": durations,  # median seconds per F, B, I, W on this rank
+            "events": events,  # the last timed step, every rank
+        }
+        if v > 1:
+            orders[name] = schedules.order_from_torch(sched.pipeline_order)
+        ctx.print0(
+            f"{name:>16} (v={v}): loss {loss:.4f}, measured idle/busy {out[name]['overhead']:.2f}"
+        )
+    return {"rank": ctx.rank, "p": p, "m": m, "reference_loss": ref["loss"], "runs": out,
+            "orders": orders if ctx.rank == 0 else None}  # fmt: skip
+
+
+@dist.entrypoint
+def main(ctx: dist.Context) -> dict[str, Any]:
+    conf = ctx.config
+    part = conf.get("part", "dp_pp")
+    if part not in PARTS:
+        raise ValueError(f"part={part!r}: use one of {PARTS}")
+    cfg = RunConfig(model=ModelConfig(**{**DEFAULT_MODEL, **conf.get("model", {})})).model
+    dist.require_gpu_backend(ctx.backend, ctx.device.type, "pipeline stages exchange "
+                             "activations with send/recv")  # fmt: skip
+    torch.manual_seed(0)
+    return _dp_pp(ctx, cfg, conf) if part == "dp_pp" else _schedules(ctx, cfg, conf)
+
+
+if __name__ == "__main__":
+    main()
