@@ -16,8 +16,9 @@ activation all-reduces, several per layer) belongs, on NVLink rather than the ne
 (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM", section 3.3; torchtitan's ``ParallelDims`` puts "tp" last for the same reason).
 
-This module is pure except for ``build``: a spec is validated, and each rank's groups worked
-out, before any process group exists.
+Everything but ``build`` and ``MeshSpy`` is pure: a spec is validated, and each rank's groups
+worked out, before any process group exists. ``MeshSpy`` counts, inside a job, the bytes each
+collective carries, filed under the mesh dimension whose process group carried it.
 
     spec = validate_mesh({"dp": 2, "tp": 2}, world_size=4, model_cfg=cfg)
     group_ranks(spec, "dp", 3)          # [1, 3]

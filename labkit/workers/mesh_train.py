@@ -115,12 +115,12 @@ def validate(conf: dict[str, Any], world_size: int) -> dict[str, Any]:
 # --- the parts --------------------------------------------------------------------------------
 
 
-def _groups(ctx: dist.Context, meshes: dict[str, mesh.MeshSpec]) -> dict[str, Any]:
-    out = {}
-    for part, spec in meshes.items():
-        dm = mesh.build(spec, ctx.device.type)
-        out[part] = {d: tdist.get_process_group_ranks(dm[d].get_group()) for d in spec.names}
-    return out
+def _groups(meshes: dict[str, Any]) -> dict[str, Any]:
+    """{part: {dim: the ranks of this rank's group along dim}}, read from torch's DeviceMesh."""
+    return {
+        part: {d: tdist.get_process_group_ranks(dm[d].get_group()) for d in dm.mesh_dim_names}
+        for part, dm in meshes.items()
+    }
 
 
 def _measure_memory(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
@@ -135,10 +135,9 @@ def _measure_memory(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[
 
 
 def _train_part(
-    ctx: dist.Context, part: str, job: dict[str, Any], batches: list
+    ctx: dist.Context, part: str, job: dict[str, Any], dm: Any, batches: list
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     cfg, tcfg, spec = job["model"], job["train"], job["meshes"][part]
-    dm = mesh.build(spec, ctx.device.type)
     torch.manual_seed(tcfg.seed)  # same weights on every rank before sharding
     model = GPT(cfg).to(ctx.device)
     if part == "fsdp_tp":
@@ -208,12 +207,14 @@ def main(ctx: dist.Context) -> dict[str, Any]:
     tcfg = job["train"]
     batches = make_batches(job["model"], tcfg.micro_batch, tcfg.steps, tcfg.seed)
     result: dict[str, Any] = {"rank": ctx.rank}
+    # Every process group of both meshes, made once (each is a collective over the world).
+    meshes = {part: mesh.build(spec, ctx.device.type) for part, spec in job["meshes"].items()}
     if "groups" in job["parts"]:
-        result["groups"] = _groups(ctx, job["meshes"])
+        result["groups"] = _groups(meshes)
     for part in ("fsdp_tp", "hsdp"):
         if part not in job["parts"]:
             continue
-        result[part], state = _train_part(ctx, part, job, batches)
+        result[part], state = _train_part(ctx, part, job, meshes[part], batches)
         if save and ctx.rank == 0:
             torch.save(state, ctx.job_dir / f"mesh_{part}_params.pt")
         ctx.print0(f"{part} on {job['meshes'][part]}: losses "
