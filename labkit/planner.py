@@ -47,7 +47,8 @@ gradients and optimizer state from ``formulas.zero_memory_per_rank`` over the da
 group; activations per layer from ``formulas.activation_bytes_per_layer`` (Korthikanti et al.
 2022, section 4), sharded by TP (all of it with sequence parallelism, all but the
 LayerNorm and dropout regions without) and by CP, times the micro-batches a 1F1B first stage
-holds: min(p, m), × (1 + (p−1)/(p·v)) when interleaved (Korthikanti et al. 2022, section 4.2, eq. 5 and the interleaved correction).
+holds: min(p, m), × (1 + (p−1)/(p·v)) when interleaved (Korthikanti et al. 2022, section 4.2,
+equation 5 and its correction for the interleaved schedule).
 
 What the model leaves out, on purpose (say so when comparing with a real run): GEMM efficiency
 falling at small micro-batches or thin TP shards (one MFU for every layout); communication
@@ -60,7 +61,7 @@ SwiGLU's activation shapes (the activation count is a GPT block's, Korthikanti's
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -384,6 +385,13 @@ class Layout:
     micro_batch: int = 1
     zero: int = 1
     recompute: str = "none"
+
+    def __post_init__(self) -> None:
+        for f in ("dp", "tp", "pp", "cp", "ep", "v", "micro_batch"):
+            _int(f, getattr(self, f))
+        if isinstance(self.zero, bool) or self.zero not in formulas.ZERO_STAGES:
+            raise ValueError(f"zero={self.zero!r}: ZeRO stages are 0, 1, 2, 3")
+        formulas._choice("recompute", self.recompute, RECOMPUTE)
 
     @property
     def n_gpus(self) -> int:
@@ -899,10 +907,6 @@ def this_machine(model_cfg: Any, *, global_batch: int, matmul_flops_per_s: float
         vocab_parallel=False,
     )
     return model, cluster, workload, search
-
-
-def shapes_of(predictions: Iterable[Prediction]) -> list[tuple[int, ...]]:
-    return [p.layout.shape for p in predictions]
 
 
 __all__: Sequence[str] = (

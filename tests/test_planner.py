@@ -280,3 +280,12 @@ def test_the_rankings_section_10_describes():
             pub = plan.best_per_shape()[ranks[case.name] - 1]
             assert pub.layout.zero == 3 and pub.layout.v > 1  # ZeRO-2 does not fit interleaved
     assert list(ranks.values()) == [4, 2, 1]
+
+
+def test_layout_validates_its_fields():
+    with pytest.raises(ValueError, match="ZeRO stages"):
+        planner.Layout(dp=1, tp=1, pp=1, zero=4)
+    with pytest.raises(ValueError, match="recompute"):
+        planner.Layout(dp=1, tp=1, pp=1, recompute="some")
+    with pytest.raises(ValueError, match="tp=0"):
+        planner.Layout(dp=1, tp=0, pp=1)
