@@ -110,6 +110,7 @@ def test_byte_and_memory_formulas():
     blk = B * H * (T // n) * D
     assert context.ring_kv_bytes_per_rank(B, H, T, D, n, 2) == 2 * (n - 1) * blk * 2
     assert context.ring_kv_bytes_per_rank(B, H, T, D, 1, 4) == 0  # one rank sends nothing
+    assert context.ring_backward_bytes_per_rank(B, H, T, D, 1, 4) == 0
     assert context.ring_backward_bytes_per_rank(B, H, T, D, n, 2) == 2 * blk * (3 * 2 + 4 * 4)
     assert context.score_bytes(B, H, T, T) == n * n * context.score_bytes(B, H, T // n, T // n)
     # q, k, v in bf16, out in fp32, lse fp32 per query

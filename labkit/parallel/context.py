@@ -263,8 +263,12 @@ def _ring_forward(
     acc: tuple[torch.Tensor, torch.Tensor] | None = None
     for s in range(n):
         j = (r - s) % n  # whose block this rank holds now
-        pending = ring.start(kv) if s < n - 1 else None  # the next hop overlaps this compute
         t0 = _clock(q.device) if timings is not None else 0.0
+        pending = ring.start(kv) if s < n - 1 else None  # the next hop overlaps this compute
+        if timings is not None:
+            t1 = _clock(q.device)
+            timings["post_s"] = timings.get("post_s", 0.0) + t1 - t0
+            t0 = t1
         part = _attend(q, kv[0], kv[1], block_kind(r, j, causal=causal))
         if part is not None:
             acc = part if acc is None else merge(*acc, *part)
@@ -329,8 +333,9 @@ def _ring_backward(
             dq += scale * (ds @ kf)
             dkv[0] += scale * (ds.transpose(-2, -1) @ qf)
         # This block's gradient so far goes on with it; after the last step it goes home.
-        dkv, works = ring.start(dkv, tag=1)
-        ring.wait(works)
+        if n > 1:
+            dkv, works = ring.start(dkv, tag=1)
+            ring.wait(works)
         if pending is not None:
             kv, works = pending
             ring.wait(works)
@@ -370,7 +375,8 @@ def ring_attention(
     ``q``, ``k``, ``v``: this rank's contiguous shard (rank r of ``group`` holds positions
     [r·Tl, (r+1)·Tl)). Differentiable (the backward runs the ring again). ``counter`` counts
     the bytes sent; ``timings`` (forward without grad only) receives the seconds spent
-    computing and waiting for the next block.
+    posting each hop (``post_s``), computing (``compute_s``) and waiting for the next block
+    (``wait_s``).
     """
     if timings is not None:
         out, _ = _ring_forward(q, k, v, causal=causal, group=group, counter=counter,
@@ -410,6 +416,8 @@ def ring_backward_bytes_per_rank(
     """
     validate_context_parallel(seq_len, world_size)
     n, blk = world_size, batch * heads * (seq_len // world_size) * head_dim
+    if n == 1:  # the whole sequence on one rank: nothing travels
+        return 0
     return 2 * blk * ((n - 1) * bytes_per_el + n * grad_bytes_per_el)
 
 

@@ -71,11 +71,16 @@ def make_qkv(c: dict[str, Any], dtype: torch.dtype = torch.float64) -> tuple[tor
 
 
 def reference(q, k, v, causal: bool) -> torch.Tensor:
-    """Softmax attention in float64 over the whole sequence (no float32 step anywhere)."""
+    """Softmax attention in float64 over the whole sequence (no float32 step anywhere).
+
+    Computed on the inputs' device (a GPU rank checks long sequences quickly), returned there.
+    """
     T = q.shape[-2]
     s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
     if causal:
-        s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+        s = s.masked_fill(
+            ~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), float("-inf")
+        )
     return torch.softmax(s, dim=-1) @ v
 
 
@@ -119,19 +124,19 @@ def _parity(ctx: dist.Context, c: dict[str, Any], qkv64, truth) -> dict[str, Any
 
 def _grad(ctx: dist.Context, c: dict[str, Any], qkv64) -> dict[str, Any]:
     n, r, dev = ctx.world_size, ctx.rank, ctx.device
-    q64, k64, v64 = (t[:1].clone().requires_grad_() for t in qkv64)  # batch 1 keeps it cheap
+    q64, k64, v64 = (
+        t[:1].to(dev, copy=True).requires_grad_() for t in qkv64
+    )  # batch 1 keeps it cheap
     g = torch.Generator().manual_seed(c["seed"] + 1)
-    w = torch.randn(q64.shape, generator=g, dtype=torch.float64)  # loss = sum(out * w)
+    w = torch.randn(q64.shape, generator=g, dtype=torch.float64).to(dev)  # loss = sum(out * w)
     (reference(q64, k64, v64, c["causal"]) * w).sum().backward()
     q, k, v = (_shard(t.detach(), r, n).float().to(dev).requires_grad_() for t in (q64, k64, v64))
     counter = context.P2PCounter()
     with ctx.phase("ring attention backward"):
         o = context.ring_attention(q, k, v, causal=c["causal"], counter=counter)
-        (o * _shard(w, r, n).float().to(dev)).sum().backward()
+        (o * _shard(w, r, n).float()).sum().backward()
     errs = {
-        name: _max_over_ranks(
-            (mine.grad.double().cpu() - _shard(ref.grad, r, n)).abs().max().item()
-        )
+        name: _max_over_ranks((mine.grad.double() - _shard(ref.grad, r, n)).abs().max().item())
         for name, mine, ref in (("dq", q, q64), ("dk", k, k64), ("dv", v, v64))
     }
     return {
@@ -220,7 +225,7 @@ def _memory(ctx: dist.Context, c: dict[str, Any], qkv64) -> dict[str, Any]:
 def _time(ctx: dist.Context, c: dict[str, Any], qkv64) -> dict[str, Any]:
     n, r, dev = ctx.world_size, ctx.rank, ctx.device
     q, k, v = (_shard(t, r, n).float().to(dev) for t in qkv64)
-    calls, compute, wait = [], [], []
+    calls, compute, wait, post = [], [], [], []
     with torch.no_grad():
         context.ring_attention(q, k, v, causal=c["causal"])  # warm-up
         for i in range(c["repeats"]):
@@ -232,11 +237,13 @@ def _time(ctx: dist.Context, c: dict[str, Any], qkv64) -> dict[str, Any]:
             calls.append(context._clock(dev) - t0)
             compute.append(tm.get("compute_s", 0.0))
             wait.append(tm.get("wait_s", 0.0))
+            post.append(tm.get("post_s", 0.0))
             ctx.heartbeat(step=i + 1, total=c["repeats"], part="time")
     return {
         "call_s": calls,
         "compute_s": compute,
         "wait_s": wait,
+        "post_s": post,
         "blocks_computed": context.blocks_computed(r, n, causal=c["causal"]),
     }
 
@@ -251,7 +258,7 @@ def _torch_cp(ctx: dist.Context, c: dict[str, Any], qkv64) -> dict[str, Any]:
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     mesh = init_device_mesh(dev.type, (ctx.world_size,))
     q, k, v = (t.to(dev, dt) for t in qkv64)
-    truth = reference(*qkv64, c["causal"])
+    truth = reference(*(t.to(dev) for t in qkv64), c["causal"]).cpu()
     try:
         with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=c["causal"])
@@ -270,7 +277,7 @@ def _torch_cp(ctx: dist.Context, c: dict[str, Any], qkv64) -> dict[str, Any]:
 def main(ctx: dist.Context) -> dict[str, Any]:
     c = validate(ctx.config, ctx.world_size)
     qkv64 = make_qkv(c)
-    result: dict[str, Any] = {"rank": ctx.rank, "world_size": ctx.world_size,
+    result: dict[str, Any] = {"rank": ctx.rank, "world_size": ctx.world_size, "device": str(ctx.device),
                               "config": {k: c[k] for k in c if k != "parts"}}  # fmt: skip
     parts = [p for p in PARTS if p in c["parts"]]
     t_start = time.perf_counter()
@@ -279,7 +286,7 @@ def main(ctx: dist.Context) -> dict[str, Any]:
         ctx.heartbeat(step=i, total=len(parts), part=part)
         t_part = time.perf_counter()
         if part == "parity":
-            truth = reference(*qkv64, c["causal"])
+            truth = reference(*(t.to(ctx.device) for t in qkv64), c["causal"]).cpu()
             result["parity"] = _parity(ctx, c, qkv64, truth)
             e = {d: f"{v['ring_max_abs_err']:.1e}" for d, v in result["parity"].items()}
             ctx.print0(f"parity: ring attention max |error| vs float64 {e}")
