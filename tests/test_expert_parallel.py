@@ -127,6 +127,16 @@ def test_all_to_all_bytes_worked_case():
         expert.alltoall_sent_bytes([1, 2, 3, 4], 4, 64)
 
 
+def test_balance_run_reports_every_step_and_restores_threads():
+    threads = torch.get_num_threads()
+    out = expert.balance_run(0.1, 2, d_model=16, n_experts=4, top_k=2, batch_size=2, seq_len=8)
+    assert torch.get_num_threads() == threads
+    assert {k: len(v) for k, v in out.items()} == {"imbalance": 2, "aux": 2, "loss": 2}
+    assert all(1.0 <= v <= 4.0 for v in out["imbalance"])
+    with pytest.raises(ValueError, match="alpha=-1"):
+        expert.balance_run(-1, 2)
+
+
 # --- one launch: 2 gloo ranks -----------------------------------------------------------------
 
 N, E, K, B, SEED = 2, 4, 2, 2, 0
@@ -139,7 +149,7 @@ def job():
         "labkit.workers.moe_train",
         nproc=N,
         config={"model": MODEL, "n_experts": E, "top_k": K, "batch_size": B, "seed": SEED,
-                "check_dispatch": True},
+                "check_dispatch": True, "compare_torch": True},
         timeout_s=180,
         stream=False,
     )  # fmt: skip
@@ -167,6 +177,12 @@ def test_expert_parallel_equals_single_process(job):
         assert len(got["expert_grads"]) == 4 * E // N  # fc/proj weight and bias per expert
         for name, grad in got["expert_grads"].items():
             torch.testing.assert_close(grad, ref_params[f"experts.{name}"].grad, **close)
+
+
+@pytest.mark.slow
+def test_torchs_autograd_all_to_all_gives_the_same_step(job):
+    for res in job.ranks:
+        assert max(res["torch_impl_max_abs"].values()) <= 1e-6, res["torch_impl_max_abs"]
 
 
 @pytest.mark.slow

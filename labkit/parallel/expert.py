@@ -413,3 +413,66 @@ def copies_per_rank(experts: torch.Tensor, n_experts: int, world_size: int) -> l
     validate_moe(n_experts, 1, world_size)
     per_expert = tokens_per_expert(experts, n_experts)
     return per_expert.reshape(world_size, -1).sum(1).tolist()
+
+
+# --- what the auxiliary loss changes: a small run on one process ---------------------------------
+
+
+def balance_run(
+    alpha: float,
+    steps: int,
+    *,
+    d_model: int = 64,
+    n_experts: int = 8,
+    top_k: int = 2,
+    batch_size: int = 8,
+    seq_len: int = 32,
+    lr: float = 1e-2,
+    seed: int = 0,
+) -> dict[str, list[float]]:
+    """Train a byte-level next-token model whose only hidden layer is a MoE, with
+    ``loss + alpha · load_balancing_loss`` (``alpha=0``: no balancing), on the course's text.
+
+    embed → LayerNorm → h + MoE(h) → linear head; AdamW. Returns per step the token copies'
+    imbalance over experts (max/mean), the auxiliary loss and the language-model loss.
+    Small enough for a notebook cell (60 steps: about a second on an idle CPU core); it runs
+    on one thread and restores the thread count after.
+    """
+    validate_moe(n_experts, top_k)
+    if alpha < 0 or steps < 1:
+        raise ValueError(f"alpha={alpha}, steps={steps}: need alpha >= 0 and steps >= 1")
+    threads = torch.get_num_threads()
+    # One thread: these ops are tiny, and on a shared machine intra-op threads spend more time
+    # waiting for each other than computing (measured: 20 steps took 1.8 s on one thread, 29 s
+    # on two, with the 2-core machine loaded ~5x).
+    torch.set_num_threads(1)
+    try:
+        return _balance_run(alpha, steps, d_model, n_experts, top_k, batch_size, seq_len, lr, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _balance_run(alpha, steps, d_model, n_experts, top_k, batch_size, seq_len, lr, seed):
+    from labkit import data
+
+    cfg = ModelConfig(d_model=d_model, n_head=1, seq_len=seq_len)
+    torch.manual_seed(seed)
+    emb, moe, head = nn.Embedding(256, d_model), MoE(cfg, n_experts, top_k), nn.Linear(d_model, 256)
+    params = [*emb.parameters(), *moe.parameters(), *head.parameters()]
+    opt = torch.optim.AdamW(params, lr=lr)
+    g = torch.Generator().manual_seed(seed)
+    train = data.load_splits().train
+    out: dict[str, list[float]] = {"imbalance": [], "aux": [], "loss": []}
+    for _ in range(steps):
+        x, y = data.get_batch(train, batch_size, seq_len, g)
+        h = nn.functional.layer_norm(emb(x), (d_model,))
+        z, r = moe(h)
+        loss = nn.functional.cross_entropy(head(h + z).flatten(0, 1), y.flatten())
+        aux = load_balancing_loss(r)
+        (loss + alpha * aux).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out["imbalance"].append(imbalance(tokens_per_expert(r.experts, n_experts)))
+        out["aux"].append(float(aux.detach()))
+        out["loss"].append(float(loss.detach()))
+    return out

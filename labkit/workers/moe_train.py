@@ -18,7 +18,9 @@ parallelism would).
 Config (all optional): model (ModelConfig fields; default seq_len 32, 1 layer, 4 heads, d_model
 64), batch_size (2 sequences per rank), n_experts (8), top_k (2), seed (0), impl ("ours" or
 "torch": which autograd all-to-all), check_dispatch (false: also run ``expert.dispatch`` on
-tagged tokens, ``dispatch_case``, and return what arrived and the gradients), save (true: write moe_rank{r}.pt with this rank's output
+tagged tokens, ``dispatch_case``, and return what arrived and the gradients), compare_torch
+(false: also run the step through torch's autograd all-to-all and report the differences),
+save (true: write moe_rank{r}.pt with this rank's output
 and gradients).
 
 Result per rank: the bytes each all-to-all sent, counted, beside the prediction for an even
@@ -156,6 +158,22 @@ def main(ctx: dist.Context) -> dict[str, Any]:
         ),
         "router_grad": float((router_grad.cpu() - ref.router.gate.weight.grad).abs().max()),
     }
+
+    if bool(conf.get("compare_torch", False)):  # the same step through torch's all-to-all
+        torch_ep = expert.ExpertParallelMoE.from_moe(ref, cfg, impl="torch").to(dev)
+        xt = xs[rank].detach().clone().to(dev).requires_grad_()
+        with ctx.phase("dispatch and combine (torch's all-to-all)"):
+            yt, _ = torch_ep(xt)
+            (yt * grads[rank].to(dev)).sum().backward()
+        result["torch_impl_max_abs"] = {
+            "output": float((yt - y).abs().max()),
+            "input_grad": float((xt.grad - x.grad).abs().max()),
+            "expert_grads": max(
+                float((p.grad - q.grad).abs().max())
+                for a, b in zip(torch_ep.experts, ep.experts, strict=True)
+                for p, q in zip(a.parameters(), b.parameters(), strict=True)
+            ),
+        }
 
     copies = expert.copies_per_rank(routing.experts, E, n)
     received = ep.last["received_rows"]
