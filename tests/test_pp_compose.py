@@ -9,7 +9,7 @@ bubble and ZB-V (two stages per rank) on one batch: same loss and gradients as o
 every rank ran its stages' F/B (or F/I/W) for every micro-batch, and torch's own interleaved
 order, replayed on an ideal clock, has the bubble of Narayanan et al.'s formula.
 
-Tolerances: fp32; loss 1e-5, gradients 1e-6 (measured ~1e-7), weights after AdamW 2e-5
+Tolerances: fp32; loss 1e-5, gradients 1e-6 (measured ~1e-7), weights after AdamW 3e-5 = lr/100
 (measured ~3e-6: Adam's first step is about lr · sign(g), so tiny gradients move their
 weight by up to lr whatever their rounding).
 """
@@ -64,7 +64,7 @@ def test_dp_pp_matches_one_process(dp_pp, sync):
     for r in dp_pp.ranks:
         run = r["runs"][sync]
         assert run["loss_error"] < 1e-5, (r["rank"], run["loss"], r["reference_loss"])
-        assert run["weight_error"] < 2e-5, (r["rank"], run["weight_error"])
+        assert run["weight_error"] < 3e-5, (r["rank"], run["weight_error"])
         if sync == "all_reduce":
             assert run["grad_error"] < 1e-6, (r["rank"], run["grad_error"])
 
