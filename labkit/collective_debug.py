@@ -77,7 +77,8 @@ class Outcome:
         trial: the job's fault and DETAIL setting.
         error: the launcher's ``JobFailed``/``JobTimeout`` (None: the job finished).
         result: what the job left (per-rank results, logs in ``result.log_dir``).
-        detect_s: measured seconds from the moment rank 1 planted the bug to the first
+        detect_s: measured seconds from the moment the first rank reached the bug's step (rank
+            1 plants it there; a wait that times out starts after that) to the first
             exception a rank raised (None where no rank raised: the bug never struck, or the
             ranks were killed, as gloo's abort does); ``report_s`` (property) to the launcher's
             error in this process, which adds the job's teardown.
@@ -238,13 +239,17 @@ def table(outcomes: Sequence[Outcome]) -> str:
                      for r in rows)  # fmt: skip
 
 
-def report_lines(o: Outcome, limit: int = 4) -> list[str]:
-    """The launcher's message, shortened for a notebook: headline and the lines that explain
-    (traceback and log paths left out)."""
-    keep = []
+def report_lines(o: Outcome, limit: int = 6) -> list[str]:
+    """The launcher's message, shortened for a notebook: the headline and the lines that explain,
+    what a killed rank wrote to stderr included (tracebacks and log paths left out)."""
+    keep, said = [], False
     for line in o.message.splitlines()[1:]:
-        if line.startswith(("  ", "full ", "logs in", "what followed", "other ranks")):
-            continue
+        if line.startswith("what rank ") and line.endswith("wrote to stderr last:"):
+            said = True  # a rank killed without an exception: what it said is the evidence
+        elif not (said and line.startswith("  ")):
+            said = False
+            if line.startswith(("  ", "full ", "logs in", "what followed", "other ranks")):
+                continue
         keep.append(line)
     return [o.headline, *keep[:limit]]
 

@@ -151,6 +151,10 @@ class RankEnd:
                 return "peer gone"
             return "waited" if _WAIT_TIMEOUT.search(self.exc_message) else "raised"
         if self.exitcode not in (None, 0):
+            if not self.stopped_by_agent and _WAIT_TIMEOUT.search(self.stderr):
+                # NCCL's watchdog ends a rank whose collective timed out (SIGABRT, no Python
+                # exception; TORCH_NCCL_ASYNC_ERROR_HANDLING=3): it waited for another rank.
+                return "waited"
             return "stopped" if self.stopped_by_agent else "died"
         if self.ended_unreported:
             return "died"

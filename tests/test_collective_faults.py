@@ -93,6 +93,15 @@ def test_detail_monitored_barrier_timeout_is_a_wait_for_another_rank():
     end = diagnosis.RankEnd(0, exc_type="RuntimeError",
                             exc_message="[Rank 0]: Ranks 1 failed to pass monitoredBarrier in 3000 ms")  # fmt: skip
     assert end.kind == "waited" and end.echo
+    # NCCL's watchdog aborts a rank whose collective timed out: no exception, its stderr says.
+    nccl = diagnosis.RankEnd(0, exitcode=-6, stderr="[rank0]:[E1204] Watchdog caught collective "
+                             "operation timeout: WorkNCCL(SeqNum=3, OpType=ALLREDUCE) ran for "
+                             "10000 milliseconds before timing out.")  # fmt: skip
+    assert nccl.kind == "waited"
+    assert (
+        diagnosis.RankEnd(0, exitcode=-6, stderr="Is there a distributed collective mismatch").kind
+        == "died"
+    )
 
 
 # --- the worker's plan and its checks ------------------------------------------------------------
@@ -143,6 +152,27 @@ def test_bad_trials_are_refused_before_any_launch():
         cd.run_trials([])
     with pytest.raises(ValueError, match="must be < timeout_s"):
         cd.run_trials([cd.Trial("hang")], pg_timeout_s=30, timeout_s=10)
+
+
+def test_report_lines_keep_what_a_killed_rank_said_and_drop_tracebacks():
+    msg = "\n".join([
+        f"{cd.WORKER} failed on rank 0: the process was killed by SIGABRT: ...",
+        "what rank 0 wrote to stderr last:",
+        "  what():  [enforce fail at pair.cc:456] Is there a distributed collective mismatch",
+        "full stderr: /x/stderr.log",
+        "  Traceback (most recent call last):",
+        "logs in /x",
+    ])  # fmt: skip
+
+    class Err(Exception):
+        pass
+
+    o = cd.Outcome(cd.Trial("shape"), Err(msg), None, None, 1.0)
+    assert cd.report_lines(o) == [
+        "failed on rank 0: the process was killed by SIGABRT: ...",
+        "what rank 0 wrote to stderr last:",
+        "  what():  [enforce fail at pair.cc:456] Is there a distributed collective mismatch",
+    ]
 
 
 def test_topology_says_plainly_when_there_is_no_nvidia_smi(monkeypatch):

@@ -101,7 +101,10 @@ def main(ctx: dist.Context) -> dict[str, Any]:
     for step in range(1, steps + 1):
         ctx.heartbeat(step=step, total=steps, phase="compute")
         faulty = ctx.rank == cfg["fault_rank"] and step == cfg["fault_step"]
-        if faulty and fault != "none":  # when the bug struck, for the time to detection
+        if step == cfg["fault_step"] and fault != "none":
+            # When this rank reached the bug's step: the earliest rank's time is when the bug
+            # could first be seen (a wait that times out begins after it), for the time to
+            # detection.
             ctx.write_result({**result, "fault_at": time.time(), "steps_done": step - 1})
         grads = torch.full((numel,), float(ctx.rank + 1), device=device)
         if faulty and fault == "hang":
@@ -111,15 +114,22 @@ def main(ctx: dist.Context) -> dict[str, Any]:
         if not (faulty and fault == "desync"):
             with ctx.phase("all_reduce grads"):
                 tdist.all_reduce(grads)
+                _wait(device)
         loss = torch.tensor([10.0 * step + ctx.rank], device=device)
         gathered = [torch.empty_like(loss) for _ in range(ctx.world_size)]
         with ctx.phase("all_gather loss"):
             tdist.all_gather(gathered, loss)
+            _wait(device)
         losses.append([t.item() for t in gathered])
         result.update(steps_done=step, grad0=grads[0].item(), losses=losses)
+    return result
+
+
+def _wait(device: torch.device) -> None:
+    """NCCL returns from a collective once its kernel is queued: wait for it inside the phase,
+    so a rank stuck in a collective is seen (heartbeat) as waiting in it, not in the next step."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return result
 
 
 if __name__ == "__main__":
