@@ -85,6 +85,15 @@ def test_prediction_for_one_rank_is_the_single_process_prediction(mode):
     )
 
 
+def test_cuda_prediction_adds_the_attention_rng_state_per_layer():
+    # Measured on an H200 (torch 2.11, float32, one process): the memory-efficient SDPA kernel
+    # saves two int64 scalars (seed, offset) per call; the flash path on the CPU saves none.
+    for mode in sequence.MODES:
+        cpu = sequence.predicted_activations_per_rank(CFG, B, N, mode=mode)
+        cuda = sequence.predicted_activations_per_rank(CFG, B, N, mode=mode, device_type="cuda")
+        assert sum(cuda.values()) - sum(cpu.values()) == 16 * CFG.n_layer
+
+
 def test_prediction_orders_the_modes_and_the_saving_is_the_replicated_part():
     tp, sp, keep = (
         sum(sequence.predicted_activations_per_rank(CFG, B, N, mode=m).values())
@@ -117,6 +126,8 @@ def test_bad_input_raises_before_launch():
         sequence.validate_sequence_parallel(CFG, 4, seq_len=30)
     with pytest.raises(ValueError, match="mode"):
         sequence.predicted_activations_per_rank(CFG, B, N, mode="ring")
+    with pytest.raises(ValueError, match="device_type"):
+        sequence.predicted_activations_per_rank(CFG, B, N, device_type="tpu")
     with pytest.raises(ValueError, match="t=0"):
         sequence.paper_activation_bytes_per_layer(128, 1, 64, 4, 0)
 

@@ -167,7 +167,13 @@ MODES = ("tp", "sp", "sp_keep_gathered")
 
 
 def predicted_activations_per_rank(
-    cfg: ModelConfig, micro_batch: int, tp: int, *, mode: str = "sp", bytes_per_element: int = 4
+    cfg: ModelConfig,
+    micro_batch: int,
+    tp: int,
+    *,
+    mode: str = "sp",
+    bytes_per_element: int = 4,
+    device_type: str = "cpu",
 ) -> dict[str, int]:
     """Bytes ``labkit.model.GPT`` saves for backward per rank, term by term, in float32
     (no autocast), dropout off, with a fused SDPA kernel (flash on CPU and CUDA).
@@ -179,7 +185,13 @@ def predicted_activations_per_rank(
     statistics (on 1/t of the tokens under SP), the head's input (the gathered whole
     sequence in every mode: the head is replicated), the float32 log-softmax, the ids, the
     loss's scalar. With tp = 1 every mode is ``memory.predicted_activations``.
+
+    ``device_type="cuda"`` adds 16 bytes per layer: in float32 CUDA's SDPA runs the
+    memory-efficient kernel, which also saves its random-number seed and offset, two int64
+    scalars (measured: torch 2.11, one H200, one process, exact with this term).
     """
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"device_type={device_type!r}: use 'cpu' or 'cuda'")
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: use one of {MODES}")
     if cfg.dropout > 0:
@@ -212,6 +224,8 @@ def predicted_activations_per_rank(
         "token and position ids": 2 * 8 * s * b + 8 * s,
         "loss total_weight": 4,
     }
+    if device_type == "cuda":
+        terms["attention RNG seed and offset (CUDA)"] = 16 * L
     return {k: int(v) for k, v in terms.items()}
 
 
@@ -294,6 +308,15 @@ def _rank(group: Any) -> int:
     return tdist.get_rank(group) if tdist.is_initialized() else 0
 
 
+def _all_gather_fn() -> Any:
+    # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns)
+    return getattr(tdist, "all_gather_single", None) or tdist.all_gather_into_tensor
+
+
+def _reduce_scatter_fn() -> Any:
+    return getattr(tdist, "reduce_scatter_single", None) or tdist.reduce_scatter_tensor
+
+
 def _gather_seq(
     x: torch.Tensor,
     group: Any,
@@ -310,7 +333,7 @@ def _gather_seq(
     # The collective concatenates along dim 0: bring T to the front, gather, put it back.
     xt = x.movedim(SEQ_DIM, 0).contiguous()
     out = xt.new_empty((xt.shape[0] * n, *xt.shape[1:]))
-    tdist.all_gather_into_tensor(out, xt, group=group)
+    _all_gather_fn()(out, xt, group=group)
     return out.movedim(0, SEQ_DIM).contiguous()
 
 
@@ -325,7 +348,7 @@ def _reduce_scatter_seq(
         return x.contiguous().clone()
     xt = x.movedim(SEQ_DIM, 0).contiguous()
     out = xt.new_empty((xt.shape[0] // n, *xt.shape[1:]))
-    tdist.reduce_scatter_tensor(out, xt, group=group)
+    _reduce_scatter_fn()(out, xt, group=group)
     return out.movedim(0, SEQ_DIM).contiguous()
 
 

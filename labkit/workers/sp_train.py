@@ -21,6 +21,11 @@ ours, the module's own counter (message bytes per kind, re-gathers and boundary 
 Config (all optional): model (ModelConfig fields; default seq_len 32, 2 layers, 4 heads,
 d_model 64), batch_size (4), steps (3), seed (0), lr (3e-3), weight_decay (0.1), grad_clip
 (1.0; null for none), parts (all three), save (true: write the files above).
+
+Result per rank: rank, world_size, device ("cpu" or "cuda"), and per part ("tp", "ours",
+"ours_keep_gathered", "dtensor"): saved_bytes (measured), collectives (CommDebugMode, by
+pass), counted (our counters' calls and message bytes), losses (trained parts), part_s (the
+part's wall time on this rank).
 """
 
 from __future__ import annotations
@@ -94,6 +99,16 @@ def _train(model: torch.nn.Module, batches: list, tcfg: TrainConfig, ctx: dist.C
     return {"losses": losses, "first_grads": first_grads}
 
 
+def _line(label: str, out: dict[str, Any]) -> str:
+    """One line per part for the live output: saved bytes, collectives, losses."""
+    counts = out["collectives"]
+    kinds = sorted({k for p in counts.values() for k in p})
+    coll = ", ".join(f"{k} {sum(p.get(k, 0) for p in counts.values())}" for k in kinds)
+    losses = f"; losses {[round(v, 4) for v in out['losses']]}" if "losses" in out else ""
+    return (f"{label}: autograd saved {out['saved_bytes']:,} B on rank 0 in one forward; "
+            f"collectives in one step: {coll}{losses}")  # fmt: skip
+
+
 @dist.entrypoint
 def main(ctx: dist.Context) -> dict[str, Any]:
     conf = ctx.config
@@ -111,7 +126,7 @@ def main(ctx: dist.Context) -> dict[str, Any]:
     save = bool(conf.get("save", True)) and ctx.job_dir is not None
     batches = make_batches(cfg, B, steps, seed)
     n, r = ctx.world_size, ctx.rank
-    result: dict[str, Any] = {"rank": r, "tp": n}
+    result: dict[str, Any] = {"rank": r, "world_size": n, "device": ctx.device.type}
     torch.manual_seed(seed)
     base = GPT(cfg).to(ctx.device)  # every part starts from these weights
 
@@ -123,8 +138,7 @@ def main(ctx: dist.Context) -> dict[str, Any]:
         out = _measure(model, batches[0], ctx, None, counter)  # counter: f and g's all-reduces
         result["tp"] = out
         result["tp"]["part_s"], t0 = time.perf_counter() - t0, time.perf_counter()
-        ctx.print0(f"TP: saved {out['saved_bytes']:,} B per rank; collectives "
-                   f"{out['collectives']}")  # fmt: skip
+        ctx.print0(_line("TP", out))
 
     if "ours" in parts:
         for name, regather in (("ours_keep_gathered", False), ("ours", True)):
@@ -145,9 +159,8 @@ def main(ctx: dist.Context) -> dict[str, Any]:
                                ctx.job_dir / "sp_ours_params.pt")  # fmt: skip
             result[name] = out
             out["part_s"], t0 = time.perf_counter() - t0, time.perf_counter()
-            ctx.print0(f"{name}: saved {out['saved_bytes']:,} B per rank; collectives "
-                       f"{out['collectives']}" + (f"; losses {[round(v, 4) for v in out['losses']]}"
-                                                  if regather else ""))  # fmt: skip
+            label = "TP+SP ours" + ("" if regather else ", gathered input kept")
+            ctx.print0(_line(label, out))
 
     if "dtensor" in parts:
         from torch.distributed.device_mesh import init_device_mesh
@@ -167,10 +180,7 @@ def main(ctx: dist.Context) -> dict[str, Any]:
                        ctx.job_dir / "sp_dtensor_params.pt")  # fmt: skip
         result["dtensor"] = out
         out["part_s"] = time.perf_counter() - t0
-        ctx.print0(
-            f"DTensor: saved {out['saved_bytes']:,} B per rank; collectives "
-            f"{out['collectives']}; losses {[round(v, 4) for v in out['losses']]}"
-        )
+        ctx.print0(_line("TP+SP DTensor", out))
     return result
 
 
