@@ -37,8 +37,8 @@ per step and v model chunks per pipeline rank (interleaved 1F1B when v > 1):
 * the bubble: (p−1)/v extra micro-batch slots (Narayanan et al. 2021, arXiv 2104.04473,
   section 2.2);
 * dp_sync: ZeRO 0 all-reduces the gradients; 1 and 2 reduce-scatter them and all-gather the
-  updated parameters (same volume); 3 also all-gathers the parameters for the forward and again
-  for the backward of every micro-batch (Rajbhandari et al. 2019, arXiv 1910.02054; the
+  updated parameters (same volume); 3 reduce-scatters them and all-gathers the parameters for
+  the forward and again for the backward of every micro-batch (Rajbhandari et al. 2019, arXiv 1910.02054; the
   Playbook's "1.5×" is m = 1), prefetched behind that micro-batch's compute. With
   ``overlap_dp`` the final sync hides behind the last micro-batch's backward as far as it can.
 
@@ -673,25 +673,33 @@ def predict(model: ModelSpec, cluster: Cluster, workload: Workload, layout: Layo
     pp_bytes = sends * act_msg
 
     # --- DP: gradient sync over the dp·cp ranks holding the same weights (ZeRO decides how)
-    def sync(n_params: float, n: int, link: Link | None = None) -> tuple[float, float, float]:
+    def sync(n_params: float, n: int, link: Link | None = None,
+             in_layers: float | None = None) -> tuple[float, float, float]:  # fmt: skip
         """(seconds of the final sync, bytes, seconds of ZeRO-3's all-gathers per micro-batch)."""
         if n == 1 or n_params == 0:
             return 0.0, 0.0, 0.0
         lk = cluster.link_for(cluster.n_gpus) if link is None else link
         if lay.zero == 0:
             byts = formulas.ring_allreduce_bytes_per_rank(w.grad_bytes * n_params, n)
-        else:  # reduce-scatter the gradients, all-gather the updated parameters
+        elif lay.zero < 3:  # reduce-scatter the gradients, all-gather the updated parameters
             byts = (n - 1) / n * (w.grad_bytes + w.param_bytes) * n_params
-        t = formulas.alpha_beta_time(byts, lk.latency_s, lk.bytes_per_s, messages=2 * (n - 1))
+        else:  # reduce-scatter only: the parameters stay sharded until the next forward
+            byts = (n - 1) / n * w.grad_bytes * n_params
+        messages = (n - 1) if lay.zero == 3 else 2 * (n - 1)
+        t = formulas.alpha_beta_time(byts, lk.latency_s, lk.bytes_per_s, messages=messages)
         ag = 0.0
         if lay.zero == 3:  # gather the parameters for the forward and for the backward
-            ag_bytes = 2 * (n - 1) / n * w.param_bytes * n_params
+            # each layer is gathered for its forward and again for its backward; the rest
+            # (embeddings, head, final norm) once, kept through the backward as FSDP2 keeps
+            # its root module's parameters
+            twice = n_params if in_layers is None else in_layers
+            ag_bytes = (n - 1) / n * w.param_bytes * (n_params + twice)
             ag = formulas.alpha_beta_time(ag_bytes, lk.latency_s, lk.bytes_per_s,
                                           messages=2 * (n - 1))  # fmt: skip
             byts += m * ag_bytes
         return t, byts, ag
 
-    t_d, b_d, ag_d = sync(dense, n_dense)
+    t_d, b_d, ag_d = sync(dense, n_dense, in_layers=layers * dense_layer)
     t_e, b_e, ag_e = sync(experts, n_expert, cluster.link_for(cluster.n_gpus // ep))
     dp_sync = t_d + t_e
     hide = (2 / 3) * compute_mb if w.overlap_dp else 0.0
