@@ -182,7 +182,7 @@ def predict_checkpointing(
 # Selective recomputation: keep what is expensive to recompute, recompute what is cheap.
 #
 # Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
-# arXiv 2205.05198, section 4.2) recompute only the attention core (QKᵀ, softmax, dropout,
+# arXiv 2205.05198) recompute only the attention core (QKᵀ, softmax, dropout,
 # ·V): its a·s²·b-sized tensors are most of a layer's activations at long sequences, and its
 # FLOPs are few. labkit's GPT runs attention through ``F.scaled_dot_product_attention``, whose
 # fused kernel (flash on CUDA and on CPU) already never stores the s×s matrix: it keeps a
@@ -373,16 +373,17 @@ def paper_bytes_per_layer(seq_len: int, micro_batch: int, d_model: int, n_head: 
                           mode: str) -> float:
     """Korthikanti et al. 2022's activation bytes per layer (16-bit, dropout on, s×s stored).
 
-    ``"none"``: s·b·h·(34 + 5·a·s/h) (their eq. 1); ``"selective"``: 34·s·b·h, the attention
-    core's 5·a·s²·b recomputed (section 4.2); ``"full"``: 2·s·b·h, the layer's 16-bit input
-    (section 4.2, "full activation recomputation"). The paper's convention, not this GPT's.
+    ``"none"``: s·b·h·(34 + 5·a·s/h) (``formulas.activation_bytes_per_layer``'s defaults);
+    ``"selective"``: 34·s·b·h, the attention core's 5·a·s²·b recomputed; ``"full"``: 2·s·b·h,
+    the layer's 16-bit input alone. The paper's convention, not this GPT's.
     """
     if mode not in AC_MODES:
         raise ValueError(f"mode={mode!r} is not allowed: one of {', '.join(map(repr, AC_MODES))}")
     s, b = formulas._positive_int("seq_len", seq_len), formulas._positive_int("micro_batch", micro_batch)
     h, a = formulas._positive_int("d_model", d_model), formulas._positive_int("n_head", n_head)
-    return {"none": s * b * h * (34 + 5 * a * s / h), "selective": 34 * s * b * h,
-            "full": 2 * s * b * h}[mode]  # fmt: skip
+    if mode == "none":  # the formula's defaults are the paper's: 16-bit, 1-byte masks, s×s stored
+        return formulas.activation_bytes_per_layer(s, b, h, a)
+    return {"selective": 34 * s * b * h, "full": 2 * s * b * h}[mode]
 
 
 def one_f_one_b_in_flight(stages: int, micro_batches: int) -> list[int]:
