@@ -153,7 +153,8 @@ def make_strategy(
     """The strategy called ``name``, configured from ``cfg`` (a validated config). With a
     named mesh every strategy but ZeRO-1 takes its process group from the named dimension."""
     backend = cfg["backend"]
-    dm, dim = device_mesh(cfg, device_type)
+    named = isinstance(cfg.get("mesh"), dict)  # [n] as before: only FSDP2 builds a mesh
+    dm, dim = device_mesh(cfg, device_type) if named or name == "fsdp2" else (None, None)
     group = dm.get_group(dim) if dim is not None else None
     if name in ("naive", "bucketed"):
         from labkit.parallel.dp_bucketed import BucketedDP

@@ -135,8 +135,10 @@ def _measure_memory(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[
 
 
 def _train_part(
-    ctx: dist.Context, part: str, job: dict[str, Any], dm: Any, batches: list
+    ctx: dist.Context, part: str, job: dict[str, Any], dm: Any, batches: list, done: int = 0
 ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Train ``part`` on ``batches``; ``done``: steps of the job before it (for the heartbeat,
+    which counts over the whole job)."""
     cfg, tcfg, spec = job["model"], job["train"], job["meshes"][part]
     torch.manual_seed(tcfg.seed)  # same weights on every rank before sharding
     model = GPT(cfg).to(ctx.device)
@@ -180,7 +182,7 @@ def _train_part(
         mean = loss.detach().reshape(1).clone()
         tdist.all_reduce(mean)  # reporting: every data shard's loss, averaged (TP peers agree)
         losses.append(float(mean) / ctx.world_size)
-        ctx.heartbeat(step=i + 1, total=len(batches), part=part)
+        ctx.heartbeat(step=done + i + 1, part=part)
     predicted = mesh.predict_comm(cfg, spec, part, b)
     result = {
         "mesh": spec.as_dict(),
@@ -211,10 +213,12 @@ def main(ctx: dist.Context) -> dict[str, Any]:
     meshes = {part: mesh.build(spec, ctx.device.type) for part, spec in job["meshes"].items()}
     if "groups" in job["parts"]:
         result["groups"] = _groups(meshes)
-    for part in ("fsdp_tp", "hsdp"):
-        if part not in job["parts"]:
-            continue
-        result[part], state = _train_part(ctx, part, job, meshes[part], batches)
+    training = [p for p in ("fsdp_tp", "hsdp") if p in job["parts"]]
+    ctx.heartbeat(step=0, total=len(training) * len(batches))
+    for i, part in enumerate(training):
+        result[part], state = _train_part(
+            ctx, part, job, meshes[part], batches, done=i * len(batches)
+        )
         if save and ctx.rank == 0:
             torch.save(state, ctx.job_dir / f"mesh_{part}_params.pt")
         ctx.print0(f"{part} on {job['meshes'][part]}: losses "
