@@ -797,8 +797,8 @@ class Plan:
 
     def table(self, top: int = 8) -> str:
         rows = self.best_per_shape()[:top]
-        lines = [f"{'rank':>4}  {'layout':<22} {'best variant':<30} {'memory/GPU':>11}"
-                 f"{'':14} {'step':>14}  {'MFU':>9}"]  # fmt: skip
+        lines = [f"{'rank':>4}  {'layout':<22} {'best variant':<30} {'memory per GPU':<26}"
+                 f"{'time per step':>15}  {'MFU':>9}"]  # fmt: skip
         lines += [f"{i:>4}  {p.line()}" for i, p in enumerate(rows, 1)]
         return "\n".join(lines)
 
