@@ -186,7 +186,8 @@ def run_trials(
         if flight_recorder:  # torch/csrc/distributed/c10d/FlightRecorder.hpp reads these
             fr_dir = procs.labkit_home() / "flight_recorder" / uuid.uuid4().hex[:8]
             fr_dir.mkdir(parents=True, exist_ok=True)
-            job_env.update(TORCH_NCCL_TRACE_BUFFER_SIZE="2000", TORCH_NCCL_DUMP_ON_TIMEOUT="1",
+            job_env.update(TORCH_NCCL_TRACE_BUFFER_SIZE="2000", TORCH_FR_BUFFER_SIZE="2000",
+                           TORCH_NCCL_DUMP_ON_TIMEOUT="1",
                            TORCH_FR_DUMP_TEMP_FILE=str(fr_dir / "rank_"))  # fmt: skip
             extra["fr_dir"] = str(fr_dir)
         start = time.monotonic()
@@ -273,3 +274,82 @@ def flight_recorder_files(folder: str | os.PathLike) -> list[Path]:
     """The flight-recorder dumps written under ``folder`` (one file per rank)."""
     p = Path(folder)
     return sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else []
+
+
+def read_flight_recorder(folder: str | os.PathLike, last: int = 15) -> str:
+    """What torch's flight-recorder analyzer says about the dumps in ``folder`` (its last
+    ``last`` lines), or a sentence saying there are none. The dumps are named
+    ``rank_<rank>`` (``run_trials`` sets ``TORCH_FR_DUMP_TEMP_FILE`` to ``<folder>/rank_``)."""
+    import subprocess
+    import sys
+
+    files = flight_recorder_files(folder)
+    if not files:
+        return (f"no flight-recorder dump in {folder}: nothing timed out under NCCL's watchdog, "
+                "or the recorder was off (TORCH_NCCL_TRACE_BUFFER_SIZE=0)")  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", "--prefix",
+           "rank_", str(folder)]  # fmt: skip
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"the analyzer failed to run: {e}"
+    lines = (out.stdout + out.stderr).strip().splitlines()
+    return "\n".join([f"{len(files)} dump file(s); `{' '.join(cmd[1:])}` says:", *lines[-last:]])
+
+
+def read_dumps(folder: str | os.PathLike) -> dict[int, list[dict[str, Any]]]:
+    """{rank: its flight-recorder entries, oldest first} from the ``rank_<r>`` dumps in
+    ``folder`` (torch's pickle: each entry has ``collective_seq_id``, ``profiling_name`` such as
+    "gloo:all_reduce" or "nccl:all_reduce", ``input_sizes``, ``input_dtypes`` and ``state``:
+    "scheduled", "started" or "completed"). A file that is no dump is skipped."""
+    import pickle
+
+    found: dict[int, list[dict[str, Any]]] = {}
+    for f in flight_recorder_files(folder):
+        rank = f.name.removeprefix("rank_")
+        if not rank.isdigit():
+            continue
+        try:
+            dump = pickle.loads(f.read_bytes())  # torch's own dump, written by this job
+        except Exception:  # a half-written or foreign file: not evidence
+            continue
+        entries = [e for e in dump.get("entries", []) if not e.get("is_p2p")]
+        found[int(rank)] = sorted(entries, key=lambda e: e.get("collective_seq_id", 0))
+    return found
+
+
+def _entry(e: dict[str, Any]) -> str:
+    name = str(e.get("profiling_name", "?")).split(":")[-1]
+    sizes = ", ".join(str(list(s)) for s in e.get("input_sizes", []))
+    return f"#{e.get('collective_seq_id')} {name} {sizes} ({e.get('state')})"
+
+
+def flight_recorder_summary(folder: str | os.PathLike, nproc: int, last: int = 3) -> list[str]:
+    """What the dumps in ``folder`` say, in lines: each rank's last ``last`` collectives, then
+    the first collective number at which the ranks disagree (another op or size, or a rank that
+    never issued it), or the ranks that left no dump."""
+    dumps = read_dumps(folder)
+    lines = []
+    for r in range(nproc):
+        if r not in dumps:
+            lines.append(f"rank {r}: no dump (it never raised: stuck, or killed first)")
+        else:
+            lines.append(f"rank {r}: " + "; ".join(_entry(e) for e in dumps[r][-last:]))
+    if dumps and len(dumps) < nproc:
+        gone = [r for r in range(nproc) if r not in dumps]
+        lines.append(f"rank {', '.join(map(str, gone))} left no dump: the recorder cannot say "
+                     "what it was doing, only that the others waited in the collective above")  # fmt: skip
+    if len(dumps) < 2:
+        return lines
+    by_seq = {r: {e.get("collective_seq_id"): e for e in es} for r, es in dumps.items()}
+    for seq in sorted({s for d in by_seq.values() for s in d}):
+        what = {r: (d[seq].get("profiling_name"), d[seq].get("input_sizes")) if seq in d else None
+                for r, d in by_seq.items()}  # fmt: skip
+        if len(set(map(str, what.values()))) > 1:
+            each = ", ".join(f"rank {r}: {_entry(by_seq[r][seq]) if seq in by_seq[r] else 'none'}"
+                             for r in sorted(what))  # fmt: skip
+            lines.append(f"first disagreement at collective #{seq}: {each}")
+            break
+    else:
+        lines.append("the ranks' recorded collectives agree")
+    return lines

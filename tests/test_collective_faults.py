@@ -175,6 +175,41 @@ def test_report_lines_keep_what_a_killed_rank_said_and_drop_tracebacks():
     ]
 
 
+def test_no_flight_recorder_dump_is_said_plainly(tmp_path):
+    assert cd.read_flight_recorder(tmp_path).startswith(f"no flight-recorder dump in {tmp_path}")
+
+
+def _dump(path, entries):
+    import pickle
+
+    path.write_bytes(pickle.dumps({"version": "2.10", "entries": entries}))
+
+
+def _fr(seq, name, size):
+    return {"collective_seq_id": seq, "profiling_name": f"gloo:{name}", "input_sizes": [[size]],
+            "state": "scheduled", "is_p2p": False}  # fmt: skip
+
+
+def test_flight_recorder_dumps_show_where_the_ranks_part(tmp_path):
+    _dump(
+        tmp_path / "rank_0",
+        [_fr(2, "all_gather", 1), _fr(1, "all_reduce", 8), _fr(3, "all_reduce", 8)],
+    )
+    _dump(
+        tmp_path / "rank_1",
+        [_fr(1, "all_reduce", 8), _fr(2, "all_gather", 1), _fr(3, "all_gather", 1)],
+    )
+    (tmp_path / "rank_2").write_bytes(b"half a pickle")  # not evidence: skipped
+    assert [e["collective_seq_id"] for e in cd.read_dumps(tmp_path)[0]] == [1, 2, 3]
+    lines = cd.flight_recorder_summary(tmp_path, 2, last=2)
+    assert lines[0] == "rank 0: #2 all_gather [1] (scheduled); #3 all_reduce [8] (scheduled)"
+    assert lines[-1] == ("first disagreement at collective #3: rank 0: #3 all_reduce [8] "
+                         "(scheduled), rank 1: #3 all_gather [1] (scheduled)")  # fmt: skip
+    (tmp_path / "rank_1").unlink()
+    lines = cd.flight_recorder_summary(tmp_path, 2)
+    assert lines[1].startswith("rank 1: no dump") and lines[2].startswith("rank 1 left no dump")
+
+
 def test_topology_says_plainly_when_there_is_no_nvidia_smi(monkeypatch):
     monkeypatch.setattr(cd.shutil, "which", lambda name: None)
     assert "nvidia-smi is not installed" in cd.nvidia_topology()
@@ -220,7 +255,7 @@ def test_each_bug_is_reported_by_kind_and_rank_and_leaves_no_process(home):
     pg_timeout_s = 3.0
     t0 = time.monotonic()
     desync, desync_detail, shape_detail, hang = cd.run_trials(
-        trials, pg_timeout_s=pg_timeout_s, timeout_s=120, write=lambda s: None
+        trials, pg_timeout_s=pg_timeout_s, timeout_s=120, write=lambda s: None, flight_recorder=True
     )
     for o in (desync, desync_detail, shape_detail, hang):
         assert o.error is not None and o.result.status == "failed", o.trial
@@ -240,6 +275,14 @@ def test_each_bug_is_reported_by_kind_and_rank_and_leaves_no_process(home):
         "rank 0 in 'all_reduce grads' at step 2/3, rank 1 in 'all_gather loss' at step 2/3"
         in desync.message
     )
+
+    # Each rank's flight recorder, dumped as its collective failed, shows where they parted.
+    said = cd.flight_recorder_summary(desync.extra["fr_dir"], 2)
+    assert said[-1] == ("first disagreement at collective #3: rank 0: #3 all_reduce [1024] "
+                        "(scheduled), rank 1: #3 all_gather [1] (scheduled)"), said  # fmt: skip
+    said = cd.flight_recorder_summary(hang.extra["fr_dir"], 2)
+    assert said[0].startswith("rank 0: ") and said[0].endswith("#3 all_reduce [1024] (scheduled)")
+    assert said[1].startswith("rank 1: no dump"), said
 
     # DETAIL compares fingerprints before the collective runs: rank 1's is the odd one.
     m = desync_detail.mismatch

@@ -91,12 +91,36 @@ def planned(cfg: dict[str, Any], rank: int) -> list[str]:
 @dist.entrypoint
 def main(ctx: dist.Context) -> dict[str, Any]:
     cfg = check_config(ctx.config, ctx.world_size)
-    fault, steps, numel = cfg["fault"], cfg["steps"], cfg["numel"]
+    fault = cfg["fault"]
     device = dist.collective_device()  # NCCL takes GPU tensors, gloo CPU ones
     result = {"rank": ctx.rank, "pid": os.getpid(), "fault": fault, "backend": ctx.backend,
               "debug": os.environ.get("TORCH_DISTRIBUTED_DEBUG", "OFF"),
               "plan": planned(cfg, ctx.rank)}  # fmt: skip
     ctx.write_result(result)  # before anything can go wrong
+    try:
+        return _steps(ctx, cfg, result, device)
+    except Exception:
+        _dump_flight_recorder(ctx)
+        raise
+
+
+def _dump_flight_recorder(ctx: dist.Context) -> None:
+    """On gloo, write this rank's flight-recorder buffer where NCCL's watchdog would write its
+    own (``TORCH_FR_DUMP_TEMP_FILE`` + rank), when the recorder is on: torch dumps NCCL's on a
+    timeout by itself (``TORCH_NCCL_DUMP_ON_TIMEOUT``), gloo's only when asked."""
+    prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
+    size = os.environ.get("TORCH_FR_BUFFER_SIZE") or os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE")
+    if ctx.backend != "gloo" or not prefix or not size or size == "0":
+        return
+    from torch._C._distributed_c10d import _dump_fr_trace  # torch's own dump, a pickle
+
+    with open(f"{prefix}{ctx.rank}", "wb") as f:
+        f.write(_dump_fr_trace(includeCollectives=True, includeStackTraces=False, onlyActive=False))
+
+
+def _steps(ctx: dist.Context, cfg: dict[str, Any], result: dict[str, Any],
+           device: torch.device) -> dict[str, Any]:  # fmt: skip
+    fault, steps, numel = cfg["fault"], cfg["steps"], cfg["numel"]
     losses = []
     for step in range(1, steps + 1):
         ctx.heartbeat(step=step, total=steps, phase="compute")
