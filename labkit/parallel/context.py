@@ -36,6 +36,7 @@ Shapes: B batch, H heads, T whole sequence, Tl = T/n the shard, D head size.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -263,30 +264,29 @@ def _ring_forward(
     acc: tuple[torch.Tensor, torch.Tensor] | None = None
     for s in range(n):
         j = (r - s) % n  # whose block this rank holds now
-        t0 = _clock(q.device) if timings is not None else 0.0
+        t0 = clock(q.device) if timings is not None else 0.0
         pending = ring.start(kv) if s < n - 1 else None  # the next hop overlaps this compute
         if timings is not None:
-            t1 = _clock(q.device)
+            t1 = clock(q.device)
             timings["post_s"] = timings.get("post_s", 0.0) + t1 - t0
             t0 = t1
         part = _attend(q, kv[0], kv[1], block_kind(r, j, causal=causal))
         if part is not None:
             acc = part if acc is None else merge(*acc, *part)
         if timings is not None:
-            timings["compute_s"] = timings.get("compute_s", 0.0) + _clock(q.device) - t0
+            timings["compute_s"] = timings.get("compute_s", 0.0) + clock(q.device) - t0
         if pending is not None:
             kv, works = pending
-            t0 = _clock(q.device) if timings is not None else 0.0
+            t0 = clock(q.device) if timings is not None else 0.0
             ring.wait(works)
             if timings is not None:
-                timings["wait_s"] = timings.get("wait_s", 0.0) + _clock(q.device) - t0
+                timings["wait_s"] = timings.get("wait_s", 0.0) + clock(q.device) - t0
     assert acc is not None
     return acc
 
 
-def _clock(device: torch.device) -> float:
-    import time
-
+def clock(device: torch.device) -> float:
+    """``time.perf_counter()`` after the device's queued work is done (CUDA runs asynchronously)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()

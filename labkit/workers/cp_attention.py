@@ -231,10 +231,10 @@ def _time(ctx: dist.Context, c: dict[str, Any], qkv64) -> dict[str, Any]:
         for i in range(c["repeats"]):
             dist_c.barrier()  # every rank starts the call together
             tm: dict[str, float] = {}
-            t0 = context._clock(dev)
+            t0 = context.clock(dev)
             with ctx.phase("ring attention (timed)"):
                 context.ring_attention(q, k, v, causal=c["causal"], timings=tm)
-            calls.append(context._clock(dev) - t0)
+            calls.append(context.clock(dev) - t0)
             compute.append(tm.get("compute_s", 0.0))
             wait.append(tm.get("wait_s", 0.0))
             post.append(tm.get("post_s", 0.0))
