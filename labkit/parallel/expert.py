@@ -175,7 +175,9 @@ class AllToAllCounter:
 
     One record per call: ``label`` (dispatch, combine, counts; "(backward)" appended in
     backward), ``message_bytes`` (the input, S), ``sent_bytes`` (the part bound for other
-    ranks), ``received_bytes`` (what arrived from other ranks).
+    ranks), ``received_bytes`` (what arrived from other ranks), all counted from the split
+    sizes; and ``written_bytes``, *measured*: what the process wrote to its sockets during the
+    call (``written_bytes()``; gloo only, None elsewhere: not available is not zero).
     """
 
     def __init__(self) -> None:
@@ -202,19 +204,46 @@ class AllToAllCounter:
             e["calls"] += 1
             for k in ("message_bytes", "sent_bytes", "received_bytes"):
                 e[k] += rec[k]
+            w = rec.get("written_bytes")
+            e["written_bytes"] = (
+                None
+                if w is None or e.get("written_bytes", 0) is None
+                else (e.get("written_bytes", 0) + w)
+            )
         return out
 
     def reset(self) -> None:
         self.records.clear()
 
 
+def written_bytes() -> int | None:
+    """Bytes this process has handed to write/send system calls so far (``wchar`` in
+    ``/proc/self/io``, Linux; all threads, sockets included), or None where unavailable.
+
+    gloo moves an all-to-all over TCP sockets, so the change across one call measures what the
+    process put on the (loopback) wire: payload plus gloo's small headers. NCCL moves GPU
+    buffers over NVLink or InfiniBand without such system calls: there it says nothing.
+    """
+    try:
+        with open("/proc/self/io", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("wchar:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
 def _raw_all_to_all(x, send, recv, group, counter, label):
     out = x.new_empty((sum(recv), *x.shape[1:]))
+    x = x.contiguous()
+    on_sockets = counter is not None and dist.get_backend(group) == "gloo"
+    before = written_bytes() if on_sockets else None
+    dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group)
+    after = written_bytes() if before is not None else None
     if counter is not None:
         counter.add(label, x, send, recv, dist.get_rank(group))
-    dist.all_to_all_single(
-        out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group
-    )
+        counter.records[-1]["written_bytes"] = None if after is None else after - before
     return out
 
 
