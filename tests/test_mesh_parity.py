@@ -39,20 +39,26 @@ def job():
 
 @pytest.fixture(scope="module")
 def reference():
-    """The single-process GPT on each whole global batch, same clip and AdamW."""
-    torch.manual_seed(SEED)
-    model = GPT(CFG)
-    opt = make_optimizer(model, TrainConfig(micro_batch=B, lr=3e-3, weight_decay=0.1))
-    losses, first_grads = [], {}
-    for x, y in mesh_train.make_batches(CFG, B, STEPS, SEED):
-        _, loss = model(x, y)
-        loss.backward()
-        if not first_grads:
-            first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
+    """The single-process GPT on each whole global batch, same clip and AdamW (one thread, as
+    each rank has: two threads of this small model were slower on a busy 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(SEED)
+        model = GPT(CFG)
+        opt = make_optimizer(model, TrainConfig(micro_batch=B, lr=3e-3, weight_decay=0.1))
+        losses, first_grads = [], {}
+        for x, y in mesh_train.make_batches(CFG, B, STEPS, SEED):
+            _, loss = model(x, y)
+            loss.backward()
+            if not first_grads:
+                first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()))
+    finally:
+        torch.set_num_threads(threads)
     return losses, first_grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
