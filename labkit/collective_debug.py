@@ -332,13 +332,10 @@ def flight_recorder_summary(folder: str | os.PathLike, nproc: int, last: int = 3
     lines = []
     for r in range(nproc):
         if r not in dumps:
-            lines.append(f"rank {r}: no dump (it never raised: stuck, or killed first)")
+            lines.append(f"rank {r}: no dump (it never raised: stuck outside a collective, or "
+                         "killed first): the recorder cannot say what it was doing")  # fmt: skip
         else:
             lines.append(f"rank {r}: " + "; ".join(_entry(e) for e in dumps[r][-last:]))
-    if dumps and len(dumps) < nproc:
-        gone = [r for r in range(nproc) if r not in dumps]
-        lines.append(f"rank {', '.join(map(str, gone))} left no dump: the recorder cannot say "
-                     "what it was doing, only that the others waited in the collective above")  # fmt: skip
     if len(dumps) < 2:
         return lines
     by_seq = {r: {e.get("collective_seq_id"): e for e in es} for r, es in dumps.items()}

@@ -515,9 +515,9 @@ _ASPECTS = {"Sequence number": "sequence number", "Op type": "op type",
 @dataclass(frozen=True)
 class Fingerprint:
     """What one rank was about to run, as DETAIL's check printed it: the collective (``op``, in
-    c10d's names: ALLREDUCE, ALLGATHER, BROADCAST, BARRIER...), its number on that rank's group
-    (``seq``), the first input tensor's shape (None: a collective without tensors), the input
-    dtypes and the device type."""
+    c10d's names: ALLREDUCE, ALLGATHER, BROADCAST, BARRIER...), its sequence number in that
+    rank's group (``seq``, from 0: the third collective is 2), the first input tensor's shape
+    (None: a collective without tensors), the input dtypes and the device type."""
 
     rank: int
     seq: int
@@ -548,8 +548,9 @@ class CollectiveMismatch:
     aspects: tuple[str, ...]
 
     def __str__(self) -> str:
-        seq = (f"collective #{self.this.seq} on both" if self.this.seq == self.other.seq else
-               f"collective #{self.this.seq} and #{self.other.seq}")  # fmt: skip
+        # c10d's sequence number counts a group's collectives from 0
+        seq = (f"sequence number {self.this.seq} on both" if self.this.seq == self.other.seq else
+               f"sequence numbers {self.this.seq} and {self.other.seq}")  # fmt: skip
         differ = " and ".join(self.aspects) or "an aspect torch did not name"
         return f"{self.this}, {self.other} ({seq}): they differ in {differ}"
 

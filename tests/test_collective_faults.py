@@ -43,7 +43,7 @@ def test_detail_mismatch_is_read_into_both_ranks_fingerprints():
     assert m.other == diagnosis.Fingerprint(1, 2, "ALLGATHER", (1,), "Float", "cpu")
     assert m.aspects == ("op type", "tensor shapes")
     assert str(m) == ("rank 0 ran ALLREDUCE [1024] Float, rank 1 ran ALLGATHER [1] Float "
-                      "(collective #2 on both): they differ in op type and tensor shapes")  # fmt: skip
+                      "(sequence number 2 on both): they differ in op type and tensor shapes")  # fmt: skip
 
 
 def test_mismatch_of_a_collective_without_tensors_and_of_shapes_alone():
@@ -207,7 +207,7 @@ def test_flight_recorder_dumps_show_where_the_ranks_part(tmp_path):
                          "(scheduled), rank 1: #3 all_gather [1] (scheduled)")  # fmt: skip
     (tmp_path / "rank_1").unlink()
     lines = cd.flight_recorder_summary(tmp_path, 2)
-    assert lines[1].startswith("rank 1: no dump") and lines[2].startswith("rank 1 left no dump")
+    assert lines[1].startswith("rank 1: no dump") and len(lines) == 2
 
 
 def test_topology_says_plainly_when_there_is_no_nvidia_smi(monkeypatch):

@@ -24,8 +24,10 @@ Config ``fault`` plants one bug at step ``fault_step`` (default 2) on rank ``fau
 
 What catches each one is the lesson, not this module: gloo's own checks, the process-group
 timeout (``pg_timeout_s``), ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (which wraps the process group
-and compares every collective's op, shapes and dtypes across ranks before running it), and
-the launcher's heartbeats (each collective here runs in ``ctx.phase``).
+and compares every collective's op, shapes and dtypes across ranks before running it), the
+flight recorder (with ``TORCH_FR_BUFFER_SIZE`` and ``TORCH_FR_DUMP_TEMP_FILE`` set, a gloo rank
+whose collective fails dumps its buffer; NCCL's watchdog dumps on a timeout by itself), and the
+launcher's heartbeats (each collective here runs in ``ctx.phase``).
 
 Every rank writes its result (rank, pid, the fault, the collectives it *plans* to issue) before
 it misbehaves, so a test can find its processes and a notebook can show the plan.
