@@ -22,6 +22,16 @@ Data parallelism (notebook 02), every strategy behind the same small interface
 
 Pipeline and tensor parallelism (notebook 03) live in ``pipeline`` and ``tensor``.
 
+Composing them (notebook 03b):
+
+    mesh          named device meshes: validated before any process group exists, each
+                  rank's group along a dimension (row-major, as init_device_mesh), the bytes
+                  per rank on each dimension and the memory per rank predicted, and MeshSpy,
+                  which counts collectives by the dimension whose group carried them; every
+                  data-parallel strategy takes its group from a named dimension (``group=``)
+    compose       FSDP2 x tensor parallelism on a ("dp", "tp") mesh and HSDP on a
+                  ("replicate", "shard") mesh, torchtitan's order
+
 This file imports nothing on purpose: each module is imported where it is used, so importing
 one strategy never pulls in another.
 """
