@@ -57,6 +57,12 @@ def test_the_worker_validates_before_any_group_exists():
         mesh_train.validate({"fsdp_tp_mesh": {"dp": 2, "sp": 2}}, 4)
     with pytest.raises(ValueError, match=r"world_size=2"):
         mesh_train.validate({}, 2)
+    with pytest.raises(ValueError, match=r"group_meshes=.*labels are not"):
+        mesh_train.validate({"group_meshes": {"hsdp": {"x": 4}}}, 4)
+    with pytest.raises(ValueError, match=r"x=2 has 2 = 2 cells"):
+        mesh_train.validate({"group_meshes": {"flat": {"x": 2}}}, 4)
+    job = mesh_train.validate({"group_meshes": {"flat": {"x": 4}}, "parts": ["groups"]}, 4)
+    assert job["group_meshes"]["flat"].shape == (4,)
 
 
 def test_compositions_refuse_a_mesh_with_other_names():

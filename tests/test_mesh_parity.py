@@ -24,6 +24,7 @@ from labkit.workers import mesh_train
 N, B, STEPS, SEED = 4, 8, 3, 0
 CFG = ModelConfig(**mesh_train.DEFAULT_MODEL)
 PARTS = ("fsdp_tp", "hsdp")
+EXTRA = {"a": 2, "b": 1, "c": 2}  # a 3-D mesh with a size-1 dimension, for the groups only
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,13 @@ def job():
     return launch.run(
         "labkit.workers.mesh_train",
         nproc=N,
-        config={"batch_size": B, "steps": STEPS, "seed": SEED, "grad_clip": 1.0},
+        config={
+            "batch_size": B,
+            "steps": STEPS,
+            "seed": SEED,
+            "grad_clip": 1.0,
+            "group_meshes": {"three_d": EXTRA},
+        },
         timeout_s=240,
         stream=False,
     )
@@ -66,7 +73,7 @@ def reference():
 def test_every_rank_sees_the_groups_group_ranks_predicts(job):
     for r in range(N):
         got = job.ranks[r]["groups"]
-        for part, spec in mesh_train.MESHES.items():
+        for part, spec in {**mesh_train.MESHES, "three_d": EXTRA}.items():
             for dim in spec:
                 assert got[part][dim] == mesh.group_ranks(spec, dim, r), (part, dim, r)
 

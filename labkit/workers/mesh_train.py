@@ -26,7 +26,8 @@ parameters, gathered whole, to ``mesh_<part>_params.pt`` in the job directory.
 Config (all optional): model (ModelConfig fields; default seq_len 32, 2 layers, 4 heads,
 d_model 64), batch_size (global, 8), steps (3), seed (0), lr (3e-3), weight_decay (0.1),
 grad_clip (1.0 or null), parts, save (true), fsdp_tp_mesh ({"dp": 2, "tp": 2}),
-hsdp_mesh ({"replicate": 2, "shard": 2}).
+hsdp_mesh ({"replicate": 2, "shard": 2}), group_meshes ({label: mesh}: further meshes of any
+names and shape whose groups the "groups" part reads too, e.g. {"flat": {"x": 4}}).
 """
 
 from __future__ import annotations
@@ -100,6 +101,13 @@ def validate(conf: dict[str, Any], world_size: int) -> dict[str, Any]:
                 f"{part}'s mesh {spec}: use a positive multiple of {degree}"
             )
         meshes[part] = spec
+    extra = conf.get("group_meshes", {})
+    if not isinstance(extra, dict) or set(extra) & set(MESHES):
+        raise ValueError(
+            f"group_meshes={extra!r}: give a dict {{label: mesh}} whose labels are not "
+            f"{list(MESHES)}, e.g. {{'flat': {{'x': {world_size}}}}}"
+        )
+    group_meshes = {label: mesh.validate_mesh(spec, world_size) for label, spec in extra.items()}
     clip = conf.get("grad_clip", 1.0)
     tcfg = TrainConfig(
         micro_batch=B,
@@ -109,7 +117,13 @@ def validate(conf: dict[str, Any], world_size: int) -> dict[str, Any]:
         grad_clip=None if clip is None else float(clip),
         seed=int(conf.get("seed", 0)),
     )
-    return {"model": cfg, "train": tcfg, "parts": parts, "meshes": meshes}
+    return {
+        "model": cfg,
+        "train": tcfg,
+        "parts": parts,
+        "meshes": meshes,
+        "group_meshes": group_meshes,
+    }
 
 
 # --- the parts --------------------------------------------------------------------------------
@@ -212,7 +226,8 @@ def main(ctx: dist.Context) -> dict[str, Any]:
     # Every process group of both meshes, made once (each is a collective over the world).
     meshes = {part: mesh.build(spec, ctx.device.type) for part, spec in job["meshes"].items()}
     if "groups" in job["parts"]:
-        result["groups"] = _groups(meshes)
+        extra = {k: mesh.build(s, ctx.device.type) for k, s in job["group_meshes"].items()}
+        result["groups"] = _groups({**meshes, **extra})
     training = [p for p in ("fsdp_tp", "hsdp") if p in job["parts"]]
     ctx.heartbeat(step=0, total=len(training) * len(batches))
     for i, part in enumerate(training):
