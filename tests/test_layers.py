@@ -27,6 +27,7 @@ LAYERS: dict[str, int] = {
     "hardware": 1, "data": 1, "dist": 1, "model": 1,
     # training, processes, metric collection
     "train": 2, "procs": 2, "metrics": 2, "diagnosis": 2,
+    "planner": 2,  # parallel layouts for a model and a cluster, ranked from the formulas
     # measuring memory, launching jobs, judging measurements
     "memory": 3, "launch": 3, "verdict": 3, "precision": 3, "roofline": 3,
     "exam": 3,  # mock exams over the quiz banks, results kept under labkit_home()
@@ -35,6 +36,7 @@ LAYERS: dict[str, int] = {
     "recipes": 4,  # mixed-precision recipes, measured with memory and precision
     "fp8": 4,  # fp8 cast numerics and torchao fp8 training, over precision
     "profiling": 4,  # traces, phases, memory timelines, Nsight commands, planted bottlenecks
+    "collective_debug": 4,  # planted collective bugs run for real, and what each tool reports
     "capstone": 4,  # notebook 07's planted faults: the catalogue, the seeds, the job's runner
     # the jobs notebooks launch
     "workers": 5,
