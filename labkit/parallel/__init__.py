@@ -20,7 +20,19 @@ Data parallelism (notebook 02), every strategy behind the same small interface
     dp_config     the shared interface, and the checks a data-parallel config passes before
                   any process starts
 
-Pipeline and tensor parallelism (notebook 03) live in ``pipeline`` and ``tensor``.
+Pipeline and tensor parallelism (notebook 03) live in ``pipeline`` (with ``schedules`` and
+``timeline``) and ``tensor``.
+
+Composing them (notebook 03b), each strategy taking its process group from a named dimension
+of a device mesh:
+
+    mesh          named device meshes: validation before any process group exists, each
+                  rank's groups, bytes per dimension and memory per rank predicted
+    compose       FSDP2 × tensor parallelism on a 2-D mesh, and HSDP
+    sequence      sequence parallelism (Korthikanti et al. 2022) from scratch, and DTensor's
+    context       context parallelism: ring attention with the online-softmax merge
+    expert        a mixture of experts, with experts on ranks and tokens sent all-to-all
+    pipeline      also runs over a mesh's "pp" dimension, beside data parallelism (ZeRO-1)
 
 Composing them (notebook 03b):
 
