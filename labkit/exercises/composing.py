@@ -68,9 +68,9 @@ def rank_check(exercise_id: str, objs: Sequence[Any], ctx: Any) -> dict[str, Any
 
 # --------------------------------------------------------------------------- 03b.mesh_groups
 
-MESHES: tuple[dict[str, int], ...] = (
-    {"dp": 2, "tp": 2},
+MESHES: tuple[dict[str, int], ...] = (  # 2 × 3 first: there every usual mistake looks different
     {"dp": 2, "tp": 3},
+    {"dp": 2, "tp": 2},
     {"pp": 2, "dp": 2, "tp": 2},
 )
 
@@ -107,9 +107,6 @@ def groups_diagnosis(shape: dict[str, int], rank: int, got: dict[str, list[int]]
     text = f"for mesh {shape} rank {rank} you gave {got}, expected {want}. Likely: "
     if any(rank not in ranks for ranks in got.values()):
         return text + "a rank always belongs to its own group along every dimension"
-    if any(len(got[d]) != shape[d] for d in shape):
-        return text + ("a group along a dimension holds as many ranks as that dimension's size: "
-                       "the ranks that differ from this one in that coordinate only")  # fmt: skip
     if got == column_major:
         return text + ("you laid the ranks out column-major (the first dimension varying "
                        "fastest). init_device_mesh is row-major, like torch.arange(n).reshape"
@@ -120,6 +117,9 @@ def groups_diagnosis(shape: dict[str, int], rank: int, got: dict[str, list[int]]
         return text + ("each dimension got the other's group. The group along a dimension "
                        "holds the ranks that differ in that dimension's coordinate and share "
                        "all the others")  # fmt: skip
+    if any(len(got[d]) != shape[d] for d in shape):
+        return text + ("a group along a dimension holds as many ranks as that dimension's size: "
+                       "the ranks that differ from this one in that coordinate only")  # fmt: skip
     return text + ("write the rank's coordinates first (divide by the product of the sizes after "
                    "each dimension), then vary one coordinate at a time")  # fmt: skip
 
@@ -136,7 +136,7 @@ def check_groups(fn: Any) -> str:
             want = {d: mesh.group_ranks(shape, d, rank) for d in shape}
             if got != want:
                 raise ExerciseFailed(groups_diagnosis(shape, rank, got))
-    return "every rank of 2 × 2, 2 × 3 and 2 × 2 × 2 meshes gets its row-major groups"
+    return "every rank of 2 × 3, 2 × 2 and 2 × 2 × 2 meshes gets its row-major groups"
 
 
 @exercise(
@@ -189,8 +189,10 @@ MERGE_SHAPE = (2, 2, 6, 4)  # (B, H, T, D) of the queries; each part sees its ow
 MERGE_TOL = 1e-5
 
 
-def _merge_case(seed: int, masked_rows: bool) -> dict[str, torch.Tensor]:
-    """Queries, two disjoint random key sets, each part's (out, lse), and the union's."""
+def _merge_case(seed: int, masked_a: int, masked_b: int) -> dict[str, torch.Tensor]:
+    """Queries, two disjoint random key sets, each part's (out, lse), and the union's. The first
+    ``masked_a`` queries see none of part a's keys (as early rows of a causal block do), the
+    first ``masked_b`` none of part b's (a padding query sees no key at all)."""
     from labkit.parallel import context
 
     g = torch.Generator().manual_seed(seed)
@@ -201,13 +203,15 @@ def _merge_case(seed: int, masked_rows: bool) -> dict[str, torch.Tensor]:
     perm = torch.randperm(2 * T, generator=g)
     keys_a, keys_b = perm[:T], perm[T:]
     mask_a = torch.ones(T, T, dtype=torch.bool)
-    if masked_rows:  # the first queries see none of part a's keys (as a causal ring's early rows)
-        mask_a[:2] = False
+    mask_a[:masked_a] = False
+    mask_b = torch.ones(T, T, dtype=torch.bool)
+    mask_b[:masked_b] = False
     scale = 1 / math.sqrt(D)
     out_a, lse_a = context.block_attention(q, k[..., keys_a, :], v[..., keys_a, :], scale=scale,
                                            mask=mask_a)  # fmt: skip
-    out_b, lse_b = context.block_attention(q, k[..., keys_b, :], v[..., keys_b, :], scale=scale)
-    union = torch.cat([mask_a, torch.ones(T, T, dtype=torch.bool)], dim=1)
+    out_b, lse_b = context.block_attention(q, k[..., keys_b, :], v[..., keys_b, :], scale=scale,
+                                           mask=mask_b)  # fmt: skip
+    union = torch.cat([mask_a, mask_b], dim=1)
     keys = torch.cat([keys_a, keys_b])
     out, lse = context.block_attention(q, k[..., keys, :], v[..., keys, :], scale=scale, mask=union)
     return {"out_a": out_a, "lse_a": lse_a, "out_b": out_b, "lse_b": lse_b, "out": out, "lse": lse}
@@ -235,8 +239,8 @@ def merge_diagnosis(case: dict[str, torch.Tensor], out: torch.Tensor, lse: torch
 
 def check_merge(fn: Any) -> str:
     _require_callable(fn, "merge")
-    for seed, masked in [(0, False), (1, True), (2, True)]:
-        case = _merge_case(seed, masked)
+    for seed, masked_a, masked_b in [(0, 0, 0), (1, 2, 0), (2, 3, 1)]:
+        case = _merge_case(seed, masked_a, masked_b)
         got = call(fn, case["out_a"].clone(), case["lse_a"].clone(), case["out_b"].clone(),
                    case["lse_b"].clone())  # fmt: skip
         if not (isinstance(got, tuple) and len(got) == 2):
@@ -255,7 +259,7 @@ def check_merge(fn: Any) -> str:
         if not ok:
             raise ExerciseFailed(merge_diagnosis(case, out, lse))
     return ("your merge of two partial attentions equals attention over the union of their keys "
-            "(rows that saw no key of one part included)")  # fmt: skip
+            "(rows that saw no key of one part, or of either, included)")  # fmt: skip
 
 
 @exercise(
