@@ -166,7 +166,7 @@ def test_the_rank_checks_pass_the_solutions_and_catch_an_unsorted_or_gathering_d
     # an unsorted send hands some rank another rank's tokens (which, depends on the draw)
     unsorted = [res["cases"][3] for res in job.ranks if res["cases"][3]["status"] != "ok"]
     assert unsorted and all("not sorted by destination" in c["message"] for c in unsorted)
-    mesh, merge, dispatch = job.ranks[0]["cases"][:3]
+    mesh, dispatch, merge = job.ranks[0]["cases"][:3]  # sorted(FILES)
     assert "real 2 × 2 DeviceMesh" in mesh["message"]
     assert "4-rank ring" in merge["message"]
     assert "every token reached its rank" in dispatch["message"]
