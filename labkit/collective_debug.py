@@ -186,7 +186,7 @@ def run_trials(
         if flight_recorder:  # torch/csrc/distributed/c10d/FlightRecorder.hpp reads these
             fr_dir = procs.labkit_home() / "flight_recorder" / uuid.uuid4().hex[:8]
             fr_dir.mkdir(parents=True, exist_ok=True)
-            job_env.update(TORCH_NCCL_TRACE_BUFFER_SIZE="2000", TORCH_FR_BUFFER_SIZE="2000",
+            job_env.update(TORCH_FR_BUFFER_SIZE="2000",  # TORCH_NCCL_TRACE_BUFFER_SIZE: deprecated
                            TORCH_NCCL_DUMP_ON_TIMEOUT="1",
                            TORCH_FR_DUMP_TEMP_FILE=str(fr_dir / "rank_"))  # fmt: skip
             extra["fr_dir"] = str(fr_dir)
@@ -286,7 +286,7 @@ def read_flight_recorder(folder: str | os.PathLike, last: int = 15) -> str:
     files = flight_recorder_files(folder)
     if not files:
         return (f"no flight-recorder dump in {folder}: nothing timed out under NCCL's watchdog, "
-                "or the recorder was off (TORCH_NCCL_TRACE_BUFFER_SIZE=0)")  # fmt: skip
+                "or the recorder was off (TORCH_FR_BUFFER_SIZE=0)")  # fmt: skip
     cmd = [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", "--prefix",
            "rank_", str(folder)]  # fmt: skip
     try:
