@@ -160,8 +160,10 @@ def validate_torch_schedule(name: str, p: int, m: int, batch_size: int, n_layer:
 
     * ``Schedule1F1B``: m >= p (it raises otherwise);
     * ``ScheduleInterleaved1F1B`` and ``ScheduleInterleavedZeroBubble``: micro-batches run in
-      rounds of r = max(1, m // p); m must be a multiple of r (m = 5 with p = 2 fails, 4 and
-      6 run). Megatron-LM's original interleaved schedule is stricter: m a multiple of p;
+      r = max(1, m // p) rounds (``number_of_rounds``) of m / r each
+      (``microbatches_per_round``); m must be a multiple of r (m = 5 with p = 2 gives r = 2
+      and fails, 4 and 6 run). Megatron-LM's original interleaved schedule is stricter: m a
+      multiple of p;
     * ``ScheduleZBVZeroBubble``: exactly 2 stages per rank, placed in a V (rank r holds
       stages r and 2p−1−r); its steady state needs m >= 2p−1 to be bubble-free (torch plans
       for max(2p−1, m) and drops the rest);
@@ -193,8 +195,8 @@ def validate_torch_schedule(name: str, p: int, m: int, batch_size: int, n_layer:
         if m % rounds:
             ok = [k for k in range(1, 4 * p + 1) if k % max(1, k // p) == 0]
             raise ValueError(
-                f"schedule={name!r} runs micro-batches in rounds of max(1, m // p) ="
-                f" {rounds}, and m={m} is not a multiple of it (torch's"
+                f"schedule={name!r} runs the micro-batches in max(1, m // p) = {rounds}"
+                f" rounds, and m={m} is not a multiple of the number of rounds (torch's"
                 f" {TORCH_SCHEDULES[name][0]}); use m in {ok} (a multiple of p={p} always works)"
             )
     return v
