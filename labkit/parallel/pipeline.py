@@ -133,11 +133,14 @@ def dp_sync_per_step(
       m times the bytes, for the same result;
     * "zero1": optimizer state sharded over the dp group (ZeRO-1): one reduce-scatter of the
       gradients and one all-gather of the updated weights: 2 calls, the all-reduce's bytes;
-    * "zero3": parameters sharded too: each micro-batch all-gathers them for its forward and
-      again for its backward, and reduce-scatters its gradient (3 calls per micro-batch):
-      3m calls, 3m/2 times the all-reduce's bytes. Pipelining multiplies ZeRO-3's traffic
-      by m, which is why pipelined runs keep parameters gathered across micro-batches
-      (ZeRO-1/2, or FSDP with ``reshard_after_forward=False``).
+    * "zero3": parameters sharded too, naively per micro-batch: each micro-batch
+      all-gathers them for its forward and again for its backward, and reduce-scatters its
+      gradient (3 calls per micro-batch): 3m calls, 3m/2 times the all-reduce's bytes. This
+      is the bound without deferral. torch 2.13's ``PipelineStage`` turns off FSDP's
+      gradient sync and resharding after each micro-batch's backward and reduce-scatters
+      once, after the last (its ``perform_reduce_grad``); torchtitan also keeps the
+      parameters gathered after the forward (``reshard_after_forward=False``). Both pay in
+      memory: the gathered parameters stay, which is what ZeRO-3 saved.
 
     ``buffers``: how many flat buffers each collective is split into (``zero1.ZeRO1`` keeps
     one per optimizer group: 2, with and without weight decay): calls × buffers, same bytes.
