@@ -362,6 +362,16 @@ class BatchIterator:
 # Text <-> tokens
 
 
+def fixed_batches(
+    seq_len: int, batch_size: int, steps: int, seed: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``steps`` batches of the training split drawn with ``seed``: the same list in every
+    rank of a parallel job and in the single-process reference it is compared with."""
+    g = torch.Generator().manual_seed(seed)
+    train = load_splits().train
+    return [get_batch(train, batch_size, seq_len, g) for _ in range(steps)]
+
+
 def encode(text: str) -> torch.Tensor:
     """Text → int64 token ids (its UTF-8 bytes), shape (len(utf8 bytes),), ready for the model."""
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.int64)

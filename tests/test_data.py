@@ -344,3 +344,13 @@ def test_describe_states_size_source_and_licence():
     assert f"{data.CORPUS_BYTES:,}" in text
     assert "standard library" in text
     assert "PSF License" in text
+
+
+def test_fixed_batches_are_the_same_list_for_the_same_seed_in_any_process():
+    a = data.fixed_batches(16, 3, 2, seed=5)
+    b = data.fixed_batches(16, 3, 2, seed=5)
+    c = data.fixed_batches(16, 3, 2, seed=6)
+    assert len(a) == 2 and a[0][0].shape == (3, 16) and a[0][1].shape == (3, 16)
+    assert all(torch.equal(x, y) for (x, _), (y, _) in zip(a, b, strict=True))
+    assert not torch.equal(a[0][0], c[0][0])
+    assert torch.equal(a[0][0][:, 1:], a[0][1][:, :-1])  # targets are the inputs shifted by one

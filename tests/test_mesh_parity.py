@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from one_process import train_one_process
 
-from labkit import launch
-from labkit.config import ModelConfig, TrainConfig
+from labkit import data, launch
+from labkit.config import ModelConfig
 from labkit.model import GPT
 from labkit.parallel import mesh
-from labkit.train import make_optimizer
 from labkit.workers import mesh_train
 
 N, B, STEPS, SEED = 4, 8, 3, 0
@@ -46,27 +46,10 @@ def job():
 
 @pytest.fixture(scope="module")
 def reference():
-    """The single-process GPT on each whole global batch, same clip and AdamW (one thread, as
-    each rank has: two threads of this small model were slower on a busy 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        torch.manual_seed(SEED)
-        model = GPT(CFG)
-        opt = make_optimizer(model, TrainConfig(micro_batch=B, lr=3e-3, weight_decay=0.1))
-        losses, first_grads = [], {}
-        for x, y in mesh_train.make_batches(CFG, B, STEPS, SEED):
-            _, loss = model(x, y)
-            loss.backward()
-            if not first_grads:
-                first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(float(loss.detach()))
-    finally:
-        torch.set_num_threads(threads)
-    return losses, first_grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+    """The single-process GPT on each whole global batch, same clip and AdamW, one thread as
+    each rank has."""
+    return train_one_process(CFG, data.fixed_batches(CFG.seq_len, B, STEPS, SEED), seed=SEED,
+                             micro_batch=B, threads=1)  # fmt: skip
 
 
 @pytest.mark.slow

@@ -14,12 +14,12 @@ import copy
 
 import pytest
 import torch
+from one_process import train_one_process
 
-from labkit import formulas, launch, memory
-from labkit.config import ModelConfig, TrainConfig
+from labkit import data, formulas, launch, memory
+from labkit.config import ModelConfig
 from labkit.model import GPT
 from labkit.parallel import comm, sequence
-from labkit.train import make_optimizer
 from labkit.workers import sp_train
 
 N = 2
@@ -138,7 +138,7 @@ def test_one_rank_equals_the_model_and_saves_what_is_predicted():
     torch.manual_seed(SEED)
     ref = GPT(CFG)
     model = sequence.apply_sequence_parallel(copy.deepcopy(ref), world_size=1, rank=0)
-    x, y = sp_train.make_batches(CFG, B, 1, SEED)[0]
+    x, y = data.fixed_batches(CFG.seq_len, B, 1, SEED)[0]
     _, l_ref = ref(x, y)
     _, loss = model(x, y)
     l_ref.backward()
@@ -165,20 +165,8 @@ def job():
 
 @pytest.fixture(scope="module")
 def reference():
-    torch.manual_seed(SEED)
-    model = GPT(CFG)
-    opt = make_optimizer(model, TrainConfig(micro_batch=B, lr=3e-3, weight_decay=0.1))
-    losses, first_grads = [], {}
-    for x, y in sp_train.make_batches(CFG, B, STEPS, SEED):
-        _, loss = model(x, y)
-        loss.backward()
-        if not first_grads:
-            first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-    return losses, first_grads, {n: p.detach() for n, p in model.named_parameters()}
+    return train_one_process(CFG, data.fixed_batches(CFG.seq_len, B, STEPS, SEED), seed=SEED,
+                             micro_batch=B)  # fmt: skip
 
 
 @pytest.mark.slow

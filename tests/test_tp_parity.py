@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from one_process import train_one_process
 
-from labkit import launch
-from labkit.config import ModelConfig, TrainConfig
+from labkit import data, launch
+from labkit.config import ModelConfig
 from labkit.model import GPT
 from labkit.parallel import tensor
-from labkit.train import make_optimizer
 from labkit.workers import tp_train
 
 N = 2
@@ -44,20 +44,8 @@ def job():
 @pytest.fixture(scope="module")
 def reference():
     """The single-process GPT trained on the same batches, with the same clip and AdamW."""
-    torch.manual_seed(SEED)
-    model = GPT(CFG)
-    opt = make_optimizer(model, TrainConfig(micro_batch=B, lr=3e-3, weight_decay=0.1))
-    losses, first_grads = [], {}
-    for x, y in tp_train.make_batches(CFG, B, STEPS, SEED):
-        _, loss = model(x, y)
-        loss.backward()
-        if not first_grads:
-            first_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-    return losses, first_grads, {n: p.detach() for n, p in model.named_parameters()}
+    return train_one_process(CFG, data.fixed_batches(CFG.seq_len, B, STEPS, SEED), seed=SEED,
+                             micro_batch=B)  # fmt: skip
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ Parts (``parts``, all three by default):
              mesh["dp"] (``compose.apply_fsdp_tp``), ``steps`` AdamW steps on real text
     hsdp     the same GPT under FSDP2 on a ("replicate", "shard") mesh (``compose.apply_hsdp``)
 
-Data: step s uses the s-th global batch of ``batch_size`` rows (``make_batches``); each
+Data: step s uses the s-th global batch of ``batch_size`` rows (``data.fixed_batches``); each
 data-parallel index d takes rows [d·b, (d+1)·b), b = batch_size / (data-parallel degree). In
 fsdp_tp the two ranks of a TP group share one index (they compute one batch together); in
 hsdp every rank is its own index (replicate coordinate × shard + shard coordinate = rank).
@@ -51,15 +51,6 @@ DEFAULT_MODEL = {"seq_len": 32, "n_layer": 2, "n_head": 4, "d_model": 64}
 PARTS = ("groups", "fsdp_tp", "hsdp")
 MESHES = {"fsdp_tp": {"dp": 2, "tp": 2}, "hsdp": {"replicate": 2, "shard": 2}}
 DATA_DIMS = {"fsdp_tp": ("dp",), "hsdp": ("replicate", "shard")}
-
-
-def make_batches(
-    cfg: ModelConfig, batch_size: int, steps: int, seed: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One global (x, y) batch of real text per step; the single-process reference uses it."""
-    g = torch.Generator().manual_seed(seed)
-    train = data.load_splits().train
-    return [data.get_batch(train, batch_size, cfg.seq_len, g) for _ in range(steps)]
 
 
 def data_index(spec: mesh.MeshLike, part: str, rank: int) -> tuple[int, int]:
@@ -221,7 +212,7 @@ def main(ctx: dist.Context) -> dict[str, Any]:
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     save = bool(ctx.config.get("save", True)) and ctx.job_dir is not None
     tcfg = job["train"]
-    batches = make_batches(job["model"], tcfg.micro_batch, tcfg.steps, tcfg.seed)
+    batches = data.fixed_batches(job["model"].seq_len, tcfg.micro_batch, tcfg.steps, tcfg.seed)
     result: dict[str, Any] = {"rank": ctx.rank}
     # Every process group of both meshes, made once (each is a collective over the world).
     meshes = {part: mesh.build(spec, ctx.device.type) for part, spec in job["meshes"].items()}

@@ -45,13 +45,6 @@ from labkit.train import make_optimizer
 DEFAULT_MODEL = {"seq_len": 32, "n_layer": 2, "n_head": 4, "d_model": 64}
 
 
-def make_batches(cfg: ModelConfig, batch_size: int, steps: int, seed: int) -> list:
-    """One (x, y) batch of real text per step; the single-process reference uses the same."""
-    g = torch.Generator().manual_seed(seed)
-    train = data.load_splits().train
-    return [data.get_batch(train, batch_size, cfg.seq_len, g) for _ in range(steps)]
-
-
 def _step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, sync: Any) -> torch.Tensor:
     _, loss = model(x, y)
     loss.backward()
@@ -124,7 +117,7 @@ def main(ctx: dist.Context) -> dict[str, Any]:
                        grad_clip=conf.get("grad_clip", 1.0), seed=seed)  # fmt: skip
     parts = list(conf.get("parts", ["tp", "ours", "dtensor"]))
     save = bool(conf.get("save", True)) and ctx.job_dir is not None
-    batches = make_batches(cfg, B, steps, seed)
+    batches = data.fixed_batches(cfg.seq_len, B, steps, seed)
     n, r = ctx.world_size, ctx.rank
     result: dict[str, Any] = {"rank": r, "world_size": n, "device": ctx.device.type}
     torch.manual_seed(seed)

@@ -47,15 +47,6 @@ LINEAR_SHAPE = (16, 24)  # in_features, out_features of the layer the linear par
 LINEAR_INPUT = (3, 5, 16)  # (B, T, in_features)
 
 
-def make_batches(
-    cfg: ModelConfig, batch_size: int, steps: int, seed: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (x, y) batch of real text per step; the single-process reference uses the same."""
-    g = torch.Generator().manual_seed(seed)
-    train = data.load_splits().train
-    return [data.get_batch(train, batch_size, cfg.seq_len, g) for _ in range(steps)]
-
-
 def linear_case(seed: int) -> tuple[torch.nn.Linear, torch.Tensor, torch.Tensor]:
     """The whole layer, its input (B, T, in) and an upstream gradient (B, T, out)."""
     torch.manual_seed(seed)
@@ -189,7 +180,7 @@ def main(ctx: dist.Context) -> dict[str, Any]:
     )
     parts = list(conf.get("parts", ["linear", "gpt", "dtensor"]))
     save = bool(conf.get("save", True)) and ctx.job_dir is not None
-    batches = make_batches(cfg, B, steps, seed)
+    batches = data.fixed_batches(cfg.seq_len, B, steps, seed)
     result: dict[str, Any] = {"rank": ctx.rank, "tp": ctx.world_size}
 
     if "linear" in parts:
