@@ -137,3 +137,15 @@ def test_describe_without_reason_says_no_gpu_metrics():
 def test_sample_before_open_is_an_error():
     with pytest.raises(RuntimeError, match="before open"):
         CpuBackend().sample()
+
+
+def test_a_fully_busy_host_reads_at_most_100_percent(monkeypatch):
+    """Summed float CPU times can put the busy time a hair above the total (CI read
+    100.00000000115 %): the share of all cores is clamped to what it is."""
+    from labkit.metrics import cpu
+
+    readings = iter([(10.0, 20.0), (10.0 + 5.000000001, 25.0)])
+    monkeypatch.setattr(cpu, "_host_times", lambda: next(readings))
+    backend = CpuBackend(lambda: {})
+    backend._host_prev = cpu._host_times()
+    assert backend._host_values()["host_cpu_pct"] == 100.0
