@@ -21,6 +21,13 @@ import pytest
 os.environ.setdefault("LABKIT_SIZE", "smoke")
 os.environ.setdefault("LABKIT_CAPSTONE_SEED", "10")  # notebook 07: the same job every run
 os.environ.setdefault("LABKIT_HOME", tempfile.mkdtemp(prefix="labkit-test-home-"))
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Each pytest-xdist worker gets its own home (they inherit the controller's): a notebook's
+    # solution and its learner copy may run at once in two workers, and both write the
+    # exercise files a worker-run check imports (the stub once overwrote the solution there).
+    os.environ["LABKIT_HOME"] = os.path.join(os.environ["LABKIT_HOME"],
+                                             os.environ["PYTEST_XDIST_WORKER"])  # fmt: skip
+    os.makedirs(os.environ["LABKIT_HOME"], exist_ok=True)
 # Inherited by every process a test starts: tells our jobs from other sessions' on this host.
 os.environ["LABKIT_TEST_SESSION"] = SESSION = uuid.uuid4().hex
 
