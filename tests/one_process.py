@@ -48,3 +48,17 @@ def train_one_process(
     finally:
         torch.set_num_threads(before)
     return losses, first_grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_saved_state_matches(saved: dict, reference: Trained, initial_fc: torch.Tensor) -> None:
+    """A job's gathered first-step gradients and final parameters (``saved``: "first_grads",
+    "params") equal the single-process ``reference``'s, and the parameters moved from
+    ``initial_fc`` (blocks.0.mlp.fc.weight before training): two unchanged copies prove nothing."""
+    _, ref_grads, ref_params = reference
+    params, grads = saved["params"], saved["first_grads"]
+    assert set(params) == set(grads) == set(ref_params)
+    for name, ref in ref_grads.items():
+        torch.testing.assert_close(grads[name], ref, atol=1e-6, rtol=1e-4, msg=name)
+    for name, ref in ref_params.items():
+        torch.testing.assert_close(params[name], ref, atol=1e-4, rtol=0, msg=name)
+    assert not torch.allclose(params["blocks.0.mlp.fc.weight"], initial_fc)
