@@ -42,7 +42,7 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,10 +99,11 @@ def read_json(path: Path) -> dict | None:
     return obj if isinstance(obj, dict) else None
 
 
-def read_heartbeats(job_dir: Path, nproc: int) -> dict[int, dict]:
-    """Latest heartbeat of each rank that has written one: {rank: heartbeat dict}."""
+def read_heartbeats(job_dir: Path, ranks: int | Iterable[int]) -> dict[int, dict]:
+    """Latest heartbeat of each of ``ranks`` (an int n: ranks 0..n-1) that has written one:
+    {rank: heartbeat dict}."""
     beats = {}
-    for rank in range(nproc):
+    for rank in range(ranks) if isinstance(ranks, int) else ranks:
         beat = read_json(heartbeat_path(job_dir, rank))
         if beat is not None:
             beats[rank] = beat
@@ -126,6 +127,9 @@ class Context:
             a median) belong on ``collective_device()`` instead.
         config: the dict passed to ``labkit.launch.run(config=...)``.
         job_dir: the job directory, or None when run without the launcher.
+        node_rank: the machine's place in a job of several (torchrun's ``GROUP_RANK``: 0 on
+            one machine). torchrun numbers ranks node by node, so rank = node_rank *
+            ranks per node + local_rank.
     """
 
     rank: int
@@ -135,6 +139,7 @@ class Context:
     device: torch.device
     config: dict[str, Any] = field(default_factory=dict)
     job_dir: Path | None = None
+    node_rank: int = 0
     _beat: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def print0(self, *args: Any, **kwargs: Any) -> None:
@@ -276,9 +281,12 @@ def _run(fn: Callable[[Context], dict[str, Any] | None]) -> None:
     on_gpu = backend == "nccl" or spec.get("device") == "cuda"
     device = torch.device(f"cuda:{local_rank}" if on_gpu else "cpu")
 
-    ctx = Context(rank, local_rank, world_size, backend, device, spec.get("config", {}), job_dir)
+    node_rank = int(os.environ.get("GROUP_RANK", "0"))
+    ctx = Context(rank, local_rank, world_size, backend, device, spec.get("config", {}), job_dir,
+                  node_rank)  # fmt: skip
     ctx._beat.update(
         rank=rank,
+        node=node_rank,
         pid=os.getpid(),
         host=socket.gethostname(),
         step=None,

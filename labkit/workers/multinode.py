@@ -1,0 +1,116 @@
+"""A job of several machines in miniature: where each rank runs, one all-reduce, one DDP step.
+
+    launch.run("labkit.workers.multinode", nproc=1,
+               nodes=launch.Nodes(2, endpoint="head-node:29400", rdzv_id="demo"))
+
+The same module runs on one machine (``nproc`` ranks), on several under torchrun's c10d
+rendezvous, and under SLURM (``labkit.slurm``). Every rank reports:
+
+    node_rank, local_rank, host   where it ran (torchrun's GROUP_RANK and LOCAL_RANK)
+    allreduce       the sum of every rank's ``rank + 1``: expected n(n+1)/2 on every rank
+    allreduce_s     how long that one all-reduce of ``numel`` float32 values took, seconds
+    params          the model's parameters after one DDP step, flattened (a few dozen numbers)
+    checksum        their sum, to compare ranks at a glance
+
+Every rank draws its own batch from a generator seeded with ``seed + rank``, so the step's
+gradient is the mean over all ranks' batches. DDP's all-reduce averages the ranks' gradients,
+so one SGD step here equals one step of a single process on all the batches at once:
+``reference_params`` computes that, and a test holds every rank's ``params`` against it.
+
+Config (all optional): ``seed`` (default 0), ``batch`` rows per rank (default 8), ``numel``
+elements in the timed all-reduce (default 2**16), ``lr`` (default 0.1).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as tdist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from labkit import dist
+
+IN, HIDDEN = 8, 4
+
+
+def make_model(seed: int) -> nn.Module:
+    """The same tiny MLP on every rank (DDP also broadcasts rank 0's weights at wrap time)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, 1))
+
+
+def make_batch(seed: int, rank: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s batch: (x [rows, IN], y [rows, 1]), from its own seeded generator."""
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    return torch.randn(rows, IN, generator=g), torch.randn(rows, 1, generator=g)
+
+
+def sgd_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float) -> None:
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= lr * p.grad
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
+
+
+def reference_params(
+    world_size: int, *, seed: int = 0, batch: int = 8, lr: float = 0.1
+) -> torch.Tensor:
+    """One process, one step on every rank's batch at once: what DDP's step must reproduce."""
+    model = make_model(seed)
+    xs, ys = zip(*(make_batch(seed, r, batch) for r in range(world_size)), strict=True)
+    sgd_step(model, torch.cat(xs), torch.cat(ys), lr)
+    return flat_params(model)
+
+
+@dist.entrypoint
+def main(ctx: dist.Context) -> dict:
+    seed = int(ctx.config.get("seed", 0))
+    batch = int(ctx.config.get("batch", 8))
+    lr = float(ctx.config.get("lr", 0.1))
+    numel = int(ctx.config.get("numel", 2**16))
+    host = socket.gethostname()
+    ctx.print0(f"{ctx.world_size} ranks on {int(os.environ.get('GROUP_WORLD_SIZE', 1))} node(s)")
+    print(f"rank {ctx.rank} is local rank {ctx.local_rank} of node {ctx.node_rank} ({host})",
+          flush=True)  # fmt: skip
+
+    x = torch.full((numel,), float(ctx.rank + 1), device=ctx.device)
+    with ctx.phase("all_reduce"):
+        tdist.barrier()
+        start = time.perf_counter()
+        tdist.all_reduce(x)
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        allreduce_s = time.perf_counter() - start
+
+    model = make_model(seed).to(ctx.device)
+    ids = [ctx.local_rank] if ctx.device.type == "cuda" else None
+    ddp = DistributedDataParallel(model, device_ids=ids)
+    xb, yb = (t.to(ctx.device) for t in make_batch(seed, ctx.rank, batch))
+    with ctx.phase("ddp_step"):
+        sgd_step(ddp, xb, yb, lr)  # backward all-reduces the gradients across every node
+    params = flat_params(model)
+    ctx.heartbeat(step=1, total=1)
+    return {
+        "node_rank": ctx.node_rank,
+        "local_rank": ctx.local_rank,
+        "host": host,
+        "world_size": ctx.world_size,
+        "allreduce": x[0].item(),
+        "allreduce_expected": ctx.world_size * (ctx.world_size + 1) / 2,
+        "allreduce_s": allreduce_s,
+        "params": params.tolist(),
+        "checksum": params.sum().item(),
+    }
+
+
+if __name__ == "__main__":
+    main()
