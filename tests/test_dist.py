@@ -36,7 +36,10 @@ def test_heartbeat_records_progress_and_keeps_unset_fields(tmp_path):
     assert beat["step"] == 4 and beat["total"] == 10 and beat["phase"] == "train"
     assert beat["in_collective"] is False
     assert beat["seq"] == 2, "each heartbeat must bump seq: the launcher watches it for progress"
-    assert dist.read_heartbeats(tmp_path, nproc=2) == {1: beat}
+    assert dist.read_heartbeats(tmp_path, 2) == {1: beat}
+    # a node of a multi-node job holds ranks that do not start at 0
+    assert dist.read_heartbeats(tmp_path, [1, 5]) == {1: beat}
+    assert dist.read_heartbeats(tmp_path, [2, 3]) == {}
     assert not list(tmp_path.rglob("*.tmp")), "atomic writes must not leave temp files"
 
 
