@@ -189,14 +189,20 @@ def signal_name(exitcode: int) -> str:
     return f"signal {-exitcode}"
 
 
+def _rank_list(ranks: int | Sequence[int]) -> list[int]:
+    """Ranks given as a count n (ranks 0..n-1, one machine) or as the ranks a node holds."""
+    return list(range(ranks)) if isinstance(ranks, int) else list(ranks)
+
+
 def read_rank_ends(
-    job_dir: Path, nproc: int, agent_log: str | None = None
+    job_dir: Path, nproc: int | Sequence[int], agent_log: str | None = None
 ) -> dict[int, RankEnd]:
     """Every rank's ending, from the job directory's ``error.json`` files, torchrun's agent log
     (``agent_log``, the text, if the launcher kept it; else ``agent.log``) and the heartbeats."""
     job_dir = Path(job_dir)
-    beats = dist.read_heartbeats(job_dir, nproc)
-    ends = {r: RankEnd(r, heartbeat=beats.get(r, {})) for r in range(nproc)}
+    ranks = _rank_list(nproc)
+    beats = dist.read_heartbeats(job_dir, ranks)
+    ends = {r: RankEnd(r, heartbeat=beats.get(r, {})) for r in ranks}
     if agent_log is None:
         try:
             agent_log = (job_dir / "agent.log").read_text(errors="replace")
@@ -378,7 +384,7 @@ class FailureReport:
 
 
 def failure_report(
-    job_dir: Path, nproc: int, returncode: int | None, agent_log: str | None = None
+    job_dir: Path, nproc: int | Sequence[int], returncode: int | None, agent_log: str | None = None
 ) -> FailureReport:
     """Find and word a failed job's root cause, its consequences and its evidence."""
     ends = read_rank_ends(job_dir, nproc, agent_log)
@@ -405,10 +411,10 @@ def failure_report(
     if mismatch is not None:  # DETAIL's message is one 700-character line: say it short
         what = f"collectives do not match across ranks (TORCH_DISTRIBUTED_DEBUG=DETAIL): {mismatch}"
         others = [m for e in ends.values() if (m := collective_mismatch(e.exc_message))]
-        odd = odd_ones_out([f for m in others for f in (m.this, m.other)], nproc)
+        odd = odd_ones_out([f for m in others for f in (m.this, m.other)], len(ends))
         lines.append(
             f"the odd one out: rank {', '.join(map(str, odd))}" if odd else
-            f"with {nproc} ranks the check cannot tell which rank is wrong (no majority): "
+            f"with {len(ends)} ranks the check cannot tell which rank is wrong (no majority): "
             "compare each with the collective your code should issue there"
         )  # fmt: skip
     headline = f"failed on rank {cause.rank}: {what}"
@@ -418,7 +424,7 @@ def failure_report(
         # It failed waiting for a peer that never came (a process-group timeout, say): the rank
         # that kept it waiting, outside any collective, is the real suspect.
         beats = {r: e.heartbeat for r, e in ends.items() if e.heartbeat}
-        hung = [r for r in diagnose_hang(beats, nproc)[0] if r != cause.rank]
+        hung = [r for r in diagnose_hang(beats, list(ends))[0] if r != cause.rank]
         if hung:
             lines.append(
                 f"rank {cause.rank} failed waiting in collective "
@@ -631,7 +637,7 @@ def _where(beat: dict) -> str:
 
 def diagnose_hang(
     heartbeats: dict[int, dict],
-    nproc: int,
+    nproc: int | Sequence[int],
     now: float | None = None,
     where: dict[int, str] | None = None,
 ) -> tuple[list[int], list[str]]:
@@ -646,8 +652,9 @@ def diagnose_hang(
     """
     now = time.time() if now is None else now
     where = where or {}
+    ranks = _rank_list(nproc)
     lines = []
-    for r in range(nproc):
+    for r in ranks:
         beat = heartbeats.get(r)
         if beat is None:
             lines.append(f"rank {r}: no heartbeat (never reached setup: slow or stuck start)")
@@ -664,8 +671,8 @@ def diagnose_hang(
                 f"collective (last heartbeat {_ago(beat, now)})"
             )
     lines = [line + (f"\n    stuck at {where[r]}" if r in where else "")
-             for r, line in enumerate(lines)]  # fmt: skip
-    missing = [r for r in range(nproc) if r not in heartbeats]
+             for r, line in zip(ranks, lines, strict=True)]  # fmt: skip
+    missing = [r for r in ranks if r not in heartbeats]
     if missing:
         return missing, lines
     active = {r: b for r, b in heartbeats.items() if b.get("phase") != "done"}
@@ -719,10 +726,10 @@ def where_stuck(dump: str) -> str | None:
     return None
 
 
-def read_stacks(job_dir: Path, nproc: int) -> dict[int, str]:
+def read_stacks(job_dir: Path, nproc: int | Sequence[int]) -> dict[int, str]:
     """{rank: where it is} for the ranks that wrote a stack dump (``dist.STACK_SIGNAL``)."""
     found = {}
-    for rank in range(nproc):
+    for rank in _rank_list(nproc):
         with contextlib.suppress(OSError):
             where = where_stuck(dist.stack_path(job_dir, rank).read_text(errors="replace"))
             if where:

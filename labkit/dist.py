@@ -23,8 +23,9 @@ The launcher and the workers talk through files in the job directory (path in th
 
     job.json                 the job spec the launcher wrote: config, backend, timeouts
     rank{r}.json             what rank r passed to ``ctx.write_result``
-    heartbeat/rank{r}.json   rank r's latest heartbeat: pid, step, phase, in a collective or
-                             not, and the part of the job running (if the worker names one)
+    heartbeat/rank{r}.json   rank r's latest heartbeat: pid, node, step, phase, in a
+                             collective or not, the part of the job running (if the worker
+                             names one), and which restart of the job this process is
 
 Files, not sockets: they survive a crash, need no port, and a human can read them.
 """
@@ -287,6 +288,9 @@ def _run(fn: Callable[[Context], dict[str, Any] | None]) -> None:
     ctx._beat.update(
         rank=rank,
         node=node_rank,
+        world=world_size,
+        # torchrun's count of restarts so far: a rank restarted after a failure says so
+        restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         pid=os.getpid(),
         host=socket.gethostname(),
         step=None,

@@ -28,6 +28,7 @@ handlers installed in the kernel. A subprocess keeps the kernel clean.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import html
 import importlib.util
@@ -59,6 +60,7 @@ from labkit import diagnosis, dist, procs
 from labkit.diagnosis import diagnose_hang as diagnose_hang
 from labkit.diagnosis import rank_log_path as rank_log_path
 from labkit.diagnosis import traceback_excerpt as traceback_excerpt
+from labkit.nodes import Nodes, rank_range
 from labkit.procs import cleanup as cleanup
 from labkit.procs import labkit_home as labkit_home
 
@@ -71,7 +73,9 @@ AGENT_SHUTDOWN_S = 3
 RANK_PREFIX = "[rank${rank}] "  # torchrun substitutes ${rank}
 _RANK_LINE = re.compile(r"^\[rank(\d+)\] ?")
 # torchrun's agent (c10d's socket.cpp) when it cannot get a local port for its rendezvous.
-_NO_PORT = re.compile(r"errno: (?:98|99) - (Address already in use|Cannot assign requested address)")
+_NO_PORT = re.compile(
+    r"errno: (?:98|99) - (Address already in use|Cannot assign requested address)"
+)
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -90,6 +94,11 @@ class JobResult:
         status: "ok", "failed", "timeout" or "interrupted".
         returncode: torchrun's exit status (negative: killed by that signal).
         agent_pid, worker_pids: the processes the job ran (all ended by now).
+        nodes: the multi-node layout it ran under (None: this machine alone). Then ``nproc``
+            counts this node's ranks, ``world_size`` the whole job's, and ``ranks`` holds
+            results only for this node's ranks (``local_ranks``); other nodes keep theirs.
+        node_rank: this machine's node rank (0 on one machine).
+        restarts: how many times torchrun restarted the ranks (``max_restarts``).
     """
 
     module: str
@@ -105,17 +114,40 @@ class JobResult:
     config: dict[str, Any] = field(default_factory=dict)
     agent_pid: int | None = None
     worker_pids: list[int] = field(default_factory=list)
+    nodes: Nodes | None = None
+    node_rank: int | None = 0
+    restarts: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def local_ranks(self) -> list[int]:
+        """The ranks that ran on this machine (all of them, on one machine)."""
+        if self.nodes is None:
+            return list(range(self.nproc))
+        return [] if self.node_rank is None else list(rank_range(self.node_rank, self.nproc))
 
     def rank(self, r: int) -> dict[str, Any]:
         """Rank ``r``'s result dict."""
-        if not 0 <= r < self.nproc:
-            raise IndexError(f"rank {r} out of range: this job had ranks 0..{self.nproc - 1}")
+        if not 0 <= r < self.world_size:
+            raise IndexError(f"rank {r} out of range: this job had ranks 0..{self.world_size - 1}")
+        if r not in self.local_ranks:
+            raise IndexError(
+                f"rank {r} ran on node {r // self.nproc}, not on this one (node "
+                f"{self.node_rank}, ranks {self.local_ranks}): its result is in that node's "
+                "job folder"
+            )
         return self.ranks[r]
 
     @property
     def result(self) -> dict[str, Any]:
-        """Rank 0's result, for jobs where every rank reports the same thing."""
-        return self.rank(0)
+        """The lowest rank's result (rank 0's on one machine), for jobs where every rank
+        reports the same thing."""
+        if not self.local_ranks:
+            raise IndexError("no rank of this job ran on this node")
+        return self.rank(self.local_ranks[0])
 
     def log(self, r: int, stream: str = "stdout") -> str:
         """Full text of rank ``r``'s stdout (or ``stream="stderr"``) log, "" if none."""
@@ -123,30 +155,36 @@ class JobResult:
         return path.read_text(errors="replace") if path else ""
 
     def _summary(self) -> str:
+        where = (f"node {self.node_rank} of {self.nodes.count}, {self.nproc} of "
+                 f"{self.world_size} ranks" if self.nodes else f"{self.nproc} ranks")  # fmt: skip
+        again = f", {self.restarts} restart(s)" if self.restarts else ""
         return (
-            f"{self.module}: {self.status}, {self.nproc} ranks, {self.backend}/{self.device},"
-            f" {self.wall_s:.1f} s, logs in {self.log_dir}"
+            f"{self.module}: {self.status}, {where}, {self.backend}/{self.device},"
+            f" {self.wall_s:.1f} s{again}, logs in {self.log_dir}"
         )
+
+    def _rows(self) -> list[tuple[int, dict[str, Any]]]:
+        """(rank, result) of the ranks that ran here."""
+        return [(r, self.ranks[r]) for r in self.local_ranks if r < len(self.ranks)]
 
     def _split_keys(self) -> tuple[dict[str, Any], list[str]]:
         """Scalar keys whose value every rank shares (shown once), and the per-rank ones."""
+        results = [res for _, res in self._rows()]
         keys: list[str] = []
-        for res in self.ranks:
+        for res in results:
             keys += [k for k, v in res.items() if k not in keys and k != "rank" and _is_scalar(v)]
         common: dict[str, Any] = {}
-        if self.nproc > 1 and all(self.ranks):
+        if len(results) > 1 and all(results):
             for k in keys:
-                values = [res.get(k) for res in self.ranks]
-                if all(
-                    k in res and v == values[0] for res, v in zip(self.ranks, values, strict=True)
-                ):
+                values = [res.get(k) for res in results]
+                if all(k in res and v == values[0] for res, v in zip(results, values, strict=True)):
                     common[k] = values[0]
         return common, [k for k in keys if k not in common][:12]  # a table, not a dump
 
     def __repr__(self) -> str:
         common, cols = self._split_keys()
         rows = [["rank", *cols]]
-        rows += [[str(r), *(_fmt(res.get(c)) for c in cols)] for r, res in enumerate(self.ranks)]
+        rows += [[str(r), *(_fmt(res.get(c)) for c in cols)] for r, res in self._rows()]
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         table = "\n".join(
             "  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in rows
@@ -165,7 +203,7 @@ class JobResult:
             + f"<td>{r}</td>"
             + "".join(f"<td>{esc(_fmt(res.get(c)))}</td>" for c in cols)
             + "</tr>"
-            for r, res in enumerate(self.ranks)
+            for r, res in self._rows()
         )
         shared = ", ".join(f"{esc(k)}={esc(_fmt(v))}" for k, v in common.items())
         return (
@@ -265,10 +303,34 @@ class Job:
     agent_pid: int | None = None
     heartbeats: dict[int, dict] = field(default_factory=dict)  # latest, by rank
     checked_at: float | None = None  # time.time() of the last supervision tick
+    nodes: Nodes | None = None  # the multi-node layout; None: this machine alone
+    # This machine's node rank: 0 alone, given for a static rendezvous, and under c10d learned
+    # from the first rank that shows up (torchrun numbers ranks node by node).
+    node_rank: int | None = 0
+    max_restarts: int = 0
 
     @property
     def elapsed_s(self) -> float:
         return time.monotonic() - self.started
+
+    @property
+    def world_size(self) -> int:
+        """The most ranks the whole job can have (every node's ``nproc``)."""
+        return self.nproc * (self.nodes.max_nodes if self.nodes else 1)
+
+    @property
+    def local_ranks(self) -> list[int]:
+        """The global ranks on this machine; [] while a c10d job has not told us its place."""
+        return [] if self.node_rank is None else list(rank_range(self.node_rank, self.nproc))
+
+    def ranks_here(self) -> list[int]:
+        """The ranks to look for in this machine's job folder: ours once known, else any."""
+        return self.local_ranks or list(range(self.world_size))
+
+    def saw_rank(self, rank: int) -> None:
+        """A rank of ours showed up: under c10d that tells which node we are."""
+        if self.node_rank is None and 0 <= rank < self.world_size:
+            self.node_rank = rank // self.nproc
 
     def rank_pids(self) -> dict[int, int]:
         """{rank: pid} of the workers, as soon as they exist.
@@ -282,7 +344,9 @@ class Job:
             with contextlib.suppress(psutil.Error):
                 for child in psutil.Process(self.agent_pid).children():
                     with contextlib.suppress(psutil.Error, KeyError, ValueError):
-                        pids.setdefault(int(child.environ()["RANK"]), child.pid)
+                        rank = int(child.environ()["RANK"])
+                        pids.setdefault(rank, child.pid)
+                        self.saw_rank(rank)
         return pids
 
     def progress(self) -> tuple[int | None, int | None]:
@@ -489,6 +553,8 @@ def run(
     pg_timeout_s: float = dist.DEFAULT_PG_TIMEOUT_S,
     observers: Sequence[Any] = (),
     oversubscribe: bool = False,
+    nodes: Nodes | None = None,
+    max_restarts: int = 0,
 ) -> JobResult:
     """Run worker ``module`` on ``nproc`` processes and return their results.
 
@@ -513,6 +579,15 @@ def run(
         observers: objects with optional ``on_start(job)``, ``on_tick(job)``,
             ``on_end(job, result)`` methods (live plots).
         oversubscribe: allow more than ``MAX_RANKS_PER_CORE`` CPU ranks per core.
+        nodes: run as one node of a job across machines (``labkit.nodes.Nodes``: node count,
+            rendezvous endpoint and id, optionally this node's rank); call ``run`` with the
+            same arguments on every node. ``nproc`` is then the ranks on *this* node, the
+            output says which node each rank is on, and the result holds this node's ranks.
+            None (default): every rank on this machine.
+        max_restarts: how many times torchrun may restart all ranks after one fails (its
+            ``--max-restarts``). A worker that resumes from a checkpoint makes a restart worth
+            it (``labkit.checkpoint``); without one, a restart repeats the work, or the failure.
+            Default 0: a failure ends the job and is reported at once.
 
     Raises:
         ValueError: bad arguments or a bad ``$LABKIT_KEEP_RUNS``; nothing was started.
@@ -526,6 +601,13 @@ def run(
     config_json = _check_inputs(
         nproc, config, timeout_s, tail_lines, env, heartbeat_timeout_s, pg_timeout_s
     )
+    if nodes is not None and not isinstance(nodes, Nodes):
+        raise ValueError(
+            f"nodes={nodes!r}: need a labkit.nodes.Nodes(count, endpoint=..., rdzv_id=...), "
+            "or None for a job on this machine alone"
+        )
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"max_restarts={max_restarts!r}: need an integer >= 0 (0: no restart)")
     gpu_count = visible_gpu_count()
     asked = device
     backend, device = resolve_backend(nproc, device, backend, gpu_count=gpu_count)
@@ -561,10 +643,13 @@ def run(
         "device": device,
         "pg_timeout_s": float(pg_timeout_s),
         "config": json.loads(config_json),
+        "nodes": dataclasses.asdict(nodes) if nodes else None,
+        "max_restarts": max_restarts,
     }
     job_dir = _make_job_dir(Path(log_dir or procs.default_runs_dir()).resolve(), spec,
                             may_prune=not log_dir)  # fmt: skip
-    job = Job(job_id, module, nproc, backend, device, config, job_dir)
+    job = Job(job_id, module, nproc, backend, device, config, job_dir, nodes=nodes,
+              node_rank=(nodes.node_rank if nodes else 0), max_restarts=max_restarts)  # fmt: skip
     sup = _Supervisor(
         job,
         roots,
@@ -601,7 +686,8 @@ def run(
         if (full := _disk_full(job_dir)) is not None:  # every later write would fail too
             raise _disk_error(job_dir, full)
         raise _failure_error(job, result, agent_log)
-    if missing := [r for r in range(nproc) if r not in dist.read_heartbeats(job_dir, nproc)]:
+    beats = dist.read_heartbeats(job_dir, job.ranks_here())
+    if missing := [r for r in job.local_ranks or range(nproc) if r not in beats]:
         raise _no_worker_error(job, result, missing)
     return result
 
@@ -854,21 +940,26 @@ class _Supervisor:
 
     def _command(self) -> list[str]:
         job = self.job
+        # Alone: c10d rendezvous on port 0, so the OS picks a free port and jobs never collide.
+        # torch 2.13's torchrun does the same for a one-node job given no port
+        # (torch/distributed/run.py, pytorch PR #175699); passing it explicitly keeps it so on
+        # older torch, whose default was a static rendezvous on port 29500 (pytorch #73320).
+        # An explicit --master-port still selects that static, colliding one. Several nodes
+        # must all know the port: the caller's Nodes carries it.
+        where = job.nodes.torchrun_args() if job.nodes else [
+            "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", f"--rdzv-id={job.job_id}",
+            "--nnodes=1",
+        ]  # fmt: skip
         torchrun = [
             sys.executable,
             "-m",
             "torch.distributed.run",
-            # c10d rendezvous on port 0: the OS picks a free port, so jobs never collide.
-            # torch 2.13's torchrun does the same for a one-node job given no port
-            # (torch/distributed/run.py, pytorch PR #175699); passing it explicitly keeps it
-            # so on older torch, whose default was a static rendezvous on port 29500 (pytorch
-            # #73320). An explicit --master-port still selects that static, colliding one.
-            "--rdzv-backend=c10d",
-            "--rdzv-endpoint=localhost:0",
-            f"--rdzv-id={job.job_id}",
-            "--nnodes=1",
+            *where,
             f"--nproc-per-node={job.nproc}",
-            "--max-restarts=0",  # restarts of a broken rank can hang (pytorch #135712)
+            # Default 0: restarting a rank that broke for a reason that is still there repeats
+            # the failure, and such restarts can hang (pytorch #135712). labkit.checkpoint's
+            # workers resume where they stopped, which makes a restart worth it.
+            f"--max-restarts={job.max_restarts}",
             "--monitor-interval=0.1",
             f"--log-dir={job.job_dir / 'torchrun'}",
             "--tee=3",  # each rank's stdout+stderr to its own file *and* to us, whole lines
@@ -902,8 +993,11 @@ class _Supervisor:
         )
         # ...but torch.compile's cache would then be lost with each job: give it a home.
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(procs.labkit_home() / "inductor"))
-        if job.backend == "gloo" and "lo" in {name for _, name in _interfaces()}:
+        alone = job.nodes is None or job.nodes.on_loopback
+        if job.backend == "gloo" and alone and "lo" in {name for _, name in _interfaces()}:
             # gloo binds to the address the hostname resolves to; one machine needs loopback.
+            # Real nodes must not: the others could not reach us (set GLOO_SOCKET_IFNAME or
+            # NCCL_SOCKET_IFNAME to the interface between the nodes, e.g. through env=).
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         env["PYTHONPATH"] = os.pathsep.join([*self.roots, *filter(None, [env.get("PYTHONPATH")])])
         return env
@@ -1001,6 +1095,10 @@ class _Supervisor:
         if not m:
             return
         rank, rest = int(m.group(1)), text[m.end() :]
+        self.job.saw_rank(rank)
+        # Several machines: say which node each line comes from (torchrun numbers ranks node by
+        # node; its prefix template knows only ranks).
+        label = f"[node{rank // self.job.nproc} rank{rank}]" if self.job.nodes else f"[rank{rank}]"
         # torch's excepthook prefixes each line of a rank's uncaught traceback with "[rankN]:".
         # A traceback is held until it is complete, then shown as an excerpt: the frames that
         # start every worker and torch's internals are noise under a learner's cell.
@@ -1014,18 +1112,20 @@ class _Supervisor:
             rest = body
         elif held is not None:
             self._flush_traceback(rank)
-        self.echo.line(f"[rank{rank}] {rest}")
+        self.echo.line(f"{label} {rest}")
 
     def _flush_traceback(self, rank: int) -> None:
         lines = self._tracebacks.pop(rank, [])
+        label = f"[node{rank // self.job.nproc} rank{rank}]" if self.job.nodes else f"[rank{rank}]"
         for line in diagnosis.traceback_excerpt("\n".join(lines)).splitlines():
-            self.echo.line(f"[rank{rank}] {line}")
+            self.echo.line(f"{label} {line}")
 
     def _tick(self, now: float, timeout_s: float, heartbeat_timeout_s: float | None) -> bool:
         """One supervision step; True when the job must be ended for time."""
         job = self.job
-        job.heartbeats = dist.read_heartbeats(job.job_dir, job.nproc)
+        job.heartbeats = dist.read_heartbeats(job.job_dir, job.ranks_here())
         for rank, beat in job.heartbeats.items():
+            job.saw_rank(rank)
             if self._seqs.get(rank) != beat.get("seq"):
                 self._seqs[rank] = beat.get("seq")
                 self._last_progress = now
@@ -1132,7 +1232,12 @@ class _Supervisor:
 
     def result(self) -> JobResult:
         job = self.job
-        ranks = [dist.read_json(dist.result_path(job.job_dir, r)) or {} for r in range(job.nproc)]
+        beats = dist.read_heartbeats(job.job_dir, job.ranks_here())
+        # An elastic job may have started with fewer nodes than it admits: the ranks say.
+        world = max((b["world"] for b in beats.values() if isinstance(b.get("world"), int)),
+                    default=job.world_size)  # fmt: skip
+        ranks = [dist.read_json(dist.result_path(job.job_dir, r)) or {} for r in range(world)]
+        restarts = max((b.get("restart", 0) for b in beats.values()), default=0)
         return JobResult(
             module=job.module,
             job_id=job.job_id,
@@ -1147,6 +1252,9 @@ class _Supervisor:
             config=job.config,
             agent_pid=job.agent_pid,
             worker_pids=sorted(self.workers),
+            nodes=job.nodes,
+            node_rank=job.node_rank,
+            restarts=restarts if isinstance(restarts, int) else 0,
         )
 
 
@@ -1167,15 +1275,23 @@ def _timeout_error(
     beats = job.heartbeats
     if not ranks_started and not beats:  # no rank to blame: torchrun never got that far
         agent = diagnosis.agent_excerpt(job.job_dir)
+        waiting = (
+            f"torchrun's agent was still waiting at the rendezvous {job.nodes.endpoint} for "
+            f"{job.nodes.min_nodes} node(s) when time ran out. Is the same command (same "
+            f"endpoint, rdzv_id={job.nodes.rdzv_id!r}) running on every node, and can this one "
+            "reach the endpoint (a firewall, the wrong interface)?"
+            if job.nodes else
+            "torchrun's agent was still setting the job up (its rendezvous) when time ran out."
+        )  # fmt: skip
         msg = "\n".join([
-            f"{job.module} {reason}; no rank ever started: torchrun's agent was still setting "
-            "the job up (its rendezvous) when time ran out. Its last lines:",
+            f"{job.module} {reason}; no rank ever started: {waiting} Its last lines:",
             *(f"  {s}" for s in agent.splitlines()),
             f"job ended; logs in {job.job_dir}",
         ])  # fmt: skip
         return JobTimeout(msg, result=result, ranks=[], heartbeats=beats)
-    where = diagnosis.read_stacks(job.job_dir, job.nproc)
-    hung, lines = diagnose_hang(beats, job.nproc, now=job.checked_at, where=where)
+    ours = job.local_ranks or list(range(job.nproc))
+    where = diagnosis.read_stacks(job.job_dir, ours)
+    hung, lines = diagnose_hang(beats, ours, now=job.checked_at, where=where)
     if hung:
         verdict = f"likely hung: rank {', '.join(map(str, hung))}"
     else:
@@ -1191,14 +1307,23 @@ def _timeout_error(
 
 
 def _failure_error(job: Job, result: JobResult, agent_log: str | None = None) -> JobFailed:
-    report = diagnosis.failure_report(job.job_dir, job.nproc, result.returncode, agent_log)
+    ours = job.local_ranks or list(range(job.nproc))
+    report = diagnosis.failure_report(job.job_dir, ours, result.returncode, agent_log)
     cause = report.cause
     if cause is None:  # torchrun's agent failed, no rank
         said = report.headline
     else:
         said = cause.exc_message if cause.raised else f"the process {diagnosis.how_it_ended(cause)}"
+    elsewhere = []
+    if job.nodes:  # this node sees only its own ranks
+        elsewhere.append(
+            f"this is node {job.node_rank if job.node_rank is not None else '?'} (ranks "
+            f"{ours[0]}..{ours[-1]}); a failure that began on another node is in that node's logs"
+        )
     return JobFailed(
-        "\n".join([f"{job.module} {report.headline}", *report.lines, f"logs in {job.job_dir}"]),
+        "\n".join(
+            [f"{job.module} {report.headline}", *report.lines, *elsewhere, f"logs in {job.job_dir}"]
+        ),
         result=result,
         rank=report.rank,
         exc_type=cause.exc_type if cause else "",
@@ -1218,7 +1343,7 @@ def _no_worker_error(job: Job, result: JobResult, missing: list[int]) -> JobFail
         f"{job.module}: {which} ran a worker function: the processes exited cleanly without "
         "setting up (no heartbeat, no result). torchrun runs `python -m "
         f"{job.module}`, so the module must call its worker function itself: is that function "
-        'decorated with @dist.entrypoint, and does the module end with `if __name__ == '
+        "decorated with @dist.entrypoint, and does the module end with `if __name__ == "
         '"__main__": main()`?\n'
         f"logs in {job.job_dir}",
         result=result,

@@ -19,6 +19,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "labkit"
 LAYERS: dict[str, int] = {
     # the names of number formats, below everything that takes a dtype: no labkit imports
     "dtypes": -1,
+    # where a machine sits in a job of several (torchrun's multi-node flags): no labkit imports
+    "nodes": -1,
     # how notebooks, exercises and quiz questions are named: no labkit imports
     "ids": -1,
     # foundations: no labkit imports

@@ -18,7 +18,9 @@ so one SGD step here equals one step of a single process on all the batches at o
 ``reference_params`` computes that, and a test holds every rank's ``params`` against it.
 
 Config (all optional): ``seed`` (default 0), ``batch`` rows per rank (default 8), ``numel``
-elements in the timed all-reduce (default 2**16), ``lr`` (default 0.1).
+elements in the timed all-reduce (default 2**16), ``lr`` (default 0.1), ``hold_s`` (default 0):
+after the step, every rank but rank 0 waits this long before a last barrier, where rank 0
+already waits: a job with a node to pull the plug on.
 """
 
 from __future__ import annotations
@@ -98,6 +100,12 @@ def main(ctx: dist.Context) -> dict:
     with ctx.phase("ddp_step"):
         sgd_step(ddp, xb, yb, lr)  # backward all-reduces the gradients across every node
     params = flat_params(model)
+    if hold := float(ctx.config.get("hold_s", 0)):
+        if ctx.rank > 0:
+            ctx.heartbeat(phase="hold")
+            time.sleep(hold)
+        with ctx.phase("last_barrier"):
+            tdist.barrier()
     ctx.heartbeat(step=1, total=1)
     return {
         "node_rank": ctx.node_rank,
