@@ -2,6 +2,8 @@
 
     labkit doctor      an instructor's pre-flight check of this machine (--json for scripts)
     labkit tier        which tier this machine runs the course in, and what that can show
+    labkit launch      run a worker module on this machine's ranks, alone or as one node of a
+                       job across machines (--nodes N --endpoint HOST:PORT: the same on every node)
     labkit cleanup     end processes left by jobs whose notebook kernel was killed
                        (--runs N: also delete all but the newest N job log folders)
     labkit notebooks   regenerate the learners' notebooks from solutions/ (--check to compare)
@@ -82,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         from labkit import record
 
         return record.main(argv[1:])
+    if argv[:1] == ["launch"]:  # and launch
+        from labkit import launch
+
+        return launch.main(argv[1:])
     if argv[:1] == ["exam"]:  # and exam
         from labkit import exam
 
@@ -108,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("record-trace", help="record notebook 01's run on a GPU (see: labkit "
                    "record-trace -h)")  # fmt: skip
     sub.add_parser("exam", help="a mock exam from every quiz bank (see: labkit exam -h)")
+    sub.add_parser("launch", help="run a worker, alone or as one node of several (see: labkit "
+                   "launch -h)")  # fmt: skip
     args = parser.parse_args(argv)
     return args.fn(args)
 
