@@ -199,3 +199,12 @@ def test_launch_refuses_a_layout_that_is_not_nodes_and_negative_restarts():
         launch.run("labkit.workers.multinode", nodes={"count": 2})
     with pytest.raises(ValueError, match="max_restarts=-1"):
         launch.run("labkit.workers.multinode", max_restarts=-1)
+
+
+def test_launch_command_refuses_half_a_layout(capsys):
+    from labkit.__main__ import main
+
+    assert main(["launch", "labkit.workers.multinode", "--nodes", "2"]) == 2
+    assert "--nodes and --endpoint go together" in capsys.readouterr().err
+    assert main(["launch", "labkit.workers.multinode", "--nodes", "2", "--endpoint", "h:0"]) == 2
+    assert "cannot be 0" in capsys.readouterr().err
