@@ -751,6 +751,37 @@ def ring_allreduce_time(message_bytes: float, n_ranks: int, latency_s: float,
                            bandwidth_bytes_per_s, messages=2 * (n - 1))  # fmt: skip
 
 
+def multinode_allreduce_time(message_bytes: float, nodes: int, gpus_per_node: int, *,
+                             intra_bytes_per_s: float, inter_bytes_per_s: float,
+                             hierarchical: bool = False) -> float:  # fmt: skip
+    """Bandwidth time of an all-reduce over ``nodes`` × ``gpus_per_node`` GPUs (latency left out).
+
+    inter_bytes_per_s is what one GPU can send off its node at once (its share of the network
+    cards: 50 GB/s for one 400 Gb/s NIC per GPU, as on a DGX H100).
+
+    - flat ring (``hierarchical=False``): one ring through all n = N·G GPUs, node after node.
+      Every step moves a chunk on every hop at once, so the step lasts as long as the slowest
+      hop: the ring runs at min(intra, inter): 2(n−1)/n · S / min(...).
+    - hierarchical (two-level; Jia et al. 2018, "Highly Scalable Deep Learning Training System
+      with Mixed-Precision", arXiv 1807.11205, its hierarchical all-reduce): reduce-scatter
+      inside each node (each GPU ends with S/G summed over its node), all-reduce those S/G
+      across the N nodes, one ring per GPU position on its own NIC, then all-gather inside the
+      node: 2(G−1)/G · S/intra + 2(N−1)/N · (S/G)/inter. Only 1/G of the bytes cross the
+      network per GPU: what NCCL's topology-aware rings and trees achieve too.
+    """
+    s = _non_negative_number("message_bytes", message_bytes)
+    n_nodes, g = _positive_int("nodes", nodes), _positive_int("gpus_per_node", gpus_per_node)
+    intra = _positive_number("intra_bytes_per_s", intra_bytes_per_s)
+    inter = _positive_number("inter_bytes_per_s", inter_bytes_per_s)
+    if not hierarchical:
+        n = n_nodes * g
+        link = intra if n_nodes == 1 else inter if g == 1 else min(intra, inter)
+        return ring_allreduce_bytes_per_rank(s, n) / link
+    inside = 2 * (g - 1) / g * s / intra  # reduce-scatter + all-gather on NVLink
+    across = ring_allreduce_bytes_per_rank(s / g, n_nodes) / inter
+    return inside + across
+
+
 def bucket_count(tensor_bytes: Sequence[float], cap_bytes: float) -> int:
     """Buckets a gradient-bucketing scheme like DDP's makes of tensors taken in order.
 

@@ -538,3 +538,21 @@ def test_alpha_beta_fit_recovers_the_line_it_was_given():
     assert f.alpha_beta_fit(1000, 0.0, 2000, 1.0)[0] == 0.0
     with pytest.raises(ValueError, match="must be larger and take longer"):
         f.alpha_beta_fit(4, 1e-3, 2**20, 1e-4)  # the big message came out faster
+
+
+def test_a_flat_ring_across_nodes_runs_at_the_network_and_a_hierarchy_sends_1_over_g_of_it():
+    S, nvlink, nic = 14e9, 450e9, 50e9  # 7B parameters of bf16 gradients; H100 NVLink; NDR
+    one_node = f.multinode_allreduce_time(S, 1, 8, intra_bytes_per_s=nvlink, inter_bytes_per_s=nic)
+    assert one_node == pytest.approx(2 * 7 / 8 * S / nvlink)  # no network in the ring
+    flat = f.multinode_allreduce_time(S, 2, 8, intra_bytes_per_s=nvlink, inter_bytes_per_s=nic)
+    assert flat == pytest.approx(2 * 15 / 16 * S / nic)  # every step waits for the NIC hop
+    tiered = f.multinode_allreduce_time(S, 2, 8, intra_bytes_per_s=nvlink, inter_bytes_per_s=nic,
+                                        hierarchical=True)  # fmt: skip
+    assert tiered == pytest.approx(2 * 7 / 8 * S / nvlink + 2 * 1 / 2 * (S / 8) / nic)
+    assert one_node < tiered < flat
+    # one GPU per node: both are the same ring over the network
+    assert f.multinode_allreduce_time(S, 4, 1, intra_bytes_per_s=nvlink, inter_bytes_per_s=nic,
+                                      hierarchical=True) == pytest.approx(
+        f.multinode_allreduce_time(S, 4, 1, intra_bytes_per_s=nvlink, inter_bytes_per_s=nic))
+    with pytest.raises(ValueError, match="nodes"):
+        f.multinode_allreduce_time(S, 0, 8, intra_bytes_per_s=nvlink, inter_bytes_per_s=nic)
