@@ -782,6 +782,28 @@ def multinode_allreduce_time(message_bytes: float, nodes: int, gpus_per_node: in
     return inside + across
 
 
+def young_checkpoint_interval(save_s: float, mtbf_s: float) -> float:
+    """Seconds of training between checkpoints that waste the least time: √(2·δ·M).
+
+    Young, "A first order approximation to the optimum checkpoint interval", Communications of
+    the ACM 17(9), 1974. A checkpoint that stops training for δ seconds, taken every τ seconds
+    of work, costs δ/τ of the time; a failure (one every M seconds on average, the job's mean
+    time between failures) loses on average τ/2 of work since the last one. The sum
+    δ/τ + τ/(2M) is least at τ = √(2δM). First order: good while δ ≪ τ ≪ M.
+    """
+    return math.sqrt(2 * _positive_number("save_s", save_s) * _positive_number("mtbf_s", mtbf_s))
+
+
+def checkpoint_waste_fraction(interval_s: float, save_s: float, mtbf_s: float,
+                              restart_s: float = 0.0) -> float:  # fmt: skip
+    """Share of the time lost to checkpoints and failures, to first order (Young 1974):
+    δ/τ for writing them, and per failure, every M seconds, τ/2 of lost work plus the restart."""
+    tau = _positive_number("interval_s", interval_s)
+    delta = _non_negative_number("save_s", save_s)
+    m = _positive_number("mtbf_s", mtbf_s)
+    return delta / tau + (tau / 2 + _non_negative_number("restart_s", restart_s)) / m
+
+
 def bucket_count(tensor_bytes: Sequence[float], cap_bytes: float) -> int:
     """Buckets a gradient-bucketing scheme like DDP's makes of tensors taken in order.
 

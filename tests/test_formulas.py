@@ -556,3 +556,18 @@ def test_a_flat_ring_across_nodes_runs_at_the_network_and_a_hierarchy_sends_1_ov
         f.multinode_allreduce_time(S, 4, 1, intra_bytes_per_s=nvlink, inter_bytes_per_s=nic))
     with pytest.raises(ValueError, match="nodes"):
         f.multinode_allreduce_time(S, 0, 8, intra_bytes_per_s=nvlink, inter_bytes_per_s=nic)
+
+
+def test_youngs_interval_balances_saving_against_losing_work():
+    # Llama 3 405B: 419 unexpected interruptions in 54 days (arXiv 2407.21783, section 3.3.4)
+    mtbf = 54 * 86400 / 419
+    tau = f.young_checkpoint_interval(60.0, mtbf)
+    assert tau == pytest.approx(math.sqrt(2 * 60 * mtbf))
+    best = f.checkpoint_waste_fraction(tau, 60.0, mtbf)
+    assert best == pytest.approx(2 * 60 / tau)  # at the optimum both terms are equal
+    for other in (tau / 3, tau * 3):  # any other interval wastes more
+        assert f.checkpoint_waste_fraction(other, 60.0, mtbf) > best
+    assert f.checkpoint_waste_fraction(tau, 60.0, mtbf, restart_s=600) == pytest.approx(
+        best + 600 / mtbf)
+    with pytest.raises(ValueError, match="mtbf_s"):
+        f.young_checkpoint_interval(60.0, 0)
