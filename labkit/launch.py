@@ -1448,9 +1448,20 @@ def rehearse_nodes(
     kernel) and ended with the job. They meet through a c10d rendezvous on a port free on
     this machine at the moment it was picked (another program could take it first: then the
     launch fails with a message, and running it again picks another).
+
+    GPUs: every agent numbers its ranks' GPUs from 0 (``LOCAL_RANK``), so with a GPU for every
+    rank of every node each agent is shown only its own slice (``CUDA_VISIBLE_DEVICES``), as
+    on separate machines; with fewer, every rank runs on the CPU over gloo.
     """
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 2:
         raise ValueError(f"nodes={nodes!r}: a rehearsal of several nodes needs 2 or more")
+    gpus = visible_gpu_count()
+    device = run_kwargs.pop("device", "auto")
+    if device == "auto":
+        device = "cuda" if gpus >= nodes * nproc else "cpu"
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    visible = visible or [str(i) for i in range(gpus)]
+    slices = [",".join(visible[k * nproc:(k + 1) * nproc]) for k in range(nodes)]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -1465,13 +1476,17 @@ def rehearse_nodes(
             sys.executable, "-m", "labkit._spawn", "SIGTERM", str(os.getpid()), "--",
             sys.executable, "-m", "labkit", "launch", module, f"--nproc={nproc}",
             f"--nodes={nodes}", f"--endpoint={layout.endpoint}", f"--rdzv-id={layout.rdzv_id}",
-            f"--config={config_json}", f"--timeout={timeout_s}", f"--json={out_dir / f'agent{k}.json'}",
+            f"--config={config_json}", f"--timeout={timeout_s}", f"--device={device}",
+            f"--json={out_dir / f'agent{k}.json'}",
         ]  # fmt: skip
+        env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": slices[k]} if device == "cuda" else {})}
         log = open(out_dir / f"agent{k}.log", "w")  # noqa: SIM115 (closed below)
-        others.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+        others.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                         stdin=subprocess.DEVNULL, start_new_session=True), log))  # fmt: skip
+    mine = {"CUDA_VISIBLE_DEVICES": slices[0]} if device == "cuda" else {}
     try:
         here = run(module, nproc=nproc, config=config, nodes=layout, timeout_s=timeout_s,
+                   device=device, env={**(run_kwargs.pop("env", None) or {}), **mine},
                    **run_kwargs)  # fmt: skip
     finally:
         deadline = time.monotonic() + 15  # the others end with the job; give them a moment
