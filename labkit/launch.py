@@ -1415,13 +1415,23 @@ def _node_record(res: JobResult) -> dict[str, Any]:
 class Rehearsal:
     """A job of several "nodes" run on this one machine: what each node's agent reported.
 
-    ``nodes[k]`` is node k's record: status, results by rank, wall time, log folder. ``here``
-    is the node this kernel ran (its ranks' output appeared under the cell).
+    ``nodes[k]`` is node k's record: status, results by rank, wall time, log folder (and for
+    the nodes run in the background, ``agent_log``, what their agent printed). ``here`` is the
+    node this kernel ran (its ranks' output appeared under the cell).
     """
 
     nodes: list[dict[str, Any]]
     here: JobResult
     command: str  # what each node of a real cluster would run
+
+    def output(self, node: int) -> list[str]:
+        """The rank lines node ``node``'s agent printed ([] for the node this kernel ran:
+        its lines appeared under the cell)."""
+        path = self.nodes[node].get("agent_log")
+        if not path:
+            return []
+        text = Path(path).read_text(errors="replace")
+        return [line for line in text.splitlines() if line.startswith("[node")]
 
     def results(self) -> dict[int, dict[str, Any]]:
         """Every rank's result, from every node: {rank: result}."""
@@ -1503,5 +1513,6 @@ def rehearse_nodes(
         if rec is None:
             tail = (out_dir / f"agent{k}.log").read_text(errors="replace")[-2000:]
             raise LaunchError(f"the rehearsal's other agent {k} left no result; its output:\n{tail}")
+        rec["agent_log"] = str(out_dir / f"agent{k}.log")  # what that agent printed
         records[rec["node_rank"]] = rec
     return Rehearsal([records[k] for k in sorted(records)], here, layout.command(module, nproc))
