@@ -10,6 +10,7 @@
     labkit record-trace  record notebook 01's training run on a GPU, for replay without one
     labkit exam        a mock exam drawn from every quiz bank, scored by sub-topic (--history)
     labkit capstone    new: a seed for notebook 07's slow job; reveal --seed N: its answer key
+    labkit slurm       an sbatch script that runs a worker on a SLURM cluster's nodes
 """
 
 from __future__ import annotations
@@ -92,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         from labkit import exam
 
         return exam.main(argv[1:])
+    if argv[:1] == ["slurm"]:  # and slurm
+        from labkit import slurm
+
+        return slurm.main(argv[1:])
     parser = argparse.ArgumentParser(prog="labkit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="pre-flight check of this machine (see: labkit doctor -h)")
@@ -116,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("exam", help="a mock exam from every quiz bank (see: labkit exam -h)")
     sub.add_parser("launch", help="run a worker, alone or as one node of several (see: labkit "
                    "launch -h)")  # fmt: skip
+    sub.add_parser("slurm", help="an sbatch script for a job on a SLURM cluster (see: labkit "
+                   "slurm -h)")  # fmt: skip
     args = parser.parse_args(argv)
     return args.fn(args)
 

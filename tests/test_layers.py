@@ -30,6 +30,7 @@ LAYERS: dict[str, int] = {
     # training, processes, metric collection
     "train": 2, "procs": 2, "metrics": 2, "diagnosis": 2,
     "planner": 2,  # parallel layouts for a model and a cluster, ranked from the formulas
+    "slurm": 2,  # the sbatch script for a job on a SLURM cluster: no labkit imports
     # measuring memory, launching jobs, judging measurements
     "memory": 3, "launch": 3, "verdict": 3, "precision": 3, "roofline": 3,
     "exam": 3,  # mock exams over the quiz banks, results kept under labkit_home()
