@@ -4,6 +4,7 @@
 #   bash scripts/gpu_check.sh [--dry-run] [--wheels DIR] [--out DIR] [--timeout-s N]
 #                             [--bundle] [--all-tests] [--with-launch] [--notebooks GLOB]
 #                             [--parallel N] [--only STEPS] [--notebook-timeout-s N]
+#                             [--notebook-dir DIR]
 #
 # Steps, in this order; every step runs (a failure does not stop the next one) under its
 # own `timeout`, clamped to what is left of the whole run's budget (--timeout-s, 480 s):
@@ -36,6 +37,8 @@
 #   --all-tests     also run the whole CPU test suite (slow: raise --timeout-s)
 #   --with-launch   also run bench-launch on a GPU machine
 #   --notebooks G   only the solutions matching glob G (default "[0-9][0-9]*_*.ipynb")
+#   --notebook-dir DIR  take the notebooks from DIR instead of solutions/ (the tests run the
+#                   notebook step on two tiny notebooks: the course's own run in test_notebooks)
 #   --parallel N    run up to N notebooks at once (default 2 on a one-GPU machine, else 1):
 #                   on one GPU the multi-process labs run their ranks on the CPU, so two
 #                   notebooks share a 16-core machine well, and one short run covers them all
@@ -73,6 +76,7 @@ while [ $# -gt 0 ]; do
     --all-tests) ALL_TESTS=1 ;;
     --with-launch) WITH_LAUNCH=1 ;;
     --notebooks) [ $# -ge 2 ] || die "--notebooks needs a glob"; NB_GLOB=$2; shift ;;
+    --notebook-dir) [ $# -ge 2 ] || die "--notebook-dir needs a folder"; NB_SRC=$2; shift ;;
     --parallel) [ $# -ge 2 ] || die "--parallel needs a number"; PARALLEL=$2; shift ;;
     --notebook-timeout-s) [ $# -ge 2 ] || die "--notebook-timeout-s needs seconds"; NB_TIMEOUT=$2; shift ;;
     --only) [ $# -ge 2 ] || die "--only needs step groups"; ONLY=$2; shift ;;
@@ -382,9 +386,10 @@ fi
 # --- notebooks -----------------------------------------------------------------------------------
 
 if wanted notebooks; then
-  mapfile -t NOTEBOOKS < <(find "$ROOT/solutions" -maxdepth 1 -name "$NB_GLOB" | sort)
+  NB_SRC=$(cd "${NB_SRC:-$ROOT/solutions}" 2>/dev/null && pwd) || die "--notebook-dir: no such folder"
+  mapfile -t NOTEBOOKS < <(find "$NB_SRC" -maxdepth 1 -name "$NB_GLOB" | sort)
   if [ "${#NOTEBOOKS[@]}" -eq 0 ]; then
-    skip notebooks failed "no notebook in solutions/ matches '$NB_GLOB'"
+    skip notebooks failed "no notebook in $NB_SRC matches '$NB_GLOB'"
   elif ! "$PY" -c 'import papermill' >/dev/null 2>&1; then
     for nb in "${NOTEBOOKS[@]}"; do
       skip "notebook:$(basename "$nb" .ipynb)" failed \
@@ -397,7 +402,7 @@ if wanted notebooks; then
     mkdir -p "$NB_DIR"
     nb_cmd() {  # nb_cmd NOTEBOOK: the papermill command, into the array CMD
       CMD=("$PY" -m papermill "$1" "$OUT/notebooks/$(basename "$1")" -p size "$SIZE"
-           --cwd "$ROOT/solutions" -k python3 --execution-timeout 300 --no-progress-bar)
+           --cwd "$NB_SRC" -k python3 --execution-timeout 300 --no-progress-bar)
     }
     for nb in "${NOTEBOOKS[@]}"; do
       while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do wait -n; done

@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from labkit import ids
-
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-SOLUTIONS = sorted((ROOT / "solutions").glob(ids.NOTEBOOK_GLOB))
+# The notebook step runs on two tiny notebooks: every course notebook runs on its own in
+# tests/test_notebooks.py, and running two of them again here would test the course twice and
+# the script no better.
+TINY = ("00_first.ipynb", "01_second.ipynb")
 BENCHMARKS = ("bench_gpu_throughput.json", "bench_train_step.json", "bench_sampler.json",
               "bench_launch.json")
 
@@ -39,13 +40,30 @@ def gpu_check(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     )
 
 
+def tiny_notebooks(folder: Path) -> Path:
+    """Two notebooks with a parameters cell, like the course's, that take a second each."""
+    import nbformat
+
+    for name in TINY:
+        nb = nbformat.v4.new_notebook()
+        nb.metadata["kernelspec"] = {"name": "python3", "language": "python",
+                                     "display_name": "Python 3"}  # fmt: skip
+        params = nbformat.v4.new_code_cell('size = "lab"')
+        params.metadata["tags"] = ["parameters"]
+        nb.cells = [params, nbformat.v4.new_code_cell(
+            f"import time\ntime.sleep(1)\nprint({name!r}, 'ran at size', size)")]
+        nbformat.write(nb, folder / name)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
-    """One dry run for the module's tests. Two notebooks, run side by side, exercise the
-    notebook steps: every notebook is executed on its own by test_notebooks.py."""
+    """One dry run for the module's tests; two tiny notebooks, run side by side, exercise the
+    notebook step."""
     out = tmp_path_factory.mktemp("gpu-check")
-    proc = gpu_check("--dry-run", "--out", str(out), "--notebooks", "0[01]_*.ipynb",
-                     "--parallel", "2")  # fmt: skip
+    nbs = tiny_notebooks(tmp_path_factory.mktemp("notebooks"))
+    proc = gpu_check("--dry-run", "--out", str(out), "--notebook-dir", str(nbs),
+                     "--notebooks", "0[01]_*.ipynb", "--parallel", "2")  # fmt: skip
     return proc, out
 
 
@@ -65,8 +83,8 @@ def test_dry_run_passes_every_step(dry_run):
         "bench-train-step",
         "bench-sampler",
         "bench-precision",
-        f"notebook:{SOLUTIONS[0].stem}",
-        f"notebook:{SOLUTIONS[1].stem}",
+        "notebook:00_first",
+        "notebook:01_second",
         "bench-launch",
     ]
     status = {s["name"]: s["status"] for s in summary["steps"]}
@@ -83,19 +101,20 @@ def test_dry_run_leaves_the_results(dry_run):
     env = json.loads((out / "env.json").read_text())
     assert env["tier"] == "cpu" and env["mode"] == "dry-run (CPU)"
     assert env["torch"]["version"] == torch.__version__
-    nb = json.loads((out / "notebooks" / SOLUTIONS[0].name).read_text())
+    nb = json.loads((out / "notebooks" / TINY[0]).read_text())
     assert nb["metadata"]["papermill"]["parameters"] == {"size": "smoke"}
-    assert any(cell.get("outputs") for cell in nb["cells"] if cell["cell_type"] == "code")
+    printed = "".join("".join(o.get("text", "")) for c in nb["cells"] for o in c.get("outputs", []))
+    assert "00_first.ipynb ran at size smoke\n" in printed
     for name in BENCHMARKS:
         record = json.loads((out / name).read_text())
         assert record["device"] == "cpu" and record["samples_s"], name
     log = (out / "gpu_check.log").read_text()
     assert "=== bench-launch: ok" in log
     # --parallel 2: the second notebook started before the first one's output was collected
-    started = log.index(f"=== notebook:{SOLUTIONS[1].stem} started")
-    assert started < log.index(f"=== notebook:{SOLUTIONS[0].stem} output:")
-    for nb in SOLUTIONS[:2]:
-        assert json.loads((out / "notebooks" / nb.name).read_text())["cells"]
+    started = log.index("=== notebook:01_second started")
+    assert started < log.index("=== notebook:00_first output:")
+    for name in TINY:
+        assert json.loads((out / "notebooks" / name).read_text())["cells"]
     # few files, shallow: what the device machine's file return allows
     files = [p for p in out.rglob("*") if p.is_file()]
     assert all(len(p.relative_to(out).parts) <= 2 for p in files)
