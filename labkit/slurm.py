@@ -291,6 +291,9 @@ export HEAD_NODE RDZV_PORT
 # torchrun starts each line of a rank's output with its rank: "[rank3] ..."
 export TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='{RANK_PREFIX}'
 export PYTHONUNBUFFERED=1  # lines arrive as they are printed, not when a buffer fills
+# torch's CPU threads per rank: the node's {self.cpus} reserved core(s) shared among its
+# {self.ranks} rank(s). Unset, torchrun would set 1 and print a banner saying so.
+export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{max(1, self.cpus // self.ranks)}}}
 # When NCCL fails or hangs, `export NCCL_DEBUG=INFO` here makes it say which interfaces and
 # transports (InfiniBand or TCP sockets) it chose, and where it stopped; it is off by default
 # because it prints a lot.

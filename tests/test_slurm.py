@@ -194,6 +194,12 @@ def test_time_limits(time_, seconds):
     assert SlurmJob(time=time_).time_limit_s == seconds
 
 
+def test_each_rank_gets_its_share_of_the_cores_as_threads():
+    assert "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}" in gpu_job().render()
+    job = SlurmJob(ranks_per_node=2, cpus_per_node=9, python="/usr/bin/python3")
+    assert "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}" in job.render()
+
+
 def test_ranks_and_cores_default_from_the_gpus():
     assert (gpu_job().ranks, gpu_job().cpus, gpu_job().world_size) == (8, 8, 16)
     assert (SlurmJob().ranks, SlurmJob().cpus) == (1, 1)
@@ -321,9 +327,15 @@ SlurmdLogFile={dir}/slurmd.log
 # pid, tasks not bound to cores
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
-# no accounting database, no job accounting
+# no accounting database, no job accounting; each finished job's record to a text file
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/filetxt
+JobCompLoc={dir}/jobcomp.txt
+# `sbatch --wait` polls the controller after 2 s, then 4x longer each time (2, 8, 32 s: a
+# job done after 11 s is noticed at 42 s) unless that exceeds MinJobAge/2 (sbatch.c,
+# _job_wait): 5 keeps it at 2 s. The finished job's record is in jobcomp.txt for good.
+MinJobAge=5
 SwitchType=switch/none
 MpiDefault=none
 MailProg=/bin/true
@@ -446,14 +458,16 @@ def test_a_real_slurm_runs_the_generated_script_to_completion(slurm_cluster, tmp
         f"--- job output\n{log}\n{cluster.logs()}"
     )
     # SLURM's own record of the job: it ran to the end and exited 0
-    show = cluster.run("scontrol", "show", "job", job_id).stdout
-    assert "JobState=COMPLETED" in show and "ExitCode=0:0" in show, show
+    records = (cluster.dir / "jobcomp.txt").read_text().splitlines()
+    record = next(line for line in records if line.startswith(f"JobId={job_id} "))
+    assert "JobState=COMPLETED" in record and "ExitCode=0:0" in record, record
 
     # the job's output: the batch script's own lines, then every rank's, prefixed with its rank
     assert f"job {job_id}: 1 node(s) ({cluster.host}), rendezvous at {cluster.host}:" in log
     for rank in (0, 1):
         assert f"[rank{rank}] rank {rank} is local rank {rank} of node 0 ({cluster.host})" in log
     assert f"job {job_id} done" in log
+    assert "Setting OMP_NUM_THREADS" not in log  # the script's setting reached torchrun
 
     job_dir = submit / "runs" / f"slurm-{job_id}"
     assert json.loads((job_dir / "job.json").read_text())["nproc"] == 2
