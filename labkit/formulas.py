@@ -1073,3 +1073,53 @@ def roofline_attainable_flops(
     C = _positive_number("peak_flops_per_s", peak_flops_per_s)
     BW = _positive_number("bandwidth_bytes_per_s", bandwidth_bytes_per_s)
     return min(C, i * BW)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoint size.
+
+
+def checkpoint_bytes_per_param(
+    weight_dtype: Any = "float32", optimizer: str = "adamw", state_dtype: Any = "float32"
+) -> int:
+    """Bytes a checkpoint holds per trainable parameter: its weight and its optimizer state.
+
+    fp32 AdamW: 4 (weight) + 2 × 4 (m and v) = 12 B. Gradients are not saved: a resumed step
+    computes them afresh. Training memory counts 16 B for the same setup (``fp32_adam``): the
+    4 B of gradients are the difference. Optimizer states per parameter: ``OPTIMIZER_STATES``.
+    """
+    _choice("optimizer", optimizer, tuple(OPTIMIZER_STATES))
+    return dtype_bytes(weight_dtype) + OPTIMIZER_STATES[optimizer] * dtype_bytes(state_dtype)
+
+
+def checkpoint_bytes(
+    n_params: float,
+    *,
+    weight_dtype: Any = "float32",
+    optimizer: str = "adamw",
+    state_dtype: Any = "float32",
+    n_trainable: float | None = None,
+    aliased_params: float = 0,
+    n_tensors: int = 0,
+    bytes_per_tensor: float = 0.0,
+) -> float:
+    """Bytes of a checkpoint of weights and optimizer state::
+
+        (N + A)·w + N_t·k·s + T·o
+
+    N parameters (``n_params``, each counted once) of w bytes; N_t of them trainable (default
+    all), each with k optimizer states of s bytes; A parameters the state dict names twice
+    (``aliased_params``: a tied embedding saved as both ``wte.weight`` and ``lm_head.weight``,
+    written once per name); T tensors (``n_tensors``) costing o bytes each in the file format
+    (``bytes_per_tensor``: headers, the index). Weights plus states are the bytes-per-parameter
+    count of ``checkpoint_bytes_per_param``.
+    """
+    n = _non_negative_number("n_params", n_params)
+    trainable = n if n_trainable is None else _non_negative_number("n_trainable", n_trainable)
+    _choice("optimizer", optimizer, tuple(OPTIMIZER_STATES))
+    w, s = dtype_bytes(weight_dtype), dtype_bytes(state_dtype)
+    states = OPTIMIZER_STATES[optimizer] * s
+    tensors = _non_negative_number("n_tensors", n_tensors)
+    per_tensor = _non_negative_number("bytes_per_tensor", bytes_per_tensor)
+    aliased = _non_negative_number("aliased_params", aliased_params)
+    return (n + aliased) * w + trainable * states + tensors * per_tensor

@@ -34,6 +34,7 @@ LAYERS: dict[str, int] = {
     # measuring memory, launching jobs, judging measurements
     "memory": 3, "launch": 3, "verdict": 3, "precision": 3, "roofline": 3,
     "exam": 3,  # mock exams over the quiz banks, results kept under labkit_home()
+    "checkpoint": 3,  # atomic DCP checkpoints that a restarted job resumes from
     # parallel strategies; live plots
     "parallel": 4, "monitor": 4, "batching": 4,
     "recipes": 4,  # mixed-precision recipes, measured with memory and precision
