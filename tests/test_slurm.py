@@ -367,8 +367,12 @@ def slurm_cluster(tmp_path: Path) -> Iterator[Cluster]:
     # The node's CPUs from this machine, but at least the 2 the test's job asks for.
     cpus = max(2, len(os.sched_getaffinity(0)))
     munge_socket = sockets / "munge.sock"
+    ports = [_free_port()]
+    while len(ports) < 2:  # the OS may hand the same free port out twice in a row
+        if (port := _free_port()) != ports[0]:
+            ports.append(port)
     (tmp_path / "slurm.conf").write_text(SLURM_CONF.format(
-        host=host, ctld_port=_free_port(), slurmd_port=_free_port(), munge_socket=munge_socket,
+        host=host, ctld_port=ports[0], slurmd_port=ports[1], munge_socket=munge_socket,
         dir=tmp_path, sockets=sockets, cpus=cpus))  # fmt: skip
     key = tmp_path / "munge.key"  # this cluster's own key, not the machine's /etc/munge one
     key.write_bytes(secrets.token_bytes(1024))
