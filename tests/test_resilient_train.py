@@ -116,3 +116,13 @@ def test_a_checkpoint_of_two_ranks_refuses_a_job_of_one(jobs):
 def test_bad_configs_are_refused_before_anything_starts(config, match):
     with pytest.raises(ValueError, match=match):
         rt.run(config, nproc=2)
+
+
+def test_a_restartable_job_gets_a_fresh_rendezvous_store_per_attempt(monkeypatch):
+    """Without it torchrun 2.13 hands the restarted ranks the dead attempt's store, and about
+    half the restarts fail in gloo's connectFullMesh (pytorch #135712)."""
+    seen = {}
+    monkeypatch.setattr(rt.launch, "run", lambda module, **kw: seen.update(kw, module=module))
+    rt.run(CONFIG, nproc=2, env={"X": "1"})
+    assert seen["env"] == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "X": "1"}
+    assert seen["max_restarts"] == 1 and seen["module"] == rt.MODULE
