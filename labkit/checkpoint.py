@@ -117,7 +117,18 @@ def count(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         "n_tensors": len(entries) + per_param * len(trainable),
         "optimizer": optimizer_kind(optimizer),
         "weight_dtype": entries[0][2] if entries else "float32",
+        "state_dtype": _state_dtype(optimizer) or (entries[0][2] if entries else "float32"),
     }
+
+
+def _state_dtype(optimizer: torch.optim.Optimizer) -> str | None:
+    """The dtype of the optimizer's per-parameter states (m, v, momentum), as it keeps them:
+    PyTorch's optimizers use the parameter's dtype. None before the first step."""
+    for state in optimizer.state.values():
+        for t in state.values():
+            if isinstance(t, torch.Tensor) and t.dim() > 0:
+                return str(t.dtype).removeprefix("torch.")
+    return None
 
 
 def _numel(shape: list[int]) -> int:
@@ -464,9 +475,16 @@ def _publish(root: Path, tmp: Path, final: Path, step: int, model: nn.Module,
         shutil.rmtree(folder, ignore_errors=True)
         pruned.append(folder.name)
 
-    predicted = predict_bytes(**{k: v for k, v in count(model, optimizer).items()
-                                 if k not in ("optimizer", "weight_dtype")},
-                              optimizer=optimizer_kind(optimizer))  # fmt: skip
+    counts = count(model, optimizer)
+    predicted = predict_bytes(
+        counts["n_params"],
+        n_tensors=counts["n_tensors"],
+        aliased_params=counts["aliased_params"],
+        n_trainable=counts["n_trainable"],
+        weight_dtype=counts["weight_dtype"],
+        optimizer=counts["optimizer"],
+        state_dtype=counts["state_dtype"],
+    )
     key = str(root.resolve())
     if key not in _BANDWIDTH:
         _BANDWIDTH[key] = write_bandwidth(root, max(1 << 20, min(predicted["bytes"], 64 << 20)))

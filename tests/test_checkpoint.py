@@ -226,3 +226,20 @@ def test_keep_prunes_to_the_newest(tmp_path):
     assert pruned == ["step000000001", "step000000002"]
     with pytest.raises(ValueError, match="keep=0"):
         checkpoint.save(tmp_path, 5, model, opt, keep=0, log=None)
+
+
+def test_the_prediction_follows_the_dtypes_and_optimizer_the_job_really_uses(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(**SMALL)).to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randint(0, 256, (2, SMALL["seq_len"]))
+    model(x, x)[1].backward()
+    opt.step()
+    counts = checkpoint.count(model, opt)
+    assert (counts["optimizer"], counts["weight_dtype"], counts["state_dtype"]) == (
+        "sgd_momentum",
+        "bfloat16",
+        "bfloat16",
+    )
+    saved = checkpoint.save(tmp_path, 1, model, opt, log=None)
+    assert saved.predicted["bytes_per_param"] == 4  # 2 B of weight + 2 B of momentum
