@@ -957,8 +957,8 @@ class _Supervisor:
             *where,
             f"--nproc-per-node={job.nproc}",
             # Default 0: restarting a rank that broke for a reason that is still there repeats
-            # the failure, and such restarts can hang (pytorch #135712). labkit.checkpoint's
-            # workers resume where they stopped, which makes a restart worth it.
+            # the failure. labkit.checkpoint's workers resume where they stopped, which makes
+            # a restart worth it (the store each attempt needs: _env).
             f"--max-restarts={job.max_restarts}",
             "--monitor-interval=0.1",
             f"--log-dir={job.job_dir / 'torchrun'}",
@@ -991,6 +991,13 @@ class _Supervisor:
                 "TMPDIR": str(job.job_dir / "tmp"),
             }
         )
+        if job.max_restarts:
+            # Each attempt's ranks get a rendezvous store of their own. torch 2.13's torchrun
+            # otherwise hands every attempt the agent's store without an attempt prefix, and a
+            # restarted rank can read a dead peer's address from the attempt before, then fail
+            # with "Gloo connectFullMesh failed ... Connection refused" (NCCL alike; pytorch
+            # #135712): 3 of 6 restarts here without it, 8 of 8 with it.
+            env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         # ...but torch.compile's cache would then be lost with each job: give it a home.
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(procs.labkit_home() / "inductor"))
         alone = job.nodes is None or job.nodes.on_loopback

@@ -245,6 +245,12 @@ class SlurmJob:
                 f"export NCCL_SOCKET_IFNAME={ifname}\n"
                 f"export GLOO_SOCKET_IFNAME={ifname}\n\n"
             )
+        restarts = (
+            "# A restart's ranks need a rendezvous store of their own: torch's torchrun otherwise\n"
+            "# hands them the store of the attempt that failed (pytorch #135712).\n"
+            "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1\n"
+            if self.max_restarts else ""
+        )
         srun_gpus = f"--gpus-per-node={gpus} " if gpus else ""
         spec = json.dumps(self.spec(), indent=2, sort_keys=True, allow_nan=False)
         return f"""#!/bin/bash
@@ -294,7 +300,7 @@ export PYTHONUNBUFFERED=1  # lines arrive as they are printed, not when a buffer
 # torch's CPU threads per rank: the node's {self.cpus} reserved core(s) shared among its
 # {self.ranks} rank(s). Unset, torchrun would set 1 and print a banner saying so.
 export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{max(1, self.cpus // self.ranks)}}}
-# When NCCL fails or hangs, `export NCCL_DEBUG=INFO` here makes it say which interfaces and
+{restarts}# When NCCL fails or hangs, `export NCCL_DEBUG=INFO` here makes it say which interfaces and
 # transports (InfiniBand or TCP sockets) it chose, and where it stopped; it is off by default
 # because it prints a lot.
 

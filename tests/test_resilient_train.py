@@ -118,11 +118,18 @@ def test_bad_configs_are_refused_before_anything_starts(config, match):
         rt.run(config, nproc=2)
 
 
-def test_a_restartable_job_gets_a_fresh_rendezvous_store_per_attempt(monkeypatch):
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_a_restartable_job_gets_a_fresh_rendezvous_store_per_attempt(restarts, tmp_path):
     """Without it torchrun 2.13 hands the restarted ranks the dead attempt's store, and about
-    half the restarts fail in gloo's connectFullMesh (pytorch #135712)."""
-    seen = {}
-    monkeypatch.setattr(rt.launch, "run", lambda module, **kw: seen.update(kw, module=module))
-    rt.run(CONFIG, nproc=2, env={"X": "1"})
-    assert seen["env"] == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "X": "1"}
-    assert seen["max_restarts"] == 1 and seen["module"] == rt.MODULE
+    half the restarts fail in gloo's connectFullMesh (pytorch #135712): the launcher sets it
+    for every job that may restart, and only for those."""
+    from labkit.launch import Job, _Echo, _Supervisor
+
+    job = Job("j", rt.MODULE, 2, "gloo", "cpu", {}, tmp_path, max_restarts=restarts)
+    env = _Supervisor(job, [], {}, observers=[], echo=_Echo(0, tmp_path, quiet=True))._env()
+    assert env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == ("1" if restarts else None)
+    # the SLURM script of a restartable job says the same to torchrun on every node
+    from labkit import slurm
+
+    assert ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in slurm.SlurmJob(max_restarts=restarts).render()
+            ) == bool(restarts)  # fmt: skip

@@ -54,8 +54,6 @@ KILL_MARKER = "planted_kill.json"
 LOSSES = "losses.jsonl"
 EVENTS = "events.jsonl"
 FINAL_PARAMS = "final_params.pt"
-# A fresh rendezvous store for each attempt of a restarted job (see run): pytorch #135712.
-RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 DEFAULTS: dict[str, Any] = {
     # a GPT small enough for a CPU test; dropout on, so the saved RNG states matter
@@ -285,17 +283,10 @@ def main(ctx: dist.Context) -> dict[str, Any]:
 def run(config: dict[str, Any], *, nproc: int = 2, max_restarts: int = 1,
         **launch_kwargs: Any) -> launch.JobResult:  # fmt: skip
     """Check ``config`` (ValueError before anything starts), then launch with torchrun allowed
-    ``max_restarts`` restarts.
-
-    The ranks of a restart get a rendezvous store of their own (``RESTART_ENV``): torch
-    2.13's torchrun otherwise hands every attempt the same store, without an attempt prefix,
-    and a restarted rank can read its peer's address from the attempt that died, then fail
-    with "Gloo connectFullMesh failed ... Connection refused" (NCCL alike; pytorch #135712).
-    Seen here in 3 of 6 restarts without it.
+    ``max_restarts`` restarts (the launcher gives each attempt its own rendezvous store).
     """
     validate(config, nproc)
-    env = {**RESTART_ENV, **(launch_kwargs.pop("env", None) or {})}
-    return launch.run(MODULE, nproc=nproc, config=config, max_restarts=max_restarts, env=env,
+    return launch.run(MODULE, nproc=nproc, config=config, max_restarts=max_restarts,
                       **launch_kwargs)  # fmt: skip
 
 
