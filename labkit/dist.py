@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 import torch.distributed as tdist
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from labkit._spawn import AGENT_PID_ENV, set_parent_death_signal
 
@@ -259,12 +259,43 @@ def entrypoint(fn: Callable[[Context], dict[str, Any] | None]) -> Callable[[], N
     reads to report the failing rank's exception and traceback.
     """
 
-    @record  # without it torchrun reports "error_file: <N/A>" and no traceback
     @functools.wraps(fn)
     def main() -> None:
         _run(fn)
 
-    return main
+    # torch's @record: without it torchrun reports "error_file: <N/A>" and no traceback
+    return record(main, error_handler=_AtomicErrorFile())
+
+
+class _AtomicErrorFile(ErrorHandler):
+    """torch's error handler, writing the error file whole or not at all.
+
+    torch's own writes the file in place (``open(file, "w")`` then ``json.dump``), while
+    torchrun's agent polls for it: an agent that reads it half-written fails to parse it and
+    dies (a ``JSONDecodeError`` in ``ProcessFailure``), with no report and no restart. Seen
+    when a peer's death made this rank raise while the agent was already collecting the
+    failure. Written under a temporary name and renamed (atomic on POSIX), the agent sees the
+    file complete or not at all. The content is torch's (``ErrorHandler.record_exception``).
+    """
+
+    def record_exception(self, e: BaseException) -> None:
+        file = self._get_error_file_path()
+        if not file:
+            super().record_exception(e)
+            return
+        data = {
+            "message": {
+                "message": f"{type(e).__name__}: {e}",
+                "extraInfo": {
+                    "py_callstack": traceback.format_exc(),
+                    "timestamp": str(int(time.time())),
+                },
+            }
+        }
+        tmp = f"{file}.{os.getpid()}.tmp"
+        with open(tmp, "w") as fp:
+            json.dump(data, fp)
+        os.replace(tmp, file)
 
 
 def _run(fn: Callable[[Context], dict[str, Any] | None]) -> None:

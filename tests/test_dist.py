@@ -103,3 +103,23 @@ def test_a_worker_runs_as_a_single_process_without_torchrun(tmp_path):
     assert result["world_size"] == 1 and result["sum"] == 1.0 and result["mode"] == "ok"
     beat = dist.read_json(dist.heartbeat_path(tmp_path, 0))
     assert beat["phase"] == "done" and beat["step"] == 2 and beat["pid"] == result["pid"]
+
+
+def test_the_error_file_is_torchs_written_whole(tmp_path, monkeypatch):
+    """torchrun's agent reads a failed rank's error file while polling: written in place it
+    can be read half-written (the agent then dies with a JSONDecodeError and restarts nothing).
+    Ours is renamed into place, with torch's content."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    ours, torchs = tmp_path / "ours.json", tmp_path / "torchs.json"
+    try:
+        raise ValueError("boom")
+    except ValueError as e:
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(ours))
+        dist._AtomicErrorFile().record_exception(e)
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(torchs))
+        ErrorHandler().record_exception(e)
+    a, b = (json.loads(p.read_text())["message"] for p in (ours, torchs))
+    assert a["message"] == b["message"] == "ValueError: boom"
+    assert a["extraInfo"]["py_callstack"] == b["extraInfo"]["py_callstack"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ours.json", "torchs.json"]
