@@ -4,9 +4,11 @@
     python -m benchmarks.bench_notebooks --sizes lab --rounds 2 --record
 
 Each notebook in ``solutions/`` (the complete ones: every exercise check runs too, so this is
-the longest a learner's copy takes) is executed in a fresh kernel with papermill, exactly as
-``tests/test_notebooks.py`` does, at each size, and timed from the call to its return: kernel
-start, imports, every cell, the launched jobs. Rounds alternate the order of the notebooks, so
+the longest a learner's copy takes) is executed in a fresh kernel by ``labkit.timings`` (the
+one place that runs them; ``python -m labkit timings`` is the same run for an instructor), with
+the ``size`` parameter injected as papermill does, and timed from the call to its return: kernel
+start, imports, every cell, the launched jobs. The record also keeps each section's run time and
+the sampled peak memory of the kernel's process tree. Rounds alternate the order of the notebooks, so
 a neighbour's burst of load does not always land on the same one. The record keeps every
 sample and the machine's load average before and after (a workshop server is busy, and the
 same notebook on the same machine took 55 s and 73 s in two runs), and
@@ -19,60 +21,33 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks import _common
-from labkit import ids
+from labkit import ids, timings
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((ROOT / "solutions").glob(ids.NOTEBOOK_GLOB))
 
 
-def run_notebook(path: Path, size: str, out_dir: Path) -> float:
-    """Execute ``path`` at ``size`` in a fresh kernel; its wall time in seconds."""
-    import papermill as pm  # lazy: only this benchmark needs it
-
-    # notebook 07's job carries the faults its seed plants, and each costs its own time: the
-    # README's run time is seed 10's, the test suite's seed
-    os.environ.setdefault("LABKIT_CAPSTONE_SEED", "10")
-
-    start = time.perf_counter()
-    pm.execute_notebook(
-        str(path), str(out_dir / f"{size}-{path.name}"), parameters={"size": size},
-        cwd=str(path.parent), kernel_name="python3", progress_bar=False, log_output=False,
-    )  # fmt: skip
-    return time.perf_counter() - start
-
-
 def key(size: str, path: Path) -> str:
     """The record's name for one notebook at one size: "lab/01_single_gpu_training"."""
-    return f"{size}/{path.stem}"
+    return timings.key(size, path.stem)
 
 
-def measure(sizes: list[str], rounds: int, notebooks: list[Path]) -> dict[str, Any]:
-    samples: dict[str, list[float]] = {key(s, p): [] for s in sizes for p in notebooks}
+def measure(sizes: list[str], rounds: int, notebooks: list[Path],
+            timings_out: Path | None = None) -> dict[str, Any]:  # fmt: skip
+    """Every notebook at every size through ``labkit.timings`` (the one place that runs them):
+    total times, per-section times and sampled peak memory, and the load average around it."""
     load = {"before": list(os.getloadavg())}
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(rounds):
-            order = notebooks if r % 2 == 0 else notebooks[::-1]
-            for size in sizes:
-                for path in order:
-                    seconds = run_notebook(path, size, Path(tmp))
-                    samples[key(size, path)].append(seconds)
-                    print(f"round {r + 1}/{rounds}  {size:<5} {path.stem:<28} {seconds:6.1f} s",
-                          flush=True)  # fmt: skip
+    results = timings.run_many(notebooks, sizes, rounds=rounds)
     load["after"] = list(os.getloadavg())
-    return {"samples_s": samples, "load_average_1_5_15_min": load}
-
-
-def summary(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
-    return {name: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v)}
-            for name, v in samples.items()}  # fmt: skip
+    if timings_out is not None:
+        for p in timings.write(results, timings_out, sizes):
+            print(f"wrote {p}")
+    return {**timings.to_record_fields(results), "load_average_1_5_15_min": load}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--record", action="store_true",
                         help="write benchmarks/results/notebooks-<machine>.json")
     parser.add_argument("--out", type=Path, help="write the record to this file")
+    parser.add_argument("--timings-out", type=Path,
+                        help="also write labkit timings' JSON and Markdown table to this folder")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: give 1 or more")
@@ -93,15 +70,16 @@ def main(argv: list[str] | None = None) -> int:
     if not notebooks:
         parser.error(f"--only {args.only}: no such notebook in solutions/")
 
-    measured = measure(args.sizes, args.rounds, notebooks)
+    measured = measure(args.sizes, args.rounds, notebooks, args.timings_out)
     record = _common.make_record(
         "notebooks", device="cpu",
         params={"sizes": args.sizes, "rounds": args.rounds, "notebooks": [p.stem for p in notebooks],
-                "how": "papermill, fresh kernel per run, solutions/ (every check included)"},
+                "how": "labkit.timings: nbclient with the size parameter injected as papermill does, "
+                       "fresh kernel per run, solutions/ (every check included)"},
         samples_s=measured["samples_s"],
     )  # fmt: skip
-    record["load_average_1_5_15_min"] = measured["load_average_1_5_15_min"]
-    record["summary"] = summary(measured["samples_s"])
+    for extra in ("load_average_1_5_15_min", "summary", "peak_rss_bytes", "sections", "memory_note"):
+        record[extra] = measured[extra]
     for name, s in record["summary"].items():
         print(f"{name:<34} median {s['median_s']:6.1f} s  (min {s['min_s']:.1f}, "
               f"max {s['max_s']:.1f})")  # fmt: skip
@@ -126,6 +104,8 @@ def merge_into_recorded(record: dict[str, Any]) -> dict[str, Any]:
         dates[k] = record["date"]
     merged = {**old, "samples_s": {**old["samples_s"], **record["samples_s"]},
               "summary": {**old["summary"], **record["summary"]}, "measured_on": dates}
+    for extra in ("peak_rss_bytes", "sections"):  # absent from records before labkit.timings
+        merged[extra] = {**old.get(extra, {}), **record.get(extra, {})}
     merged["params"] = {**old["params"], "notebooks": sorted(
         set(old["params"]["notebooks"]) | set(record["params"]["notebooks"]))}
     return merged

@@ -10,6 +10,7 @@
     labkit record-trace  record notebook 01's training run on a GPU, for replay without one
     labkit exam        a mock exam drawn from every quiz bank, scored by sub-topic (--history)
     labkit capstone    new: a seed for notebook 07's slow job; reveal --seed N: its answer key
+    labkit timings     each notebook's run time, per section, and peak memory on this machine
     labkit slurm       an sbatch script that runs a worker on a SLURM cluster's nodes
 """
 
@@ -93,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         from labkit import exam
 
         return exam.main(argv[1:])
+    if argv[:1] == ["timings"]:  # and timings
+        from labkit import timings
+
+        return timings.main(argv[1:])
     if argv[:1] == ["slurm"]:  # and slurm
         from labkit import slurm
 
@@ -121,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("exam", help="a mock exam from every quiz bank (see: labkit exam -h)")
     sub.add_parser("launch", help="run a worker, alone or as one node of several (see: labkit "
                    "launch -h)")  # fmt: skip
+    sub.add_parser("timings", help="time every notebook, per section, with peak memory (see: "
+                   "labkit timings -h)")  # fmt: skip
     sub.add_parser("slurm", help="an sbatch script for a job on a SLURM cluster (see: labkit "
                    "slurm -h)")  # fmt: skip
     args = parser.parse_args(argv)

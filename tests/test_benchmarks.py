@@ -315,7 +315,10 @@ def readme_run_times() -> dict[str, tuple[int, int]]:
 def test_readme_run_times_are_the_recorded_measurement():
     """The README's run times are the medians `bench_notebooks --record` measured, rounded to
     5 s: a table typed by hand drifts (notebook 02 was listed at 85 s and took 98–116 s)."""
+    import re
+
     from benchmarks import bench_notebooks
+    from labkit import timings
 
     record = json.loads((ROOT / "benchmarks" / "results" / "notebooks-cpu.json").read_text())
     _common.check_record(record)
@@ -323,12 +326,39 @@ def test_readme_run_times_are_the_recorded_measurement():
     notebooks = [p.stem for p in bench_notebooks.SOLUTIONS]
     assert sorted(table) == notebooks, "one README row per notebook in solutions/"
     for name, shown in table.items():
-        measured = tuple(
-            5 * round(record["summary"][bench_notebooks.key(size, Path(name))]["median_s"] / 5)
-            for size in ("smoke", "lab")
-        )  # fmt: skip
+        cell = timings.run_time_cell(record, name)  # the README's cell, made from the record
+        measured = tuple(int(n) for n in re.findall(r"~(\d+) s", cell))
         assert shown == measured, (
             f"README says {name} takes ~{shown[0]} s / ~{shown[1]} s; the record measured "
             f"~{measured[0]} s / ~{measured[1]} s: copy the record's numbers into the README, or "
             "run `python -m benchmarks.bench_notebooks --record` again"
         )
+
+
+def test_notebook_benchmark_runs_through_labkit_timings(tmp_path, monkeypatch):
+    """bench_notebooks does no running of its own: labkit.timings runs each notebook, and the
+    record keeps its sections and sampled peak memory beside the run times the README reads."""
+    from benchmarks import bench_notebooks
+    from labkit import timings
+
+    ran: list[tuple[str, str]] = []
+
+    def fake_run(path, size, out_dir=None):
+        ran.append((size, path.stem))
+        return timings.NotebookTiming(path.stem, size, 12.0, 3 * 2**30,
+                                      [timings.Section("Setup", 4.0, 2, 2**30)])  # fmt: skip
+
+    monkeypatch.setattr(timings, "run_notebook", fake_run)
+    out = tmp_path / "nb.json"
+    assert bench_notebooks.main(["--sizes", "smoke", "--only", "00", "--out", str(out),
+                                 "--timings-out", str(tmp_path / "plan")]) == 0  # fmt: skip
+    record = json.loads(out.read_text())
+    _common.check_record(record)
+    stem = bench_notebooks.SOLUTIONS[0].stem
+    assert ran == [("smoke", stem)]
+    k = f"smoke/{stem}"
+    assert record["samples_s"][k] == [12.0] and record["summary"][k]["median_s"] == 12.0
+    assert record["peak_rss_bytes"][k] == [3 * 2**30]
+    assert record["sections"][k][0][0]["title"] == "Setup"
+    assert "sampled" in record["memory_note"]
+    assert "| Setup | 2 | 4.0 s | 1.00 GiB |" in (tmp_path / "plan" / "timings-smoke.md").read_text()

@@ -48,6 +48,7 @@ LAYERS: dict[str, int] = {
     "exercises": 6, "record": 6, "doctor": 6,
     # tools over all of it
     "nbgen": 7,
+    "timings": 7,  # each notebook's run time per section and peak memory, for instructors
     # the command line
     "__main__": 8,
 }  # fmt: skip
