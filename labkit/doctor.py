@@ -623,6 +623,91 @@ def check_gpus(probe: Probe) -> Check:
     return _ok("\n".join([f"tier {tier}", *lines, *notes]), **data)
 
 
+def _holder(pid: int) -> tuple[str | None, str | None]:
+    """(user, short command line) of a process, or Nones when it cannot be seen from here."""
+    try:
+        p = psutil.Process(pid)
+        user = p.username()
+        argv = p.cmdline()
+    except (psutil.Error, OSError):
+        return None, None
+    if not argv:
+        return user, None
+    command = " ".join([os.path.basename(argv[0]), *argv[1:]])
+    return user, command if len(command) <= 60 else command[:57] + "..."
+
+
+def _gpu_processes(nv: Any, handle: Any) -> list[tuple[int, int | None]]:
+    """(pid, used bytes or None) of every compute and graphics process NVML lists on a GPU."""
+    found: dict[int, int | None] = {}
+    for fn in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
+        for p in _na(lambda fn=fn: getattr(nv, fn)(handle)) or []:
+            used = getattr(p, "usedGpuMemory", None)
+            found.setdefault(int(p.pid), None if used is None else int(used))
+    return sorted(found.items())
+
+
+def check_gpu_sharing(probe: Probe) -> Check:
+    """Do processes other than this one already hold the GPUs this process would use?"""
+    visible_env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if probe.nvml_error is not None:
+        return _info(
+            f"N/A: NVML cannot be read here ({probe.nvml_error}), so there is no GPU process "
+            "list to check",
+            nvml_error=probe.nvml_error,
+        )
+    me = os.getpid()
+    with nvml_session(probe.nvml) as nv:
+        everyone, _ = hardware.visible_gpus(nv, None)
+        mine, notes = hardware.visible_gpus(nv)
+        names = {g.index: _text(_na(lambda h=g.handle: nv.nvmlDeviceGetName(h)) or "N/A")
+                 for g in everyone}  # fmt: skip
+        held = {g.index: [(pid, used) for pid, used in _gpu_processes(nv, g.handle) if pid != me]
+                for g in everyone}  # fmt: skip
+    data: dict[str, Any] = {
+        "cuda_visible_devices": visible_env,
+        "notes": notes,
+        "gpus": [
+            {"nvml_index": g.index, "name": names[g.index], "uuid": g.uuid, "mig": g.mig,
+             "processes": [{"pid": pid, "user": _holder(pid)[0], "command": _holder(pid)[1],
+                            "used_bytes": used} for pid, used in held[g.index]]}
+            for g in mine
+        ],
+    }  # fmt: skip
+    if not mine:
+        why = (f"CUDA_VISIBLE_DEVICES={visible_env!r} selects no GPU" if visible_env is not None
+               else "NVML lists no GPU")  # fmt: skip
+        return _info("\n".join([f"{why}: this process would use none, so none is shared", *notes]),
+                     **data)  # fmt: skip
+    which = (f"CUDA_VISIBLE_DEVICES={visible_env!r}" if visible_env is not None
+             else "CUDA_VISIBLE_DEVICES unset: every GPU")  # fmt: skip
+    label = {g.index: f"GPU {g.index} ({names[g.index]})" for g in everyone}
+    lines = []
+    for g in mine:
+        for pid, used in held[g.index]:
+            user, command = _holder(pid)
+            who = (f"{user}, {command}" if user and command else user or
+                   "not visible from here: another container's or an ended process")  # fmt: skip
+            mem = f"{used / 2**30:.1f} GiB" if used is not None else "GPU memory N/A"
+            lines.append(f"{label[g.index]}: pid {pid} ({who}) holds {mem}")
+    if not lines:
+        used_here = ", ".join(label[g.index] for g in mine)
+        return _ok("\n".join([f"{which}; no other process holds {used_here}", *notes]), **data)
+    free = [g.index for g in everyone if not held[g.index]]
+    if free:
+        fix = (f"give each learner their own GPU with CUDA_VISIBLE_DEVICES=<one index> (free "
+               f"now: {', '.join(map(str, free))}, nvidia-smi's numbering; set "
+               "CUDA_DEVICE_ORDER=PCI_BUS_ID so CUDA counts the same way), one JupyterLab per "
+               "learner started with it")  # fmt: skip
+    else:
+        fix = ("every GPU on this machine already has a process: give each learner their own "
+               "GPU with CUDA_VISIBLE_DEVICES=<one index> once it is free, or wait for these "
+               "processes to end")  # fmt: skip
+    data["free_gpus"] = free
+    head = f"{which}; processes other than this one already hold the GPU(s) it would use:"
+    return _warning("\n".join([head, *lines, *notes]), fix, **data)
+
+
 _TOPOLOGY = {  # nvmlDeviceGetTopologyCommonAncestor, with nvidia-smi topo -m's short names
     0: "same board",
     10: "PIX (one PCIe switch)",
@@ -1051,6 +1136,7 @@ _REGISTRY: tuple[tuple[str, str], ...] = (
     ("NVIDIA driver", "check_driver"),
     ("NVML", "check_nvml"),
     ("GPUs", "check_gpus"),
+    ("GPU sharing", "check_gpu_sharing"),
     ("interconnect", "check_interconnect"),
     ("CPU cores", "check_cpu"),
     ("memory", "check_memory"),

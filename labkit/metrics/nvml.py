@@ -124,46 +124,11 @@ def _code_name(nv: Any, err: Exception) -> str:
 
 
 def parse_visible_devices(spec: str, uuids: Sequence[str]) -> tuple[list[int], list[str]]:
-    """NVML indices of the GPUs a ``CUDA_VISIBLE_DEVICES`` value selects, in CUDA order.
+    """``labkit.hardware.parse_visible_devices``: the one mapping of ``CUDA_VISIBLE_DEVICES``
+    to NVML indices (imported on call: labkit.hardware imports torch, which loads pynvml)."""
+    from labkit import hardware
 
-    ``uuids`` are the NVML UUIDs by NVML index. Entries may be integers or (prefixes of) GPU
-    UUIDs, as CUDA accepts. Like CUDA, parsing stops at the first entry that names no GPU.
-    Returns (indices, notes): notes explain entries that were not used.
-
-    Why UUIDs matter: NVML numbers GPUs by PCI bus ID and recommends looking devices up by
-    PCI ID or UUID (NVML API reference, ``nvmlDeviceGetHandleByIndex``,
-    https://docs.nvidia.com/deploy/nvml-api/group__nvmlDeviceQueries.html); CUDA numbers them
-    fastest first unless ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (CUDA C++ Programming Guide,
-    "CUDA Environment Variables"). The two orders agree on machines whose GPUs are all the
-    same model; for an exact match pass UUIDs.
-    """
-    indices: list[int] = []
-    notes: list[str] = []
-    for raw in spec.split(","):
-        token = raw.strip()
-        if not token:
-            break
-        if token.lstrip("-").isdigit():
-            i = int(token)
-            if not 0 <= i < len(uuids):
-                notes.append(f"CUDA_VISIBLE_DEVICES entry {token!r}: no such GPU; CUDA ignores "
-                             "it and every entry after it")  # fmt: skip
-                break
-        elif token.startswith("MIG-"):
-            notes.append(f"CUDA_VISIBLE_DEVICES entry {token!r}: MIG instances are not "
-                         "monitored (NVML reports utilisation for the whole GPU only)")  # fmt: skip
-            break
-        else:
-            want = token if token.startswith("GPU-") else f"GPU-{token}"
-            found = [k for k, u in enumerate(uuids) if u.startswith(want)]
-            if len(found) != 1:
-                notes.append(f"CUDA_VISIBLE_DEVICES entry {token!r}: matches {len(found)} GPUs"
-                             " by UUID; CUDA ignores it and every entry after it")  # fmt: skip
-                break
-            i = found[0]
-        if i not in indices:
-            indices.append(i)
-    return indices, notes
+    return hardware.parse_visible_devices(spec, uuids)
 
 
 class NvmlBackend(Backend):
@@ -247,11 +212,12 @@ class NvmlBackend(Backend):
         uuids = [_text(nv.nvmlDeviceGetUUID(h)) for h in handles]
         spec = os.environ.get("CUDA_VISIBLE_DEVICES") if self.devices is None else self.devices
         self.status = {}
-        if spec is None:
-            indices = list(range(count))
-        elif isinstance(spec, str):
-            indices, notes = parse_visible_devices(spec, uuids)
-            self._warn_order(nv, spec, handles, indices, notes)
+        if spec is None or isinstance(spec, str):  # NVML ignores CUDA_VISIBLE_DEVICES: map it
+            from labkit import hardware  # lazy: it imports torch, which loads pynvml
+            visible, notes = hardware.visible_gpus(nv, spec)
+            indices = [g.index for g in visible]
+            if spec is not None:
+                self._warn_order(nv, spec, handles, indices, notes)
             if notes:
                 self.status["devices"] = "; ".join(notes)
         else:
