@@ -351,8 +351,8 @@ def markdown(
         lines += ["", f"## `{t.notebook}` ({t.size}): {_minsec(t.total_s)}", "",
                   "| section | cells | run time | peak memory (sampled) |", "|---|---:|---:|---:|"]  # fmt: skip
         for s in t.sections:
-            lines.append(f"| {s.title} | {s.cells} | {_minsec(s.seconds)} | "
-                         f"{_gib(s.peak_rss_bytes)} |")  # fmt: skip
+            peak = "no sample taken" if s.peak_rss_bytes is None else _gib(s.peak_rss_bytes)
+            lines.append(f"| {s.title} | {s.cells} | {_minsec(s.seconds)} | {peak} |")
     return "\n".join(lines) + "\n"
 
 

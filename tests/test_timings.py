@@ -8,6 +8,7 @@ resident while it sleeps for a second, five sampling intervals.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -103,6 +104,10 @@ def test_record_fields_and_markdown_say_what_was_sampled(timed, tmp_path):
     md = timings.markdown([t])
     assert "sampled every 0.2 s" in md and "every process it started" in md
     assert "| Short sleep | 2 |" in md
+    assert "N/A" not in md  # every section here ran long enough to be sampled
+    unsampled = copy.deepcopy(t)
+    unsampled.sections[1].peak_rss_bytes = None
+    assert "| no sample taken |" in timings.markdown([unsampled])
     js, mdfile = timings.write([t], tmp_path, ["smoke"])
     assert json.loads(js.read_text())["notebooks"][0]["notebook"] == "00_synthetic"
     assert mdfile.read_text().startswith("# Notebook timings")
