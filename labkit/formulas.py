@@ -762,12 +762,13 @@ def multinode_allreduce_time(message_bytes: float, nodes: int, gpus_per_node: in
     - flat ring (``hierarchical=False``): one ring through all n = N·G GPUs, node after node.
       Every step moves a chunk on every hop at once, so the step lasts as long as the slowest
       hop: the ring runs at min(intra, inter): 2(n−1)/n · S / min(...).
-    - hierarchical (two-level; Jia et al. 2018, "Highly Scalable Deep Learning Training System
-      with Mixed-Precision", arXiv 1807.11205, its hierarchical all-reduce): reduce-scatter
+    - hierarchical (two-level: the 2D-torus all-reduce of Mikami et al. 2018, "Massively
+      Distributed SGD: ImageNet/ResNet-50 Training in a Flash", arXiv 1811.05233; Horovod's
+      hierarchical all-reduce does the same): reduce-scatter
       inside each node (each GPU ends with S/G summed over its node), all-reduce those S/G
       across the N nodes, one ring per GPU position on its own NIC, then all-gather inside the
       node: 2(G−1)/G · S/intra + 2(N−1)/N · (S/G)/inter. Only 1/G of the bytes cross the
-      network per GPU: what NCCL's topology-aware rings and trees achieve too.
+      network per GPU, close to what NCCL's topology-aware rings and trees achieve.
     """
     s = _non_negative_number("message_bytes", message_bytes)
     n_nodes, g = _positive_int("nodes", nodes), _positive_int("gpus_per_node", gpus_per_node)

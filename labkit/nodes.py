@@ -7,9 +7,11 @@ torchrun starts one *agent* per machine (node); the agents meet at a *rendezvous
 on who is in the job, then each starts its ``nproc`` ranks. Two ways to meet
 (torch/distributed/run.py, "Usage"):
 
-- **c10d rendezvous** (``node_rank`` left None, the default): the first agent to reach
-  ``endpoint`` hosts a small key-value store there (a TCPStore) and every agent registers with
-  it. Node ranks are handed out when the rendezvous completes, in an order the agents agree on
+- **c10d rendezvous** (``node_rank`` left None, the default): the agent on the endpoint's
+  machine hosts a small key-value store there (a TCPStore; torch's c10d_rendezvous_backend.py
+  matches the endpoint against the machine's names and addresses, and on one machine the first
+  agent to bind the port wins) and every agent registers with it; the others wait for it about
+  a minute (its read timeout) before giving up. Node ranks are handed out when the rendezvous completes, in an order the agents agree on
   (torch sorts them by address and process id), so no machine needs to know its place
   beforehand, and ``count`` may be a range ``"2:4"``: the job starts once 2 nodes are in and
   admits up to 4 (an *elastic* job).
