@@ -69,6 +69,10 @@ METADATA_BYTES_PER_TENSOR = 300
 are; pickled, about 270 B a tensor for labkit's GPT under torch 2.13 (38,621 B for 145)."""
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be completed: raised on every rank, and nothing was published."""
+
+
 class CheckpointMismatch(ValueError):
     """A complete checkpoint that this job cannot load: another model shape, world size,
     optimizer or format. Raised before torch reads any tensor; the message names what differs
@@ -432,10 +436,21 @@ def save(
         os.fsync(f.fileno())
     _barrier()  # every rank's share is on disk
 
-    info: Saved | None = None
+    info: Saved | str | None = None
     if rank == 0:
-        info = _publish(root, tmp, final, step, model, optimizer, world, started, keep)
+        # Every rank wrote under "the same" root; on several machines that holds only on a
+        # file system they share. Each node's own disk would leave rank 0 a partial folder.
+        missing = [r for r in range(world) if not (tmp / f"rank{r}.pt").is_file()]
+        if missing:
+            info = (f"checkpoint step {step} is incomplete: the files of rank(s) {missing} are not "
+                    f"in {tmp}. Every rank must write under the same root, so on several "
+                    "machines the root must be on a file system every node sees (a shared "
+                    "one), not each node's own disk; nothing was published")  # fmt: skip
+        else:
+            info = _publish(root, tmp, final, step, model, optimizer, world, started, keep)
     info = _from_rank0(info)  # also the barrier that makes the checkpoint visible to all
+    if isinstance(info, str):
+        raise CheckpointError(info)
     assert info is not None
     _say(log, f"saved step {step} to {info.path}: {info.bytes / 1e6:.2f} MB in "
               f"{info.seconds:.3f} s (measured)")  # fmt: skip

@@ -271,8 +271,9 @@ set -euo pipefail
 # --- where the rendezvous is ----------------------------------------------------------------
 # torchrun's agents (one per node) meet at a "rendezvous": a small key-value store on the
 # first node of the allocation. $SLURM_JOB_NODELIST is compressed ("gpu[01-04]");
-# scontrol expands it to one name per line.
-HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# scontrol expands it to one name per line; sed (not head) reads them all, so that under
+# pipefail a long list never ends scontrol with SIGPIPE.
+HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
 # Its port must be free on that node, and this script runs on that node, so it asks the OS
 # for one (bind to port 0, read the number back) rather than hard-coding 29400, which two
 # jobs sharing a node would both want. The race: the port is free again once this command

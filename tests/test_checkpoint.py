@@ -243,3 +243,28 @@ def test_the_prediction_follows_the_dtypes_and_optimizer_the_job_really_uses(tmp
     )
     saved = checkpoint.save(tmp_path, 1, model, opt, log=None)
     assert saved.predicted["bytes_per_param"] == 4  # 2 B of weight + 2 B of momentum
+
+
+def test_a_rank_whose_files_are_elsewhere_fails_the_save_and_publishes_nothing(tmp_path, monkeypatch):
+    """On several machines with each node's own disk, rank 1's files land on its node: rank 0
+    must not publish a checkpoint that lacks them (a restart would find it partial and start
+    from scratch). Faked here: a world of 2 in which only rank 0 writes."""
+    from labkit import checkpoint
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    monkeypatch.setattr(checkpoint, "_world", lambda: (0, 2))
+    with pytest.raises(checkpoint.CheckpointError, match=r"rank\(s\) \[1\].*file system every node sees"):
+        checkpoint.save(tmp_path, 2, model, opt, log=None)
+    complete, _ = checkpoint.scan(tmp_path)
+    assert complete == []  # nothing published
+
+
+def test_a_job_across_nodes_must_name_a_shared_checkpoint_folder():
+    from labkit.workers import resilient_train as rt
+
+    cfg = rt.validate({}, 2)
+    rt.check_shared_root(cfg, 1)  # one machine: its job folder will do
+    rt.check_shared_root({**cfg, "checkpoint_dir": "/shared/ckpt"}, 2)
+    with pytest.raises(ValueError, match=r"spans 2 agents.*checkpoint_dir"):
+        rt.check_shared_root(cfg, 2)

@@ -73,7 +73,7 @@ def test_a_gpu_job_asks_for_its_nodes_and_gpus_and_runs_one_agent_per_node():
     ]  # fmt: skip
     assert script.startswith("#!/bin/bash\n")
     assert "set -euo pipefail" in script
-    assert 'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in script
+    assert 'HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)' in script
     srun = script[script.index("\nsrun ") :]
     assert srun.startswith("\nsrun --ntasks-per-node=1 --cpus-per-task=$SLURM_CPUS_PER_TASK "
                            "--gpus-per-node=8 ")  # fmt: skip

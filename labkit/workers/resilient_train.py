@@ -100,6 +100,17 @@ def validate(config: dict[str, Any], world_size: int) -> dict[str, Any]:
     return cfg
 
 
+def check_shared_root(cfg: dict[str, Any], agents: int) -> None:
+    """A job of several agents (machines) needs a checkpoint folder they all see: by default
+    each agent's job folder is its own, and the checkpoint would be split between them."""
+    if agents > 1 and not cfg["checkpoint_dir"]:
+        raise ValueError(
+            f"this job spans {agents} agents (nodes), and each has its own job folder: give "
+            "config checkpoint_dir, a folder on a file system every node sees, so that every "
+            "rank writes the same checkpoint"
+        )
+
+
 def predicted_lost_steps(kill_at_step: int, every: int) -> int:
     """Steps trained again after a kill once ``kill_at_step`` steps were done: those since the
     last checkpoint, taken every ``every`` steps."""
@@ -158,6 +169,7 @@ def main(ctx: dist.Context) -> dict[str, Any]:
     pg_up = time.time()  # dist.entrypoint has just joined the process group
     started = process_start_time()
     cfg = validate(ctx.config, ctx.world_size)
+    check_shared_root(cfg, int(os.environ.get("GROUP_WORLD_SIZE", "1")))
     attempt = 1 + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     job_dir = ctx.job_dir
     events = job_dir / EVENTS if job_dir else None
