@@ -317,6 +317,7 @@ ENVIRONMENT: dict[str, str] = {
     "LABKIT_JOB_DIR": "set by the launcher for each job (internal)",
     "LABKIT_AGENT_PID": "set by the launcher for each job (internal)",
     "LABKIT_TEST_SESSION": "set by the test suite (internal)",
+    "LABKIT_SLURM_TEST": "set by the SLURM test on its cluster's daemons (internal)",
     "LABKIT_EXPECT_SOLVED": "1: every exercise check must pass (complete notebooks)",
 }
 """Every ``LABKIT_*`` environment variable labkit reads, with what it sets. There is one size

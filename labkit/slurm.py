@@ -288,9 +288,9 @@ echo "job $SLURM_JOB_ID: $SLURM_NNODES node(s) ($SLURM_JOB_NODELIST), rendezvous
 # It must be on a filesystem every node sees (your home or project space, not /tmp).
 export {JOB_DIR_ENV}="{self._runs_dir_sh()}/slurm-$SLURM_JOB_ID"
 mkdir -p "${JOB_DIR_ENV}"
-cat > "${JOB_DIR_ENV}/{SPEC_FILE}" <<'LABKIT_JOB_SPEC'
+cat > "${JOB_DIR_ENV}/{SPEC_FILE}" <<'END_OF_JOB_SPEC'
 {spec}
-LABKIT_JOB_SPEC
+END_OF_JOB_SPEC
 
 # --- the environment every rank inherits ----------------------------------------------------
 export PYTHON={shlex.quote(self.python)}  # the Python the script was made with, on every node

@@ -133,6 +133,7 @@ def test_killing_one_agent_ends_the_other_and_leaves_no_process(tmp_path):
 
     (a, _), (b, _) = finish(procs[0], 90), finish(procs[1], 90)
     ended_after = time.monotonic() - killed_at
+    print(f"node 0's launcher ended {ended_after:.1f} s after node 1's agent was killed")
     # node 0 is not left waiting: its rank's barrier breaks when node 1's rank is gone, well
     # inside the job's own limits
     assert not a["ok"] and a["error"] == "JobFailed", a

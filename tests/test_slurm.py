@@ -124,7 +124,7 @@ def test_the_job_folder_gets_the_spec_the_workers_read():
     script = job.render()
     assert 'export LABKIT_JOB_DIR="$SLURM_SUBMIT_DIR/runs/slurm-$SLURM_JOB_ID"' in script
     # a quoted here-document: the shell expands nothing in it, so the JSON arrives as written
-    body = script.split("<<'LABKIT_JOB_SPEC'\n", 1)[1].split("\nLABKIT_JOB_SPEC\n", 1)[0]
+    body = script.split("<<'END_OF_JOB_SPEC'\n", 1)[1].split("\nEND_OF_JOB_SPEC\n", 1)[0]
     spec = json.loads(body)
     assert spec == job.spec()
     assert spec["config"] == {"numel": 1024, "note": "a $HOME `x` 'y'"}
