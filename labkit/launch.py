@@ -327,6 +327,10 @@ class Job:
         """The ranks to look for in this machine's job folder: ours once known, else any."""
         return self.local_ranks or list(range(self.world_size))
 
+    def label(self, rank: int) -> str:
+        """How rank ``rank``'s lines are prefixed under the cell: its node too, on several."""
+        return f"[node{rank // self.nproc} rank{rank}]" if self.nodes else f"[rank{rank}]"
+
     def saw_rank(self, rank: int) -> None:
         """A rank of ours showed up: under c10d that tells which node we are."""
         if self.node_rank is None and 0 <= rank < self.world_size:
@@ -1105,7 +1109,7 @@ class _Supervisor:
         self.job.saw_rank(rank)
         # Several machines: say which node each line comes from (torchrun numbers ranks node by
         # node; its prefix template knows only ranks).
-        label = f"[node{rank // self.job.nproc} rank{rank}]" if self.job.nodes else f"[rank{rank}]"
+        label = self.job.label(rank)
         # torch's excepthook prefixes each line of a rank's uncaught traceback with "[rankN]:".
         # A traceback is held until it is complete, then shown as an excerpt: the frames that
         # start every worker and torch's internals are noise under a learner's cell.
@@ -1123,7 +1127,7 @@ class _Supervisor:
 
     def _flush_traceback(self, rank: int) -> None:
         lines = self._tracebacks.pop(rank, [])
-        label = f"[node{rank // self.job.nproc} rank{rank}]" if self.job.nodes else f"[rank{rank}]"
+        label = self.job.label(rank)
         for line in diagnosis.traceback_excerpt("\n".join(lines)).splitlines():
             self.echo.line(f"{label} {line}")
 
