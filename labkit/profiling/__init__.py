@@ -9,7 +9,9 @@ One short module each, measurement apart from display:
                      optimizer, ...), from the profiler's self times
     trace            load_trace / load_traces: exported Chrome traces, refused when truncated,
                      missing or not a trace
-    overlap          compute vs communication per rank (hidden, exposed), find_straggler
+    overlap          compute vs communication per rank (hidden, exposed), find_straggler;
+                     on a GPU, kernels counted in the step that launched them (gpu_work) and
+                     the GPU's time split by kind of kernel (gpu_split)
     plot             plot_trace: a per-thread (per-stream) timeline drawn from the trace files
     memory_timeline  memory over time: the profiler's categories (CPU), the allocator's
                      history snapshot (CUDA), drawn with the phases shaded
@@ -45,28 +47,33 @@ from labkit.profiling.nsight import (
     NotRun,
     NsysCommand,
     NsysTorchrunCommand,
+    linear_snippet,
     place_on_roofline,
     plot_kernel_summary,
     profile_nsys,
     run_ncu,
 )
 from labkit.profiling.overlap import (
+    GpuSplit,
     RankTimes,
     Straggler,
     compute_and_comm,
     find_straggler,
+    gpu_split,
+    gpu_work,
     hidden_fraction,
     rank_times,
 )
 from labkit.profiling.phases import COMMUNICATION, PHASES, nvtx_backend, phase
 from labkit.profiling.plot import plot_trace
-from labkit.profiling.trace import Span, Trace, TraceError, load_trace, load_traces
+from labkit.profiling.trace import Span, Trace, TraceError, load_trace, load_traces, trace_files
 
 __all__ = [
     "COMMUNICATION",
     "MODES",
     "PHASES",
     "Attribution",
+    "GpuSplit",
     "HtaReport",
     "MemoryTimeline",
     "NcuCommand",
@@ -84,9 +91,12 @@ __all__ = [
     "compute_and_comm",
     "find_straggler",
     "forward_rise",
+    "gpu_split",
+    "gpu_work",
     "hidden_fraction",
     "hta_report",
     "kind_of",
+    "linear_snippet",
     "load_trace",
     "load_traces",
     "nvtx_backend",
@@ -104,4 +114,5 @@ __all__ = [
     "run_ncu",
     "timeline_from_snapshot",
     "timeline_from_trace_events",
+    "trace_files",
 ]

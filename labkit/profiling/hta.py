@@ -13,6 +13,17 @@ recorded on CPU only (gloo) has none, and there its analyses raise or come back 
 (measured on torch 2.13 CPU traces with HTA 0.5.0: temporal breakdown raises IndexError, the
 overlap is NaN, the kernel tables are empty). This module runs each analysis and records the
 outcome as it happened; labkit's own ``overlap`` measures the CPU case from the threads.
+
+Two of HTA's defaults would make it measure something other than labkit, so they are set here
+(HTA 0.5.0, ``hta/trace_analysis.py`` and ``hta/common/trace_parser.py``):
+
+* ``include_last_profiler_step=False`` drops the kernels the last ProfilerStep launched:
+  HTA would read one step fewer than the trace holds. Here every recorded step is read.
+* Timestamps with sub-microsecond digits are rounded inward to whole microseconds (a start
+  up, an end down; pytorch/pytorch#122425), which shortens every short kernel: 2% of the
+  compute time on a real two-rank NCCL trace. ``exact_times=True`` (the default) turns that
+  off (``HTA_DISABLE_NS_ROUNDING``) for the load, so both read the same times.
+
 HTA is imported only when called.
 """
 
@@ -21,11 +32,14 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from labkit.profiling.trace import GPU_WORK, Trace, TraceError, load_traces
 
 ANALYSES: dict[str, str] = {
     "temporal_breakdown": "get_temporal_breakdown",
@@ -34,6 +48,9 @@ ANALYSES: dict[str, str] = {
     "kernel_breakdown": "get_gpu_kernel_breakdown",
 }
 """Our name -> HTA's ``TraceAnalysis`` method (each called with ``visualize=False``)."""
+
+RANKED = {"idle_time"}
+"""Analyses that read rank 0 unless told which ranks to read (a folder may not hold rank 0)."""
 
 
 @dataclass
@@ -57,28 +74,92 @@ class HtaReport:
         return f"Holistic Trace Analysis on {self.trace_dir}:\n" + "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class _Contents:
+    """What the traces hold, per rank: the facts that explain an empty answer."""
+
+    ranks: list[int]
+    kernels: dict[int, int]  # rank -> kernels, copies and memsets recorded
+    comm_kernels: dict[int, int]  # rank -> NCCL kernels among them
+
+    @classmethod
+    def of(cls, traces: list[Trace]) -> _Contents:
+        from labkit.profiling.overlap import COMM  # overlap imports this package's trace only
+
+        kernels, comm = {}, {}
+        for k, t in enumerate(traces):
+            rank = t.rank if t.rank is not None else k
+            work = t.spans(cat=GPU_WORK)
+            kernels[rank] = len(work)
+            comm[rank] = sum(1 for s in work if s.cat == "kernel" and COMM.search(s.name))
+        return cls(sorted(kernels), kernels, comm)
+
+    def why_empty(self, name: str) -> str:
+        """Why analysis ``name`` gave an empty table or NaN on these traces."""
+        if not any(self.kernels.values()):
+            return ("these traces hold no GPU kernels (recorded on CPU ranks): HTA reads only "
+                    "kernels")  # fmt: skip
+        if name == "comm_comp_overlap" and not any(self.comm_kernels.values()):
+            total = sum(self.kernels.values())
+            return (f"no communication kernels among the {total:,} recorded on rank(s) "
+                    f"{self.ranks}: nothing to overlap (HTA divides by communication time, "
+                    "which is 0)")  # fmt: skip
+        return "HTA computed nothing for these traces"
+
+
+def _hta_error(name: str, error: Exception, contents: _Contents | None) -> str:
+    """A failure message that says what went wrong, even when HTA's exception says nothing."""
+    text = str(error).strip()[:160] or "HTA gave no message"
+    if contents is not None and not any(contents.kernels.values()):
+        text += f" ({contents.why_empty(name)})"
+    return f"raised {type(error).__name__}: {text}"
+
+
 def _empty_or_nan(value: Any) -> str | None:
-    """Why ``value`` holds no answer (an empty table, only NaN), or None when it does."""
+    """What ``value`` is when it holds no answer (an empty table, only NaN), or None."""
+    if isinstance(value, float):
+        return "NaN" if math.isnan(value) else None
     frames = value if isinstance(value, tuple) else (value,)
     for frame in frames:
         if hasattr(frame, "empty"):
             if frame.empty:
-                return "an empty table: no GPU kernels in these traces"
+                return "an empty table"
             numeric = frame.select_dtypes("number")
             if not numeric.empty and numeric.drop(columns=["rank"], errors="ignore").isna().all().all():
-                return "only NaN: HTA divides by GPU kernel time, and there is none"
-        elif isinstance(value, float) and math.isnan(value):
-            return "NaN"
+                return "only NaN"
     return None
 
 
+@contextlib.contextmanager
+def _env(**values: str) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def hta_report(trace_dir: str | Path, *, analyses: dict[str, str] = ANALYSES,
-               loader: Callable[[str], Any] | None = None) -> HtaReport:
-    """Run HTA's analyses on the traces in ``trace_dir``; never raises for HTA's own failures."""
+               loader: Callable[[str], Any] | None = None,
+               exact_times: bool = True) -> HtaReport:
+    """Run HTA's analyses on the traces in ``trace_dir``; never raises for HTA's own failures.
+
+    Every recorded step is read (HTA's default drops the last); with ``exact_times`` HTA keeps
+    the traces' sub-microsecond times (see the module docstring). ``loader`` stands in for
+    ``hta.trace_analysis.TraceAnalysis`` in tests."""
     trace_dir = Path(trace_dir)
     if not trace_dir.is_dir():
         raise FileNotFoundError(f"{trace_dir}: no such folder; give the folder of one job's traces")
     report = HtaReport(trace_dir)
+    try:  # labkit reads the same files: the ranks to ask about, and why an answer is empty
+        contents: _Contents | None = _Contents.of(load_traces(trace_dir))
+    except TraceError:
+        contents = None  # HTA may still read what labkit refuses; its own failure is reported
     if loader is None:
         try:
             from hta.trace_analysis import TraceAnalysis
@@ -89,11 +170,12 @@ def hta_report(trace_dir: str | Path, *, analyses: dict[str, str] = ANALYSES,
             return report
 
         def loader(path: str) -> Any:
-            return TraceAnalysis(trace_dir=path)
+            return TraceAnalysis(trace_dir=path, include_last_profiler_step=True)
 
     sink = io.StringIO()  # HTA prints its parsing progress; keep the cell readable
+    exact = {"HTA_DISABLE_NS_ROUNDING": "1"} if exact_times else {}
     with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink), \
-            warnings.catch_warnings():
+            warnings.catch_warnings(), _env(**exact):
         warnings.simplefilter("ignore")
         try:
             analyzer = loader(str(trace_dir))
@@ -102,14 +184,18 @@ def hta_report(trace_dir: str | Path, *, analyses: dict[str, str] = ANALYSES,
             report.failures["import"] = f"HTA could not load the traces: {type(e).__name__}: {e}"
             return report
         for name, method in analyses.items():
+            kwargs: dict[str, Any] = {"visualize": False}
+            if name in RANKED and contents is not None:
+                kwargs["ranks"] = contents.ranks
             try:
-                value = getattr(analyzer, method)(visualize=False)
+                value = getattr(analyzer, method)(**kwargs)
             except Exception as e:
-                report.failures[name] = f"raised {type(e).__name__}: {str(e)[:120]}"
+                report.failures[name] = _hta_error(name, e, contents)
                 continue
-            why = _empty_or_nan(value)
-            if why:
-                report.failures[name] = why
+            empty = _empty_or_nan(value)
+            if empty:
+                report.failures[name] = (f"{empty}: {contents.why_empty(name)}"
+                                         if contents is not None else empty)  # fmt: skip
             else:
                 report.results[name] = value
     return report

@@ -7,9 +7,10 @@
 
 Definitions (per rank, over the recorded steps, seconds per step):
 
-    compute        time some compute ran: on a GPU trace, non-communication kernels; on a CPU
-                   trace, operators on the training thread, minus the time that thread spent
-                   inside a collective call (waiting is not computing)
+    compute        time some compute ran: on a GPU trace, computation kernels (not NCCL, not
+                   copies) that the recorded steps launched, wherever they ran (``gpu_work``);
+                   on a CPU trace, operators on the training thread, minus the time that
+                   thread spent inside a collective call (waiting is not computing)
     communication  time some collective ran: NCCL kernels on a GPU; the collective ops on
                    gloo's own threads and the training thread on a CPU (there, the lifetime of
                    the collective's work item: it includes waiting for the other ranks, as an
@@ -37,7 +38,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from labkit.profiling.trace import Span, Trace, TraceError
+from labkit.profiling.trace import GPU_WORK, Span, Trace, TraceError
 
 Interval = tuple[float, float]
 
@@ -115,14 +116,62 @@ def _clip(spans: Iterable[Span], window: Interval) -> list[Interval]:
     return [(max(s.start_us, lo), min(s.end_us, hi)) for s in spans if s.end_us > lo and s.start_us < hi]
 
 
+MEMORY = re.compile(r"^(Memcpy|Memset|dma)")
+"""Copies and fills on a CUDA stream (HTA's memory kernels, ``hta/utils/utils.py``)."""
+
+
+def kernel_kind(work: Span) -> str:
+    """``"communication"``, ``"memory"``, ``"compute"`` or ``"other"``, as Holistic Trace
+    Analysis classifies GPU work (``hta/utils/utils.py``, ``get_kernel_type``): NCCL kernels,
+    copies and fills, everything else, and the synchronisation kernels that are neither."""
+    if work.cat != "kernel" or MEMORY.search(work.name):
+        return "memory"
+    if COMM.search(work.name):
+        return "communication"
+    return "other" if "Memcpy" in work.name or "Sync" in work.name else "compute"
+
+
+def gpu_work(trace: Trace) -> tuple[list[Span], int]:
+    """The GPU work of the recorded steps, and how many recorded kernels belong to earlier ones.
+
+    Work belongs to the step whose CPU side *launched* it (its ``cudaLaunchKernel``), not to
+    the step during which it ran: the CPU queues kernels ahead of the GPU, so in real training
+    the last steps' kernels run after their ProfilerStep range has closed, and kernels that run
+    at the start of the window were queued by a step before it. This is how Holistic Trace
+    Analysis selects a step's kernels (``hta/common/trace.py``,
+    ``_filter_irrelevant_gpu_kernels``: kernels whose launch correlation lies in the steps).
+    Kernels whose launch the trace did not record were queued before the window opened and are
+    left out (the second value counts them). A trace without launch records (hand-made, or
+    stripped of its ``cuda_runtime`` events) falls back to each kernel's own time in the window.
+    """
+    lo, hi = trace.window_us
+    work = trace.spans(cat=GPU_WORK)
+    if not trace.records_launches:
+        return [s for s in work if s.end_us > lo and s.start_us < hi], 0
+    mine, earlier = [], 0
+    for s in work:
+        launch = trace.launch_of(s)
+        if launch is None:
+            earlier += 1
+        elif lo <= launch.start_us <= hi:
+            mine.append(s)
+    return mine, earlier
+
+
 def compute_and_comm(trace: Trace) -> tuple[list[Interval], list[Interval]]:
-    """(compute, communication) intervals in µs within the recorded steps, each a union."""
+    """(compute, communication) intervals in µs of the recorded steps, each a union.
+
+    On a GPU trace: the kernels the steps launched (:func:`gpu_work`), whole, including the
+    time they ran after the last step's range closed. On a CPU trace: the threads' work, cut to
+    the steps' window (a CPU thread cannot run ahead of itself)."""
     window = trace.window_us
     if trace.on_gpu:
-        kernels = trace.spans(cat="kernel")
-        comm = [s for s in kernels if COMM.search(s.name)]
-        compute = [s for s in kernels if not COMM.search(s.name)]
-        return union(_clip(compute, window)), union(_clip(comm, window))
+        work, _ = gpu_work(trace)
+        comm = [(s.start_us, s.end_us) for s in work if kernel_kind(s) == "communication"]
+        compute = [(s.start_us, s.end_us) for s in work if kernel_kind(s) == "compute"]
+        if not trace.records_launches:  # attributed by time: only their time inside the steps
+            return intersect(compute, [window]), intersect(comm, [window])
+        return union(compute), union(comm)
     main = trace.main_tid
     ops = trace.spans(cat="cpu_op")
     comm_spans = [s for s in trace.all_spans if s.cat in ("cpu_op", "user_annotation")
@@ -169,14 +218,31 @@ class RankTimes:
         )
 
 
-def rank_times(trace: Trace) -> RankTimes:
-    """Measure compute, communication and their overlap in ``trace``, per recorded step."""
+def rank_times(trace: Trace, *, whole_trace: bool = False) -> RankTimes:
+    """Measure compute, communication and their overlap in ``trace``, per recorded step.
+
+    A step lasts, on average, from the start of the first recorded step to the end of the last
+    one or, on a GPU, to the end of the last kernel those steps launched, whichever is later,
+    divided by the number of steps. ``whole_trace=True`` measures a trace recorded without a
+    schedule (no ProfilerStep ranges) as one step spanning the whole recording."""
+    if whole_trace and not trace.steps:
+        trace = trace.as_one_step()
     lo, hi = trace.window_us  # raises the explanatory TraceError when no step was recorded
     n = len(trace.steps)
     compute, comm = compute_and_comm(trace)
     hidden = length(intersect(compute, comm))
     total_comm = length(comm)
-    source = "CUDA kernels" if trace.on_gpu else "CPU threads: training loop and collective threads"
+    if trace.on_gpu:
+        work, earlier = gpu_work(trace)
+        if trace.records_launches:
+            hi = max([hi, *(s.end_us for s in work)])
+            source = "CUDA kernels launched in the recorded steps"
+            if earlier:
+                source += f"; {earlier} queued before the first step left out"
+        else:
+            source = "CUDA kernels inside the recorded steps (the trace has no launch records)"
+    else:
+        source = "CPU threads: training loop and collective threads"
     return RankTimes(
         rank=trace.rank,
         steps=n,
@@ -187,6 +253,58 @@ def rank_times(trace: Trace) -> RankTimes:
         exposed_s=(total_comm - hidden) / n / 1e6,
         source=source,
     )
+
+
+@dataclass(frozen=True)
+class GpuSplit:
+    """How one rank's GPU spent the recorded steps, in seconds per step, by kind of kernel:
+    Holistic Trace Analysis's "temporal breakdown" (``get_temporal_breakdown``), measured
+    over the kernels the steps launched.
+
+    span       from the first kernel's start to the last one's end
+    idle       no kernel of any kind running (the GPU waited for the CPU, or for nothing)
+    compute    some computation kernel running (not NCCL, not a copy or fill)
+    other      kernels running, none of them computation: communication or copies alone
+    """
+
+    rank: int | None
+    steps: int
+    span_s: float
+    idle_s: float
+    compute_s: float
+    other_s: float
+    comm_s: float
+    memory_s: float
+
+    def describe(self) -> str:
+        pct = lambda x: f"{x / self.span_s:.0%}" if self.span_s else "n/a"  # noqa: E731
+        return (f"rank {self.rank}: GPU busy span {self.span_s * 1e3:.1f} ms a step: compute "
+                f"{self.compute_s * 1e3:.1f} ms ({pct(self.compute_s)}), communication or "
+                f"copies alone {self.other_s * 1e3:.1f} ms ({pct(self.other_s)}), idle "
+                f"{self.idle_s * 1e3:.1f} ms ({pct(self.idle_s)}) (measured, CUDA kernels)")
+
+
+def gpu_split(trace: Trace) -> GpuSplit:
+    """Split the GPU time of ``trace``'s recorded steps by kind of kernel (see GpuSplit)."""
+    if not trace.on_gpu:
+        raise TraceError(f"{trace.path}: no kernels, copies or memsets: a CPU-only trace has "
+                         "no GPU time to split (rank_times measures its threads)")  # fmt: skip
+    work, _ = gpu_work(trace)
+    if not work:
+        raise TraceError(f"{trace.path}: the recorded steps launched no GPU work")
+    n = len(trace.steps)
+    every = union((s.start_us, s.end_us) for s in work)
+    by_kind: dict[str, list[Interval]] = {}
+    for s in work:
+        by_kind.setdefault(kernel_kind(s), []).append((s.start_us, s.end_us))
+    comm, memory = by_kind.get("communication", []), by_kind.get("memory", [])
+    compute = by_kind.get("compute", [])
+    span = every[-1][1] - every[0][0]
+    busy, busy_compute = length(every), length(compute)
+    per = 1 / n / 1e6
+    return GpuSplit(rank=trace.rank, steps=n, span_s=span * per, idle_s=(span - busy) * per,
+                    compute_s=busy_compute * per, other_s=(busy - busy_compute) * per,
+                    comm_s=length(comm) * per, memory_s=length(memory) * per)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,17 @@ Event categories this course reads (``cat``):
     kernel, gpu_memcpy   work on a CUDA stream (GPU traces only)
     cuda_runtime         cudaLaunchKernel and friends, on the CPU thread that called them
 
+Traces written by the profiler of 2021 (torch 1.8–1.10, Kineto before its categories were
+renamed) say ``Operator``, ``Kernel``, ``Runtime``, ``Memcpy``, ``Memset`` and ``Python``, and
+mark each step as an ``Operator`` named ``ProfilerStep#N``; :func:`load_trace` renames those
+categories to today's (the same mapping as the TensorBoard profiler plugin, pytorch/kineto
+``tb_plugin/torch_tb_profiler/profiler/trace.py``), so every analysis reads both.
+
+On a GPU trace each kernel, copy and memset carries ``args.correlation``, the id of the
+``cudaLaunchKernel`` (``cuda_runtime``) or ``cuLaunchKernel`` (``cuda_driver``) call that queued
+it: :meth:`Trace.launch_of` follows it back, so work is counted in the step that *launched* it,
+not the step during which it happened to run (the CPU runs ahead of the GPU).
+
 The profiler writes the file in one go when its active window ends, so a file that does not
 parse is a trace whose writer was stopped (a rank that died mid-export) or not a trace: both
 raise :class:`TraceError` naming which, never a partial trace.
@@ -29,6 +40,7 @@ raise :class:`TraceError` naming which, never a partial trace.
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import re
@@ -38,6 +50,26 @@ from pathlib import Path
 from typing import Any
 
 STEP = re.compile(r"^ProfilerStep#(\d+)$")
+
+LEGACY_CATEGORIES = {
+    "Operator": "cpu_op",
+    "Kernel": "kernel",
+    "Runtime": "cuda_runtime",
+    "Memcpy": "gpu_memcpy",
+    "Memset": "gpu_memset",
+    "Python": "python_function",
+}
+"""The 2021 profiler's category names -> today's."""
+
+GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
+"""Categories of work that ran on a CUDA stream."""
+
+LAUNCH = ("cuda_runtime", "cuda_driver")
+"""Categories of the CPU-side calls that queue GPU work (they carry its correlation id)."""
+
+COLLECTIVE = re.compile(r"^(gloo|nccl):(\w+)$")
+"""A process group's range for one collective: ``gloo:all_reduce`` on CPU ranks,
+``nccl:all_reduce`` on GPU ranks (``user_annotation`` on the thread that called it)."""
 
 
 class TraceError(ValueError):
@@ -69,6 +101,8 @@ class Trace:
     events: list[dict[str, Any]]
     meta: dict[str, Any]
     all_spans: list[Span]
+    schema: str = "current"
+    """``"2021"`` when the file used the 2021 profiler's category names (renamed on loading)."""
 
     @property
     def rank(self) -> int | None:
@@ -77,9 +111,47 @@ class Trace:
         return info.get("rank")
 
     @property
+    def world_size(self) -> int | None:
+        """The job's number of ranks (``distributedInfo``), None when not recorded."""
+        info = self.meta.get("distributedInfo") or {}
+        return info.get("world_size")
+
+    @property
+    def gpu_names(self) -> list[str]:
+        """The GPUs the profiler saw (``deviceProperties``), in device order."""
+        return [str(d.get("name")) for d in self.meta.get("deviceProperties") or []
+                if isinstance(d, dict) and d.get("name")]  # fmt: skip
+
+    @property
     def on_gpu(self) -> bool:
         """Whether it holds work that ran on a CUDA stream (kernels or copies)."""
-        return any(s.cat in ("kernel", "gpu_memcpy", "gpu_memset") for s in self.all_spans)
+        return any(s.cat in GPU_WORK for s in self.all_spans)
+
+    @functools.cached_property
+    def _launches(self) -> dict[Any, Span]:
+        return {s.args["correlation"]: s for s in self.all_spans
+                if s.cat in LAUNCH and "correlation" in s.args}  # fmt: skip
+
+    def launch_of(self, work: Span) -> Span | None:
+        """The CPU call that queued ``work`` (a kernel, copy or memset), or None when the trace
+        did not record it: it was launched before the profiler's window opened."""
+        return self._launches.get(work.args.get("correlation"))
+
+    @property
+    def records_launches(self) -> bool:
+        """Whether kernels can be followed back to their launch (correlation ids recorded)."""
+        return bool(self._launches)
+
+    def collective_calls(self, op: str = "all_reduce") -> list[Span]:
+        """Each call of collective ``op`` made by the process group, whichever backend ran it:
+        ``gloo:all_reduce`` on CPU ranks, ``nccl:all_reduce`` on GPU ranks."""
+        return [s for s in self.spans(cat="user_annotation", name=COLLECTIVE)
+                if COLLECTIVE.match(s.name).group(2) == op]  # fmt: skip
+
+    def per_step(self, spans: Iterable[Span]) -> float:
+        """How many of ``spans`` start inside the recorded steps, per step."""
+        lo, hi = self.window_us
+        return sum(1 for s in spans if lo <= s.start_us < hi) / len(self.steps)
 
     def spans(self, *, cat: str | Iterable[str] | None = None, name: str | re.Pattern | None = None,
               tid: int | str | None = None) -> list[Span]:
@@ -98,10 +170,15 @@ class Trace:
             out.append(s)
         return out
 
-    @property
+    @functools.cached_property
     def steps(self) -> list[Span]:
-        """The profiler's ``ProfilerStep#N`` ranges, one per recorded step, in time order."""
-        return sorted(self.spans(cat="user_annotation", name=STEP), key=lambda s: s.start_us)
+        """The profiler's ``ProfilerStep#N`` ranges, one per recorded step, in time order.
+
+        Today's profiler writes them as ``user_annotation``; the 2021 one as an operator."""
+        found: dict[str, Span] = {}
+        for s in self.spans(cat=("user_annotation", "cpu_op"), name=STEP):
+            found.setdefault(s.name, s)
+        return sorted(found.values(), key=lambda s: s.start_us)
 
     @property
     def main_tid(self) -> int | str:
@@ -123,11 +200,30 @@ class Trace:
         steps = self.steps
         if not steps:
             raise TraceError(
-                f"{self.path}: no ProfilerStep ranges: the loop did not call prof.step(), or "
-                "the schedule's active window never opened (active=0, or fewer steps than "
-                "wait + warmup)"
+                f"{self.path}: no ProfilerStep ranges, so no steps to measure per step. The "
+                "profiler marks a step each time the loop calls prof.step() inside a "
+                "schedule's active window: this trace was recorded without a schedule, or "
+                "the loop never called prof.step(), or the window never opened (active=0, or "
+                "fewer steps than wait + warmup). To measure the whole recording as one "
+                "step: rank_times(trace, whole_trace=True)"
             )
         return steps[0].start_us, max(s.end_us for s in steps)
+
+    def as_one_step(self) -> Trace:
+        """This trace with its whole recording marked as one step (``ProfilerStep#0``), for a
+        trace recorded without a schedule: per-step figures are then the whole recording's."""
+        host = [s for s in self.all_spans
+                if s.cat not in (*GPU_WORK, "gpu_user_annotation", "Trace")]  # fmt: skip
+        if not host:
+            raise TraceError(f"{self.path}: no CPU events, so no span to measure as a step")
+        busy: dict[int | str, float] = {}
+        for s in host:
+            busy[s.tid] = busy.get(s.tid, 0.0) + s.dur_us
+        lo, hi = min(s.start_us for s in host), max(s.end_us for s in host)
+        tid = max(busy, key=busy.__getitem__)
+        step = Span("ProfilerStep#0", "user_annotation", lo, hi - lo, host[0].pid, tid)
+        spans = sorted([*self.all_spans, step], key=lambda s: (s.start_us, -s.dur_us))
+        return Trace(self.path, self.events, self.meta, spans, self.schema)
 
     def phase_seconds(self, names: Iterable[str]) -> dict[str, list[float]]:
         """Seconds in each named range (on the training thread), per recorded step.
@@ -180,7 +276,8 @@ def _read_text(path: Path) -> str:
             "ends (on_trace_ready); check the path, and that the job reached that step"
         )
     if path.is_dir():
-        raise TraceError(f"{path} is a folder: give one trace file (a .json or .json.gz)")
+        raise TraceError(f"{path} is a folder: give one trace file (a .json or .json.gz), or "
+                         "load a job's folder with load_traces(folder)")  # fmt: skip
     raw = path.read_bytes()
     if raw[:2] == b"\x1f\x8b":
         try:
@@ -228,29 +325,79 @@ def load_trace(path: str | Path) -> Trace:
             f"list (this one has {keys}). Export one with prof.export_chrome_trace(path)"
         )
     events = data["traceEvents"]
-    spans = [
-        Span(str(e.get("name", "")), str(e.get("cat", "")), float(e["ts"]), float(e["dur"]),
-             e.get("pid", 0), e.get("tid", 0), e.get("args") or {})
-        for e in events
-        if isinstance(e, dict) and e.get("ph") == "X" and "ts" in e and "dur" in e
-    ]  # fmt: skip
+    spans, legacy = [], False
+    for e in events:
+        if not (isinstance(e, dict) and e.get("ph") == "X" and "ts" in e and "dur" in e):
+            continue
+        cat = str(e.get("cat", ""))
+        if cat in LEGACY_CATEGORIES:
+            cat, legacy = LEGACY_CATEGORIES[cat], True
+        try:
+            start_us, dur_us = float(e["ts"]), float(e["dur"])
+        except (TypeError, ValueError) as err:
+            raise TraceError(f"{path} is not a trace: an event's ts/dur is not a number "
+                             f"({e.get('name', '?')!r}: {err})") from err  # fmt: skip
+        spans.append(Span(str(e.get("name", "")), cat, start_us, dur_us, e.get("pid", 0),
+                          e.get("tid", 0), e.get("args") or {}))  # fmt: skip
     if not any(s.cat != "Trace" for s in spans):
         raise TraceError(
             f"{path} holds no recorded operators: the profiler was stopped before any step "
             "ran inside its active window"
         )
     meta = {k: v for k, v in data.items() if k != "traceEvents"}
-    return Trace(path, events, meta, sorted(spans, key=lambda s: (s.start_us, -s.dur_us)))
+    return Trace(path, events, meta, sorted(spans, key=lambda s: (s.start_us, -s.dur_us)),
+                 schema="2021" if legacy else "current")  # fmt: skip
 
 
-def load_traces(paths: Iterable[str | Path]) -> list[Trace]:
-    """Load one trace per rank, in rank order; every one must load (no partial set)."""
+TRACE_FILES = ("*.json", "*.json.gz")
+"""What counts as a trace file in a folder of them (``*.pt.trace.json`` included)."""
+
+
+def trace_files(folder: str | Path) -> list[Path]:
+    """The trace files in ``folder``, sorted by name; refused when there are none."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise TraceError(f"{folder}: no such folder; give the folder of one job's traces")
+    files = sorted({f for pattern in TRACE_FILES for f in folder.glob(pattern) if f.is_file()})
+    if not files:
+        raise TraceError(
+            f"{folder} holds no trace files (looked for {', '.join(TRACE_FILES)}): the "
+            "profiler writes one per rank when its active window ends"
+        )
+    return files
+
+
+def load_traces(paths: str | Path | Iterable[str | Path], *,
+                ranks: int | None = None) -> list[Trace]:
+    """Load one trace per rank, in rank order; every one must load (no partial set).
+
+    ``paths`` is a list of files or one folder holding a job's traces. With ``ranks``, the
+    set must hold exactly that many ranks' traces.
+
+    Raises:
+        TraceError: a file does not load (see :func:`load_trace`), two files come from one
+            rank or from jobs of different sizes, or the count is not ``ranks``.
+    """
+    if isinstance(paths, (str, Path)):
+        paths = trace_files(paths) if Path(paths).is_dir() else [paths]
     traces = [load_trace(p) for p in paths]
     if not traces:
         raise TraceError("no trace files given: a distributed job writes one per rank")
-    ranks = [t.rank for t in traces]
-    if None not in ranks:
-        if len(set(ranks)) != len(ranks):
-            raise TraceError(f"two traces come from the same rank: ranks {ranks}")
+    found = [t.rank for t in traces]
+    if None not in found:
+        if len(set(found)) != len(found):
+            same = sorted({r for r in found if found.count(r) > 1})
+            files = [str(t.path) for t in traces if t.rank in same]
+            raise TraceError(f"two traces come from the same rank ({same}): {files}")
         traces.sort(key=lambda t: t.rank)
+    sizes = {t.world_size for t in traces} - {None}
+    if len(sizes) > 1:
+        by_size = {t.path.name: t.world_size for t in traces}
+        raise TraceError(f"these traces come from jobs of different sizes ({by_size}): give "
+                         "the traces of one job")  # fmt: skip
+    if ranks is not None and len(traces) != ranks:
+        raise TraceError(
+            f"asked for {ranks} ranks' traces; got {len(traces)} (ranks "
+            f"{[t.rank for t in traces]}, from {sorted({str(t.path.parent) for t in traces})})"
+        )
     return traces
