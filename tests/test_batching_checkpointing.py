@@ -64,12 +64,14 @@ def test_dropout_masks_differ_between_seeds():
     assert not torch.equal(a, b)
 
 
-def _activation_bytes(every: int | None) -> int:
+def _activation_bytes(every: int | None, dtype: str = "float32", micro_batch: int = 8) -> int:
     model = _smoke_model()
     if every is not None:
         apply_checkpointing(model, every=every)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return measure_training_memory(model, opt, _batch(model), device=CPU).activations
+    return measure_training_memory(
+        model, opt, _batch(model, micro_batch), device=CPU, dtype=dtype
+    ).activations
 
 
 def test_checkpointing_saves_fewer_tensors_for_backward():
@@ -120,18 +122,38 @@ def test_refuses_wrapping_twice():
         apply_checkpointing(model)
 
 
+# bfloat16: the GPU preset's autocast (notebook 05 at size gpu), run here by CPU autocast,
+# which follows the same op lists for these layers (formulas.activation_bytes_per_layer)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("every", [1, 2])
-def test_predicted_saving_matches_the_measured_saved_bytes(every):
+def test_predicted_saving_matches_the_measured_saved_bytes(every, dtype):
     # The formula counts the inside of each block; the measured difference with and without
     # checkpointing is exactly that, less the block inputs kept, plus LayerNorm's mean and rstd
-    # (2 LayerNorms x 2 float32 values per token), which the formula leaves out.
+    # (2 LayerNorms x 2 float32 values per token), which the formula leaves out. Under
+    # autocast the inside includes the block's 16-bit weight copies.
     model = _smoke_model()
     cfg, (x, _) = model.cfg, _batch(model)
     b = x.shape[0]
-    predicted = predict_checkpointing(cfg, b, every)
-    measured = _activation_bytes(None) - _activation_bytes(every)
+    predicted = predict_checkpointing(cfg, b, every, dtype=dtype)
+    measured = _activation_bytes(None, dtype) - _activation_bytes(every, dtype)
     layer_norm_stats = 2 * 2 * 4 * cfg.seq_len * b
     assert measured == predicted.saving_bytes + predicted.checkpointed * layer_norm_stats
+
+
+def test_per_sequence_saving_under_autocast_is_the_difference_of_two_batches():
+    """Notebook 05 turns the saving into bytes per sequence. Under autocast the weight copies
+    do not grow with the batch, so one sequence's prediction is not a per-sequence figure."""
+    cfg = _smoke_model().cfg
+    one, two = (predict_checkpointing(cfg, b, 1, dtype="bfloat16") for b in (1, 2))
+    per_sequence = two.saving_bytes - one.saving_bytes
+    assert one.saving_bytes - per_sequence == cfg.n_layer * 12 * cfg.d_model**2 * 2
+    saving = {b: _activation_bytes(None, "bfloat16", b) - _activation_bytes(1, "bfloat16", b)
+              for b in (4, 8)}  # fmt: skip
+    layer_norm_stats = 2 * 2 * 4 * cfg.seq_len * cfg.n_layer  # per sequence
+    assert saving[8] - saving[4] == 4 * (per_sequence + layer_norm_stats)
+    assert predict_checkpointing(cfg, 2, 1, dtype="float32").saving_bytes == 2 * (
+        predict_checkpointing(cfg, 1, 1, dtype="float32").saving_bytes
+    )  # float32: no fixed part
 
 
 def test_prediction_counts_blocks_and_refuses_bad_input():
@@ -147,3 +169,5 @@ def test_prediction_counts_blocks_and_refuses_bad_input():
         predict_checkpointing(cfg, 4, 1, seq_len=cfg.seq_len + 1)
     with pytest.raises(ValueError, match="micro_batch"):
         predict_checkpointing(cfg, 0, 1)
+    with pytest.raises(ValueError, match="dtype='fp16' is not allowed"):
+        predict_checkpointing(cfg, 4, 1, dtype="fp16")

@@ -11,7 +11,7 @@ import torch
 from exercise_cells import assert_check_passes, assert_stub_is_not_done
 
 from labkit import exercises as ex
-from labkit import profiling
+from labkit import profiling, train
 from labkit.exercises import profiling as exprof
 from labkit.profiling import overlap, phase
 
@@ -21,15 +21,16 @@ from labkit.profiling import overlap, phase
 
 SOLUTIONS = {
     "06.annotate": """
+from labkit import train
 from labkit.profiling import phase
 
 
-def annotated_step(model, optimizer, next_batch):
-    \"\"\"One training step, each phase inside phase(name); returns the loss.\"\"\"
+def annotated_step(model, optimizer, next_batch, dtype):
+    \"\"\"One training step in precision `dtype`, each phase inside phase(name); returns the loss.\"\"\"
     # BEGIN SOLUTION
     with phase("data"):
         x, y = next_batch()
-    with phase("forward"):
+    with phase("forward"), train.autocast(x.device, dtype):
         _, loss = model(x, y)
     with phase("backward"):
         loss.backward()
@@ -94,6 +95,7 @@ def test_check_passes_on_the_solution_and_on_the_reference(exercise_id, capsys):
 def test_the_stub_is_not_done_and_gives_nothing_away(exercise_id, capsys):
     assert_stub_is_not_done(exercise_id, SOLUTIONS[exercise_id], capsys,
                             secrets=('with phase("data")', "loss.backward()", "zero_grad",
+                                     "train.autocast",
                                      "merged", "min(e1, e2)", "phase_seconds",
                                      "statistics.median", "num_workers"))  # fmt: skip
 
@@ -107,10 +109,10 @@ def test_hints_go_from_the_idea_to_the_recipe(exercise_id):
 # --------------------------------------------------------------------------- 06.annotate
 
 
-def backward_in_forward(model, optimizer, next_batch):
+def backward_in_forward(model, optimizer, next_batch, dtype):
     with phase("data"):
         x, y = next_batch()
-    with phase("forward"):
+    with phase("forward"), train.autocast(x.device, dtype):
         _, loss = model(x, y)
         loss.backward()
     with phase("backward"):
@@ -121,7 +123,7 @@ def backward_in_forward(model, optimizer, next_batch):
     return loss
 
 
-def misnamed(model, optimizer, next_batch):
+def misnamed(model, optimizer, next_batch, dtype):
     with phase("data"):
         x, y = next_batch()
     with phase("fwd"):
@@ -134,7 +136,7 @@ def misnamed(model, optimizer, next_batch):
     return loss
 
 
-def one_range(model, optimizer, next_batch):
+def one_range(model, optimizer, next_batch, dtype):
     with phase("step"):
         x, y = next_batch()
         _, loss = model(x, y)
@@ -144,10 +146,10 @@ def one_range(model, optimizer, next_batch):
     return loss
 
 
-def no_zero_grad(model, optimizer, next_batch):
+def no_zero_grad(model, optimizer, next_batch, dtype):
     with phase("data"):
         x, y = next_batch()
-    with phase("forward"):
+    with phase("forward"), train.autocast(x.device, dtype):
         _, loss = model(x, y)
     with phase("backward"):
         loss.backward()
@@ -156,10 +158,10 @@ def no_zero_grad(model, optimizer, next_batch):
     return loss
 
 
-def nested(model, optimizer, next_batch):
+def nested(model, optimizer, next_batch, dtype):
     with phase("data"):
         x, y = next_batch()
-        with phase("forward"):
+        with phase("forward"), train.autocast(x.device, dtype):
             _, loss = model(x, y)
             with phase("backward"):
                 loss.backward()
@@ -169,10 +171,10 @@ def nested(model, optimizer, next_batch):
     return loss
 
 
-def no_step(model, optimizer, next_batch):
+def no_step(model, optimizer, next_batch, dtype):
     with phase("data"):
         x, y = next_batch()
-    with phase("forward"):
+    with phase("forward"), train.autocast(x.device, dtype):
         _, loss = model(x, y)
     with phase("backward"):
         loss.backward()
@@ -181,11 +183,11 @@ def no_step(model, optimizer, next_batch):
     return loss
 
 
-def zero_grad_before_step(model, optimizer, next_batch):
+def zero_grad_before_step(model, optimizer, next_batch, dtype):
     # set_to_none=False keeps zero tensors: optimizer.step() runs, but on zero gradients
     with phase("data"):
         x, y = next_batch()
-    with phase("forward"):
+    with phase("forward"), train.autocast(x.device, dtype):
         _, loss = model(x, y)
     with phase("backward"):
         loss.backward()
@@ -195,9 +197,61 @@ def zero_grad_before_step(model, optimizer, next_batch):
     return loss
 
 
+def no_autocast(model, optimizer, next_batch, dtype):  # the phases right, dtype ignored
+    with phase("data"):
+        x, y = next_batch()
+    with phase("forward"):
+        _, loss = model(x, y)
+    with phase("backward"):
+        loss.backward()
+    with phase("optimizer"):
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def always_bf16(model, optimizer, next_batch, dtype):
+    with phase("data"):
+        x, y = next_batch()
+    with phase("forward"), torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = model(x, y)
+    with phase("backward"):
+        loss.backward()
+    with phase("optimizer"):
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def backward_under_autocast(model, optimizer, next_batch, dtype):
+    with phase("data"):
+        x, y = next_batch()
+    with train.autocast(x.device, dtype):
+        with phase("forward"):
+            _, loss = model(x, y)
+        with phase("backward"):
+            loss.backward()
+    with phase("optimizer"):
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def three_arguments(model, optimizer, next_batch):  # the step before it took a dtype
+    return exprof.reference_annotated_step(model, optimizer, next_batch)
+
+
 @pytest.mark.parametrize(
     ("wrong", "message"),
     [
+        (no_autocast, r"given dtype='bfloat16', the linear layers computed in \['float32'\]: "
+                      r"the forward pass .* must run under autocast"),
+        (always_bf16, r"given dtype='float32', the linear layers still computed in "
+                      r"\['bfloat16'\]: float32 means autocast off"),
+        (backward_under_autocast, r"given dtype='bfloat16', loss\.backward\(\) ran while "
+                                  r"autocast was on: autocast wraps the forward pass and the "
+                                  r"loss only"),
+        (three_arguments, r"TypeError: .*takes 3 positional arguments but 4 were given"),
         (backward_in_forward, r"step 1: the autograd operators \(…Backward0\) belongs in "
                               r"'backward', but it ran inside 'forward'"),
         (misnamed, r"step 1: no range called 'forward' \(ranges found: \['fwd'\]\)"),

@@ -283,6 +283,66 @@ def test_sync_loops_compute_the_same_losses_and_say_why_cpu_shows_nothing():
 
 
 # ---------------------------------------------------------------------------------------
+# Precision: every step runs in the run's dtype (notebook 06's header names it)
+
+
+def _watch(model: torch.nn.Module) -> tuple[set[torch.dtype], list[bool]]:
+    """The dtypes the linear layers compute in; whether autocast was on during backward."""
+    linear_out: set[torch.dtype] = set()
+    backward_autocast: list[bool] = []
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.register_forward_hook(lambda _m, _i, out: linear_out.add(out.dtype))
+    next(model.parameters()).register_hook(
+        lambda _g: backward_autocast.append(torch.is_autocast_enabled("cpu")))
+    return linear_out, backward_autocast
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_phased_step_runs_the_forward_in_dtype_and_the_backward_outside_autocast(dtype):
+    from labkit.model import GPT
+
+    torch.manual_seed(0)
+    model = GPT(TINY.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    linear_out, backward_autocast = _watch(model)
+    x = torch.randint(0, 256, (2, TINY.model.seq_len))
+    loss = bn.phased_step(model, opt, x, x, dtype=dtype)
+    assert linear_out == {getattr(torch, dtype)}
+    assert backward_autocast == [False]
+    assert loss.dtype == torch.float32 and not loss.requires_grad  # the loss is float32 anyway
+
+
+def test_every_measurement_trains_in_the_configs_dtype(monkeypatch):
+    """measure_* take the dtype from cfg.train.dtype, so a bf16 run is measured in bf16."""
+    seen: set[str] = set()
+    real = bn.phased_step
+
+    def spy(*args, dtype="float32", **kwargs):
+        seen.add(dtype)
+        return real(*args, dtype=dtype, **kwargs)
+
+    monkeypatch.setattr(bn, "phased_step", spy)
+    bf16 = TINY.replace(dtype="bfloat16")
+    bn.measure_sync(bf16, read_every=1, rounds=1, warmup=0)
+    assert seen == {"bfloat16"}
+    seen.clear()
+    ds = bn.TokenizingDataset(seq_len=16, passes=1, n_items=8)
+    bn.measure_data_loading(bf16, ds, variants=bn.loader_variants("cpu")[:1], steps=1,
+                            warmup=0, rounds=1)  # fmt: skip
+    assert seen == {"bfloat16"}
+    seen.clear()
+    res = bn.measure_compile(bf16, rounds=1, warmup=0, backend="aot_eager")
+    assert seen == {"bfloat16"} and res.rtol == bn.compile_loss_rtol("bfloat16")
+
+
+def test_compile_tolerance_follows_the_precision():
+    assert bn.compile_loss_rtol("float32") == 1e-4
+    assert bn.compile_loss_rtol("bfloat16") == 2 * 2**-7
+    assert bn.compile_loss_rtol("float16") == 2 * 2**-10
+
+
+# ---------------------------------------------------------------------------------------
 # The GPU tier (scripts/gpu_check.sh): the CUDA paths work; no speed is asserted
 
 gpu = pytest.mark.gpu

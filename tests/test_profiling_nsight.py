@@ -17,6 +17,7 @@ from pathlib import Path
 import matplotlib
 import psutil
 import pytest
+import torch
 
 from labkit import roofline
 from labkit.profiling import nsight
@@ -361,6 +362,57 @@ def test_ncu_command_refuses_bad_input(kw, message):
     args = {"target": ["./a.out"], "kernel_name": "k", "log_file": "k.csv", **kw}
     with pytest.raises(ValueError, match=message):
         nsight.NcuCommand(**args)
+
+
+class _Gemms:
+    """Every matmul dispatched inside it, as (op, ((shape, stride, dtype) per tensor input)):
+    what decides which cuBLAS kernel runs. Below autocast, so it sees the cast inputs."""
+
+    def __enter__(self) -> set[tuple]:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        calls: set[tuple] = set()
+        ops = (torch.ops.aten.addmm, torch.ops.aten.mm)
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func.overloadpacket in ops:
+                    calls.add((str(func.overloadpacket), tuple(
+                        (tuple(a.shape), a.stride(), a.dtype) for a in args
+                        if isinstance(a, torch.Tensor))))
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return calls
+
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_ncu_snippet_makes_the_matmul_the_steps_mlp_makes(dtype):
+    """Notebook 06's ncu target: the same op, shapes, layout and dtype as the up-projection of
+    the GPT's MLP in a step autocast to dtype (so the same cuBLAS kernel on a GPU)."""
+    from labkit.config import ModelConfig
+    from labkit.model import GPT
+    from labkit.train import autocast
+
+    cfg = ModelConfig(vocab_size=256, seq_len=8, n_layer=1, n_head=2, d_model=16)
+    b = 2
+    m, k, n = b * cfg.seq_len, cfg.d_model, 4 * cfg.d_model
+    with _Gemms() as snippet:
+        exec(nsight.linear_snippet(m, k, n, dtype, device="cpu", repeats=1), {})
+    model = GPT(cfg)
+    x = torch.randint(0, 256, (b, cfg.seq_len))
+    with _Gemms() as step, autocast(torch.device("cpu"), dtype):
+        model(x, x)
+    assert len(snippet) == 1 and snippet <= step, (snippet, step)
+
+
+def test_the_ncu_snippet_refuses_a_dtype_no_run_trains_in():
+    with pytest.raises(ValueError, match="dtype='tf32' is not allowed"):
+        nsight.linear_snippet(8, 8, 8, "tf32")
 
 
 # --- running nsys -----------------------------------------------------------------------------

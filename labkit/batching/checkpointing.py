@@ -44,6 +44,7 @@ from torch.utils.checkpoint import (
 )
 
 from labkit import formulas
+from labkit.batching.trials import _dtype
 from labkit.config import ModelConfig
 
 _PREFIX = "block."
@@ -153,14 +154,21 @@ def predict_checkpointing(
     seq_len: int | None = None,
     bytes_per_element: int = 4,
     dropout_mask_bytes: int = 4,
+    dtype: str | None = None,
 ) -> CheckpointPrediction:
     """What checkpointing every ``every``-th block (None: no block) keeps, per the formulas.
 
-    ``bytes_per_element`` 4 for float32 training (2 models a model stored in 16 bits; for
-    autocast use the formula's ``autocast=True`` directly). ``dropout_mask_bytes``: 4 for
-    PyTorch's CPU dropout in float32, 1 for CUDA's; used only when ``cfg.dropout > 0``. The
-    block input stays 4 bytes per value: the residual stream is float32 in labkit's GPT.
+    ``dtype`` is the run's (``TrainConfig.dtype``): "float32", or "bfloat16"/"float16" for
+    autocast over float32 weights (``formulas.activation_bytes_per_layer(autocast=True)``,
+    whose per-layer bytes include autocast's 16-bit weight copies, 12h² values a layer, which
+    do not grow with the batch: a per-sequence figure is the difference between two batches).
+    Without ``dtype``, ``bytes_per_element`` 4 is float32 training and 2 a model stored in 16
+    bits. ``dropout_mask_bytes``: 4 for PyTorch's CPU dropout in float32, 1 for CUDA's; used
+    only when ``cfg.dropout > 0``. The block input stays 4 bytes per value: the residual
+    stream is float32 in labkit's GPT.
     """
+    if dtype is not None:
+        bytes_per_element = 4 if _dtype(dtype) == "float32" else 2
     if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
         raise ValueError(f"every={every!r} is not allowed: None (no checkpointing) or an int "
                          ">= 1 (1 checkpoints every block, 2 every other block, ...)")
@@ -172,6 +180,7 @@ def predict_checkpointing(
     per_layer = formulas.activation_bytes_per_layer(
         s, b, cfg.d_model, cfg.n_head, bytes_per_element=bytes_per_element,
         dropout=cfg.dropout > 0, dropout_mask_bytes=dropout_mask_bytes, attention="flash",
+        autocast=dtype is not None and dtype != "float32",
     )  # fmt: skip
     checkpointed = 0 if every is None else len(range(0, cfg.n_layer, every))
     return CheckpointPrediction(checkpointed=checkpointed, n_layer=cfg.n_layer,

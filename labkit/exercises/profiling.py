@@ -1,9 +1,11 @@
 """Notebook 06's exercises (profiling), checked in the kernel.
 
-* ``06.annotate``: ``annotated_step(model, optimizer, next_batch) -> loss``: one training step
-  whose four phases (data, forward, backward, optimizer) the profiler finds as ranges, in
-  order, each holding its own work. Checked by profiling three steps of it and reading the
-  exported trace with :func:`labkit.profiling.load_trace`.
+* ``06.annotate``: ``annotated_step(model, optimizer, next_batch, dtype) -> loss``: one
+  training step whose four phases (data, forward, backward, optimizer) the profiler finds as
+  ranges, in order, each holding its own work, with the forward (and only the forward) under
+  autocast to ``dtype``, as ``labkit.train.train_step`` runs it. Checked by profiling three
+  bf16 steps of it on the CPU, reading the exported trace with
+  :func:`labkit.profiling.load_trace`, and watching the dtype each linear layer computes in.
 * ``06.hidden_fraction``: ``hidden_fraction(compute, comm) -> float``: the share of
   communication time that overlaps compute, from two lists of (start, end) intervals, against
   :func:`labkit.profiling.overlap.hidden_fraction` on cases built to catch double counting.
@@ -43,19 +45,23 @@ from labkit.profiling.trace import Span, load_trace
 
 
 def reference_annotated_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                             next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """One training step, each phase in its own named range."""
+                             next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+                             dtype: str = "float32") -> torch.Tensor:
+    """One training step in precision ``dtype``, each phase in its own named range."""
     from labkit.profiling.bottlenecks import phased_step  # the other three phases
 
     with phase("data"):
         x, y = next_batch()
-    return phased_step(model, optimizer, x, y)
+    return phased_step(model, optimizer, x, y, dtype=dtype)
 
 
 # --------------------------------------------------------------------------- 06.annotate
 
 ANNOTATE_CFG = ModelConfig(vocab_size=256, seq_len=16, n_layer=1, n_head=2, d_model=32)
 ANNOTATE_ACTIVE = 3
+# The profiled steps ask for bf16, which CPU autocast runs on any CPU (slowly without bf16
+# units, which a model this small does not notice); one more step asks for float32.
+ANNOTATE_DTYPE = "bfloat16"
 BATCH_MARK = "labkit.next_batch"  # a range inside next_batch: where the data work happens
 # What each phase must contain, recognised by operator names in the trace.
 SIGNATURES: dict[str, tuple[str, Callable[[str], bool]]] = {
@@ -67,7 +73,39 @@ SIGNATURES: dict[str, tuple[str, Callable[[str], bool]]] = {
 }
 
 
-def _annotate_trace(fn: Callable[..., Any]) -> tuple[list[Span], list[Span], GPT, list[torch.Tensor]]:
+class _PrecisionWatch:
+    """Which dtypes the model's linear layers computed in, and whether autocast was on while
+    the backward ran, seen through hooks (the trace does not say)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.linear_out: set[torch.dtype] = set()
+        self.backward_autocast: list[bool] = []
+        self._handles = [m.register_forward_hook(self._forward) for m in model.modules()
+                         if isinstance(m, torch.nn.Linear)]  # fmt: skip
+        # A gradient hook runs inside the backward; on a CPU autograd runs it on the calling
+        # thread, with the autocast state the thread had when backward() was called.
+        weight = next(model.parameters())
+        self._handles.append(weight.register_hook(self._backward))
+
+    def _forward(self, _module: torch.nn.Module, _inputs: Any, output: torch.Tensor) -> None:
+        self.linear_out.add(output.dtype)
+
+    def _backward(self, _grad: torch.Tensor) -> None:
+        self.backward_autocast.append(torch.is_autocast_enabled("cpu"))
+
+    def clear(self) -> None:
+        self.linear_out.clear()
+        self.backward_autocast.clear()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _annotate_trace(fn: Callable[..., Any]) -> tuple[list[Span], list[Span], GPT, list[torch.Tensor],
+                                                     str | None]:  # fmt: skip
+    """Profile ``fn``'s bf16 steps, then run one float32 step; the last item is what the
+    precision hooks found wrong (None when nothing)."""
     torch.manual_seed(0)
     model = GPT(ANNOTATE_CFG)
     # No weight decay: with it, AdamW moves the weights even when every gradient is zero, and a
@@ -81,13 +119,42 @@ def _annotate_trace(fn: Callable[..., Any]) -> tuple[list[Span], list[Span], GPT
             x = torch.randint(0, 256, (4, ANNOTATE_CFG.seq_len + 1), generator=gen)
             return x[:, :-1], x[:, 1:]
 
-    with tempfile.TemporaryDirectory(prefix="labkit-06-annotate-") as tmp:
-        run = profile_steps(lambda _: call(fn, model, opt, next_batch), wait=0, warmup=1,
-                            active=ANNOTATE_ACTIVE, trace_dir=tmp, record_shapes=False)  # fmt: skip
-        trace = load_trace(run.traces[0])
-        steps = trace.steps
-        spans = [s for s in trace.spans(tid=trace.main_tid) if s.cat in ("user_annotation", "cpu_op")]
-    return steps, spans, model, before
+    watch = _PrecisionWatch(model)
+    try:
+        with tempfile.TemporaryDirectory(prefix="labkit-06-annotate-") as tmp:
+            run = profile_steps(lambda _: call(fn, model, opt, next_batch, ANNOTATE_DTYPE),
+                                wait=0, warmup=1, active=ANNOTATE_ACTIVE, trace_dir=tmp,
+                                record_shapes=False)  # fmt: skip
+            trace = load_trace(run.traces[0])
+            steps = trace.steps
+            spans = [s for s in trace.spans(tid=trace.main_tid)
+                     if s.cat in ("user_annotation", "cpu_op")]  # fmt: skip
+        precision = _precision_failure(watch, want=ANNOTATE_DTYPE)
+        watch.clear()
+        call(fn, model, opt, next_batch, "float32")
+        precision = precision or _precision_failure(watch, want="float32")
+    finally:
+        watch.remove()
+    return steps, spans, model, before, precision
+
+
+def _precision_failure(watch: _PrecisionWatch, *, want: str) -> str | None:
+    wanted = getattr(torch, want)
+    wrong = sorted(str(d).removeprefix("torch.") for d in watch.linear_out - {wanted})
+    if wrong:
+        if want == "float32":
+            return (f"given dtype='float32', the linear layers still computed in {wrong}: "
+                    f"float32 means autocast off (labkit.train.autocast(device, 'float32') is "
+                    f"a context that does nothing)")  # fmt: skip
+        return (f"given dtype={want!r}, the linear layers computed in {wrong}: the forward "
+                f"pass (the model's call, which computes the loss too) must run under "
+                f"autocast to dtype, as train.train_step does")  # fmt: skip
+    if any(watch.backward_autocast):
+        return (f"given dtype={want!r}, loss.backward() ran while autocast was on: autocast "
+                f"wraps the forward pass and the loss only. The backward's operators already "
+                f"run in the dtype autocast chose for their forward ones (PyTorch AMP docs: "
+                f"backward passes under autocast are not recommended)")  # fmt: skip
+    return None
 
 
 def _within(span: Span, outer: Span) -> bool:
@@ -141,19 +208,24 @@ def _annotate_failure(steps: list[Span], spans: list[Span]) -> str | None:
         "the step makes the trace say so, and the same name appears in every step",
         "a step is four parts in order: get a batch, compute the loss, backpropagate, update the "
         "weights. Put each inside its own `with phase(name):` block, one after the other, with "
-        "the names 'data', 'forward', 'backward', 'optimizer'",
-        "the model returns (logits, loss); backward is loss.backward(); the optimizer part is "
-        "optimizer.step() and then optimizer.zero_grad(set_to_none=True). Return the loss",
-        "recipe: with phase('data'): x, y = next_batch(); with phase('forward'): _, loss = "
-        "model(x, y); with phase('backward'): loss.backward(); with phase('optimizer'): "
-        "optimizer.step(); optimizer.zero_grad(set_to_none=True); return loss",
+        "the names 'data', 'forward', 'backward', 'optimizer'. The step runs in precision "
+        "`dtype` the way train.train_step does: autocast around the forward pass and the loss, "
+        "and nothing else",
+        "the model returns (logits, loss); train.autocast(x.device, dtype) is the course's "
+        "autocast (float32: off), entered around the model call inside the forward range; "
+        "backward is loss.backward(), outside it; the optimizer part is optimizer.step() and "
+        "then optimizer.zero_grad(set_to_none=True). Return the loss",
+        "recipe: with phase('data'): x, y = next_batch(); with phase('forward'), "
+        "train.autocast(x.device, dtype): _, loss = model(x, y); with phase('backward'): "
+        "loss.backward(); with phase('optimizer'): optimizer.step(); "
+        "optimizer.zero_grad(set_to_none=True); return loss",
     ),
     reference=reference_annotated_step,
 )
 def _verify_annotate(annotated_step: Any) -> str:
-    fn = _require_callable(annotated_step, "annotated_step(model, optimizer, next_batch) -> loss")
-    steps, spans, model, before = _annotate_trace(fn)
-    failure = _annotate_failure(steps, spans)
+    fn = _require_callable(annotated_step, "annotated_step(model, optimizer, next_batch, dtype) -> loss")
+    steps, spans, model, before, precision = _annotate_trace(fn)
+    failure = _annotate_failure(steps, spans) or precision
     if failure:
         raise ExerciseFailed(failure)
     if all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before, strict=True)):
@@ -167,7 +239,9 @@ def _verify_annotate(annotated_step: Any) -> str:
                              "next step adds onto them")  # fmt: skip
     return (f"the profiler found data, forward, backward and optimizer in each of "
             f"{ANNOTATE_ACTIVE} recorded steps, in order, each holding its own operators "
-            f"(next_batch, aten::linear, the …Backward0 nodes, Optimizer.step)")  # fmt: skip
+            f"(next_batch, aten::linear, the …Backward0 nodes, Optimizer.step); the linear "
+            f"layers computed in {ANNOTATE_DTYPE} when asked for it and in float32 when asked "
+            f"for float32, and the backward ran outside autocast")  # fmt: skip
 
 
 # --------------------------------------------------------------------------- 06.hidden_fraction

@@ -32,7 +32,9 @@ Typical use (what notebook 06 does at smoke size)::
 A cold compile of the smoke GPT (forward and backward) takes about a minute on a 2-core
 machine, nearly all of it building C++ kernels; with inductor's cache warm it takes seconds.
 
-Every result keeps its samples (seconds per step), the device, and how they were measured;
+Every step is :func:`phased_step`, in the run's precision (``cfg.train.dtype``, autocast as
+``labkit.train`` applies it), so a bf16 run is measured in bf16. Every result keeps its
+samples (seconds per step), the device, and how they were measured;
 ``tokens_per_s`` is derived from the median step. Nothing here asserts or assumes a speed-up:
 on a 2-core machine worker processes compete with the training process for the cores, so
 the numbers decide.
@@ -70,7 +72,7 @@ from labkit.config import RunConfig
 from labkit.data import get_batch, load_splits
 from labkit.model import GPT
 from labkit.profiling.phases import phase
-from labkit.train import make_optimizer, resolve_device
+from labkit.train import DTYPES, autocast, make_optimizer, resolve_device
 
 __all__ = [
     "BatchStream",
@@ -86,6 +88,7 @@ __all__ = [
     "TokenizingDataset",
     "calibrate_passes",
     "check_compiler",
+    "compile_loss_rtol",
     "default_workers",
     "loader_variants",
     "make_loader",
@@ -230,13 +233,18 @@ def _tokens_per_step(cfg: RunConfig) -> int:
 
 
 def phased_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
-                 y: torch.Tensor) -> torch.Tensor:
+                y: torch.Tensor, *, dtype: str = "float32") -> torch.Tensor:
     """Forward, backward, optimizer, each in its named phase; returns the (device) loss.
 
-    The same arithmetic as ``labkit.train.train_step`` with one micro-batch, float32 and no
-    clipping, opened up so that a profiler trace shows the three phases apart.
+    The same arithmetic as ``labkit.train.train_step`` with one micro-batch and no clipping,
+    opened up so that a profiler trace shows the three phases apart. ``dtype`` is the run's
+    (``TrainConfig.dtype``): the forward and the loss run under ``labkit.train.autocast``, as
+    in ``train_step``; float32 turns autocast off. The backward stays outside autocast (its
+    operators run in the dtype autocast chose for their forward ones: PyTorch AMP docs). There
+    is no GradScaler: a float16 step runs float16's kernels, but its small gradients are not
+    protected from underflow, which a profile of a few steps does not need.
     """
-    with phase("forward"):
+    with phase("forward"), autocast(x.device, dtype):
         _, loss = model(x, y)
     with phase("backward"):
         loss.backward()
@@ -584,8 +592,11 @@ class BatchStream:
 
 def measure_loader(model: nn.Module, optimizer: torch.optim.Optimizer, loader: DataLoader, *,
                    steps: int, warmup: int = 2, device: torch.device | str = "cpu",
-                   name: str = "loader", settings: Mapping[str, Any] | None = None) -> Measured:
+                   name: str = "loader", settings: Mapping[str, Any] | None = None,
+                   dtype: str = "float32") -> Measured:
     """Train ``warmup + steps`` real steps on batches from ``loader``; time the phases.
+
+    ``dtype`` is the run's autocast dtype (:func:`phased_step`).
 
     Each step runs ``phase("data")`` (wait for the next batch, then send it to ``device``),
     then ``forward``, ``backward`` and ``optimizer``, and synchronises the device. Times are
@@ -612,7 +623,7 @@ def measure_loader(model: nn.Module, optimizer: torch.optim.Optimizer, loader: D
                 x = x.to(device, non_blocking=non_blocking)
                 y = y.to(device, non_blocking=non_blocking)
             t1 = time.perf_counter()
-            losses.append(phased_step(model, optimizer, x, y))
+            losses.append(phased_step(model, optimizer, x, y, dtype=dtype))
             timing.synchronize(device)
             t2 = time.perf_counter()
             tokens = x.numel()
@@ -639,7 +650,7 @@ def measure_data_loading(cfg: RunConfig, dataset: Dataset, *,
     variants take turns in ``rounds`` blocks of ``warmup + steps`` steps (A B C, then C B A:
     a busy moment of a shared machine falls on all of them), each block with fresh workers,
     shut down at its end so no variant's workers run during another's block.
-    ``progress`` receives one line per block.
+    ``progress`` receives one line per block. Every step runs in ``cfg.train.dtype``.
     """
     device = _device(cfg, device)
     variants = tuple(variants or loader_variants(device))
@@ -656,7 +667,8 @@ def measure_data_loading(cfg: RunConfig, dataset: Dataset, *,
         for i in order:
             (model, opt), v = runs[i], variants[i]
             m = measure_loader(model, opt, loaders[i], steps=steps, warmup=warmup, device=device,
-                               name=v.name, settings=v.settings())  # fmt: skip
+                               name=v.name, settings=v.settings(),
+                               dtype=cfg.train.dtype)  # fmt: skip
             got[i].append(m)
             if progress is not None:
                 progress(f"round {r + 1}/{rounds}  {v.name:<52} median step "
@@ -812,10 +824,23 @@ def _compile(model: nn.Module, scope: str, mode: str | None, dynamic: bool,
     return model
 
 
+def compile_loss_rtol(dtype: str) -> float:
+    """How far a compiled model's loss may be from eager's, relative, in precision ``dtype``.
+
+    float32: 1e-4 (fused kernels only reorder sums). In bf16 or fp16 eager rounds every
+    intermediate to the 16-bit format while inductor keeps a fused kernel's intermediates in
+    float32, so the two may differ by a unit of the format: 2 × its eps (``torch.finfo``: bf16
+    2**-7, fp16 2**-10).
+    """
+    if dtype == "float32":
+        return 1e-4
+    return 2 * torch.finfo(DTYPES[dtype]).eps
+
+
 def measure_compile(cfg: RunConfig, *, device: torch.device | str | None = None,
                     mode: str | None = "auto", scope: Literal["model", "blocks"] = "model",
                     dynamic: bool = False, rounds: int = 10, warmup: int = 2,
-                    rtol: float = 1e-4, atol: float = 1e-5,
+                    rtol: float | None = None, atol: float = 1e-5,
                     backend: str = "inductor") -> CompileResult:
     """Compile the GPT, time the compile, check its loss against eager, then time both.
 
@@ -827,7 +852,8 @@ def measure_compile(cfg: RunConfig, *, device: torch.device | str | None = None,
        change here, so no dynamic-shape graph is attempted.
     2. The compiled copy's first forward + backward on a batch is timed (``compile_s``), and
        its loss must equal eager's on the same batch within ``|Δ| <= atol + rtol·|eager|``
-       (float32; fused kernels reorder sums, so not bit for bit), else ValueError. No
+       (fused kernels reorder sums, so not bit for bit; ``rtol=None`` is
+       :func:`compile_loss_rtol` of ``cfg.train.dtype``), else ValueError. No
        optimizer step is taken, so both copies still hold the same weights.
     3. Eager and compiled training steps alternate (``labkit.timing.alternate``: E C, C E, ...)
        on the same batches; ``warmup`` rounds are not counted (CUDA graphs record there).
@@ -860,8 +886,12 @@ def measure_compile(cfg: RunConfig, *, device: torch.device | str | None = None,
     batches = [get_batch(train, cfg.train.micro_batch, cfg.model.seq_len, g, device)
                for _ in range(n_batches)]  # fmt: skip
 
+    dtype = cfg.train.dtype  # both copies train in the run's precision (phased_step)
+    if rtol is None:
+        rtol = compile_loss_rtol(dtype)
     x, y = batches[0]
-    _, loss_e = eager(x, y)
+    with autocast(device, dtype):
+        _, loss_e = eager(x, y)
     loss_e.backward()
     counts = _cache_counts()
     timing.synchronize(device)
@@ -869,7 +899,8 @@ def measure_compile(cfg: RunConfig, *, device: torch.device | str | None = None,
     try:
         if cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()
-        _, loss_c = compiled(x, y)
+        with autocast(device, dtype):
+            _, loss_c = compiled(x, y)
         loss_c.backward()
         timing.synchronize(device)
     except Exception as err:
@@ -893,7 +924,7 @@ def measure_compile(cfg: RunConfig, *, device: torch.device | str | None = None,
             t0 = time.perf_counter()
             if cudagraphs and model is compiled:
                 torch.compiler.cudagraph_mark_step_begin()  # a new iteration: outputs reused
-            loss = phased_step(model, opt, x, y)
+            loss = phased_step(model, opt, x, y, dtype=dtype)
             value = float(loss)  # synchronises; read now, before a CUDA graph reuses its memory
             t = time.perf_counter() - t0
             losses[name].append(value)
@@ -972,8 +1003,9 @@ def measure_sync(cfg: RunConfig, *, device: torch.device | str | None = None,
                  print_fn: Callable[[str], None] | None = None) -> SyncResult:
     """Train with ``loss.item()`` + a formatted line every step, then reading every K steps.
 
-    Two copies of one initialised GPT train on the same pre-made batches (already on the
-    device, so no data loading is timed). One block is ``read_every`` steps:
+    Two copies of one initialised GPT train in ``cfg.train.dtype`` on the same pre-made
+    batches (already on the device, so no data loading is timed). One block is
+    ``read_every`` steps:
 
     * before: each step calls ``loss.item()`` and formats a log line (printed if ``print_fn``);
     * after: each step keeps ``loss.detach()`` on the device; one ``torch.stack(...).tolist()``
@@ -1005,7 +1037,7 @@ def measure_sync(cfg: RunConfig, *, device: torch.device | str | None = None,
         t0 = time.perf_counter()
         for k in range(read_every):
             x, y = batches[done + k]
-            loss = phased_step(m_before, o_before, x, y)
+            loss = phased_step(m_before, o_before, x, y, dtype=cfg.train.dtype)
             value = loss.item()  # the planted sync: the CPU waits here for the device
             line = f"step {done + k + 1:>4}  loss {value:.4f}"
             lines.append(line)
@@ -1022,7 +1054,7 @@ def measure_sync(cfg: RunConfig, *, device: torch.device | str | None = None,
         pending = []
         for k in range(read_every):
             x, y = batches[done + k]
-            pending.append(phased_step(m_after, o_after, x, y))  # stays on the device
+            pending.append(phased_step(m_after, o_after, x, y, dtype=cfg.train.dtype))  # on the device
         losses["after"].extend(torch.stack(pending).tolist())  # one sync for K steps
         timing.synchronize(device)
         return (time.perf_counter() - t0) / read_every

@@ -77,7 +77,7 @@ from typing import Any
 import psutil
 import torch
 
-from labkit import procs
+from labkit import config, procs
 from labkit.roofline import Point, Roofline
 
 NSYS = "nsys"
@@ -498,6 +498,31 @@ class NcuCommand:
 
     def __str__(self) -> str:
         return self.shell()
+
+
+def linear_snippet(
+    m: int, k: int, n: int, dtype: str, *, device: str = "cuda", repeats: int = 5
+) -> str:
+    """Python source for ``python -c``: ``repeats`` calls of ``nn.Linear(k, n)``'s GEMM on ``m``
+    rows, in ``dtype``, then a device synchronisation. An :class:`NcuCommand` target.
+
+    It is the call the layer makes, ``F.linear(x, weight, bias)`` with the weight stored
+    ``n × k`` and a bias, not ``a @ b``: the bias and the transposed weight change which cuBLAS
+    kernel runs (addmm, with the bias in its epilogue where cuBLASLt can). Under autocast to
+    ``dtype`` the layer casts its inputs and makes this same call, so the kernel profiled is
+    one the training step launches. ``dtype`` is a training dtype: "float32", "bfloat16" or
+    "float16"."""
+    if dtype not in config.DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not allowed: one of {config.DTYPES}")
+    for name, value in (("m", m), ("k", k), ("n", n), ("repeats", repeats)):
+        _count(name, value, 1)
+    sync = "torch.cuda.synchronize()" if device.startswith("cuda") else "None"
+    return (
+        f"import torch; t = dict(device={device!r}, dtype=torch.{dtype}); "
+        f"x, w, b = torch.randn({m}, {k}, **t), torch.randn({n}, {k}, **t), "
+        f"torch.randn({n}, **t); [torch.nn.functional.linear(x, w, b) for _ in "
+        f"range({repeats})]; {sync}"
+    )
 
 
 # ----------------------------------------------------------------------------------------------
