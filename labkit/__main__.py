@@ -8,6 +8,9 @@
                        (--runs N: also delete all but the newest N job log folders)
     labkit notebooks   regenerate the learners' notebooks from solutions/ (--check to compare)
     labkit record-trace  record notebook 01's training run on a GPU, for replay without one
+    labkit record-profile  profile notebook 06's training step on a GPU, for learners without one
+    labkit recordings  build the key GPU figures that ship from a GPU run's benchmark results
+                       (build FILES --out DIR), or show what ships (show)
     labkit exam        a mock exam drawn from every quiz bank, scored by sub-topic (--history)
     labkit capstone    new: a seed for notebook 07's slow job; reveal --seed N: its answer key
     labkit timings     each notebook's run time, per section, and peak memory on this machine
@@ -17,6 +20,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 
@@ -76,35 +80,28 @@ def _notebooks(args: argparse.Namespace) -> int:
     return nbgen.main(["--check"] if args.check else [])
 
 
+# Commands that parse their own options: name -> (module with main(argv), help line).
+DELEGATED: dict[str, tuple[str, str]] = {
+    "doctor": ("labkit.doctor", "pre-flight check of this machine"),
+    "record-trace": ("labkit.record", "record notebook 01's run on a GPU"),
+    "record-profile": ("labkit.recordings.profiles", "profile notebook 06's step on a GPU"),
+    "recordings": ("labkit.recordings.build", "key GPU figures recorded on real hardware"),
+    "exam": ("labkit.exam", "a mock exam from every quiz bank"),
+    "launch": ("labkit.launch", "run a worker, alone or as one node of several"),
+    "timings": ("labkit.timings", "time every notebook, per section, with peak memory"),
+    "slurm": ("labkit.slurm", "an sbatch script for a job on a SLURM cluster"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["doctor"]:  # doctor parses its own options
-        from labkit import doctor
-
-        return doctor.main(argv[1:])
-    if argv[:1] == ["record-trace"]:  # so does record-trace
-        from labkit import record
-
-        return record.main(argv[1:])
-    if argv[:1] == ["launch"]:  # and launch
-        from labkit import launch
-
-        return launch.main(argv[1:])
-    if argv[:1] == ["exam"]:  # and exam
-        from labkit import exam
-
-        return exam.main(argv[1:])
-    if argv[:1] == ["timings"]:  # and timings
-        from labkit import timings
-
-        return timings.main(argv[1:])
-    if argv[:1] == ["slurm"]:  # and slurm
-        from labkit import slurm
-
-        return slurm.main(argv[1:])
+    if argv[:1] and argv[0] in DELEGATED:
+        module = importlib.import_module(DELEGATED[argv[0]][0])
+        return module.main(argv[1:])
     parser = argparse.ArgumentParser(prog="labkit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("doctor", help="pre-flight check of this machine (see: labkit doctor -h)")
+    for name, (_, help_line) in DELEGATED.items():  # listed in --help; parsed by their own main
+        sub.add_parser(name, help=f"{help_line} (see: labkit {name} -h)")
     sub.add_parser("tier", help="show this machine's tier and what it can show").set_defaults(
         fn=_tier)
     cl = sub.add_parser("cleanup", help="end leftovers of jobs whose kernel died")
@@ -121,15 +118,6 @@ def main(argv: list[str] | None = None) -> int:
     nb = sub.add_parser("notebooks", help="generate notebooks/ from solutions/")
     nb.add_argument("--check", action="store_true", help="only compare; exit 1 on drift")
     nb.set_defaults(fn=_notebooks)
-    sub.add_parser("record-trace", help="record notebook 01's run on a GPU (see: labkit "
-                   "record-trace -h)")  # fmt: skip
-    sub.add_parser("exam", help="a mock exam from every quiz bank (see: labkit exam -h)")
-    sub.add_parser("launch", help="run a worker, alone or as one node of several (see: labkit "
-                   "launch -h)")  # fmt: skip
-    sub.add_parser("timings", help="time every notebook, per section, with peak memory (see: "
-                   "labkit timings -h)")  # fmt: skip
-    sub.add_parser("slurm", help="an sbatch script for a job on a SLURM cluster (see: labkit "
-                   "slurm -h)")  # fmt: skip
     args = parser.parse_args(argv)
     return args.fn(args)
 

@@ -102,6 +102,7 @@ def build(*, rank: int = 0, world_size: int = 2, steps: int = 3, step_us: float 
         if profiler_steps:
             x(step_name, "cpu_op" if schema == "2021" else "user_annotation", lo, step_us,
               CPU_PID, MAIN_TID)
+        x("forward", "user_annotation", lo + 1, step_us / 2, CPU_PID, MAIN_TID)
         x("aten::mm", "cpu_op", lo + 1, step_us / 2, CPU_PID, MAIN_TID)
         at = lo + 2
         if copy_us:
