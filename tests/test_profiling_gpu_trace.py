@@ -19,8 +19,10 @@ from gpu_traces import build
 from labkit.profiling import (
     TraceError,
     hta_report,
+    hta_side_by_side,
     load_trace,
     load_traces,
+    plot_trace,
     rank_times,
 )
 from labkit.profiling.hta import ANALYSES
@@ -216,3 +218,56 @@ def test_hta_failures_say_what_went_wrong(tmp_path):
     assert "no GPU kernel" not in why
     assert seen["ranks"] == [3]  # HTA's idle-time breakdown reads rank 0 unless told
     assert set(report.results) == {"idle_time", "kernel_breakdown"}
+
+
+def test_side_by_side_puts_labkit_and_hta_in_one_table(job):
+    pytest.importorskip("hta")
+    folder, _ = job
+    traces = load_traces(folder)
+    text = hta_side_by_side(hta_report(folder), traces)
+    lines = text.splitlines()
+    assert lines[0].split()[:3] == ["rank", "overlap", "labkit"] and len(lines) == 4
+    r0 = rank_times(traces[0])
+    assert lines[1].split()[1] == f"{100 * r0.hidden_fraction:.2f}%"
+    assert lines[1].split()[2] == lines[1].split()[1]  # HTA's figure, the same
+    assert lines[-1].startswith("They agree to within 0.01% on every rank")
+
+
+def test_side_by_side_on_cpu_traces_says_what_stands_in_for_hta(tmp_path):
+    built = build()
+    built.events[:] = [e for e in built.events if e["cat"] not in ("kernel", "gpu_memcpy")]
+    cpu = load_trace(built.write(tmp_path / "cpu.json"))
+    text = hta_side_by_side(hta_report(tmp_path, loader=lambda p: None), [cpu])
+    assert text.startswith("These traces hold no GPU kernels") and "hidden fraction" in text
+
+
+def _bars(ax, row: str) -> list[tuple[float, float]]:
+    """(left, right) in ms of every bar drawn on the row labelled ``row``."""
+    y = [tick.get_text() for tick in ax.get_yticklabels()].index(row)
+    out = []
+    for coll in ax.collections:
+        for path in coll.get_paths():
+            xs, ys = path.vertices[:, 0], path.vertices[:, 1]
+            if ys.min() < y < ys.max():
+                out.append((xs.min(), xs.max()))
+    return out
+
+
+def test_the_timeline_of_a_gpu_step_shows_the_kernels_it_launched(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    built = build(steps=3, kernel_us=150.0, earlier=2)  # the CPU runs ahead; 2 older kernels
+    t = load_trace(built.write(tmp_path / "rank0.json"))
+    last, first = t.steps[2], t.steps[0]
+    last_end = max(b for _, b in built.compute)
+    assert last_end > last.end_us  # the last step's kernels end after its range
+    stream = _bars(plot_trace(t, steps=slice(2, 3)), "CUDA stream 7")
+    assert max(right for _, right in stream) == pytest.approx((last_end - last.start_us) / 1e3)
+    stream = _bars(plot_trace(t, steps=slice(0, 1)), "CUDA stream 7")
+    own_first = min(a for a, _ in built.compute)
+    assert min(left for left, _ in stream) == pytest.approx((own_first - first.start_us) / 1e3)
+    assert own_first > max(b for _, b in built.earlier) - 1e-6  # older kernels ran first, undrawn
+    plt.close("all")

@@ -34,6 +34,7 @@ from labkit.profiling.capture import (
     quiet_kineto,
 )
 from labkit.profiling.hta import HtaReport, hta_report
+from labkit.profiling.hta import side_by_side as hta_side_by_side
 from labkit.profiling.memory_timeline import (
     MemoryTimeline,
     forward_rise,
@@ -95,6 +96,7 @@ __all__ = [
     "gpu_work",
     "hidden_fraction",
     "hta_report",
+    "hta_side_by_side",
     "kind_of",
     "linear_snippet",
     "load_trace",

@@ -34,11 +34,12 @@ import io
 import math
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from labkit.profiling.overlap import COMM, gpu_split, rank_times
 from labkit.profiling.trace import GPU_WORK, Trace, TraceError, load_traces
 
 ANALYSES: dict[str, str] = {
@@ -84,8 +85,6 @@ class _Contents:
 
     @classmethod
     def of(cls, traces: list[Trace]) -> _Contents:
-        from labkit.profiling.overlap import COMM  # overlap imports this package's trace only
-
         kernels, comm = {}, {}
         for k, t in enumerate(traces):
             rank = t.rank if t.rank is not None else k
@@ -199,3 +198,49 @@ def hta_report(trace_dir: str | Path, *, analyses: dict[str, str] = ANALYSES,
             else:
                 report.results[name] = value
     return report
+
+
+def side_by_side(report: HtaReport, traces: Sequence[Trace]) -> str:
+    """labkit's figures and HTA's, per rank, on the same traces: the overlap of communication
+    with compute, the compute time and the idle time per step; and whether they agree.
+
+    On CPU traces HTA has nothing to read (no kernels): the text says so, and which figure of
+    labkit's stands in for HTA's."""
+    if not any(t.on_gpu for t in traces):
+        return ("These traces hold no GPU kernels (CPU ranks over gloo), so HTA's analyses have "
+                "nothing to read; labkit.profiling.overlap measured the overlap from the threads "
+                "instead. On GPU traces, HTA's comm_comp_overlap is the figure to compare with "
+                "labkit's hidden fraction.")  # fmt: skip
+    if not report.available:
+        return f"HTA did not run: {report.describe()}"
+    overlap = report.results.get("comm_comp_overlap")
+    breakdown = report.results.get("temporal_breakdown")
+    overlap = overlap.set_index("rank") if overlap is not None else None
+    breakdown = breakdown.set_index("rank") if breakdown is not None else None
+    lines = [f"{'rank':>4}  {'overlap labkit':>14} {'HTA':>8}  {'compute ms/step labkit':>22} "
+             f"{'HTA':>8}  {'idle ms/step labkit':>19} {'HTA':>8}"]  # fmt: skip
+    worst = 0.0
+    for t in traces:
+        r, g = rank_times(t), gpu_split(t)
+        ov = compute = idle = math.nan
+        if overlap is not None and t.rank in overlap.index:
+            ov = float(overlap.loc[t.rank, "comp_comm_overlap_pctg"])
+            if r.comm_s:
+                worst = max(worst, abs(ov - 100 * r.hidden_fraction) / 100)
+        if breakdown is not None and t.rank in breakdown.index:
+            compute = float(breakdown.loc[t.rank, "compute_time(us)"]) / r.steps / 1e3
+            idle = float(breakdown.loc[t.rank, "idle_time(us)"]) / r.steps / 1e3
+            worst = max(worst, abs(compute - r.compute_s * 1e3) / max(r.compute_s * 1e3, 1e-9),
+                        abs(idle - g.idle_s * 1e3) / max(g.span_s * 1e3, 1e-9))  # fmt: skip
+        ours_ov = f"{100 * r.hidden_fraction:.2f}%" if r.comm_s else "no comm"
+        lines.append(f"{t.rank!s:>4}  {ours_ov:>14} {_pct(ov):>8}  {r.compute_s * 1e3:>22.2f} "
+                     f"{compute:>8.2f}  {g.idle_s * 1e3:>19.2f} {idle:>8.2f}")  # fmt: skip
+    verdict = ("They agree to within 0.01% on every rank: the same steps, the same kernels."
+               if worst <= 1e-4 else
+               f"They differ by up to {worst:.2%}: check that both read the same steps "
+               "(include_last_profiler_step) and times (HTA_DISABLE_NS_ROUNDING).")  # fmt: skip
+    return "\n".join([*lines, verdict])
+
+
+def _pct(value: float) -> str:
+    return "n/a" if math.isnan(value) else f"{value:.2f}%"

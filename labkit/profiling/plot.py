@@ -18,7 +18,7 @@ from typing import Any
 
 from labkit.profiling.overlap import COMM
 from labkit.profiling.phases import COMMUNICATION
-from labkit.profiling.trace import Span, Trace
+from labkit.profiling.trace import GPU_WORK, Span, Trace
 
 PHASE_COLOURS = {
     "data": "#8c6d31",
@@ -36,6 +36,18 @@ def _window(trace: Trace, steps: slice | None) -> tuple[float, float]:
     if not chosen:
         return trace.window_us
     return chosen[0].start_us, max(s.end_us for s in chosen)
+
+
+def _launched_in(trace: Trace, window: tuple[float, float]) -> tuple[set[int], float]:
+    """The GPU work (by ``id``) that the steps in ``window`` launched, and when the last of it
+    ended: on a GPU the steps' kernels run on after their CPU ranges close (the CPU runs
+    ahead), and kernels at the window's start may belong to the step before it."""
+    lo, hi = window
+    if not (trace.on_gpu and trace.records_launches):
+        return set(), hi
+    mine = [s for s in trace.spans(cat=GPU_WORK)
+            if (launch := trace.launch_of(s)) is not None and lo <= launch.start_us <= hi]  # fmt: skip
+    return {id(s) for s in mine}, max([hi, *(s.end_us for s in mine)])
 
 
 def top_ops(trace: Trace, window: tuple[float, float], k: int) -> list[str]:
@@ -59,7 +71,8 @@ def plot_trace(
     """A Gantt chart of ``traces`` (one per rank) over the chosen recorded ``steps``.
 
     Times are in ms from the start of each trace's first chosen step, so ranks line up by
-    step, not by clock (their clocks agree only roughly). Returns the Axes.
+    step, not by clock (their clocks agree only roughly). On a GPU trace the kernels shown are
+    those the chosen steps launched, to the last one's end. Returns the Axes.
     """
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
@@ -68,16 +81,19 @@ def plot_trace(
     rows: list[tuple[str, list[tuple[Span, str, float]]]] = []
     op_names: set[str] = set()
     for r, trace in enumerate(traces):
-        lo, hi = _window(trace, steps)
+        lo, cpu_hi = _window(trace, steps)
+        launched, hi = _launched_in(trace, (lo, cpu_hi))
         rank = trace.rank if trace.rank is not None else r
         prefix = f"rank {rank}: " if len(traces) > 1 else ""
         names = trace.thread_names()
-        keep = set(top_ops(trace, (lo, hi), top))
+        keep = set(top_ops(trace, (lo, cpu_hi), top))
         op_names |= keep
         by_tid: dict[Any, list[tuple[Span, str, float]]] = defaultdict(list)
         for s in trace.all_spans:
             if s.end_us <= lo or s.start_us >= hi or s.cat == "Trace":
                 continue
+            if launched and s.cat in GPU_WORK and id(s) not in launched:
+                continue  # another step's kernel
             if s.cat in ("user_annotation", "gpu_user_annotation") and s.name in PHASE_COLOURS:
                 by_tid[s.tid].append((s, PHASE_COLOURS[s.name], lo))
             elif COMM.search(s.name) and s.cat in ("user_annotation", "kernel", "cpu_op"):

@@ -43,6 +43,15 @@ SHIPPED_DIR = Path(__file__).parent / "profiles"
 MAX_BYTES = 2 * 2**20  # a shipped recording stays small: profile a few steps, no shapes
 
 
+NONE_SHIPPED = (
+    "No GPU profile ships with this version of labkit yet: a recording is made on a machine "
+    "with an NVIDIA GPU by `python -m labkit record-profile --out "
+    "labkit/recordings/profiles/<gpu>-nb06-<date>` (scripts/gpu_check.sh runs it), and nothing "
+    "stands in for it: labkit never makes up a GPU's trace. Until one ships, notebook 01 and "
+    "04 show the GPU step times that were recorded (labkit.recordings)."
+)
+
+
 class ProfileRecordingError(ValueError):
     """A folder that is not a valid profile recording; the message names it and the reason."""
 
