@@ -16,8 +16,10 @@ from pathlib import Path
 import matplotlib
 import psutil
 import pytest
+import torch
 
-from labkit import launch
+from labkit import config, launch
+from labkit.model import GPT
 from labkit.profiling import (
     find_straggler,
     hta_report,
@@ -70,6 +72,7 @@ def launches(monkeypatch) -> list:
     ({"wait": -1}, r"wait=-1"),
     ({"bucket_cap_mb": 0}, r"bucket_cap_mb=0"),
     ({"profiler": "perf"}, r"profiler='perf'"),
+    ({"dtype": "float8"}, r"dtype='float8': choose from \['bfloat16', 'float16', 'float32'\]"),
 ])  # fmt: skip
 def test_bad_config_is_refused_before_launch(launches, config, message):
     with pytest.raises(ValueError, match=message):
@@ -94,6 +97,22 @@ def job(tmp_path_factory) -> launch.JobResult:
     return dp_profile.run({"active": ACTIVE, "runs": RUNS, "slow_rank": SLOW_RANK}, nproc=2,
                           device="cpu", log_dir=tmp_path_factory.mktemp("dp_profile"),
                           stream=False, timeout_s=240)  # fmt: skip
+
+
+def test_the_forward_runs_in_the_jobs_dtype():
+    """The worker's forward (what each rank profiles) computes in the config's dtype, so a GPU
+    job profiles the step notebook 06's header names; float32 leaves autocast off."""
+    torch.manual_seed(0)
+    model = GPT(config.smoke().model)
+    x = torch.randint(0, config.smoke().model.vocab_size, (2, 8))
+    seen: list[torch.dtype] = []
+    hook = model.lm_head.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    try:
+        for dtype in ("bfloat16", "float32"):
+            dp_profile.forward(model, x, x, dtype).backward()
+    finally:
+        hook.remove()
+    assert seen == [torch.bfloat16, torch.float32]
 
 
 @pytest.mark.slow

@@ -42,7 +42,7 @@ import torch
 from torch.profiler import profile, schedule
 
 from labkit import config as lk_config
-from labkit import data, dist, launch
+from labkit import data, dist, launch, train
 from labkit.config import ModelConfig
 from labkit.model import GPT
 from labkit.parallel.ddp import TorchDDP
@@ -69,6 +69,9 @@ DEFAULTS: dict[str, Any] = {
     "profiler": "torch",
     "seed": 0,
     "lr": 1e-3,
+    # the forward's autocast dtype (labkit.train.autocast): the notebook's on GPU ranks, so
+    # the job profiles the step its header names; float32 on CPU ranks
+    "dtype": "float32",
 }
 
 
@@ -109,7 +112,17 @@ def validate(config: dict[str, Any], world_size: int) -> dict[str, Any]:
         raise ValueError(f"slow_rank={cfg['slow_rank']!r}: a rank in 0..{world_size - 1}")
     if not cfg["bucket_cap_mb"] > 0:
         raise ValueError(f"bucket_cap_mb={cfg['bucket_cap_mb']!r}: a size in MB, > 0")
+    if cfg["dtype"] not in train.DTYPES:
+        raise ValueError(f"dtype={cfg['dtype']!r}: choose from {sorted(train.DTYPES)}")
     return cfg
+
+
+def forward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+            dtype: str) -> torch.Tensor:
+    """The step's forward and loss, in the ``forward`` phase, under autocast to ``dtype``."""
+    with phase("forward"), train.autocast(x.device, dtype):
+        _, loss = model(x, y)
+    return loss
 
 
 def _profile_one(ctx: dist.Context, cfg: dict[str, Any], run: dict[str, Any], out: Path,
@@ -151,8 +164,7 @@ def _profile_one(ctx: dist.Context, cfg: dict[str, Any], run: dict[str, Any], ou
                 x, y = data.get_batch(shard, cfg["micro_batch"], seq_len, gen, ctx.device)
                 if slow:
                     time.sleep(slow)  # the planted straggler
-            with phase("forward"):
-                _, loss = wrapped(x, y)
+            loss = forward(wrapped, x, y, cfg["dtype"])
             if name == "naive":
                 with strategy.no_sync(), phase("backward"):
                     loss.backward()
