@@ -45,7 +45,19 @@ def test_a_recording_loads_labelled_and_summarised(tmp_path):
     assert text.count("GPU busy span") == 2 and "of which hidden" in text  # NCCL: overlap shown
     assert "10 kernels, copies and memsets a step" in text  # 8 compute, 1 NCCL, 1 copy
     assert "phases on the training thread (CPU time, median ms a step): forward 0.50" in text
+    assert "GPU 'NVIDIA H100 80GB HBM3' (rank0.json.gz): peak bfloat16 on H100 SXM: 989" in text
     assert shipped_profiles(tmp_path) == [tmp_path / "h100"]
+
+
+def test_a_gpu_the_hardware_table_does_not_know_gets_no_figure_of_its_own(tmp_path):
+    folder = _recording(tmp_path / "odd")
+    built = build(copy_us=30.0)
+    built.meta["deviceProperties"][0]["name"] = "NVIDIA B777 Prototype"
+    built.write(folder / "rank0.json.gz", gz=True)
+    text = summarize(load_profile(folder))
+    assert ("GPU 'NVIDIA B777 Prototype' (rank0.json.gz) is not one labkit's hardware table can "
+            "place (no peak known for 'NVIDIA B777 Prototype': MFU is not computed)") in text
+    assert "TFLOP/s" not in text and "MFU " not in text.replace("MFU is not computed", "")
     assert shipped_profiles(tmp_path / "nowhere") == []
 
 
@@ -92,3 +104,26 @@ def test_the_command_refuses_to_record_without_a_gpu(tmp_path, capsys):
         pytest.skip("this machine has a GPU")
     assert labkit_main(["record-profile", "--out", str(tmp_path / "x")]) == 1
     assert "needs an NVIDIA GPU" in capsys.readouterr().out
+
+
+def test_the_command_dry_runs_on_the_cpu_and_succeeds_on_the_refusal(tmp_path, capsys, monkeypatch):
+    """``--device cpu`` (gpu_check.sh --dry-run): the whole path at smoke size, ending in the
+    loader's refusal, which is the dry run's success; a CPU trace never passes as a recording."""
+    monkeypatch.setenv("KINETO_LOG_LEVEL", "6")
+    out = tmp_path / "dry"
+    assert labkit_main(["record-profile", "--device", "cpu", "--active", "1",
+                        "--out", str(out)]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "dry run on the CPU, size smoke" in printed
+    assert "refused it as expected" in printed and "no GPU kernels" in printed
+    assert json.loads((out / HEADER).read_text())["hardware"] == "1× CPU (a dry run)"
+    with pytest.raises(ProfileRecordingError, match="no GPU kernels"):
+        load_profile(out)
+    # a refusal for any other reason is a failure of the dry run, not its success
+    def truncated(folder):
+        raise ProfileRecordingError(f"{folder}: truncated")
+
+    monkeypatch.setattr("labkit.recordings.profiles.load_profile", truncated)
+    assert labkit_main(["record-profile", "--device", "cpu", "--active", "1",
+                        "--out", str(tmp_path / "other")]) == 1  # fmt: skip
+    assert "truncated" in capsys.readouterr().out

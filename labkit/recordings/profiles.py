@@ -127,10 +127,16 @@ def summarize(rec: ProfileRecording, phases: tuple[str, ...] = ()) -> str:
     per rank, the step and its GPU time by kind of kernel, and the CPU thread's phases."""
     import statistics
 
+    from labkit.hardware import peak_flops
     from labkit.profiling.overlap import gpu_split, gpu_work, rank_times
 
     lines = [rec.describe()]
     for t in rec.traces:
+        for name in dict.fromkeys(t.gpu_names):  # each GPU once, in device order
+            peak = peak_flops(name, "bf16")
+            lines.append(f"  GPU {name!r} ({t.path.name}): {peak}" if peak.known else
+                         f"  GPU {name!r} ({t.path.name}) is not one labkit's hardware table "
+                         f"can place ({peak.reason}); no figure below depends on it")  # fmt: skip
         r, g = rank_times(t), gpu_split(t)
         work, _ = gpu_work(t)
         cpu_ms = statistics.median(s.dur_us for s in t.steps) / 1e3
@@ -225,15 +231,35 @@ def main(argv: list[str] | None = None) -> int:
                     "recording (traces + recording.json) for learners without a GPU.")  # fmt: skip
     parser.add_argument("--out", required=True, help="folder to write (e.g. "
                         "labkit/recordings/profiles/h200-nb06-2026-12-06)")  # fmt: skip
-    parser.add_argument("--size", default="gpu", help="labkit.config preset (default gpu)")
+    parser.add_argument("--size", default=None, help="labkit.config preset (default gpu; smoke "
+                        "with --device cpu)")  # fmt: skip
     parser.add_argument("--active", type=int, default=3, help="steps recorded (default 3)")
     parser.add_argument("--conditions", default="", help="what else ran on the machine")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cuda (default): make a recording. cpu: a dry run of the whole "
+                        "path on the CPU at smoke size, which must end in the loader's refusal "
+                        "(no GPU kernels): exit 0 when it does, 1 otherwise")  # fmt: skip
     args = parser.parse_args(argv)
+    dry = args.device == "cpu"
+    size = args.size or ("smoke" if dry else "gpu")
     try:
-        rec = record_profile(args.out, size=args.size, active=args.active,
-                             conditions=args.conditions)  # fmt: skip
-    except (RuntimeError, ProfileRecordingError) as e:
+        rec = record_profile(args.out, size=size, active=args.active,
+                             conditions=args.conditions, device=args.device)  # fmt: skip
+    except ProfileRecordingError as e:
+        if dry and "no GPU kernels" in str(e):
+            print(f"labkit record-profile: dry run on the CPU, size {size}: notebook 06's step "
+                  f"was profiled and written to {args.out}, and the loader refused it as "
+                  f"expected ({e}): the recorder's whole path ran; a CPU trace is never a "
+                  "recording")  # fmt: skip
+            return 0
         print(f"labkit record-profile: {e}")
+        return 1
+    except RuntimeError as e:
+        print(f"labkit record-profile: {e}")
+        return 1
+    if dry:
+        print(f"labkit record-profile: dry run on the CPU, but {args.out} was accepted as a GPU "
+              "recording: the loader's check for GPU kernels failed")  # fmt: skip
         return 1
     print(rec.describe())
     return 0
