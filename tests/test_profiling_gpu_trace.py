@@ -237,8 +237,10 @@ def test_side_by_side_on_cpu_traces_says_what_stands_in_for_hta(tmp_path):
     built = build()
     built.events[:] = [e for e in built.events if e["cat"] not in ("kernel", "gpu_memcpy")]
     cpu = load_trace(built.write(tmp_path / "cpu.json"))
-    text = hta_side_by_side(hta_report(tmp_path, loader=lambda p: None), [cpu])
-    assert text.startswith("These traces hold no GPU kernels") and "hidden fraction" in text
+    report = hta_report(tmp_path, loader=lambda p: None)
+    assert report.no_kernels and "hold no GPU kernels" in report.describe().splitlines()[0]
+    text = hta_side_by_side(report, [cpu])
+    assert text.startswith("No GPU kernels, so nothing of HTA's") and "from the threads" in text
 
 
 def _bars(ax, row: str) -> list[tuple[float, float]]:

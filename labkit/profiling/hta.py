@@ -62,6 +62,8 @@ class HtaReport:
     results: dict[str, Any] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)
     available: bool = True
+    no_kernels: bool = False
+    """The traces hold no GPU kernels (a CPU job): the one reason behind every failure."""
 
     def describe(self) -> str:
         if not self.available:
@@ -72,7 +74,11 @@ class HtaReport:
                 lines.append(f"  {name}: ok")
             else:
                 lines.append(f"  {name}: nothing ({self.failures[name]})")
-        return f"Holistic Trace Analysis on {self.trace_dir}:\n" + "\n".join(lines)
+        head = f"Holistic Trace Analysis on {self.trace_dir}:"
+        if self.no_kernels:
+            head += (" these traces hold no GPU kernels (recorded on CPU ranks), and HTA reads "
+                     "only kernels, so each analysis gave nothing:")  # fmt: skip
+        return head + "\n" + "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -95,9 +101,6 @@ class _Contents:
 
     def why_empty(self, name: str) -> str:
         """Why analysis ``name`` gave an empty table or NaN on these traces."""
-        if not any(self.kernels.values()):
-            return ("these traces hold no GPU kernels (recorded on CPU ranks): HTA reads only "
-                    "kernels")  # fmt: skip
         if name == "comm_comp_overlap" and not any(self.comm_kernels.values()):
             total = sum(self.kernels.values())
             return (f"no communication kernels among the {total:,} recorded on rank(s) "
@@ -106,11 +109,9 @@ class _Contents:
         return "HTA computed nothing for these traces"
 
 
-def _hta_error(name: str, error: Exception, contents: _Contents | None) -> str:
+def _hta_error(error: Exception) -> str:
     """A failure message that says what went wrong, even when HTA's exception says nothing."""
     text = str(error).strip()[:160] or "HTA gave no message"
-    if contents is not None and not any(contents.kernels.values()):
-        text += f" ({contents.why_empty(name)})"
     return f"raised {type(error).__name__}: {text}"
 
 
@@ -159,6 +160,7 @@ def hta_report(trace_dir: str | Path, *, analyses: dict[str, str] = ANALYSES,
         contents: _Contents | None = _Contents.of(load_traces(trace_dir))
     except TraceError:
         contents = None  # HTA may still read what labkit refuses; its own failure is reported
+    report.no_kernels = contents is not None and not any(contents.kernels.values())
     if loader is None:
         try:
             from hta.trace_analysis import TraceAnalysis
@@ -189,12 +191,13 @@ def hta_report(trace_dir: str | Path, *, analyses: dict[str, str] = ANALYSES,
             try:
                 value = getattr(analyzer, method)(**kwargs)
             except Exception as e:
-                report.failures[name] = _hta_error(name, e, contents)
+                report.failures[name] = _hta_error(e)
                 continue
             empty = _empty_or_nan(value)
             if empty:
                 report.failures[name] = (f"{empty}: {contents.why_empty(name)}"
-                                         if contents is not None else empty)  # fmt: skip
+                                         if contents is not None and not report.no_kernels
+                                         else empty)  # fmt: skip
             else:
                 report.results[name] = value
     return report
@@ -207,10 +210,10 @@ def side_by_side(report: HtaReport, traces: Sequence[Trace]) -> str:
     On CPU traces HTA has nothing to read (no kernels): the text says so, and which figure of
     labkit's stands in for HTA's."""
     if not any(t.on_gpu for t in traces):
-        return ("These traces hold no GPU kernels (CPU ranks over gloo), so HTA's analyses have "
-                "nothing to read; labkit.profiling.overlap measured the overlap from the threads "
-                "instead. On GPU traces, HTA's comm_comp_overlap is the figure to compare with "
-                "labkit's hidden fraction.")  # fmt: skip
+        return ("No GPU kernels, so nothing of HTA's to set beside labkit's figures: on CPU "
+                "ranks labkit.profiling.overlap measures the overlap from the threads instead. "
+                "On GPU traces this puts, per rank, HTA's overlap, compute and idle time beside "
+                "labkit's.")  # fmt: skip
     if not report.available:
         return f"HTA did not run: {report.describe()}"
     overlap = report.results.get("comm_comp_overlap")
