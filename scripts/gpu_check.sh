@@ -7,16 +7,26 @@
 #                             [--notebook-dir DIR]
 #
 # Steps, in this order; every step runs (a failure does not stop the next one) under its
-# own `timeout`, clamped to what is left of the whole run's budget (--timeout-s, 480 s):
+# own `timeout`, clamped to what is left of the whole run's budget (--timeout-s, 520 s):
 #   wheels        (only with --wheels DIR) scripts/install_wheels.py: the packages this
 #                 machine lacks, offline, into a private folder on PYTHONPATH (never torch)
 #   env           OUT/env.json: nvidia-smi -q, torch/CUDA/cuDNN/NCCL versions, labkit's tier
 #   gpu-tests     pytest -m gpu over the test files that use the gpu marker
 #   record-trace  (not with --dry-run) notebook 01's training run recorded from NVML into
 #                 OUT/traces/, to be checked in under labkit/metrics/traces/
+#   record-profile  notebook 06's step profiled on the GPU (python -m labkit record-profile)
+#                 into OUT/profiles/<gpu>-nb06-<date>/, to be checked in under
+#                 labkit/recordings/profiles/; with --dry-run the same path on the CPU at smoke
+#                 size, into a temporary folder, which passes when the loader refuses it for
+#                 want of GPU kernels (a CPU trace is never a recording)
 #   all-tests     (only with --all-tests) the whole test suite
 #   bench-gpu-throughput, bench-train-step, bench-sampler, bench-precision   benchmarks/ on the GPU, JSON into OUT/
-#   notebook:NAME each solutions/NN_*.ipynb through papermill at size="gpu" into OUT/notebooks/
+#   recordings    python -m labkit recordings build OUT/bench_*.json --out OUT/recordings: the
+#                 key GPU figures that ship in labkit/recordings/; with --dry-run the
+#                 benchmarks wrote CPU results, and the step passes only when the builder
+#                 refuses them for being a CPU run
+#   notebook:NAME each solutions/NN_*.ipynb through papermill at size="gpu" into OUT/notebooks/,
+#                 the longest first (NB_FIRST below), listed in the summary in name order
 #   bench-launch  (only with --dry-run or --with-launch) benchmarks/bench_launch.py: 2 ranks
 #                 over gloo, the launcher and not the GPU, so a short GPU session skips it
 # Then OUT/summary.json lists every step (status, exit code, seconds, timeout) and the
@@ -31,7 +41,8 @@
 #                   exercises the script itself, measures nothing about a GPU
 #   --wheels DIR    offline wheel folder for packages missing here (papermill, nbformat, ...)
 #   --out DIR       where results go (default results/gpu-<UTC date-time>/, git-ignored)
-#   --timeout-s N   budget for the whole run, seconds (default 480; 300 with --dry-run)
+#   --timeout-s N   budget for the whole run, seconds (default 520, wheels included: the run
+#                   then ends within 9 minutes; 300 with --dry-run)
 #   --bundle        at the end, pack everything but summary.json into OUT/gpu_check.tar.gz
 #                   (two files to carry back instead of one per notebook)
 #   --all-tests     also run the whole CPU test suite (slow: raise --timeout-s)
@@ -39,14 +50,15 @@
 #   --notebooks G   only the solutions matching glob G (default "[0-9][0-9]*_*.ipynb")
 #   --notebook-dir DIR  take the notebooks from DIR instead of solutions/ (the tests run the
 #                   notebook step on two tiny notebooks: the course's own run in test_notebooks)
-#   --parallel N    run up to N notebooks at once (default 2 on a one-GPU machine, else 1):
-#                   on one GPU the multi-process labs run their ranks on the CPU, so two
-#                   notebooks share a 16-core machine well, and one short run covers them all
-#   --notebook-timeout-s N  one notebook's limit, seconds (default 240; notebook 04 at size
-#                   "gpu" trains a dozen short runs and took over 240 s on an H200)
+#   --parallel N    run up to N notebooks at once (default on a one-GPU machine: one per 4
+#                   CPU cores, 2 to 4; else 1): on one GPU the multi-process labs run their
+#                   ranks on the CPU, so four notebooks share a 16-core machine well, and one
+#                   short run covers them all (benchmarks/README.md, "time budget")
+#   --notebook-timeout-s N  one notebook's limit, seconds (default 240)
 #   --only STEPS    only these step groups, comma-separated, from gpu-tests, record-trace,
-#                   benchmarks, notebooks, bench-launch (env always runs): two invocations
-#                   with disjoint groups can share one short device session side by side
+#                   record-profile, benchmarks (with recordings), notebooks, bench-launch (env
+#                   always runs): two invocations with disjoint groups can share one device
+#                   session side by side
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -87,10 +99,10 @@ while [ $# -gt 0 ]; do
 done
 
 if [ -z "$BUDGET" ]; then
-  if [ "$DRY" = 1 ]; then BUDGET=300; else BUDGET=480; fi
+  if [ "$DRY" = 1 ]; then BUDGET=300; else BUDGET=520; fi
 fi
 case "$BUDGET" in
-  ''|*[!0-9]*) die "--timeout-s=$BUDGET is not allowed: a whole number of seconds, e.g. 480" ;;
+  ''|*[!0-9]*) die "--timeout-s=$BUDGET is not allowed: a whole number of seconds, e.g. 520" ;;
 esac
 case "$NB_TIMEOUT" in
   ''|*[!0-9]*) die "--notebook-timeout-s=$NB_TIMEOUT is not allowed: a whole number of seconds" ;;
@@ -99,7 +111,7 @@ case "$PARALLEL" in
   ''|[1-9]|[1-9][0-9]) ;;
   *) die "--parallel=$PARALLEL is not allowed: a whole number of notebooks >= 1" ;;
 esac
-GROUPS_KNOWN="gpu-tests record-trace benchmarks notebooks bench-launch"
+GROUPS_KNOWN="gpu-tests record-trace record-profile benchmarks notebooks bench-launch"
 for g in ${ONLY//,/ }; do
   case " $GROUPS_KNOWN " in
     *" $g "*) ;;
@@ -135,11 +147,15 @@ else
   fi
 fi
 if [ -z "$PARALLEL" ]; then
-  # Two notebooks at once only on one GPU, where the multi-process labs put their ranks on the
-  # CPU. With several GPUs a notebook's job takes them all, and two at once would share them.
+  # Several notebooks at once only on one GPU, where the multi-process labs put their ranks on
+  # the CPU: one per 4 cores, 2 to 4 (a CPU-rank lab keeps 2-3 cores busy). With several GPUs a
+  # notebook's job takes them all, and two at once would share them.
   PARALLEL=1
   if [ "$DRY" = 0 ] && [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" = 1 ]; then
-    PARALLEL=2
+    CORES=$(nproc 2>/dev/null || echo 8)
+    PARALLEL=$((CORES / 4))
+    [ "$PARALLEL" -ge 2 ] || PARALLEL=2
+    [ "$PARALLEL" -le 4 ] || PARALLEL=4
   fi
 fi
 
@@ -240,6 +256,36 @@ finish() {
 skip() {
   say "=== $1: $2 ($3)"
   record "$1" "$2" "" "" "" "" "$3"
+}
+
+# refusal_step NAME CAP_S EXPECTED NOTE -- COMMAND...: a dry run's step whose pass is a
+# refusal: COMMAND must exit non-zero and print EXPECTED; exit 0, or another failure, fails it.
+refusal_step() {
+  local name=$1 cap=$2 expected=$3 note=$4
+  shift 5
+  local limit
+  limit=$(limit_for "$cap")
+  if [ "$limit" -lt 5 ]; then
+    not_run "$name" "$@"
+    return
+  fi
+  say "=== $name (timeout ${limit}s, must refuse: $expected): $*"
+  local t0 t1 rc
+  t0=$(now)
+  timeout --kill-after=10 "$limit" "$@" </dev/null >"$WORK/$name.out" 2>&1
+  rc=$?
+  t1=$(now)
+  tee -a "$LOG" <"$WORK/$name.out"
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+    finish "$name" "$rc" "$t0" "$t1" "$limit" "$note" "$@"
+  elif [ "$rc" != 0 ] && grep -qF -- "$expected" "$WORK/$name.out"; then
+    say "=== $name: ok (refused as expected, exit $rc)"
+    record "$name" ok "$rc" "$t0" "$t1" "$limit" "$note" "$@"
+  else
+    say "=== $name: failed (exit $rc, expected a refusal naming: $expected)"
+    record "$name" failed "$rc" "$t0" "$t1" "$limit" \
+      "expected a refusal naming: $expected" "$@"
+  fi
 }
 
 say "gpu_check: mode=$MODE python=$PY torch=${TORCH_INFO% *} out=$OUT budget=${BUDGET}s"
@@ -353,8 +399,24 @@ if wanted record-trace; then
   else
     step record-trace 150 "notebook 01's run at size=gpu; check the .png, then commit the trace" -- \
       "$PY" -m labkit record-trace --out "$OUT/traces/nb01-train-$(date -u +%Y%m%d).jsonl" \
-      --steps 2000 --period-s 0.25  # 300 steps last ~5 s on an H200: too short to show anything
+      --steps 1000 --period-s 0.25  # ~17-34 s on an H100/H200; 300 steps were too short to show much
 fi
+fi
+
+# --- a profile of notebook 06's step, for learners without a GPU --------------------------------
+
+if wanted record-profile; then
+  if [ "$DRY" = 1 ]; then
+    # The whole path on the CPU; its output is refused as a recording, so it stays out of OUT.
+    step record-profile 90 "dry run: CPU, smoke size; the loader's refusal (no GPU kernels) is the pass" -- \
+      "$PY" -m labkit record-profile --device cpu --active 1 --out "$WORK/profile-dry-run"
+  else
+    GPU_SLUG=$("$PY" -c 'import re, torch; print(re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-"))' 2>/dev/null || echo gpu)
+    step record-profile 90 "notebook 06's step at size=gpu; check it, then commit the folder under labkit/recordings/profiles/" -- \
+      "$PY" -m labkit record-profile \
+      --out "$OUT/profiles/$GPU_SLUG-nb06-$(date -u +%Y-%m-%d)" \
+      --conditions "alone on the GPU: scripts/gpu_check.sh runs this step before the benchmarks and notebooks"
+  fi
 fi
 
 # --- benchmarks on the GPU ---------------------------------------------------------------------
@@ -381,6 +443,23 @@ step bench-sampler 90 "" -- \
   "$PY" -m benchmarks.bench_sampler "${SA_ARGS[@]}" --out "$OUT/bench_sampler.json"
 step bench-precision 120 "" -- \
   "$PY" -m benchmarks.bench_precision "${PR_ARGS[@]}" --out "$OUT/bench_precision.json"
+
+# The recordings that ship, built from these results (labkit/recordings/build.py).
+mapfile -t BENCH_FILES < <(find "$OUT" -maxdepth 1 -name 'bench_*.json' | sort)
+if [ "$(limit_for 60)" -lt 5 ]; then
+  not_run recordings "$PY" -m labkit recordings build
+elif [ "${#BENCH_FILES[@]}" -eq 0 ]; then
+  # the benchmark steps above failed, and say why: nothing to build from
+  skip recordings skipped "no benchmark result in $OUT to build recordings from"
+elif [ "$DRY" = 1 ]; then
+  # CPU results: the builder must refuse them (a recording holds GPU measurements only).
+  refusal_step recordings 60 "a CPU run (device 'cpu'); a recording holds figures measured on a GPU" \
+    "dry run: the builder refused the CPU results, as it must" -- \
+    "$PY" -m labkit recordings build "${BENCH_FILES[@]}" --out "$WORK/recordings-dry-run"
+else
+  step recordings 60 "check them, then commit into labkit/recordings/ (and benchmarks/results/)" -- \
+    "$PY" -m labkit recordings build "${BENCH_FILES[@]}" --out "$OUT/recordings"
+fi
 fi
 
 # --- notebooks -----------------------------------------------------------------------------------
@@ -400,11 +479,23 @@ if wanted notebooks; then
     # log, appended to the main log in notebook order once all have ended.
     NB_DIR=$WORK/notebook-steps
     mkdir -p "$NB_DIR"
+    # Started longest first (their modelled time at size "gpu" on one GPU, benchmarks/README.md
+    # "time budget"), so that no long notebook starts last; the rest in name order.
+    NB_FIRST="05 02 04 06 03 03b 02b 07 01 03c 00"
+    STARTS=()
+    for id in $NB_FIRST; do
+      for nb in "${NOTEBOOKS[@]}"; do
+        case "$(basename "$nb")" in "${id}_"*) STARTS+=("$nb") ;; esac
+      done
+    done
+    for nb in "${NOTEBOOKS[@]}"; do
+      case " ${STARTS[*]} " in *" $nb "*) ;; *) STARTS+=("$nb") ;; esac
+    done
     nb_cmd() {  # nb_cmd NOTEBOOK: the papermill command, into the array CMD
       CMD=("$PY" -m papermill "$1" "$OUT/notebooks/$(basename "$1")" -p size "$SIZE"
            --cwd "$NB_SRC" -k python3 --execution-timeout 300 --no-progress-bar)
     }
-    for nb in "${NOTEBOOKS[@]}"; do
+    for nb in "${STARTS[@]}"; do
       while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do wait -n; done
       name=$(basename "$nb" .ipynb)
       limit=$(limit_for "$NB_TIMEOUT")

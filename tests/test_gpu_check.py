@@ -79,16 +79,23 @@ def test_dry_run_passes_every_step(dry_run):
         "env",
         "gpu-tests",
         "record-trace",
+        "record-profile",
         "bench-gpu-throughput",
         "bench-train-step",
         "bench-sampler",
         "bench-precision",
+        "recordings",
         "notebook:00_first",
         "notebook:01_second",
         "bench-launch",
     ]
     status = {s["name"]: s["status"] for s in summary["steps"]}
     assert status["record-trace"] == "skipped"  # real NVML readings only: never on the CPU
+    # The recorders ran their whole path on the CPU, and passed by being refused for it.
+    step = {s["name"]: s for s in summary["steps"]}
+    assert status["record-profile"] == "ok" and "--device cpu" in step["record-profile"]["command"]
+    assert status["recordings"] == "ok" and step["recordings"]["exit_code"] == 1
+    assert "refused the CPU results" in step["recordings"]["note"]
     for s in summary["steps"]:
         assert s["status"] in ("ok", "skipped"), s
         assert s["timeout_s"] is None or s["timeout_s"] > 0
@@ -110,6 +117,10 @@ def test_dry_run_leaves_the_results(dry_run):
         assert record["device"] == "cpu" and record["samples_s"], name
     log = (out / "gpu_check.log").read_text()
     assert "=== bench-launch: ok" in log
+    assert "dry run on the CPU, size smoke" in log and "refused it as expected" in log
+    assert "a CPU run (device 'cpu'); a recording holds figures measured on a GPU" in log
+    assert "=== recordings: ok (refused as expected, exit 1)" in log
+    assert not (out / "profiles").exists() and not (out / "recordings").exists()  # nothing to ship
     # --parallel 2: the second notebook started before the first one's output was collected
     started = log.index("=== notebook:01_second started")
     assert started < log.index("=== notebook:00_first output:")
