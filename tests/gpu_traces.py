@@ -42,6 +42,7 @@ class Built:
     comm: list[tuple[float, float]] = field(default_factory=list)  # NCCL kernels of the steps
     memory: list[tuple[float, float]] = field(default_factory=list)  # copies of the steps
     earlier: list[tuple[float, float]] = field(default_factory=list)  # queued before step 1
+    step_ends: list[float] = field(default_factory=list)  # per step: its last work's end
     all_reduces: int = 0
 
     def write(self, path: Path, *, gz: bool = False) -> Path:
@@ -94,10 +95,12 @@ def build(*, rank: int = 0, world_size: int = 2, steps: int = 3, step_us: float 
         start = max(at + launch_us, gpu_free[stream])
         x(name, cat, start, dur, GPU_PID, stream, correlation=corr, stream=stream, device=0)
         gpu_free[stream] = start + dur
+        built.step_ends[-1] = max(built.step_ends[-1], start + dur)
         return start, start + dur
 
     for s in range(steps):
         lo = t0 + s * step_us
+        built.step_ends.append(lo + step_us)
         step_name = f"ProfilerStep#{s + 10}"
         if profiler_steps:
             x(step_name, "cpu_op" if schema == "2021" else "user_annotation", lo, step_us,

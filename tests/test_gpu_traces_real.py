@@ -112,6 +112,19 @@ def test_a_cpu_running_ahead_loses_no_kernels(tmp_path):
     assert r.compute_s > (hi - lo) / r.steps / 1e6  # more kernel time than the CPU's window
 
 
+@pytest.mark.parametrize("file", [JOBS["CPU ahead of its GPU"][0],
+                                  "negative_queue_length_values_check/rank0.json.gz"])
+def test_the_gpu_step_is_the_steady_state_period(file):
+    """Once the CPU's queue is full, each CPU step waits for the GPU, so the steps' CPU ranges
+    last as long as the GPU's period: the step rank_times gives must match their median, where
+    the window over the step count (the GPU's lag added once) misses it by up to 20%."""
+    import statistics
+
+    t = load_trace(FOLDER / file)
+    cpu_period_s = statistics.median(s.dur_us for s in t.steps) / 1e6
+    assert rank_times(t).step_s == pytest.approx(cpu_period_s, rel=0.02)
+
+
 def test_the_2021_schema_is_read_and_a_stepless_trace_refused_for_its_reason():
     t = load_trace(FOLDER / "trace_file_list/inference_rank_1.json.gz")
     assert t.schema == "2021" and t.on_gpu and t.rank == 1

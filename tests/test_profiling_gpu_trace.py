@@ -31,12 +31,6 @@ from labkit.profiling.overlap import gpu_split, gpu_work, intersect, length, uni
 US = 1e-6
 
 
-def _expected_step_s(built) -> float:
-    lo, hi = built.window
-    end = max([hi, *(b for _, b in built.compute + built.comm + built.memory)])
-    return (end - lo) / (len(built.compute) // 8 or 1) * US
-
-
 def test_kernels_count_in_the_step_that_launched_them(tmp_path):
     # 8 kernels of 150 µs a 1000 µs step: the GPU falls behind, and the last step's kernels
     # run after its ProfilerStep range has closed
@@ -50,9 +44,52 @@ def test_kernels_count_in_the_step_that_launched_them(tmp_path):
     assert r.comm_s == pytest.approx(length(built.comm) / 3 * US, rel=1e-9)
     hidden = length(intersect(built.compute, built.comm))
     assert r.hidden_s == pytest.approx(hidden / 3 * US, rel=1e-9) and 0 < hidden
-    end = max(b for _, b in built.compute + built.comm)
-    assert r.step_s == pytest.approx((end - lo) / 3 * US, rel=1e-9)
+    # the step is the period at which the steps' work finishes, not the window over 3: that
+    # would add the GPU's lag behind the CPU once
+    e = built.step_ends
+    assert r.step_s == pytest.approx((e[2] - e[0]) / 2 * US, rel=1e-9)
+    assert r.step_s < (e[2] - lo) / 3 * US
     assert "launched in the recorded steps" in r.source
+
+
+def test_one_step_lasts_from_its_start_to_its_last_kernels_end(tmp_path):
+    built = build(steps=1, kernel_us=150.0)
+    r = rank_times(load_trace(built.write(tmp_path / "rank0.json")))
+    assert r.step_s == pytest.approx((built.step_ends[0] - built.window[0]) * US, rel=1e-9)
+
+
+def test_launches_on_other_threads_and_through_the_driver_count(tmp_path):
+    built = build()
+    runtime = [e for e in built.events if e["cat"] == "cuda_runtime"]
+    runtime[0]["cat"], runtime[0]["name"] = "cuda_driver", "cuLaunchKernel"  # CUDA graphs, Triton
+    runtime[1]["tid"] = 4343  # autograd's backward thread launches too
+    r = rank_times(load_trace(built.write(tmp_path / "rank0.json")))
+    assert r.compute_s == pytest.approx(length(built.compute) / 3 * US, rel=1e-9)
+
+
+def test_a_launch_outside_the_steps_is_not_theirs(tmp_path):
+    built = build(steps=2)
+    lo, hi = built.window
+    runtime = [e for e in built.events if e["cat"] == "cuda_runtime"]
+    runtime[0]["ts"] = lo - 50  # before the first step (HTA would count it)
+    runtime[-1]["ts"] = hi + 50  # after the last one
+    t = load_trace(built.write(tmp_path / "rank0.json"))
+    work, earlier = gpu_work(t)
+    assert len(work) == len(built.compute) + len(built.comm) - 2 and earlier == 0
+
+
+def test_kernel_kinds_follow_htas_classes():
+    from labkit.profiling.overlap import kernel_kind
+    from labkit.profiling.trace import Span
+
+    def kind(name, cat="kernel"):
+        return kernel_kind(Span(name, cat, 0, 1, 0, 7))
+
+    assert kind("sm90_xmma_gemm_bf16bf16_bf16f32") == "compute"
+    assert kind("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevComm*)") == "communication"
+    assert kind("Memcpy HtoD (Pageable -> Device)", "gpu_memcpy") == "memory"
+    assert kind("Memset (Device)", "gpu_memset") == "memory"
+    assert kind("void cub::DeviceSegmentedReduceSync<float>") == "other"  # HTA: neither
 
 
 def test_kernels_queued_before_the_window_are_left_out(tmp_path):
@@ -139,9 +176,25 @@ def test_a_folder_of_ranks_loads_in_rank_order(tmp_path):
     (tmp_path / "notes.txt").write_text("not a trace, and not read")
     traces = load_traces(tmp_path)
     assert [t.rank for t in traces] == [0, 1] and all(t.world_size == 2 for t in traces)
-    assert load_traces(tmp_path, ranks=2) == traces or len(load_traces(tmp_path, ranks=2)) == 2
+    assert [t.path for t in load_traces(tmp_path, ranks=2)] == [t.path for t in traces]
     with pytest.raises(TraceError, match="asked for 4 ranks' traces; got 2"):
         load_traces(tmp_path, ranks=4)
+
+
+@pytest.mark.parametrize("spoil, message", [
+    (lambda b: b.events.append({**b.events[0], "ts": b.events[0]["ts"] + 5}),
+     "two ProfilerStep#10 ranges"),
+    (lambda b: b.events.append({**next(e for e in b.events if e["cat"] == "cuda_runtime"),
+                                "pid": 99}), "correlation id 101 belongs to two launches"),
+    (lambda b: b.events[1].update(ts=float("nan")), "a time must be a finite number"),
+    (lambda b: b.events[1].update(dur=-3), "a duration >= 0"),
+    (lambda b: [e.pop("cat") for e in b.events], "none of its events has a category"),
+])  # fmt: skip
+def test_a_trace_that_cannot_be_read_right_is_refused_with_the_reason(tmp_path, spoil, message):
+    built = build()
+    spoil(built)
+    with pytest.raises(TraceError, match=message):
+        rank_times(load_trace(built.write(tmp_path / "rank0.json")))
 
 
 def test_a_folder_that_mixes_jobs_or_holds_junk_is_refused(tmp_path):
@@ -156,6 +209,14 @@ def test_a_folder_that_mixes_jobs_or_holds_junk_is_refused(tmp_path):
     empty.mkdir()
     with pytest.raises(TraceError, match="holds no trace files"):
         load_traces(empty)
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    build(rank=0).write(mixed / "a.json")
+    unnamed = build(rank=1)
+    del unnamed.meta["distributedInfo"]
+    unnamed.write(mixed / "b.json")
+    with pytest.raises(TraceError, match="some traces name their rank"):
+        load_traces(mixed)
 
 
 # --- HTA on the same traces: the same steps, the same figures -------------------------------
@@ -230,7 +291,32 @@ def test_side_by_side_puts_labkit_and_hta_in_one_table(job):
     r0 = rank_times(traces[0])
     assert lines[1].split()[1] == f"{100 * r0.hidden_fraction:.2f}%"
     assert lines[1].split()[2] == lines[1].split()[1]  # HTA's figure, the same
-    assert lines[-1].startswith("They agree to within 0.01% on every rank")
+    assert lines[-1].startswith("They agree to within 0.01% on all 6 figures HTA gave")
+
+
+def test_side_by_side_says_when_there_is_nothing_to_compare_or_they_differ(job):
+    pd = pytest.importorskip("pandas")
+    folder, _ = job
+    traces = load_traces(folder)
+
+    class Silent:  # HTA answering nothing at all
+        def __getattr__(self, method):
+            def analysis(**kw):
+                raise RuntimeError("no")
+            return analysis
+
+    text = hta_side_by_side(hta_report(folder, loader=lambda p: Silent()), traces)
+    assert text.splitlines()[-1] == "HTA produced nothing to compare with: see its report above for why."
+    r = rank_times(traces[0])
+
+    class Off(Silent):  # an overlap 3 points off on rank 0, NaN on rank 1
+        def get_comm_comp_overlap(self, **kw):
+            return pd.DataFrame({"rank": [0, 1], "comp_comm_overlap_pctg": [
+                100 * r.hidden_fraction + 3, float("nan")]})
+
+    verdict = hta_side_by_side(hta_report(folder, loader=lambda p: Off()), traces).splitlines()[-1]
+    assert verdict.startswith("They differ, by up to 3.00% of a figure (and HTA gave NaN for some)")
+    assert "launched before the first step" in verdict
 
 
 def test_side_by_side_on_cpu_traces_says_what_stands_in_for_hta(tmp_path):
@@ -268,7 +354,10 @@ def test_the_timeline_of_a_gpu_step_shows_the_kernels_it_launched(tmp_path):
     assert last_end > last.end_us  # the last step's kernels end after its range
     stream = _bars(plot_trace(t, steps=slice(2, 3)), "CUDA stream 7")
     assert max(right for _, right in stream) == pytest.approx((last_end - last.start_us) / 1e3)
-    stream = _bars(plot_trace(t, steps=slice(0, 1)), "CUDA stream 7")
+    ax = plot_trace(t, steps=slice(0, 1))
+    main = _bars(ax, "training loop (main thread)")  # the CPU's row ends with its step
+    assert max(right for _, right in main) <= (first.end_us - first.start_us) / 1e3 + 1e-9
+    stream = _bars(ax, "CUDA stream 7")
     own_first = min(a for a, _ in built.compute)
     assert min(left for left, _ in stream) == pytest.approx((own_first - first.start_us) / 1e3)
     assert own_first > max(b for _, b in built.earlier) - 1e-6  # older kernels ran first, undrawn

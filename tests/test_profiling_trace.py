@@ -513,5 +513,8 @@ def test_hta_report_when_the_traces_do_not_load(tmp_path):
 
     report = hta_report(tmp_path, loader=loader)
     assert not report.available and report.results == {}
-    assert report.failures == {"import": f"HTA could not load the traces: ValueError: no traces in {tmp_path}"}
+    assert report.failures == {"import": (
+        f"HTA could not load the traces: ValueError: no traces in {tmp_path}; labkit refuses "
+        f"them too: {tmp_path} holds no trace files (looked for *.json, *.json.gz): the "
+        "profiler writes one per rank when its active window ends")}
     assert report.describe() == report.failures["import"]

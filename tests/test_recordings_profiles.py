@@ -14,6 +14,7 @@ from labkit.__main__ import main as labkit_main
 from labkit.recordings.profiles import (
     FORMAT,
     HEADER,
+    TRACES,
     VERSION,
     ProfileRecordingError,
     load_profile,
@@ -28,9 +29,10 @@ GOOD = {"format": FORMAT, "version": VERSION, "hardware": "1× NVIDIA H100 80GB 
 
 
 def _recording(folder, header=GOOD, ranks=(0,)):
-    folder.mkdir(parents=True, exist_ok=True)
+    (folder / TRACES).mkdir(parents=True, exist_ok=True)
     for r in ranks:
-        build(rank=r, world_size=len(ranks), copy_us=30.0).write(folder / f"rank{r}.json.gz", gz=True)
+        build(rank=r, world_size=len(ranks), copy_us=30.0).write(folder / TRACES / f"rank{r}.json.gz",
+                                                                gz=True)
     if header is not None:
         (folder / HEADER).write_text(json.dumps(header))
     return folder
@@ -53,7 +55,7 @@ def test_a_gpu_the_hardware_table_does_not_know_gets_no_figure_of_its_own(tmp_pa
     folder = _recording(tmp_path / "odd")
     built = build(copy_us=30.0)
     built.meta["deviceProperties"][0]["name"] = "NVIDIA B777 Prototype"
-    built.write(folder / "rank0.json.gz", gz=True)
+    built.write(folder / TRACES / "rank0.json.gz", gz=True)
     text = summarize(load_profile(folder))
     assert ("GPU 'NVIDIA B777 Prototype' (rank0.json.gz) is not one labkit's hardware table can "
             "place (no peak known for 'NVIDIA B777 Prototype': MFU is not computed)") in text
@@ -81,10 +83,10 @@ def test_traces_without_a_header_or_without_gpu_work_are_refused(tmp_path):
     folder = _recording(tmp_path / "cpu")
     built = build()
     built.events[:] = [e for e in built.events if e["cat"] not in ("kernel", "gpu_memcpy")]
-    built.write(folder / "rank0.json.gz", gz=True)
+    built.write(folder / TRACES / "rank0.json.gz", gz=True)
     with pytest.raises(ProfileRecordingError, match="no GPU kernels"):
         load_profile(folder)
-    (folder / "rank0.json.gz").write_bytes(b"{\"traceEvents\": [")
+    (folder / TRACES / "rank0.json.gz").write_bytes(b"{\"traceEvents\": [")
     with pytest.raises(ProfileRecordingError, match="truncated"):
         load_profile(folder)
 
@@ -95,7 +97,7 @@ def test_the_recorder_runs_its_whole_path_on_the_cpu_and_is_refused(tmp_path, mo
         record_profile(tmp_path / "dry", size="smoke", wait=0, warmup=1, active=1, device="cpu")
     header = json.loads((tmp_path / "dry" / HEADER).read_text())
     assert header["hardware"] == "1× CPU (a dry run)" and "preset smoke" in header["what"]
-    assert (tmp_path / "dry" / "rank0.json.gz").stat().st_size > 0
+    assert (tmp_path / "dry" / TRACES / "rank0.json.gz").stat().st_size > 0
 
 
 def test_the_command_refuses_to_record_without_a_gpu(tmp_path, capsys):

@@ -77,7 +77,8 @@ class HtaReport:
         head = f"Holistic Trace Analysis on {self.trace_dir}:"
         if self.no_kernels:
             head += (" these traces hold no GPU kernels (recorded on CPU ranks), and HTA reads "
-                     "only kernels, so each analysis gave nothing:")  # fmt: skip
+                     "only kernels")  # fmt: skip
+            head += ", so each analysis gave nothing:" if not self.results else ":"
         return head + "\n" + "\n".join(lines)
 
 
@@ -156,10 +157,12 @@ def hta_report(trace_dir: str | Path, *, analyses: dict[str, str] = ANALYSES,
     if not trace_dir.is_dir():
         raise FileNotFoundError(f"{trace_dir}: no such folder; give the folder of one job's traces")
     report = HtaReport(trace_dir)
+    refused = ""
     try:  # labkit reads the same files: the ranks to ask about, and why an answer is empty
         contents: _Contents | None = _Contents.of(load_traces(trace_dir))
-    except TraceError:
+    except TraceError as e:
         contents = None  # HTA may still read what labkit refuses; its own failure is reported
+        refused = f"; labkit refuses them too: {e}"
     report.no_kernels = contents is not None and not any(contents.kernels.values())
     if loader is None:
         try:
@@ -182,7 +185,8 @@ def hta_report(trace_dir: str | Path, *, analyses: dict[str, str] = ANALYSES,
             analyzer = loader(str(trace_dir))
         except Exception as e:
             report.available = False
-            report.failures["import"] = f"HTA could not load the traces: {type(e).__name__}: {e}"
+            report.failures["import"] = (f"HTA could not load the traces: "
+                                         f"{type(e).__name__}: {e}{refused}")  # fmt: skip
             return report
         for name, method in analyses.items():
             kwargs: dict[str, Any] = {"visualize": False}
@@ -222,26 +226,37 @@ def side_by_side(report: HtaReport, traces: Sequence[Trace]) -> str:
     breakdown = breakdown.set_index("rank") if breakdown is not None else None
     lines = [f"{'rank':>4}  {'overlap labkit':>14} {'HTA':>8}  {'compute ms/step labkit':>22} "
              f"{'HTA':>8}  {'idle ms/step labkit':>19} {'HTA':>8}"]  # fmt: skip
-    worst = 0.0
+    gaps: list[float] = []  # relative differences, one per figure HTA gave; NaN if it gave NaN
     for t in traces:
         r, g = rank_times(t), gpu_split(t)
         ov = compute = idle = math.nan
         if overlap is not None and t.rank in overlap.index:
             ov = float(overlap.loc[t.rank, "comp_comm_overlap_pctg"])
             if r.comm_s:
-                worst = max(worst, abs(ov - 100 * r.hidden_fraction) / 100)
+                gaps.append(abs(ov - 100 * r.hidden_fraction) / 100)
         if breakdown is not None and t.rank in breakdown.index:
             compute = float(breakdown.loc[t.rank, "compute_time(us)"]) / r.steps / 1e3
             idle = float(breakdown.loc[t.rank, "idle_time(us)"]) / r.steps / 1e3
-            worst = max(worst, abs(compute - r.compute_s * 1e3) / max(r.compute_s * 1e3, 1e-9),
-                        abs(idle - g.idle_s * 1e3) / max(g.span_s * 1e3, 1e-9))  # fmt: skip
+            gaps += [abs(compute - r.compute_s * 1e3) / max(r.compute_s * 1e3, 1e-9),
+                     abs(idle - g.idle_s * 1e3) / max(g.span_s * 1e3, 1e-9)]  # fmt: skip
         ours_ov = f"{100 * r.hidden_fraction:.2f}%" if r.comm_s else "no comm"
         lines.append(f"{t.rank!s:>4}  {ours_ov:>14} {_pct(ov):>8}  {r.compute_s * 1e3:>22.2f} "
                      f"{compute:>8.2f}  {g.idle_s * 1e3:>19.2f} {idle:>8.2f}")  # fmt: skip
-    verdict = ("They agree to within 0.01% on every rank: the same steps, the same kernels."
-               if worst <= 1e-4 else
-               f"They differ by up to {worst:.2%}: check that both read the same steps "
-               "(include_last_profiler_step) and times (HTA_DISABLE_NS_ROUNDING).")  # fmt: skip
+    if not gaps:
+        verdict = "HTA produced nothing to compare with: see its report above for why."
+    elif all(gap <= 1e-4 for gap in gaps):  # a NaN fails this too
+        verdict = (f"They agree to within 0.01% on all {len(gaps)} figures HTA gave: the same "
+                   "steps, the same kernels.")  # fmt: skip
+    else:
+        worst = max((gap for gap in gaps if not math.isnan(gap)), default=math.nan)
+        why = ("HTA keeps every kernel of a trace with fewer than two steps, and counts launches "
+               "before the first step; labkit counts only the steps' own"
+               if any(len(t.steps) < 2 for t in traces) else
+               "HTA counts kernels launched before the first step, which labkit leaves out, "
+               "and (unless told otherwise) drops the last step and rounds times to whole µs")  # fmt: skip
+        verdict = (f"They differ, by up to {_pct(100 * worst)} of a figure"
+                   f"{' (and HTA gave NaN for some)' if any(map(math.isnan, gaps)) else ''}: "
+                   f"{why}.")  # fmt: skip
     return "\n".join([*lines, verdict])
 
 

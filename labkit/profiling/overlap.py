@@ -33,6 +33,7 @@ one with the most own work, when it exceeds the median of the others by ``thresh
 
 from __future__ import annotations
 
+import bisect
 import re
 import statistics
 from collections.abc import Iterable, Sequence
@@ -131,20 +132,23 @@ def kernel_kind(work: Span) -> str:
     return "other" if "Memcpy" in work.name or "Sync" in work.name else "compute"
 
 
-def gpu_work(trace: Trace) -> tuple[list[Span], int]:
-    """The GPU work of the recorded steps, and how many recorded kernels belong to earlier ones.
+def gpu_work(trace: Trace, window: Interval | None = None) -> tuple[list[Span], int]:
+    """The GPU work that the steps in ``window`` launched (default: every recorded step), and
+    how many recorded kernels were launched before the recording began.
 
-    Work belongs to the step whose CPU side *launched* it (its ``cudaLaunchKernel``), not to
-    the step during which it ran: the CPU queues kernels ahead of the GPU, so in real training
-    the last steps' kernels run after their ProfilerStep range has closed, and kernels that run
-    at the start of the window were queued by a step before it. This is how Holistic Trace
-    Analysis selects a step's kernels (``hta/common/trace.py``,
-    ``_filter_irrelevant_gpu_kernels``: kernels whose launch correlation lies in the steps).
-    Kernels whose launch the trace did not record were queued before the window opened and are
+    Work belongs to the step whose CPU side *launched* it (its ``cudaLaunchKernel``, on any
+    thread), not to the step during which it ran: the CPU queues kernels ahead of the GPU, so
+    in real training the last steps' kernels run after their ProfilerStep range has closed,
+    and kernels that run at the start of the window were queued by a step before it. Holistic
+    Trace Analysis selects kernels by their launch too (``hta/common/trace.py``,
+    ``_filter_irrelevant_gpu_kernels``), with two differences: it has no lower bound (a launch
+    recorded before the first step counts), and with fewer than two steps it keeps every
+    kernel. Kernels whose launch the trace did not record were queued before it began and are
     left out (the second value counts them). A trace without launch records (hand-made, or
-    stripped of its ``cuda_runtime`` events) falls back to each kernel's own time in the window.
+    stripped of its ``cuda_runtime`` events) falls back to the kernels that overlap the window;
+    :func:`gpu_intervals` then keeps only their time inside it.
     """
-    lo, hi = trace.window_us
+    lo, hi = trace.window_us if window is None else window
     work = trace.spans(cat=GPU_WORK)
     if not trace.records_launches:
         return [s for s in work if s.end_us > lo and s.start_us < hi], 0
@@ -158,6 +162,41 @@ def gpu_work(trace: Trace) -> tuple[list[Span], int]:
     return mine, earlier
 
 
+@dataclass(frozen=True)
+class GpuIntervals:
+    """The recorded steps' GPU work as unions of intervals (µs), by kind (:func:`kernel_kind`)."""
+
+    by_kind: dict[str, list[Interval]]
+    every: list[Interval]  # all of it, whatever the kind
+    step_ends: list[float]  # per recorded step, when the last work it launched ended
+    earlier: int  # kernels launched before the recording began, left out
+
+    def kind(self, name: str) -> list[Interval]:
+        return self.by_kind.get(name, [])
+
+
+def gpu_intervals(trace: Trace) -> GpuIntervals:
+    """Group the work of :func:`gpu_work` by kind, and find where each step's work ended."""
+    window = trace.window_us
+    work, earlier = gpu_work(trace)
+    grouped: dict[str, list[Interval]] = {}
+    for s in work:
+        grouped.setdefault(kernel_kind(s), []).append((s.start_us, s.end_us))
+    steps = trace.steps
+    ends = [s.end_us for s in steps]
+    if trace.records_launches:
+        by_kind = {k: union(v) for k, v in grouped.items()}
+        starts = [s.start_us for s in steps]
+        for s in work:  # the step whose range holds the launch; its work ends with the last
+            k = bisect.bisect_right(starts, trace.launch_of(s).start_us) - 1
+            if k >= 0:
+                ends[k] = max(ends[k], s.end_us)
+    else:  # attributed by time: only their time inside the steps counts
+        by_kind = {k: intersect(v, [window]) for k, v in grouped.items()}
+    every = union(iv for ivs in by_kind.values() for iv in ivs)
+    return GpuIntervals(by_kind, every, ends, earlier)
+
+
 def compute_and_comm(trace: Trace) -> tuple[list[Interval], list[Interval]]:
     """(compute, communication) intervals in µs of the recorded steps, each a union.
 
@@ -166,12 +205,8 @@ def compute_and_comm(trace: Trace) -> tuple[list[Interval], list[Interval]]:
     the steps' window (a CPU thread cannot run ahead of itself)."""
     window = trace.window_us
     if trace.on_gpu:
-        work, _ = gpu_work(trace)
-        comm = [(s.start_us, s.end_us) for s in work if kernel_kind(s) == "communication"]
-        compute = [(s.start_us, s.end_us) for s in work if kernel_kind(s) == "compute"]
-        if not trace.records_launches:  # attributed by time: only their time inside the steps
-            return intersect(compute, [window]), intersect(comm, [window])
-        return union(compute), union(comm)
+        gpu = gpu_intervals(trace)
+        return gpu.kind("compute"), gpu.kind("communication")
     main = trace.main_tid
     ops = trace.spans(cat="cpu_op")
     comm_spans = [s for s in trace.all_spans if s.cat in ("cpu_op", "user_annotation")
@@ -221,32 +256,39 @@ class RankTimes:
 def rank_times(trace: Trace, *, whole_trace: bool = False) -> RankTimes:
     """Measure compute, communication and their overlap in ``trace``, per recorded step.
 
-    A step lasts, on average, from the start of the first recorded step to the end of the last
-    one or, on a GPU, to the end of the last kernel those steps launched, whichever is later,
-    divided by the number of steps. ``whole_trace=True`` measures a trace recorded without a
-    schedule (no ProfilerStep ranges) as one step spanning the whole recording."""
+    Times per step are totals over the recorded steps divided by their number. The step
+    itself: on a CPU trace, the recorded steps' window divided by their number; on a GPU trace,
+    the steady-state period at which the steps' work finishes, the time between the end of the
+    first step's last kernel and the end of the last step's, divided by the steps between them
+    (one step: from its start to its last kernel's end). Dividing the whole window instead
+    would add the GPU's lag behind the CPU once, spread over a few steps: 15% too long a step
+    on a real 5-step trace. ``whole_trace=True`` measures a trace recorded without a schedule
+    (no ProfilerStep ranges) as one step spanning the whole recording."""
     if whole_trace and not trace.steps:
         trace = trace.as_one_step()
     lo, hi = trace.window_us  # raises the explanatory TraceError when no step was recorded
     n = len(trace.steps)
-    compute, comm = compute_and_comm(trace)
-    hidden = length(intersect(compute, comm))
-    total_comm = length(comm)
     if trace.on_gpu:
-        work, earlier = gpu_work(trace)
+        gpu = gpu_intervals(trace)
+        compute, comm = gpu.kind("compute"), gpu.kind("communication")
+        ends = gpu.step_ends
+        step_us = (ends[-1] - ends[0]) / (n - 1) if n > 1 else ends[0] - lo
         if trace.records_launches:
-            hi = max([hi, *(s.end_us for s in work)])
             source = "CUDA kernels launched in the recorded steps"
-            if earlier:
-                source += f"; {earlier} queued before the first step left out"
+            if gpu.earlier:
+                source += f"; {gpu.earlier} queued before the first step left out"
         else:
             source = "CUDA kernels inside the recorded steps (the trace has no launch records)"
     else:
+        compute, comm = compute_and_comm(trace)
+        step_us = (hi - lo) / n
         source = "CPU threads: training loop and collective threads"
+    hidden = length(intersect(compute, comm))
+    total_comm = length(comm)
     return RankTimes(
         rank=trace.rank,
         steps=n,
-        step_s=(hi - lo) / n / 1e6,
+        step_s=step_us / 1e6,
         compute_s=length(compute) / n / 1e6,
         comm_s=total_comm / n / 1e6,
         hidden_s=hidden / n / 1e6,
@@ -289,22 +331,17 @@ def gpu_split(trace: Trace) -> GpuSplit:
     if not trace.on_gpu:
         raise TraceError(f"{trace.path}: no kernels, copies or memsets: a CPU-only trace has "
                          "no GPU time to split (rank_times measures its threads)")  # fmt: skip
-    work, _ = gpu_work(trace)
-    if not work:
+    gpu = gpu_intervals(trace)
+    if not gpu.every:
         raise TraceError(f"{trace.path}: the recorded steps launched no GPU work")
     n = len(trace.steps)
-    every = union((s.start_us, s.end_us) for s in work)
-    by_kind: dict[str, list[Interval]] = {}
-    for s in work:
-        by_kind.setdefault(kernel_kind(s), []).append((s.start_us, s.end_us))
-    comm, memory = by_kind.get("communication", []), by_kind.get("memory", [])
-    compute = by_kind.get("compute", [])
-    span = every[-1][1] - every[0][0]
-    busy, busy_compute = length(every), length(compute)
+    span = gpu.every[-1][1] - gpu.every[0][0]
+    busy, busy_compute = length(gpu.every), length(gpu.kind("compute"))
     per = 1 / n / 1e6
     return GpuSplit(rank=trace.rank, steps=n, span_s=span * per, idle_s=(span - busy) * per,
                     compute_s=busy_compute * per, other_s=(busy - busy_compute) * per,
-                    comm_s=length(comm) * per, memory_s=length(memory) * per)  # fmt: skip
+                    comm_s=length(gpu.kind("communication")) * per,
+                    memory_s=length(gpu.kind("memory")) * per)  # fmt: skip
 
 
 @dataclass(frozen=True)

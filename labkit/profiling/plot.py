@@ -16,7 +16,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from labkit.profiling.overlap import COMM
+from labkit.profiling.overlap import COMM, gpu_work
 from labkit.profiling.phases import COMMUNICATION
 from labkit.profiling.trace import GPU_WORK, Span, Trace
 
@@ -42,12 +42,10 @@ def _launched_in(trace: Trace, window: tuple[float, float]) -> tuple[set[int], f
     """The GPU work (by ``id``) that the steps in ``window`` launched, and when the last of it
     ended: on a GPU the steps' kernels run on after their CPU ranges close (the CPU runs
     ahead), and kernels at the window's start may belong to the step before it."""
-    lo, hi = window
     if not (trace.on_gpu and trace.records_launches):
-        return set(), hi
-    mine = [s for s in trace.spans(cat=GPU_WORK)
-            if (launch := trace.launch_of(s)) is not None and lo <= launch.start_us <= hi]  # fmt: skip
-    return {id(s) for s in mine}, max([hi, *(s.end_us for s in mine)])
+        return set(), window[1]
+    mine, _ = gpu_work(trace, window)
+    return {id(s) for s in mine}, max([window[1], *(s.end_us for s in mine)])
 
 
 def top_ops(trace: Trace, window: tuple[float, float], k: int) -> list[str]:
@@ -90,7 +88,9 @@ def plot_trace(
         op_names |= keep
         by_tid: dict[Any, list[tuple[Span, str, float]]] = defaultdict(list)
         for s in trace.all_spans:
-            if s.end_us <= lo or s.start_us >= hi or s.cat == "Trace":
+            on_gpu = s.cat in (*GPU_WORK, "gpu_user_annotation")
+            # the CPU's rows end with the chosen steps; the GPU's run on to their last kernel
+            if s.end_us <= lo or s.start_us >= (hi if on_gpu else cpu_hi) or s.cat == "Trace":
                 continue
             if launched and s.cat in GPU_WORK and id(s) not in launched:
                 continue  # another step's kernel

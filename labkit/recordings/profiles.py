@@ -5,9 +5,9 @@ operators only: no kernel, no stream, no overlap of a kernel with another. So la
 same step profiled on a GPU, and notebook 06 reads it with exactly the code a learner runs on
 their own trace (``labkit.profiling``), labelled "recorded on <hardware>, <date>, torch <v>".
 
-A profile recording is a folder in ``labkit/recordings/profiles/`` holding the trace files of
-one job (``rank<N>.json.gz``, as ``torch.profiler`` exported them, gzipped) and
-``recording.json``::
+A profile recording is a folder in ``labkit/recordings/profiles/`` holding ``recording.json``
+and, in ``traces/``, the trace files of one job (``rank<N>.json.gz``, as ``torch.profiler``
+exported them, gzipped; a folder of traces alone, so HTA can read it as it is)::
 
     {"format": "labkit-gpu-profile", "version": 1,
      "hardware": "1× NVIDIA H200", "date": "2026-12-06", "torch": "2.11.0+cu130",
@@ -32,11 +32,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from labkit.profiling.trace import Trace, TraceError, load_traces, trace_files
+from labkit.profiling.trace import Trace, TraceError, load_traces
 
 FORMAT = "labkit-gpu-profile"
 VERSION = 1
 HEADER = "recording.json"
+TRACES = "traces"  # the sub-folder holding the job's traces
 REQUIRED = ("hardware", "date", "torch")
 OPTIONAL = ("cuda", "what", "conditions", "recorded_by", "steps", "gpus")
 SHIPPED_DIR = Path(__file__).parent / "profiles"
@@ -113,7 +114,7 @@ def load_profile(folder: str | Path) -> ProfileRecording:
     except ValueError as e:
         raise ProfileRecordingError(f"{path}: date {header['date']!r} is not ISO 8601") from e
     try:
-        traces = load_traces([f for f in trace_files(folder) if f.name != HEADER])
+        traces = load_traces(folder / TRACES)
     except TraceError as e:
         raise ProfileRecordingError(f"{folder}: {e}") from e
     for t in traces:
@@ -201,7 +202,9 @@ def record_profile(out: str | Path, *, size: str = "gpu", wait: int = 2, warmup:
                                                                dtype=cfg.train.dtype),
                             wait=wait, warmup=warmup, active=active, trace_dir=tmp,
                             device=device, record_shapes=False)  # fmt: skip
-        with open(run.traces[0], "rb") as src, gzip.open(out / "rank0.json.gz", "wb") as dst:
+        (out / TRACES).mkdir(exist_ok=True)
+        with open(run.traces[0], "rb") as src, \
+                gzip.open(out / TRACES / "rank0.json.gz", "wb") as dst:
             shutil.copyfileobj(src, dst)
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else "CPU (a dry run)"
     header = {
@@ -217,7 +220,7 @@ def record_profile(out: str | Path, *, size: str = "gpu", wait: int = 2, warmup:
         "steps": {"wait": wait, "warmup": warmup, "active": active},
     }  # fmt: skip
     (out / HEADER).write_text(json.dumps(header, indent=1) + "\n", encoding="utf-8")
-    size_b = sum(f.stat().st_size for f in out.iterdir())
+    size_b = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     if size_b > MAX_BYTES:
         raise RuntimeError(f"{out}: {size_b:,} B, over the {MAX_BYTES:,} B a shipped recording "
                            "may take: record fewer active steps")  # fmt: skip
