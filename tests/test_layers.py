@@ -44,6 +44,9 @@ LAYERS: dict[str, int] = {
     "capstone": 4,  # notebook 07's planted faults: the catalogue, the seeds, the job's runner
     # the jobs notebooks launch
     "workers": 5,
+    # what real GPUs measured, shipped for learners without one: figures and profiles, their
+    # loaders and displays, and the recorder of notebook 06's step (over profiling and train)
+    "recordings": 5,
     # what notebooks and instructors call
     "exercises": 6, "record": 6, "doctor": 6,
     # tools over all of it

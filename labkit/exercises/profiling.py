@@ -38,7 +38,7 @@ from labkit.exercises import ExerciseFailed, _require_callable, call, exercise, 
 from labkit.model import GPT
 from labkit.profiling import overlap
 from labkit.profiling.capture import profile_steps
-from labkit.profiling.phases import PHASES, phase
+from labkit.profiling.phases import PHASES
 from labkit.profiling.trace import Span, load_trace
 
 # --------------------------------------------------------------------------- references
@@ -47,12 +47,10 @@ from labkit.profiling.trace import Span, load_trace
 def reference_annotated_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                              next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
                              dtype: str = "float32") -> torch.Tensor:
-    """One training step in precision ``dtype``, each phase in its own named range."""
-    from labkit.profiling.bottlenecks import phased_step  # the other three phases
+    """The library's own step (``labkit.profiling.bottlenecks.annotated_step``)."""
+    from labkit.profiling.bottlenecks import annotated_step  # imported when checked, not before
 
-    with phase("data"):
-        x, y = next_batch()
-    return phased_step(model, optimizer, x, y, dtype=dtype)
+    return annotated_step(model, optimizer, next_batch, dtype)
 
 
 # --------------------------------------------------------------------------- 06.annotate

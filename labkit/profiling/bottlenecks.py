@@ -86,6 +86,7 @@ __all__ = [
     "Measured",
     "SyncResult",
     "TokenizingDataset",
+    "annotated_step",
     "calibrate_passes",
     "check_compiler",
     "compile_loss_rtol",
@@ -252,6 +253,17 @@ def phased_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Ten
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return loss.detach()
+
+
+def annotated_step(model: nn.Module, optimizer: torch.optim.Optimizer,
+                   next_batch: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+                   dtype: str = "float32") -> torch.Tensor:
+    """One training step in precision ``dtype``, each of its four phases (data, forward,
+    backward, optimizer) in its own named range: notebook 06's step, the reference of its
+    exercise 06.annotate, and what ``labkit record-profile`` profiles on a GPU."""
+    with phase("data"):
+        x, y = next_batch()
+    return phased_step(model, optimizer, x, y, dtype=dtype)
 
 
 def _device(cfg: RunConfig, device: torch.device | str | None) -> torch.device:

@@ -11,8 +11,8 @@ exported them, gzipped; a folder of traces alone, so HTA can read it as it is)::
 
     {"format": "labkit-gpu-profile", "version": 1,
      "hardware": "1× NVIDIA H200", "date": "2026-12-06", "torch": "2.11.0+cu130",
-     "cuda": "13.0", "what": "notebook 06's training step (labkit.exercises.profiling.
-     reference_annotated_step), preset gpu, bfloat16, micro-batch 32 × 512 tokens",
+     "cuda": "13.0", "what": "notebook 06's training step (labkit.profiling.bottlenecks.
+     annotated_step), preset gpu, bfloat16, micro-batch 32 × 512 tokens",
      "conditions": "...", "recorded_by": "python -m labkit record-profile ...",
      "steps": {"wait": 2, "warmup": 2, "active": 3}}
 
@@ -164,8 +164,8 @@ def record_profile(out: str | Path, *, size: str = "gpu", wait: int = 2, warmup:
                    device: str = "cuda") -> ProfileRecording:
     """Profile notebook 06's training step on this machine's GPU and write a recording to ``out``.
 
-    The step is ``reference_annotated_step`` (data, forward, backward, optimizer, each a
-    named range) at preset ``size`` in that preset's precision, as notebook 06 profiles it.
+    The step is ``labkit.profiling.bottlenecks.annotated_step`` (data, forward, backward,
+    optimizer, each a named range) at preset ``size`` in that preset's precision, as notebook 06 profiles it.
     Raises RuntimeError without a CUDA GPU: a recording is of a real GPU or it is nothing.
     ``device="cpu"`` runs every step of it on the CPU (a dry run of the script), and the
     result is refused on loading (ProfileRecordingError: no GPU kernels)."""
@@ -176,8 +176,8 @@ def record_profile(out: str | Path, *, size: str = "gpu", wait: int = 2, warmup:
     import torch
 
     from labkit import config, data, train
-    from labkit.exercises.profiling import reference_annotated_step
     from labkit.model import GPT
+    from labkit.profiling.bottlenecks import annotated_step
     from labkit.profiling.capture import profile_steps
 
     if device == "cuda" and not torch.cuda.is_available():
@@ -198,8 +198,8 @@ def record_profile(out: str | Path, *, size: str = "gpu", wait: int = 2, warmup:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        run = profile_steps(lambda i: reference_annotated_step(model, optimizer, next_batch,
-                                                               dtype=cfg.train.dtype),
+        run = profile_steps(lambda i: annotated_step(model, optimizer, next_batch,
+                                                     dtype=cfg.train.dtype),
                             wait=wait, warmup=warmup, active=active, trace_dir=tmp,
                             device=device, record_shapes=False)  # fmt: skip
         (out / TRACES).mkdir(exist_ok=True)
@@ -211,8 +211,8 @@ def record_profile(out: str | Path, *, size: str = "gpu", wait: int = 2, warmup:
         "format": FORMAT, "version": VERSION, "hardware": f"1× {name}",
         "date": dt.datetime.now(dt.timezone.utc).date().isoformat(),
         "torch": torch.__version__, "cuda": torch.version.cuda if device.type == "cuda" else "",
-        "what": (f"notebook 06's training step (labkit.exercises.profiling."
-                 f"reference_annotated_step), preset {size}, {cfg.train.dtype}, micro-batch "
+        "what": (f"notebook 06's training step (labkit.profiling.bottlenecks."
+                 f"annotated_step), preset {size}, {cfg.train.dtype}, micro-batch "
                  f"{micro} × {seq} tokens, {sum(p.numel() for p in model.parameters()):,} "
                  "parameters"),
         "conditions": conditions or f"one process on {platform.node() or 'this machine'}",
