@@ -48,8 +48,8 @@ NONE_SHIPPED = (
     "No GPU profile ships with this version of labkit yet: a recording is made on a machine "
     "with an NVIDIA GPU by `python -m labkit record-profile --out "
     "labkit/recordings/profiles/<gpu>-nb06-<date>` (scripts/gpu_check.sh runs it), and nothing "
-    "stands in for it: labkit never makes up a GPU's trace. Until one ships, notebook 01 and "
-    "04 show the GPU step times that were recorded (labkit.recordings)."
+    "stands in for it: labkit never makes up a GPU's trace. What a GPU did record of this "
+    "step is its time (labkit.recordings), below."
 )
 
 
