@@ -200,7 +200,7 @@ def gpu_intervals(trace: Trace) -> GpuIntervals:
 def compute_and_comm(trace: Trace) -> tuple[list[Interval], list[Interval]]:
     """(compute, communication) intervals in µs of the recorded steps, each a union.
 
-    On a GPU trace: the kernels the steps launched (:func:`gpu_work`), whole, including the
+    On a GPU trace: the kernels the steps launched (:func:`gpu_intervals`), whole, including the
     time they ran after the last step's range closed. On a CPU trace: the threads' work, cut to
     the steps' window (a CPU thread cannot run ahead of itself)."""
     window = trace.window_us
