@@ -12,7 +12,9 @@
     labkit recordings  build the key GPU figures that ship from a GPU run's benchmark results
                        (build FILES --out DIR), or show what ships (show)
     labkit exam        a mock exam drawn from every quiz bank, scored by sub-topic (--history)
-    labkit capstone    new: a seed for notebook 07's slow job; reveal --seed N: its answer key
+    labkit capstone    new: a job code for notebook 07's slow job (and the instructor's key file);
+                       reveal --seed N: its answer key (needs the key file); reveal --give-up:
+                       a learner opens their own job's key, and the record says so
     labkit timings     each notebook's run time, per section, and peak memory on this machine
     labkit slurm       an sbatch script that runs a worker on a SLURM cluster's nodes
 """
@@ -54,23 +56,52 @@ def _cleanup(args: argparse.Namespace) -> int:
 
 def _capstone(args: argparse.Namespace) -> int:
     from labkit import capstone
+    from labkit.capstone import attempts, keys
 
+    def refuse(message: str) -> int:
+        print(f"labkit capstone: {message}", file=sys.stderr)
+        return 2
+
+    if args.action == "reveal" and args.give_up:
+        code = args.job or attempts.last_code()
+        if code is None:
+            return refuse("reveal --give-up opens a job's key, and no capstone job has run "
+                          "here: give --job CODE (the code notebook 07 printed)")
+        try:
+            job = keys.read_code(code)
+        except keys.CapstoneKeyError as err:
+            return refuse(str(err))
+        record = attempts.give_up(job.text)
+        print(capstone.describe(job.open(), job.tier, f"job {job.text} ({job.tier} tier) plants:"),
+              end="")
+        print(f"recorded: you opened this job's key on {record['gave_up']}, after "
+              f"{len(record['attempts'])} attempt(s) ({attempts.path(job.text)})")
+        return 0
+    if args.give_up or args.job:
+        return refuse("--give-up and --job go with reveal: "
+                      "`python -m labkit capstone reveal --give-up [--job CODE]`")
     # notebook 07's job: one GPU per rank (2 ranks) or CPU ranks, whatever else the machine has
     tier = args.tier or capstone.placement()[1]
     if args.action == "reveal" and args.seed is None:
-        print("labkit capstone: reveal needs --seed N, the seed the learner's job was given",
-              file=sys.stderr)
-        return 2
+        return refuse("reveal needs --seed N, the seed of the learner's job code "
+                      "('cpu-N-…'), and your key file (--key PATH if not the default); a "
+                      "learner opens their own job with reveal --give-up")
     try:
         seed = capstone.new_seed() if args.seed is None else capstone.parse_seed(args.seed)
-    except capstone.SeedError as err:
-        print(f"labkit capstone: {err}", file=sys.stderr)
-        return 2
-    if args.action == "new":
-        print(f"capstone seed {seed} ({tier} tier): give it to notebook 07 as seed={seed}; "
-              f"`python -m labkit capstone reveal --seed {seed} --tier {tier}` shows the answer key")
-    else:
-        print(capstone.reveal(seed, tier), end="")
+        if args.action == "new":
+            key, made = keys.create(args.key)
+        else:
+            key = keys.load(args.key)
+    except (capstone.SeedError, keys.CapstoneKeyError) as err:
+        return refuse(str(err))
+    if args.action == "reveal":
+        print(capstone.reveal(seed, tier, key), end="")
+        return 0
+    code = keys.code_for(capstone.plan(seed, tier, key), tier, seed)
+    print(f"capstone job {code} (seed {seed}, {tier} tier): give the learner this code, as "
+          f"job_code={code!r} in notebook 07 (or LABKIT_CAPSTONE_JOB={code})")
+    print(f"your key file: {key.path} ({'made now, mode 0600' if made else 'the one you had'}): "
+          "keep it to yourself and keep a copy; with it, reveal --seed N shows a seed's faults")
     return 0
 
 
@@ -108,9 +139,17 @@ def main(argv: list[str] | None = None) -> int:
     cl.add_argument("--runs", type=int, metavar="N",
                     help="also delete all but the newest N job log folders")
     cl.set_defaults(fn=_cleanup)
-    cap = sub.add_parser("capstone", help="notebook 07's seeds and answer keys")
+    cap = sub.add_parser("capstone", help="notebook 07's job codes and answer keys")
     cap.add_argument("action", choices=["new", "reveal"])
     cap.add_argument("--seed", help="a whole number (new: draw one if absent)")
+    cap.add_argument("--key", metavar="PATH",
+                     help="the instructor's key file (default labkit_home()/capstone/key.json; "
+                          "new makes it if missing)")
+    cap.add_argument("--give-up", action="store_true",
+                     help="reveal, for a learner: open your job's key (recorded in your "
+                          "attempt record)")
+    cap.add_argument("--job", metavar="CODE",
+                     help="with --give-up: the job code to open (default: the last job run here)")
     cap.add_argument("--tier", choices=["cpu", "multi-gpu"],
                      help="the tier notebook 07's job runs on: multi-gpu with a GPU per rank, "
                           "else cpu (default: this machine's)")

@@ -305,7 +305,7 @@ _PRESETS = {"smoke": smoke, "lab": lab, "gpu": gpu}
 
 ENVIRONMENT: dict[str, str] = {
     "LABKIT_SIZE": "the notebooks' size: smoke, lab or gpu (read by each parameters cell)",
-    "LABKIT_CAPSTONE_SEED": "notebook 07's job: the seed that plants its faults (default: a fresh one)",
+    "LABKIT_CAPSTONE_JOB": "notebook 07's job: the job code that plants its faults (default: a fresh one)",
     "LABKIT_HOME": "where jobs, logs and exercise files go (default ~/.cache/labkit)",
     "LABKIT_KEEP_RUNS": "how many job folders to keep (default 50)",
     "LABKIT_LIVE_PLOTS": "0 or 1: force the monitor's live plots off or on",

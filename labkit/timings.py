@@ -233,7 +233,10 @@ def run_notebook(path: Path, size: str, out_dir: Path | None = None, *,
     )  # fmt: skip
     env_before = os.environ.get("LABKIT_SIZE")
     os.environ["LABKIT_SIZE"] = size  # the kernel inherits this process's environment
-    os.environ.setdefault("LABKIT_CAPSTONE_SEED", "10")  # notebook 07: the test suite's seed
+    if "LABKIT_CAPSTONE_JOB" not in os.environ:  # notebook 07: the test suite's job, this tier
+        from labkit import capstone
+
+        os.environ["LABKIT_CAPSTONE_JOB"] = capstone.example_code()
     start = time.perf_counter()
     sampler.start()
     try:

@@ -19,7 +19,10 @@ import psutil
 import pytest
 
 os.environ.setdefault("LABKIT_SIZE", "smoke")
-os.environ.setdefault("LABKIT_CAPSTONE_SEED", "10")  # notebook 07: the same job every run
+if "LABKIT_CAPSTONE_JOB" not in os.environ:  # notebook 07: the same job every run, this tier's
+    from labkit import capstone  # (a loader, a straggler and a sampler fault)
+
+    os.environ["LABKIT_CAPSTONE_JOB"] = capstone.example_code()
 os.environ.setdefault("LABKIT_HOME", tempfile.mkdtemp(prefix="labkit-test-home-"))
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Each pytest-xdist worker gets its own home (they inherit the controller's): a notebook's

@@ -1,10 +1,13 @@
 """Notebook 07's capstone: a real data-parallel job that is slower than it should be (or
 wrong), with faults planted from a seed, and the measurements that find each one.
 
-    faults     the catalogue (FAULTS), which faults a seed plants (plan), the answer key (reveal)
-    settings   the job's knobs (Settings): what a seed sets wrong, what a learner changes
-    job        run_job(faults), given_job(seed), rerun(run, changes): the job launched for
-               real, and its evidence
+    faults     the catalogue (FAULTS), which faults a seed plants under the instructor's key
+               (plan), the answer key (reveal)
+    keys       the instructor's key file, the learner's job code (faults sealed), the seal
+    attempts   the learner's attempt record: checks counted, the key opened or not
+    settings   the job's knobs (Settings): what a code sets wrong, what a learner changes
+    job        run_job(faults), given_job(code), new_job(tier), rerun(run, changes): the job
+               launched for real, and its evidence
 
 Importing this package launches nothing.
 """
@@ -18,35 +21,45 @@ from labkit.capstone.faults import (
     Fault,
     SeedError,
     available,
+    describe,
     new_seed,
     parse_seed,
     plan,
     reveal,
 )
 from labkit.capstone.job import (
+    EXAMPLE_FAULTS,
     CapstoneRun,
+    example_code,
     given_job,
     last_given,
+    new_job,
     placement,
     rerun,
     run_job,
     tier_for,
 )
+from labkit.capstone.keys import CapstoneKeyError
 from labkit.capstone.settings import FIXES, Settings, faults_in
 
 __all__ = [
     "BY_ID",
+    "EXAMPLE_FAULTS",
     "FAULTS",
     "FIXES",
     "PLANTED",
+    "CapstoneKeyError",
     "CapstoneRun",
     "Fault",
     "SeedError",
     "Settings",
     "available",
+    "describe",
+    "example_code",
     "faults_in",
     "given_job",
     "last_given",
+    "new_job",
     "new_seed",
     "parse_seed",
     "placement",

@@ -3,9 +3,11 @@
 The capstone job (:mod:`labkit.capstone.job`) is a real data-parallel training run that is
 slower than it should be, or wrong. Each :class:`Fault` below is one real cause, planted by a
 switch of the worker (:mod:`labkit.workers.capstone_train`) and removed by its fix; each is
-visible with the tools of notebooks 00–06 (``evidence``). A seed (:func:`plan`) picks which
-faults a learner's job carries, so an instructor can hand every learner their own job and keep
-the answer key (``python -m labkit capstone reveal --seed N``).
+visible with the tools of notebooks 00–06 (``evidence``). A seed and the instructor's key
+(:func:`plan`, :mod:`labkit.capstone.keys`) pick which faults a learner's job carries, so an
+instructor can hand every learner their own job and keep the answer key
+(``python -m labkit capstone reveal --seed N``, which needs the key file); the seed alone says
+nothing.
 
 Tiers: two faults have no signature on a CPU (a CPU has no launch queue for a host sync to
 drain, and no bf16 tensor cores for fp32 to leave idle): on the CPU tier a seed draws only
@@ -23,7 +25,10 @@ overloaded", torch/distributed/run.py).
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from labkit.capstone.keys import Key
 
 TIERS = ("cpu", "single-gpu", "multi-gpu")
 
@@ -147,12 +152,16 @@ def available(tier: str) -> tuple[Fault, ...]:
     return tuple(f for f in FAULTS if tier != "cpu" or not f.needs_gpu)
 
 
-def plan(seed: int | str, tier: str) -> tuple[str, ...]:
-    """The ids of the faults seed ``seed`` plants on ``tier``: :data:`PLANTED` distinct ones,
-    at most one per group, at least one that costs speed; the same seed and tier always give
-    the same faults (in catalogue order)."""
-    rng = random.Random(f"labkit-capstone-{parse_seed(seed)}-{tier}")
+def plan(seed: int | str, tier: str, key: Key | None = None) -> tuple[str, ...]:
+    """The ids of the faults seed ``seed`` plants on ``tier`` under ``key`` (the instructor's,
+    :func:`labkit.capstone.keys.load`): :data:`PLANTED` distinct ones, at most one per group, at
+    least one that costs speed; the same seed, tier and key always give the same faults (in
+    catalogue order), and without the key the seed says nothing about them."""
+    if not isinstance(key, Key):
+        raise TypeError(f"key={key!r}: a seed's faults need the instructor's key "
+                        "(labkit.capstone.keys.load(), made by `python -m labkit capstone new`)")
     pool = list(available(tier))
+    rng = random.Random(key.digest(tier, parse_seed(seed)))
     while True:
         chosen = rng.sample(pool, PLANTED)
         groups = [f.group for f in chosen if f.group]
@@ -164,10 +173,11 @@ def new_seed() -> int:
     return random.SystemRandom().randrange(2**31)
 
 
-def reveal(seed: int | str, tier: str) -> str:
-    """The answer key of ``seed`` on ``tier``, as text (for the instructor, never the notebook)."""
-    lines = [f"seed {parse_seed(seed)} on the {tier} tier plants:"]
-    for fid in plan(seed, tier):
+def describe(faults: Sequence[str], tier: str, head: str) -> str:
+    """An answer key as text: ``head``, then each fault with its evidence and fix, and what
+    the tier left out (for the instructor, or a learner who gave up; never the notebook)."""
+    lines = [head]
+    for fid in faults:
         f = BY_ID[fid]
         lines += [f"  {f.id}: {f.title} ({f.kind})", f"     evidence: {f.evidence}",
                   f"     fix: {f.fix}"]  # fmt: skip
@@ -176,3 +186,9 @@ def reveal(seed: int | str, tier: str) -> str:
         lines.append("not drawn on this tier: " + "; ".join(
             f"{f.id} ({f.why_not_on_cpu})" for f in left_out))
     return "\n".join(lines) + "\n"
+
+
+def reveal(seed: int | str, tier: str, key: Key) -> str:
+    """The answer key of ``seed`` on ``tier`` under the instructor's ``key``, as text."""
+    return describe(plan(seed, tier, key), tier,
+                    f"seed {parse_seed(seed)} on the {tier} tier plants:")

@@ -1,7 +1,7 @@
 """Run the capstone job with a set of faults, and read the evidence the notebooks teach.
 
     from labkit import capstone
-    job = capstone.given_job(seed)                         # the learner's slow job
+    job = capstone.given_job(code)                         # the learner's slow job (a job code)
     print(job.evidence_text())
     fixed = capstone.rerun(job, {"prepare_data": "once"})  # one change of its settings
     fixed.tokens_per_s / job.tokens_per_s                  # the speedup, measured
@@ -9,6 +9,12 @@
 Every number here is measured in the run: tokens/s from the median step (the first left
 out), per-rank phase medians, all-reduce calls counted by a DDP communication hook, PyTorch
 threads per rank against the cores, and the sample indices each rank trained on.
+
+What the learner holds of a given job (:func:`given_job`) is its measurements and its job code,
+never its faults or settings: the run object's ``faults`` and ``settings`` are empty, this module
+keeps no copy of them, and the launcher's job spec holds the worker's settings sealed
+(:mod:`labkit.capstone.keys`). A re-run (:func:`rerun`) opens the code's seal to plant the same
+faults again under the learner's changes.
 """
 
 from __future__ import annotations
@@ -19,8 +25,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from labkit.capstone import attempts, keys
 from labkit.capstone import settings as st
-from labkit.capstone.faults import BY_ID, parse_seed, plan
+from labkit.capstone.faults import BY_ID, new_seed, plan
 
 MODULE = "labkit.workers.capstone_train"
 SIZES: dict[str, dict[str, Any]] = {
@@ -46,7 +53,10 @@ class CapstoneRun:
     tier: str = "cpu"
     size: str = "smoke"
     seed: int | None = None
-    """The seed whose job this is (:func:`given_job`), or None for a job built from faults."""
+    """The seed whose job this is (:func:`given_job`), or None for a job built from faults.
+    It says nothing about the faults without the instructor's key."""
+    code: str | None = None
+    """The job code it was given by (faults sealed; :mod:`labkit.capstone.keys`), or None."""
 
     def __repr__(self) -> str:
         whose = f"seed {self.seed}" if self.seed is not None else f"{len(self.faults)} faults"
@@ -54,7 +64,8 @@ class CapstoneRun:
                 f"{self.tokens_per_s:,.0f} tokens/s measured)")
 
     def public(self) -> CapstoneRun:
-        """This run as the learner sees it: its measurements, not its faults or settings."""
+        """This run as the learner sees it: its measurements (and job code), not its faults or
+        settings."""
         return dataclasses.replace(self, faults=(), settings=None)
 
     @property
@@ -156,50 +167,79 @@ def run_job(faults: Sequence[str] = (), *, settings: st.Settings | None = None,
     cores, tier = launch.usable_cpus(), tier_for(device, nproc)
     if settings is None:
         settings = st.given(faults, cores=cores)
+    # The worker's settings travel sealed: the job spec the launcher writes where the learner
+    # can read it (labkit_home()/runs) names no fault and no setting in plain form.
     config = {**SIZES[size], **overrides,
-              **st.worker_config(settings, tier=tier, cores=cores, nproc=nproc)}  # fmt: skip
+              "sealed": keys.seal(st.worker_config(settings, tier=tier, cores=cores, nproc=nproc))}
     res = launch.run(MODULE, nproc=nproc, device=device, config=config, timeout_s=timeout_s,
                      stream=stream, observers=list(observers), oversubscribe=False)  # fmt: skip
     present = st.faults_in(settings, tier=tier, cores=cores, nproc=nproc)
     return CapstoneRun(present, res.ranks, res.wall_s, settings=settings, tier=tier, size=size)
 
 
-_GIVEN: dict[int, CapstoneRun] = {}
-_LAST: list[int] = []
+EXAMPLE_FAULTS = ("slow_loader", "straggler", "no_set_epoch")
+"""The test suite's job (seed 10's of old): a loader, a straggler and a sampler fault."""
+_LAST: list[CapstoneRun] = []
 
 
-def given_job(seed: int | str, *, size: str = "smoke", device: str = "cpu", nproc: int = 2,
+def new_job(tier: str) -> str:
+    """A fresh job code for ``tier``, for a learner without an instructor: a new seed, its
+    faults drawn under a one-off key that is never stored, so only the code's seal holds them
+    (``python -m labkit capstone reveal --give-up`` opens it, and says so in the record)."""
+    seed = new_seed()
+    return keys.code_for(plan(seed, tier, keys.one_off()), tier, seed)
+
+
+def example_code(tier: str | None = None) -> str:
+    """The job code of :data:`EXAMPLE_FAULTS` (seed 10) on ``tier`` (default: this machine's):
+    the job the tests and ``labkit timings`` run, the same every time."""
+    return keys.code_for(EXAMPLE_FAULTS, tier or placement()[1], 10)
+
+
+def given_job(code: str, *, size: str = "smoke", device: str = "cpu", nproc: int = 2,
               **kwargs: Any) -> CapstoneRun:  # fmt: skip
-    """Run the job seed ``seed`` gives a learner (its faults drawn by :func:`plan` for the
-    tier the job runs on) and return the learner's view of it (:meth:`CapstoneRun.public`).
-    The whole run is kept for :func:`rerun` and the capstone's check (:func:`last_given`)."""
-    seed = parse_seed(seed)
-    run = run_job(plan(seed, tier_for(device, nproc)), size=size, device=device, nproc=nproc,
-                  **kwargs)  # fmt: skip
-    run.seed = seed
-    _GIVEN[seed] = run
-    _LAST[:] = [seed]
-    return run.public()
+    """Run the job of job code ``code`` (:mod:`labkit.capstone.keys`: the instructor's, from
+    ``python -m labkit capstone new``, or :func:`new_job`'s) on the tier it runs on, and return
+    the learner's view of it (:meth:`CapstoneRun.public`): measurements and the code, never
+    its faults or settings. A code for another tier, another course version, or mistyped is
+    refused with what to do."""
+    tier = tier_for(device, nproc)
+    job_code = keys.read_code(code, tier)
+    run = run_job(job_code.open(), size=size, device=device, nproc=nproc, **kwargs).public()
+    run.seed, run.code = job_code.seed, job_code.text
+    attempts.started(job_code.text)
+    _LAST[:] = [run]
+    return run
 
 
 def last_given() -> CapstoneRun | None:
-    """The whole of the job :func:`given_job` ran last in this process (faults and settings
-    included), or None."""
-    return _GIVEN[_LAST[0]] if _LAST else None
+    """The learner's view of the job :func:`given_job` ran last in this process (no faults,
+    no settings), or None."""
+    return _LAST[0] if _LAST else None
+
+
+def settings_after(run: CapstoneRun, changes: Mapping[str, Any]) -> st.Settings:
+    """The settings ``run``'s job runs with after ``changes``: its own when it shows them,
+    else the ones its job code plants (the check's, never shown to the learner)."""
+    if run.settings is not None:
+        return st.apply(run.settings, changes)
+    if run.code is None:
+        raise ValueError("this run's settings are hidden and it has no job code: re-run a job "
+                         "that capstone.given_job(code) returned")  # fmt: skip
+    from labkit import launch
+
+    planted = keys.read_code(run.code, run.tier).open()
+    return st.apply(st.given(planted, cores=launch.usable_cpus()), changes)
 
 
 def rerun(run: CapstoneRun, changes: Mapping[str, Any], **kwargs: Any) -> CapstoneRun:
     """``run``'s job again, with ``changes`` (setting → value) applied to its settings. A
     learner's view in (settings hidden), a learner's view out, and the changes then apply to
-    the settings the seed gave, so pass every change you keep, not only the newest."""
+    the settings the job code gave, so pass every change you keep, not only the newest."""
     hidden = run.settings is None
-    if hidden and run.seed not in _GIVEN:
-        raise ValueError("this run's settings are hidden and its seed's job did not run in "
-                         "this process: run capstone.given_job(seed) first")  # fmt: skip
-    base = _GIVEN[run.seed].settings if hidden else run.settings
     device = "cpu" if run.tier == "cpu" else "cuda"
     nproc = run.ranks[0]["world_size"]
-    new = run_job(settings=st.apply(base, changes), size=run.size, device=device, nproc=nproc,
-                  **kwargs)  # fmt: skip
-    new.seed = run.seed
+    new = run_job(settings=settings_after(run, changes), size=run.size, device=device,
+                  nproc=nproc, **kwargs)  # fmt: skip
+    new.seed, new.code = run.seed, run.code
     return new.public() if hidden else new

@@ -119,6 +119,10 @@ class Exercise:
     do not depend on this exercise, labkit's own implementation runs there)."""
     time_limit_s: float = TIME_LIMIT_S_DEFAULT
     """How long its check may run the learner's code (:func:`time_limit`)."""
+    withheld: bool = False
+    """True: later cells depend on the exercise but wait for the learner's own answer, since
+    its reference would give something away (notebook 07's would be its key): :func:`check`
+    returns None until the learner's passes."""
 
     def __post_init__(self) -> None:
         if not self.hints or not all(isinstance(h, str) and h.strip() for h in self.hints):
@@ -140,6 +144,7 @@ def exercise(
     hints: tuple[str, ...] | list[str],
     reference: Any = None,
     time_limit_s: float = TIME_LIMIT_S_DEFAULT,
+    withheld: bool = False,
 ) -> Callable[[Callable[[Any], str]], Callable[[Any], str]]:
     """Register the decorated function as the ``verify`` of exercise ``id``."""
     notebook, _, name = id.partition(".")
@@ -150,7 +155,8 @@ def exercise(
 
     def register(fn: Callable[[Any], str]) -> Callable[[Any], str]:
         _REGISTRY[id] = Exercise(id=id, title=title, hints=tuple(hints), verify=fn,
-                                 reference=reference, time_limit_s=time_limit_s)  # fmt: skip
+                                 reference=reference, time_limit_s=time_limit_s,
+                                 withheld=withheld)  # fmt: skip
         return fn
 
     return register
@@ -290,13 +296,15 @@ def report(exercise_id: str, outcome: str | ExerciseError, *, where: str = "") -
     ex = get(exercise_id)
     passed = isinstance(outcome, str)
     _PASSED[exercise_id] = passed
-    depends = ex.reference is not None
+    depends = ex.reference is not None or ex.withheld
     if passed:
         said = _sentence(f"{outcome} ({where})" if where else outcome)
         print(f"✓ {exercise_id}: {said}" + (" Later cells use your answer." if depends else ""))
         return True
     later = (
-        "Later cells use the reference answer meanwhile."
+        "Later cells wait for your answer."
+        if ex.withheld
+        else "Later cells use the reference answer meanwhile."
         if depends
         else "The rest of the lab does not depend on it."
     )
@@ -343,8 +351,10 @@ def check(exercise_id: str, answer: Any) -> Any:
     except TimeLimitReached as stop:
         outcome = _timed_out(get(exercise_id), stop)
     passed = report(exercise_id, outcome)
-    reference = get(exercise_id).reference
-    return None if reference is None else answer if passed else reference
+    ex = get(exercise_id)
+    if ex.withheld:
+        return answer if passed else None
+    return None if ex.reference is None else answer if passed else ex.reference
 
 
 def _timed_out(ex: Exercise, stop: TimeLimitReached) -> ExerciseFailed:

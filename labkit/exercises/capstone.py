@@ -2,15 +2,24 @@
 
 * ``07.diagnose``: ``diagnose(run) -> (faults found, changes)``: from the evidence of the
   learner's slow job (a :class:`labkit.capstone.CapstoneRun`), the ids of the faults it
-  carries, and the changes to its settings that remove them. The check compares the diagnosis
-  with the seed's answer key, then re-runs the job with the changes, for real: it names any
-  fault still present, and catches a change that trains a different model (the losses differ
-  from the job with the right settings), that slows the job, or that no named fault needs.
-  The learner's function sees what the learner sees: the run's measurements, not its faults
-  or settings (:meth:`labkit.capstone.CapstoneRun.public`).
+  carries, and the changes to its settings that remove them. The check grades what the changes
+  do, never the names alone: it re-runs the job with the changes, for real, and holds it
+  against the healthy job (the right settings): the speed, with a verdict on the step samples,
+  and the losses. While the job is not healthy it says which *measurements* still look wrong
+  (the step time against the healthy job's, the data phase's share, one rank's long forward,
+  all-reduces before the last micro-batch, threads against cores, the samples the ranks share,
+  the losses), never which faults are left or which named ones the job does not carry: that
+  would be the key. A named fault must come with changes of its own settings
+  (``capstone.FIXES``), a change must serve a named fault, and a fault named but fixed by
+  changes that change nothing in this job fails the check (without saying which). Every check
+  counts as an attempt in the learner's record (:mod:`labkit.capstone.attempts`), and its line
+  shows the count.
 
-The job the check uses is the one :func:`labkit.capstone.given_job` ran last in this kernel,
-so the check needs that cell to have run first.
+The learner's function sees what the learner sees: the run's measurements and job code, not
+its faults or settings (:meth:`labkit.capstone.CapstoneRun.public`). The job the check uses is
+the one :func:`labkit.capstone.given_job` ran last in this kernel, so the check needs that cell
+to have run first. Its reference is withheld (``withheld=True``): a learner's copy whose
+``diagnose`` is not done shows no diagnosis; the cells after it wait for the learner's own.
 """
 
 from __future__ import annotations
@@ -19,7 +28,19 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from labkit.capstone import BY_ID, FIXES, CapstoneRun, Settings, last_given, rerun
+from labkit import verdict
+from labkit.capstone import (
+    BY_ID,
+    FIXES,
+    CapstoneRun,
+    Settings,
+    attempts,
+    faults_in,
+    last_given,
+    rerun,
+)
+from labkit.capstone import settings as st
+from labkit.capstone.job import settings_after
 from labkit.exercises import ExerciseFailed, _require_callable, call, exercise, short_repr
 
 LOSS_TOLERANCE = 1e-4
@@ -97,10 +118,63 @@ def _answer(result: Any) -> tuple[set[str], dict[str, Any]]:
     return set(found), dict(changes)
 
 
-def _differences(s: Settings) -> list[str]:
-    right = Settings()
-    return [f"{f.name}={getattr(s, f.name)!r} (right: {getattr(right, f.name)!r})"
-            for f in dataclasses.fields(s) if getattr(s, f.name) != getattr(right, f.name)]  # fmt: skip
+def _steps(run: CapstoneRun) -> list[float]:
+    return run.ranks[0]["step_s"][1:] or run.ranks[0]["step_s"]  # every rank waits for the slowest
+
+
+def _looks_wrong(fixed: CapstoneRun, healthy: CapstoneRun, gap: float) -> list[str]:
+    """The measurements of ``fixed`` that still look wrong against ``healthy``, each as what
+    was measured (never a fault's name)."""
+    said = []
+    if fixed.tokens_per_s < SLOWER_THAN_RIGHT * healthy.tokens_per_s:
+        cmp = verdict.compare_times(_steps(fixed), _steps(healthy),
+                                    names=("your job's step", "the healthy job's step"))  # fmt: skip
+        said.append(f"step time {healthy.tokens_per_s / fixed.tokens_per_s:.1f}× the healthy "
+                    f"job's ({cmp.sentence.removeprefix(verdict.PREFIX)})")  # fmt: skip
+    e, h = fixed.evidence(), healthy.evidence()
+    if e["data_share"] > max(0.1, 2 * h["data_share"]):
+        said.append(f"the data phase is {e['data_share']:.0%} of the step (the healthy job's: "
+                    f"{h['data_share']:.0%})")  # fmt: skip
+    fwd = e["forward_s"]
+    if max(fwd) - min(fwd) > 0.05:
+        said.append(f"one rank's forward takes {(max(fwd) - min(fwd)) * 1e3:.0f} ms longer than "
+                    "another's (median per step)")  # fmt: skip
+    if e["allreduce_calls_before_last_micro_batch"] > 0:
+        said.append(f"{e['allreduce_calls_before_last_micro_batch']:g} all-reduce call(s) per step "
+                    "before its last micro-batch")  # fmt: skip
+    if e["grad_accum"] >= 8:
+        said.append(f"each rank's share of the batch is cut into {e['grad_accum']} micro-batches "
+                    f"of {e['micro_batch']}")  # fmt: skip
+    if e["threads_total"] > e["cores"]:
+        said.append(f"{e['threads_total']} PyTorch threads on {e['cores']} cores")
+    if e["first_epoch_overlap"] > 0:
+        said.append(f"the ranks share {e['first_epoch_overlap']:.0%} of their first epoch's samples")
+    if e["epochs_seen"] > 1 and e["epoch_repeats"]:
+        said.append("epoch 2 repeats epoch 1's order on every rank")
+    if fixed.tier != "cpu" and e["dtype"] == "float32":
+        said.append("the step computes in float32")
+    if fixed.tier != "cpu" and e["host_syncs_per_step"] >= e["grad_accum"]:
+        said.append(f"{e['host_syncs_per_step']:g} host sync(s) per step")
+    if gap > LOSS_TOLERANCE:
+        said.append(f"the losses differ from the healthy job's by up to {gap:.3g} (the same "
+                    f"training: under {LOSS_TOLERANCE:g})")  # fmt: skip
+    return said
+
+
+_UNRECORDED: list[int] = []  # attempts at a job without a code (a job built from faults)
+
+
+def _attempt(run: CapstoneRun) -> int:
+    if run.code is None:
+        return len(_UNRECORDED) + 1
+    return len(attempts.load(run.code)["attempts"]) + 1
+
+
+def _record(run: CapstoneRun, passed: bool, said: str) -> None:
+    if run.code is None:
+        _UNRECORDED.append(passed)
+    else:
+        attempts.add(run.code, passed, said)
 
 
 @exercise(
@@ -131,7 +205,7 @@ def _differences(s: Settings) -> list[str]:
         "0.5 → 'no_sampler', sampler='distributed', set_epoch=True; else epoch_repeats → "
         "'no_set_epoch', set_epoch=True",
     ),
-    reference=reference_diagnose,
+    withheld=True,  # a reference diagnosis run on the learner's job would print its key
     time_limit_s=300.0,
 )
 def _verify_diagnose(diagnose: Any) -> str:
@@ -141,55 +215,72 @@ def _verify_diagnose(diagnose: Any) -> str:
     run = last_given()
     if run is None:
         raise ExerciseFailed("no capstone job has run in this kernel yet: run the cell that "
-                             "calls capstone.given_job(seed) first, then this check")  # fmt: skip
+                             "calls capstone.given_job(job_code) first, then this check")  # fmt: skip
     found, changes = _answer(call(fn, run.public()))  # the learner sees measurements only
+    n = _attempt(run)
+
+    def fail(text: str) -> ExerciseFailed:
+        said = f"attempt {n}: {text}"
+        _record(run, False, said)
+        return ExerciseFailed(said)
+
+    # The answer's own consistency: its names against its changes (nothing of the key).
+    stray = sorted(set(changes) - {name for f in found for name in FIXES[f]})
+    if stray:
+        raise fail(f"your changes to {stray} fix none of the faults you named: every change "
+                   "needs a diagnosis behind it (capstone.FIXES says which settings fix which "
+                   "fault)")  # fmt: skip
+    bare = [f for f in found if not set(FIXES[f]) & set(changes)]
+    if bare:
+        raise fail(f"{len(bare)} of the faults you named come with no change of the settings "
+                   "that fix them (capstone.FIXES): a diagnosis counts by what its changes do")  # fmt: skip
     try:
+        after = settings_after(run, changes)
         fixed = rerun(run, changes, observers=[ProgressLines("07.diagnose: your changes")])
     except ValueError as err:
-        raise ExerciseFailed(f"your changes cannot run: {err}") from None
-    planted = set(run.faults)
-    left = [BY_ID[f] for f in fixed.faults]
-    if left:
-        raise ExerciseFailed(
-            f"the job re-run with your changes {changes} still carries "
-            f"{len(left)} fault(s): " + "; ".join(f"{f.id} ({f.title}: its evidence is {f.evidence})"
-                                                    for f in left))  # fmt: skip
-    if found != planted:
-        missed, wrong = sorted(planted - found), sorted(found - planted)
-        raise ExerciseFailed(
-            "your changes remove every fault, but the diagnosis does not match them"
-            + (f"; not named, though your changes fixed them: {missed}" if missed else "")
-            + (f"; named, but not in this job: {wrong} (read their evidence again)" if wrong else ""))  # fmt: skip
-    # The right job, split into the learner's micro-batches if theirs is a fair split (the
-    # same kernels and summation order, so the losses compare to rounding on any device).
-    cores, ranks = fixed.ranks[0]["cores"], len(fixed.ranks)
+        raise fail(f"your changes cannot run: {err}") from None
+    # The healthy job: the right settings, split into the learner's micro-batches if theirs
+    # is a fair split (the same kernels and summation order, so the losses compare to
+    # rounding on any device). A fix that restores it exactly is judged on its own run.
+    cores, ranks, tier = fixed.ranks[0]["cores"], len(fixed.ranks), run.tier
     fair: dict[str, Any] = {"threads_per_rank": max(1, cores // ranks)}
-    if (Settings().global_batch // ranks) % fixed.settings.micro_batch == 0:
-        fair["micro_batch"] = fixed.settings.micro_batch
-    right_settings = dataclasses.replace(Settings(), **fair)
-    same = fixed.settings in (right_settings, dataclasses.replace(right_settings, threads_per_rank=None))
-    right = fixed if same else rerun(run, dataclasses.asdict(right_settings),
-                                     observers=[ProgressLines("07.diagnose: the right settings")])  # fmt: skip
-    gap = max(abs(a - b) for a, b in zip(fixed.losses, right.losses, strict=True))
-    if gap > LOSS_TOLERANCE:
-        raise ExerciseFailed(
-            f"the job is fixed but trains a different model: its losses differ from the job "
-            f"with the right settings by up to {gap:.3g} (same training: under {LOSS_TOLERANCE:g}). "
-            f"Settings that differ: {', '.join(_differences(fixed.settings)) or 'none'}")  # fmt: skip
-    if fixed.tokens_per_s < SLOWER_THAN_RIGHT * right.tokens_per_s:
-        raise ExerciseFailed(
-            f"the fixed job ran {fixed.tokens_per_s:,.0f} tokens/s, below "
-            f"{SLOWER_THAN_RIGHT:.0%} of the {right.tokens_per_s:,.0f} of the job with the right "
-            f"settings (measured one after the other): one of your changes costs speed. "
-            f"Settings that differ: {', '.join(_differences(fixed.settings)) or 'none'}")  # fmt: skip
-    named = {name for f in found for name in FIXES[f]}
-    stray = sorted(set(changes) - named)
-    if stray:
-        raise ExerciseFailed(
-            f"your changes to {stray} fix none of the faults you named ({sorted(found)}): every "
-            f"change needs a diagnosis behind it (capstone.FIXES says which settings fix which "
-            f"fault)")  # fmt: skip
-    return (f"diagnose named the job's {len(planted)} planted faults ({', '.join(sorted(planted))}) "
-            f"and its changes removed them: {run.tokens_per_s:,.0f} → {fixed.tokens_per_s:,.0f} "
-            f"tokens/s ({fixed.tokens_per_s / run.tokens_per_s:.2f}×, measured), the same losses "
-            f"as the job with the right settings (largest difference {gap:.1e})")  # fmt: skip
+    if (Settings().global_batch // ranks) % after.micro_batch == 0:
+        fair["micro_batch"] = after.micro_batch
+    right = dataclasses.replace(Settings(), **fair)
+    same = after in (right, dataclasses.replace(right, threads_per_rank=None))
+    healthy = fixed if same else rerun(run, dataclasses.asdict(right),
+                                       observers=[ProgressLines("07.diagnose: the healthy job")])  # fmt: skip
+    gap = max(abs(a - b) for a, b in zip(fixed.losses, healthy.losses, strict=True))
+    left = faults_in(after, tier=tier, cores=cores, nproc=ranks)
+    slow = fixed.tokens_per_s < SLOWER_THAN_RIGHT * healthy.tokens_per_s
+    if left or gap > LOSS_TOLERANCE or slow:
+        wrong = _looks_wrong(fixed, healthy, gap)
+        raise fail(
+            f"the job re-run with your changes {changes} is not healthy yet: "
+            + ("; ".join(wrong) if wrong else
+               "it still differs from the healthy job in a way this run's measurements did not "
+               "show (a busy machine can hide a slow rank): read the evidence again, or rerun")
+            + f". The healthy job runs {healthy.tokens_per_s:,.0f} tokens/s; yours "
+              f"{fixed.tokens_per_s:,.0f}")  # fmt: skip
+    # Names whose changes change nothing in this job: the job is healthy, the diagnosis not.
+    given = settings_after(run, {})
+    carried = set(faults_in(given, tier=tier, cores=cores, nproc=ranks))
+
+    def removes(f: str) -> bool:
+        own = st.apply(given, {k: changes[k] for k in FIXES[f] if k in changes})
+        return bool(carried - set(faults_in(own, tier=tier, cores=cores, nproc=ranks)))
+
+    if not all(removes(f) for f in found):
+        raise fail("the job is healthy with your changes, but at least one fault you named is "
+                   "fixed by changes that change nothing in this job: name only what a "
+                   "measurement shows (the check does not say which: that would be the key)")  # fmt: skip
+    cmp = verdict.compare_times(_steps(fixed), _steps(run), names=("fixed step", "given step"))
+    record = attempts.load(run.code) if run.code else {}
+    said = (f"attempt {n}: your {len(changes)} change(s) made the job healthy: "
+            f"{run.tokens_per_s:,.0f} → {fixed.tokens_per_s:,.0f} tokens/s "
+            f"({fixed.tokens_per_s / run.tokens_per_s:.2f}×, measured; "
+            f"{cmp.sentence.removeprefix(verdict.PREFIX)}), the healthy job "
+            f"{healthy.tokens_per_s:,.0f} tokens/s, the same losses (largest difference {gap:.1e})"
+            + (f"; you had opened this job's key ({record['gave_up']})" if record.get("gave_up") else ""))  # fmt: skip
+    _record(run, True, said)
+    return said

@@ -9,7 +9,8 @@ what each one means: :mod:`labkit.capstone.faults`), and reports what the tools 
 00–06 would show: per-step phase times, the all-reduces issued, its threads, the sample indices
 it trained on, and the losses.
 
-Config (all optional):
+Config (all optional; :func:`labkit.capstone.run_job` passes the settings below as one
+``sealed`` text, :func:`labkit.capstone.keys.seal`, so the job spec names no fault):
     model          GPT fields (seq_len, n_layer, n_head, d_model); default the smoke model
     faults         fault ids planted in this run (default none)
     global_batch   sequences per optimizer step over all ranks (default 32)
@@ -57,6 +58,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from labkit import dist
 from labkit.capstone.faults import BY_ID
+from labkit.capstone.keys import unseal
 from labkit.config import ModelConfig, TrainConfig
 from labkit.model import GPT
 from labkit.parallel import comm
@@ -145,6 +147,8 @@ class Recording(Sampler[int]):
 
 
 def _check(cfg: dict[str, Any], n: int) -> dict[str, Any]:
+    if "sealed" in cfg:  # labkit.capstone.run_job seals the settings out of the job spec's sight
+        cfg = {**{k: v for k, v in cfg.items() if k != "sealed"}, **unseal(cfg["sealed"])}
     faults = list(cfg.get("faults", []))
     unknown = sorted(set(faults) - set(FAULTS))
     if unknown:
