@@ -325,3 +325,19 @@ def test_the_check_runs_the_real_job_and_passes_the_solution_only(capsys, monkey
     with pytest.raises(ex.ExerciseFailed, match=r"attempt 2: .*not healthy yet: step time") as info:
         ex.verify("07.diagnose", reads_everything)
     assert not names_a_fault(str(info.value)), str(info.value)
+
+
+def test_a_change_that_cannot_run_is_refused_and_the_attempt_kept(given, monkeypatch, tmp_path):
+    monkeypatch.setenv("LABKIT_HOME", str(tmp_path))
+    job = excap.last_given()
+    job.code = capstone.example_code("cpu")
+
+    def bad(run):  # a diagnosis whose change is not a value the job takes
+        return {"slow_loader"}, {"prepare_data": "never"}
+
+    with pytest.raises(ex.ExerciseFailed, match="attempt 1: your changes cannot run: ") as err:
+        ex.verify("07.diagnose", bad)
+    assert "prepare_data" in str(err.value) and not given  # refused before any re-run
+    record = json.loads(attempts.path(job.code).read_text())
+    assert [a["passed"] for a in record["attempts"]] == [False]
+    assert "cannot run" in record["attempts"][0]["said"]
