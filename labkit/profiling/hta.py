@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from labkit.profiling.overlap import COMM, gpu_split, rank_times
+from labkit.profiling.overlap import gpu_split, kernel_kind, rank_times
 from labkit.profiling.trace import GPU_WORK, Trace, TraceError, load_traces
 
 ANALYSES: dict[str, str] = {
@@ -97,7 +97,7 @@ class _Contents:
             rank = t.rank if t.rank is not None else k
             work = t.spans(cat=GPU_WORK)
             kernels[rank] = len(work)
-            comm[rank] = sum(1 for s in work if s.cat == "kernel" and COMM.search(s.name))
+            comm[rank] = sum(1 for s in work if kernel_kind(s) == "communication")
         return cls(sorted(kernels), kernels, comm)
 
     def why_empty(self, name: str) -> str:
