@@ -95,14 +95,21 @@ def _capstone(args: argparse.Namespace) -> int:
     except (capstone.SeedError, keys.CapstoneKeyError) as err:
         return refuse(str(err))
     if args.action == "reveal":
-        print(capstone.reveal(seed, tier, key), end="")
+        print(capstone.reveal(seed, tier, key, args.level), end="")
         return 0
-    code = keys.code_for(capstone.plan(seed, tier, key), tier, seed)
-    print(f"capstone job {code} (seed {seed}, {tier} tier): give the learner this code, as "
+    code = keys.code_for(capstone.plan(seed, tier, key, args.level), tier, seed)
+    print(f"capstone job {code} (seed {seed}, {tier} tier, level {args.level}): give the "
+          f"learner this code, as "
           f"job_code={code!r} in notebook 07 (or LABKIT_CAPSTONE_JOB={code})")
     print(f"your key file: {key.path} ({'made now, mode 0600' if made else 'the one you had'}): "
           "keep it to yourself and keep a copy; with it, reveal --seed N shows a seed's faults")
     return 0
+
+
+def capstone_levels() -> tuple[str, ...]:
+    from labkit.capstone.faults import LEVELS
+
+    return tuple(LEVELS)
 
 
 def _notebooks(args: argparse.Namespace) -> int:
@@ -150,9 +157,15 @@ def main(argv: list[str] | None = None) -> int:
                           "attempt record)")
     cap.add_argument("--job", metavar="CODE",
                      help="with --give-up: the job code to open (default: the last job run here)")
-    cap.add_argument("--tier", choices=["cpu", "multi-gpu"],
+    cap.add_argument("--level", choices=list(capstone_levels()), default="standard",
+                     help="how many faults and how subtle: intro (3, each shown by one "
+                          "measurement), standard (4, some by a comparison), expert (5, some "
+                          "only in a trace or a series); reveal needs the level the code was "
+                          "made at (default standard)")
+    cap.add_argument("--tier", choices=["cpu", "single-gpu", "multi-gpu"],
                      help="the tier notebook 07's job runs on: multi-gpu with a GPU per rank, "
-                          "else cpu (default: this machine's)")
+                          "single-gpu for a one-rank job on one GPU, else cpu (default: this "
+                          "machine's)")
     cap.set_defaults(fn=_capstone)
     nb = sub.add_parser("notebooks", help="generate notebooks/ from solutions/")
     nb.add_argument("--check", action="store_true", help="only compare; exit 1 on drift")

@@ -53,14 +53,19 @@ def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextMana
     return torch.autocast(device_type=device.type, dtype=DTYPES[dtype])
 
 
-def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (biases and LayerNorm gains are exempt)."""
+def make_optimizer(model: nn.Module, cfg: TrainConfig, *, foreach: bool | None = None,
+                   fused: bool | None = None) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (biases and LayerNorm gains are exempt).
+
+    ``foreach``/``fused``: AdamW's implementation (None: torch's own choice, foreach for CUDA
+    tensors and a loop over the tensors otherwise; https://docs.pytorch.org/docs/stable/optim.html)."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=cfg.adam_eps)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=cfg.adam_eps,
+                             foreach=foreach, fused=fused)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

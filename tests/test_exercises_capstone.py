@@ -18,48 +18,80 @@ from labkit.capstone import settings as st
 from labkit.exercises import capstone as excap
 
 SOLUTION = """
+import math
+import statistics
+
+from labkit.capstone.evidence import OUTSIDE, median
+
+
 def diagnose(run):
     \"\"\"(the fault ids `run`'s evidence shows, the setting changes that remove them).\"\"\"
     # BEGIN SOLUTION
-    e = run.evidence()
+    e, f = run.evidence(), run.evidence().facts()
     found, changes = set(), {}
-    if e["threads_total"] > e["cores"]:  # threads fighting over the cores
-        found.add("oversubscribed_threads")
-        changes["threads_per_rank"] = max(1, e["cores"] // len(e["forward_s"]))
-    if e["data_share"] > 0.1:  # prepared data costs a few per cent of a step
-        found.add("slow_loader")
-        changes["prepare_data"] = "once"
-    # A straggler's delay is in its forward in (nearly) every step, and the others wait as
-    # long in backward; threads fighting over cores slow a rank in some steps, not all.
-    fwd, bwd, steps = e["forward_s"], e["backward_s"], e["forward_steps_s"]
-    slow = max(range(len(fwd)), key=fwd.__getitem__)
 
-    def slower_in_most_steps(r):  # rank `slow`'s forward 50 ms longer than r's, 4 steps of 5
-        gaps = sorted(a - b for a, b in zip(steps[slow], steps[r], strict=True))
-        return gaps[len(gaps) // 5] > 0.05
+    def fault(name, **fix):
+        found.add(name)
+        changes.update(fix)
 
-    if any(slower_in_most_steps(r) and bwd[r] - bwd[slow] > 0.025
-           for r in range(len(fwd)) if r != slow):
-        found.add("straggler")
-        changes["straggler_delay_s"] = 0.0
-    if e["grad_accum"] >= 8:  # a rank's share cut into 8 or more micro-batches
-        found.add("tiny_micro_batch")
-        changes["micro_batch"] = e["micro_batch"] * e["grad_accum"] // 2
-    if e["allreduce_calls_before_last_micro_batch"] > 0:  # no no_sync
-        found.add("sync_every_micro_batch")
-        changes["no_sync"] = True
-    if run.tier != "cpu" and e["dtype"] == "float32":
-        found.add("fp32_on_gpu")
-        changes["dtype"] = "bfloat16"
-    if run.tier != "cpu" and e["host_syncs_per_step"] >= e["grad_accum"]:
-        found.add("host_sync")  # a wait for the GPU in every micro-batch
-        changes["loss_item_every_micro_batch"] = False
-    if e["first_epoch_overlap"] > 0.5:  # the ranks trained on the same samples
-        found.add("no_sampler")
-        changes.update(sampler="distributed", set_epoch=True)
-    elif e["epochs_seen"] > 1 and e["epoch_repeats"]:
-        found.add("no_set_epoch")
-        changes["set_epoch"] = True
+    # The machine and the runtime first: they make every other number erratic.
+    if f["threads"] * e.world_size > e.cores:  # threads fighting over the cores
+        fault("oversubscribed_threads", threads_per_rank=max(1, e.cores // e.world_size))
+    if f["runtime"]["anomaly_enabled"]:  # a debugging mode: a traceback kept for every op
+        fault("anomaly_mode", anomaly_detection=False)
+    # Time: where each step goes, per rank (medians leave the warm-up step out).
+    data, step = e.phase_ms("data"), e.phase_ms("step")
+    if max(median(d) / median(s) for d, s in zip(data, step, strict=True)) > 0.1:
+        fault("slow_loader", prepare_data="once")  # prepared data costs under 1% of a step here
+    fwd, bwd = e.phase_ms("forward"), e.phase_ms("backward")
+    slow = max(range(e.world_size), key=lambda r: median(fwd[r]))
+
+    def slower_in_most_steps(r):  # `slow`'s forward 50 ms longer than r's, 4 steps of 5
+        gaps = sorted(a - b for a, b in zip(fwd[slow][1:], fwd[r][1:], strict=True))
+        return gaps[len(gaps) // 5] > 50
+
+    # A straggler's delay is in its forward in (nearly) every step while the others wait as
+    # long in backward's all-reduce; threads fighting over cores slow a rank in some steps only.
+    if any(slower_in_most_steps(r) and median(bwd[r]) - median(bwd[slow]) > 25
+           for r in range(e.world_size) if r != slow):
+        fault("straggler", straggler_delay_s=0.0)
+    ops = e.ops_by_phase(0)  # the profiler trace's operators, per phase, per step
+    if ops[OUTSIDE]["aten::linear"] > 0:  # a forward pass that is not training's
+        fault("eval_every_step", eval_every_steps=0)
+    if ops["backward"]["aten::linear"] > 0:  # backward re-running the forward's layers
+        fault("needless_recompute", activation_checkpointing=False)
+    # Batch and communication: micro-batches, and what each one's backward sends.
+    if f["grad_accum"] >= 8:  # a rank's share cut into 8 or more pieces
+        fault("tiny_micro_batch", micro_batch=f["micro_batch"] * f["grad_accum"] // 2)
+    calls = e.allreduce_calls[0]  # [step][micro-batch]
+    if any(median([s[j] for s in calls]) > 0 for j in range(len(calls[0]) - 1)):
+        fault("sync_every_micro_batch", no_sync=True)  # no no_sync: every micro-batch syncs
+    buckets = math.ceil(f["model"]["gradient_bytes"] / (25 * 2**20))  # DDP's default cap
+    if median([s[-1] for s in calls]) > buckets + 1:  # many small messages, not a few large
+        fault("small_buckets", bucket_cap_mb=25.0)
+    # On a GPU: precision, host syncs, the optimizer's kernels, copies, alignment, NCCL.
+    if run.tier != "cpu":
+        if f["runtime"]["autocast_dtype"] == "float32":
+            fault("fp32_on_gpu", dtype="bfloat16")
+        if median(e.host_syncs[0]) >= f["grad_accum"]:  # a wait in every micro-batch
+            fault("host_sync", loss_item_every_micro_batch=False)
+        if not any(op.startswith(("aten::_foreach", "aten::_fused")) for op in ops["optimizer"]):
+            fault("unfused_optimizer", optimizer="default")  # one kernel set per tensor
+        if any("Pageable" in kind for kind in e.gpu_copies(0)):
+            fault("unpinned_copies", pin_memory=True)
+        if f["model"]["vocab_size"] % 64:
+            fault("misaligned_vocab", vocab_multiple=64)
+        if any(e.facts(r)["env"].get("NCCL_P2P_DISABLE") == "1" for r in range(e.world_size)):
+            fault("nccl_p2p_disabled", nccl_p2p=True)
+    # Correctness: what the ranks trained on, and how the gradient behaves.
+    first = [set(epochs[0]) for epochs in e.samples]
+    if len(first[0] & first[-1]) > len(first[0]) / 2:  # the ranks trained on the same samples
+        fault("no_sampler", sampler="distributed", set_epoch=True)
+    elif all(len(ep) > 1 and ep[1] == ep[0][: len(ep[1])] for ep in e.samples):
+        fault("no_set_epoch", set_epoch=True)  # epoch 2 repeats epoch 1's order
+    norms = e.grad_norm[0]
+    if statistics.median(norms[-3:]) > 2 * statistics.median(norms[:3]):
+        fault("no_zero_grad", zero_grad=True)  # gradients adding up across steps
     return found, changes
     # END SOLUTION
 answer = diagnose
@@ -74,32 +106,81 @@ def names_a_fault(text: str) -> list[str]:
     return FAULT_ID.findall(text)
 
 
-def fake_run(settings: st.Settings, *, tokens_per_s: float = 1000.0,
-             losses: tuple[float, ...] = (3.0, 2.9)) -> capstone.CapstoneRun:  # fmt: skip
-    """A stand-in for a run of ``settings``: its faults read from the settings, its numbers
-    given (2 ranks on 2 cores, the CPU tier); its evidence (see ``given``) shows its faults."""
-    faults = st.faults_in(settings, tier="cpu", cores=2, nproc=2)
+def stand_in_rank(rank: int, settings: st.Settings, faults: tuple[str, ...], *,
+                  tokens_per_s: float, losses: tuple[float, ...], cores: int) -> dict:
+    """What a rank of a job with ``settings`` reports (the worker's fields), its numbers made
+    up to show ``faults`` as a real run does (test_capstone.py measures the real ones)."""
+    steps, share = 8, 16
+    k = share // settings.micro_batch
     step = 32 * 64 / tokens_per_s
-    rank = {"tokens_per_s": tokens_per_s, "losses": list(losses), "world_size": 2, "cores": 2,
-            "step_s": [step * (1 + 0.01 * i) for i in range(8)], "stand_in_faults": faults}  # fmt: skip
-    return capstone.CapstoneRun(faults, [rank, rank], 1.0, settings=settings, tier="cpu",
-                                seed=10)  # fmt: skip
-
-
-def stand_in_evidence(run: capstone.CapstoneRun) -> dict:
-    f = run.ranks[0]["stand_in_faults"]
+    data = step * (0.3 if "slow_loader" in faults else 0.01)
+    other = step * (0.3 if "eval_every_step" in faults else 0.01)
+    rest = step - data - other - 0.05 * step  # forward and backward, 1:2 (1:3 recomputing)
+    fwd = rest / (4 if "needless_recompute" in faults else 3)
+    bwd = rest - fwd
+    if "straggler" in faults:  # the last rank's forward holds 100 ms that rank 0 waits out
+        fwd, bwd = (fwd, bwd) if rank == 1 else (fwd - 0.1, bwd + 0.1)
+    early = 1 if "sync_every_micro_batch" in faults else 0
+    last = 14 if "small_buckets" in faults else 1
+    order = list(range(64)) if rank == 0 or "no_sampler" in faults else list(range(64, 128))
+    again = order if "no_set_epoch" in faults or "no_sampler" in faults else order[::-1]
+    norms = [0.6 * (i + 1) for i in range(steps)] if "no_zero_grad" in faults else [0.6] * steps
     return {
-        "data_share": 0.3 if "slow_loader" in f else 0.02,
-        "grad_accum": 16 if "tiny_micro_batch" in f else 2,
-        "micro_batch": 1 if "tiny_micro_batch" in f else 8, "allreduce_calls_per_step": 1,
-        "allreduce_calls_before_last_micro_batch": int("sync_every_micro_batch" in f),
-        "forward_s": [0.007, 0.107] if "straggler" in f else [0.007, 0.008],
-        "backward_s": [0.11, 0.013] if "straggler" in f else [0.013, 0.013],
-        "forward_steps_s": [[0.007] * 7, [0.107 if "straggler" in f else 0.008] * 7],
-        "threads_total": 4 if "oversubscribed_threads" in f else 2, "cores": 2,
-        "first_epoch_overlap": 1.0 if "no_sampler" in f else 0.0, "epochs_seen": 2,
-        "epoch_repeats": "no_set_epoch" in f or "no_sampler" in f,
-        "dtype": "float32", "host_syncs_per_step": 0}  # fmt: skip
+        "rank": rank, "world_size": 2, "device": "cpu", "backend": "gloo", "cores": cores,
+        "tokens_per_s": tokens_per_s, "losses": list(losses), "val_losses": [(steps, 4.6)],
+        "step_s": [step * (1 + 0.001 * i) for i in range(steps)], "data_s": [data] * steps,
+        "forward_s": [fwd] * steps, "backward_s": [bwd] * steps,
+        "optimizer_s": [0.05 * step] * steps,
+        "allreduce_calls": [[early] * (k - 1) + [last]] * steps,
+        "allreduce_bytes": [[early * 500_000] * (k - 1) + [500_000]] * steps,
+        "grad_norm": norms, "memory_mb": [330.0] * steps, "host_syncs": [0] * steps,
+        "threads": settings.threads_per_rank or max(1, cores // 2), "env": {},
+        "runtime": {"anomaly_enabled": "anomaly_mode" in faults, "autocast_dtype": "float32"},
+        "loader": {"dataset": "Prepared", "item_ms": 0.002}, "optimizer": {"class": "AdamW"},
+        "model": {"vocab_size": 320, "gradient_bytes": 500_000, "tensors": 36, "parameters": 125_000},
+        "global_batch": 32, "micro_batch": settings.micro_batch, "grad_accum": k,
+        "indices": [order, again], "trace": None, "stand_in_faults": faults,
+    }  # fmt: skip
+
+
+def fake_run(settings: st.Settings, *, tokens_per_s: float = 1000.0,
+             losses: tuple[float, ...] = (3.0, 2.9), cores: int = 2) -> capstone.CapstoneRun:  # fmt: skip
+    """A stand-in for a run of ``settings``: its faults read from the settings, its numbers
+    given (2 ranks on ``cores`` cores, the CPU tier); its evidence shows its faults."""
+    faults = st.faults_in(settings, tier="cpu", cores=cores, nproc=2)
+    ranks = [stand_in_rank(r, settings, faults, tokens_per_s=tokens_per_s, losses=losses,
+                           cores=cores) for r in range(2)]  # fmt: skip
+    return capstone.CapstoneRun(faults, ranks, 1.0, settings=settings, tier="cpu", seed=10)
+
+
+def stand_in_ops(self, rank=0):
+    """The traced operators per phase of a stand-in run (no trace file): a forward outside the
+    phases under eval_every_step, forward layers in backward under needless_recompute."""
+    from collections import Counter
+
+    from labkit.capstone.evidence import OUTSIDE, PHASES
+
+    f = self.ranks[rank]["stand_in_faults"]
+    ops = {p: Counter() for p in (*PHASES, OUTSIDE)}
+    ops["forward"]["aten::linear"] = 24
+    ops["backward"]["aten::linear"] = 24 if "needless_recompute" in f else 0
+    ops[OUTSIDE]["aten::linear"] = 48 if "eval_every_step" in f else 0
+    return ops
+
+
+@pytest.fixture(autouse=True)
+def _stand_in_traces(monkeypatch):
+    """Stand-in runs have no trace files: their operators come from stand_in_ops."""
+    from labkit.capstone.evidence import Evidence
+
+    real = Evidence.ops_by_phase
+
+    def ops_by_phase(self, rank=0):
+        if "stand_in_faults" in self.ranks[rank]:
+            return stand_in_ops(self, rank)
+        return real(self, rank)
+
+    monkeypatch.setattr(Evidence, "ops_by_phase", ops_by_phase)
 
 
 @pytest.fixture
@@ -122,7 +203,6 @@ def given(monkeypatch):
 
     monkeypatch.setattr(excap, "last_given", lambda: job)
     monkeypatch.setattr(excap, "rerun", rerun)
-    monkeypatch.setattr(capstone.CapstoneRun, "evidence", stand_in_evidence)
     return reruns
 
 
@@ -145,7 +225,7 @@ def test_check_passes_on_the_solution_and_on_the_reference(given, capsys):
 
 def test_the_stub_is_not_done_gives_nothing_away_and_later_cells_wait(given, capsys):
     assert_stub_is_not_done("07.diagnose", SOLUTION, capsys,
-                            secrets=("data_share", "prepare_data", "set_epoch"))  # fmt: skip
+                            secrets=("prepare_data", "set_epoch", "anomaly_detection"))  # fmt: skip
     stub = run_cell(__import__("exercise_cells").stub_of(SOLUTION))
     assert ex.check("07.diagnose", stub) is None
     assert "Later cells wait for your answer" in capsys.readouterr().out
@@ -173,7 +253,7 @@ RIGHT = {"prepare_data": "once", "straggler_delay_s": 0.0, "set_epoch": True}
      r"changes that change nothing"),
     (answer(PLANTED, {**RIGHT, "threads_per_rank": 4}), r"your changes to \['threads_per_rank'\]"),
     (answer((*PLANTED, "oversubscribed_threads"), {**RIGHT, "threads_per_rank": 4}),
-     r"not healthy yet: step time .*4 PyTorch threads on 2 cores"),
+     r"not healthy yet: step time .*8 PyTorch threads on 2 cores"),
     (answer((*PLANTED, "tiny_micro_batch"), {**RIGHT, "micro_batch": 5}),
      r"cannot run: micro_batch=5 does not divide a rank's share .* use one of \[1, 2, 4, 8, 16\]"),
     (answer(PLANTED, {**RIGHT, "workers": 2}), r"your changes to \['workers'\] fix none"),
@@ -197,13 +277,9 @@ def test_a_change_that_costs_speed_is_caught(monkeypatch):
     """Too few threads removes oversubscription but runs slower than the right job (stand-in
     numbers: one thread per rank on 4 cores against a fair two)."""
     def run_of(settings, tokens_per_s):
-        faults = st.faults_in(settings, tier="cpu", cores=4, nproc=2)
-        rank = {"tokens_per_s": tokens_per_s, "losses": [3.0, 2.9], "world_size": 2, "cores": 4,
-                "step_s": [2048 / tokens_per_s] * 6, "stand_in_faults": faults}
-        return capstone.CapstoneRun(faults, [rank, rank], 1.0, settings=settings, seed=3)
+        return fake_run(settings, tokens_per_s=tokens_per_s, cores=4)
 
     job = run_of(st.given(["oversubscribed_threads"], cores=4), 300.0)
-    monkeypatch.setattr(capstone.CapstoneRun, "evidence", stand_in_evidence)
     monkeypatch.setattr(excap, "last_given", lambda: job)
     monkeypatch.setattr(excap, "rerun", lambda run, changes, **kw: run_of(
         st.apply(run.settings, changes),
@@ -341,3 +417,30 @@ def test_a_change_that_cannot_run_is_refused_and_the_attempt_kept(given, monkeyp
     record = json.loads(attempts.path(job.code).read_text())
     assert [a["passed"] for a in record["attempts"]] == [False]
     assert "cannot run" in record["attempts"][0]["said"]
+
+
+CPU_FAULTS = [f.id for f in capstone.available("cpu")]
+
+
+@pytest.mark.parametrize("fault", CPU_FAULTS)
+def test_every_fault_left_in_is_described_by_a_measurement_never_by_name(fault, monkeypatch):
+    """A job carrying one fault, answered with nothing found: the check names at least one
+    measurement that looks wrong, and no fault."""
+    job = fake_run(st.given([fault], cores=2), tokens_per_s=300.0)
+
+    def rerun(run, changes, **kwargs):
+        s = st.apply(run.settings, changes)
+        left = st.faults_in(s, tier="cpu", cores=2, nproc=2)
+        slow = any(capstone.BY_ID[f].kind == "speed" for f in left)
+        other = s.sampler != "distributed" or not s.set_epoch or not s.zero_grad
+        return fake_run(s, tokens_per_s=150.0 if slow else 1000.0,
+                        losses=(3.0, 2.5) if other else (3.0, 2.9))  # fmt: skip
+
+    monkeypatch.setattr(excap, "last_given", lambda: job)
+    monkeypatch.setattr(excap, "rerun", rerun)
+    with pytest.raises(ex.ExerciseFailed, match="not healthy yet: ") as info:
+        ex.verify("07.diagnose", lambda run: (set(), {}))
+    said = str(info.value)
+    assert "in a way this run's measurements did not show" not in said, said
+    assert not names_a_fault(said.split("with your changes")[1]), said
+    assert excap.reference_diagnose(job)[0] == {fault}

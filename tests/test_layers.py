@@ -25,6 +25,7 @@ LAYERS: dict[str, int] = {
     "ids": -1,
     # foundations: no labkit imports
     "config": 0, "timing": 0, "formulas": 0, "_spawn": 0, "quiz": 0,
+    "sealed": 0,  # opaque text for a job spec (the capstone's settings): no labkit imports
     # facts about the machine, the data, the model, the worker side of a job
     "hardware": 1, "data": 1, "dist": 1, "model": 1,
     # training, processes, metric collection
@@ -41,9 +42,11 @@ LAYERS: dict[str, int] = {
     "fp8": 4,  # fp8 cast numerics and torchao fp8 training, over precision
     "profiling": 4,  # traces, phases, memory timelines, Nsight commands, planted bottlenecks
     "collective_debug": 4,  # planted collective bugs run for real, and what each tool reports
-    "capstone": 4,  # notebook 07's planted faults: the catalogue, the seeds, the job's runner
     # the jobs notebooks launch
     "workers": 5,
+    # notebook 07's planted faults: the catalogue, the seeds, the job's runner, its evidence
+    # (read with the profiling tools)
+    "capstone": 5,
     # what real GPUs measured, shipped for learners without one: figures and profiles, their
     # loaders and displays, and the recorder of notebook 06's step (over profiling and train)
     "recordings": 5,

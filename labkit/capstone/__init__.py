@@ -1,23 +1,27 @@
 """Notebook 07's capstone: a real data-parallel job that is slower than it should be (or
 wrong), with faults planted from a seed, and the measurements that find each one.
 
-    faults     the catalogue (FAULTS), which faults a seed plants under the instructor's key
-               (plan), the answer key (reveal)
+    faults     the catalogue (FAULTS), which faults a seed plants at a level (LEVELS) under the
+               instructor's key (plan), the answer key (reveal)
     keys       the instructor's key file, the learner's job code (faults sealed), the seal
     attempts   the learner's attempt record: checks counted, the key opened or not
     settings   the job's knobs (Settings): what a code sets wrong, what a learner changes
     job        run_job(faults), given_job(code), new_job(tier), rerun(run, changes): the job
-               launched for real, and its evidence
+               launched for real
+    evidence   Evidence: what the job measured and says about itself, raw, with the tables
+               and trace readers to study it
 
 Importing this package launches nothing.
 """
 
 from __future__ import annotations
 
+from labkit.capstone.evidence import Evidence
 from labkit.capstone.faults import (
     BY_ID,
+    DEFAULT_LEVEL,
     FAULTS,
-    PLANTED,
+    LEVELS,
     Fault,
     SeedError,
     available,
@@ -44,12 +48,14 @@ from labkit.capstone.settings import FIXES, Settings, faults_in
 
 __all__ = [
     "BY_ID",
+    "DEFAULT_LEVEL",
     "EXAMPLE_FAULTS",
     "FAULTS",
     "FIXES",
-    "PLANTED",
+    "LEVELS",
     "CapstoneKeyError",
     "CapstoneRun",
+    "Evidence",
     "Fault",
     "SeedError",
     "Settings",

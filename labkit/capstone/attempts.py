@@ -3,7 +3,7 @@ opened (``python -m labkit capstone reveal --give-up``).
 
 One JSON file per job code under ``labkit_home()/capstone/attempts/``::
 
-    {"job": "cpu-1234-7bnx2qa", "started": "2025-...", "gave_up": null,
+    {"job": "cpu-1234-d22vgd54", "started": "2025-...", "gave_up": null,
      "attempts": [{"at": "...", "passed": false, "said": "step time 2.9x the healthy job's; ..."}]}
 
 The record holds what the learner was told, never the faults.

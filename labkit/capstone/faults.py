@@ -3,23 +3,34 @@
 The capstone job (:mod:`labkit.capstone.job`) is a real data-parallel training run that is
 slower than it should be, or wrong. Each :class:`Fault` below is one real cause, planted by a
 switch of the worker (:mod:`labkit.workers.capstone_train`) and removed by its fix; each is
-visible with the tools of notebooks 00–06 (``evidence``). A seed and the instructor's key
+visible with the tools of notebooks 00–06 (``where`` says which, never what value is wrong:
+that judgement is the learner's). A seed, a difficulty level and the instructor's key
 (:func:`plan`, :mod:`labkit.capstone.keys`) pick which faults a learner's job carries, so an
 instructor can hand every learner their own job and keep the answer key
 (``python -m labkit capstone reveal --seed N``, which needs the key file); the seed alone says
 nothing.
 
-Tiers: two faults have no signature on a CPU (a CPU has no launch queue for a host sync to
-drain, and no bf16 tensor cores for fp32 to leave idle): on the CPU tier a seed draws only
-from the faults a CPU can show, and the notebook says which ones it left out and why.
+Tiers: six faults need a GPU to show (a CPU has no launch queue for a host sync to drain, no
+bf16 tensor cores, no host-to-device copy, no fused optimizer path) and one needs NCCL between
+GPUs: a seed on a tier draws only from the faults that tier can show, and ``why_not`` says why
+a tier leaves a fault out.
 
 Sources for the symptoms and fixes: PyTorch's performance tuning guide
 (https://docs.pytorch.org/tutorials/recipes/recipes/tuning_guide.html: data loading workers,
-avoiding CPU-GPU syncs, mixed precision, no_sync under accumulation); the
-``DistributedSampler`` docs (``set_epoch`` "to make shuffling work properly across multiple
-epochs", https://docs.pytorch.org/docs/stable/data.html#torch.utils.data.distributed.DistributedSampler);
+pinned memory and non_blocking copies, avoiding CPU-GPU syncs, mixed precision, sizes in
+multiples of 8 for tensor cores, no_sync under accumulation); the ``DistributedSampler`` docs
+(``set_epoch`` "to make shuffling work properly across multiple epochs",
+https://docs.pytorch.org/docs/stable/data.html#torch.utils.data.distributed.DistributedSampler);
 torchrun's default of ``OMP_NUM_THREADS=1`` per worker ("to avoid your system being
-overloaded", torch/distributed/run.py).
+overloaded", torch/distributed/run.py); ``DistributedDataParallel``'s ``bucket_cap_mb``
+(default 25) in torch/nn/parallel/distributed.py; ``torch.autograd.detect_anomaly``'s warning
+that it "should be enabled only for debugging" because it slows execution (torch/autograd/
+anomaly_mode.py); activation checkpointing's extra forward in backward
+(torch/utils/checkpoint.py; Chen et al. 2016, arXiv:1604.06174); the optimizer docs on the
+foreach and fused implementations (https://docs.pytorch.org/docs/stable/optim.html); nanoGPT's
+vocabulary "padded up to nearest multiple of 64 for efficiency" (karpathy/nanoGPT, model.py);
+NCCL's ``NCCL_P2P_DISABLE`` ("disables the peer to peer (P2P) transport",
+https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html).
 """
 
 from __future__ import annotations
@@ -31,6 +42,15 @@ from dataclasses import dataclass
 from labkit.capstone.keys import Key
 
 TIERS = ("cpu", "single-gpu", "multi-gpu")
+GPU_TIERS = ("single-gpu", "multi-gpu")
+ALL_TIERS = TIERS
+
+LEVELS: dict[str, tuple[int, int]] = {"intro": (3, 1), "standard": (4, 2), "expert": (5, 3)}
+"""Difficulty: level → (faults planted, the subtlest fault drawn). ``intro`` plants three
+faults that one look at the right measurement shows; ``standard`` four, some of which need a
+comparison across ranks, micro-batches or steps; ``expert`` five, some of which only a trace
+or a series read with care shows."""
+DEFAULT_LEVEL = "standard"
 
 
 @dataclass(frozen=True)
@@ -41,92 +61,172 @@ class Fault:
     title: str
     symptom: str
     """What a learner sees first."""
-    evidence: str
-    """The measurement that proves it (and the notebook that taught it)."""
+    where: str
+    """Where to look (the tool, and the notebook that taught it), with no threshold: deciding
+    what a healthy value is, is the learner's part."""
     fix: str
     kind: str
     """"speed" (the job is slower than it must be) or "correctness" (its result is wrong)."""
-    needs_gpu: bool = False
-    """True: no signature on a CPU, so a CPU-tier seed never plants it."""
+    subtlety: int
+    """1: one look at the right measurement shows it; 2: it takes a comparison (across ranks,
+    micro-batches, steps, or against a formula); 3: only a trace or a series read with care."""
+    tiers: tuple[str, ...] = ALL_TIERS
+    """The tiers whose job can show it; a seed on any other tier never plants it."""
     group: str = ""
     """Faults of one group are alternatives: a seed plants at most one of them."""
-    why_not_on_cpu: str = ""
+    why_not: str = ""
+    """Why the tiers it leaves out cannot show it (said when a tier leaves it out)."""
 
 
 FAULTS: tuple[Fault, ...] = (
     Fault(
         "slow_loader", "data loading on the critical path",
         "low device utilisation; every step starts with a wait",
-        "the share of each iteration spent waiting for the next batch (notebook 06's data "
-        "phase): well above the few per cent a prepared dataset costs",
+        "each step's data phase against its compute (notebook 06's phase split), and what one "
+        "item of the dataset costs (the loader facts)",
         "take the work out of __getitem__: tokenise once, ahead of training (or, with cores "
-        "to spare, DataLoader workers)", "speed",
+        "to spare, DataLoader workers)", "speed", 1,
     ),
     Fault(
         "tiny_micro_batch", "a micro-batch far below what fits",
         "low FLOP/s; memory nearly empty",
-        "the micro-batch and its accumulation steps; notebook 05's sweep: tokens/s still "
-        "rising at that batch, memory far below the limit",
+        "the micro-batch and its accumulation steps against memory and speed (notebook 05's "
+        "sweep: where tokens/s stops rising)",
         "raise the micro-batch and lower the accumulation by the same factor (the same global "
-        "batch, so the same training)", "speed",
+        "batch, so the same training)", "speed", 1,
     ),
     Fault(
         "sync_every_micro_batch", "an all-reduce for every micro-batch",
         "communication time grows with the accumulation steps",
-        "all-reduces issued before a step's last micro-batch: none with no_sync, DDP's "
-        "buckets for each earlier micro-batch without it (notebook 02's counted calls)",
-        "enter DDP's no_sync() for every micro-batch but the last", "speed",
+        "the all-reduce calls each micro-batch's backward issued (notebook 02's counted calls "
+        "and no_sync)",
+        "enter DDP's no_sync() for every micro-batch but the last", "speed", 2,
     ),
     Fault(
         "straggler", "a straggler rank",
         "every rank is as slow as one of them",
-        "per-rank phase times: one rank's compute is long, the others wait in the all-reduce "
-        "of backward (notebook 06's per-rank traces)",
+        "the per-rank phase times, step by step (notebook 06's per-rank traces): where one "
+        "rank spends time the others spend waiting",
         "find the slow rank's cause and remove it (here: the planted delay on that rank)",
-        "speed",
+        "speed", 2,
     ),
     Fault(
         "oversubscribed_threads", "more compute threads than cores",
         "per-step time erratic and long; the machine looks fully busy",
-        "threads per rank × ranks > cores (torch.get_num_threads() in each rank, "
-        "hardware.cpu_info())",
+        "each rank's PyTorch threads, the ranks, and the cores (the environment facts; "
+        "notebook 00's machine check)",
         "no more threads in all than cores: each rank its share (OMP_NUM_THREADS, "
-        "torch.set_num_threads; torchrun's own default is 1 per worker)", "speed",
+        "torch.set_num_threads; torchrun's own default is 1 per worker)", "speed", 1,
+    ),
+    Fault(
+        "small_buckets", "DDP's gradient buckets far too small",
+        "backward slower than its compute; many small messages",
+        "the all-reduce calls per backward and the bytes each one carries, against the "
+        "gradient's size (notebook 02's buckets and the α-β cost of a message)",
+        "DDP's bucket_cap_mb back to its default (25 MB): a few large all-reduces, overlapped "
+        "with backward", "speed", 3,
+    ),
+    Fault(
+        "anomaly_mode", "autograd's anomaly detection left on",
+        "forward and backward both slower than the model's FLOPs explain",
+        "the runtime flags, and each phase against a clean step of the same model (the "
+        "profiler's per-op times, notebook 06)",
+        "torch.autograd.set_detect_anomaly(False): it is a debugging tool that records a "
+        "traceback for every op", "speed", 2,
+    ),
+    Fault(
+        "eval_every_step", "a validation pass every step",
+        "the step takes longer than its phases add up to",
+        "time in each step outside its labelled phases, and the ops the profiler trace shows "
+        "there (notebook 06)",
+        "validate every few hundred steps (here: at the end of training), not every step",
+        "speed", 2,
+    ),
+    Fault(
+        "needless_recompute", "activation checkpointing with memory to spare",
+        "backward long against forward",
+        "the ops in each phase of the profiler trace (what backward runs that a backward "
+        "does not need), and backward's time against forward's (notebook 05's recompute)",
+        "turn activation checkpointing off while the activations fit: it buys memory with "
+        "about one more forward", "speed", 3,
     ),
     Fault(
         "no_sampler", "no DistributedSampler: every rank trains on the same data",
         "nothing looks slow: the job is wrong, not slow",
-        "the sample indices each rank saw: the ranks overlap 100% (notebook 02's sampler "
-        "section)", "a DistributedSampler, with set_epoch(epoch) every epoch",
-        "correctness", group="sampler",
+        "the sample indices each rank saw, and the sampler the loader holds (notebook 02's "
+        "sampler section)", "a DistributedSampler, with set_epoch(epoch) every epoch",
+        "correctness", 1, group="sampler",
     ),
     Fault(
         "no_set_epoch", "DistributedSampler without set_epoch",
         "nothing looks slow: every epoch repeats the first one's order",
-        "the sample indices of epoch 2 equal those of epoch 1 on every rank",
-        "call sampler.set_epoch(epoch) at the start of every epoch", "correctness",
+        "the sample indices of each epoch on each rank",
+        "call sampler.set_epoch(epoch) at the start of every epoch", "correctness", 2,
         group="sampler",
+    ),
+    Fault(
+        "no_zero_grad", "gradients never zeroed",
+        "the loss falls more slowly than it should, or not at all",
+        "the gradient norm step by step, and the losses (notebook 01's training curve)",
+        "optimizer.zero_grad(set_to_none=True) after every optimizer step", "correctness", 2,
     ),
     Fault(
         "fp32_on_gpu", "full fp32 where bf16 is safe",
         "MFU far below what the GPU's bf16 tensor cores allow",
-        "the step's dtype; notebook 04's speed per precision",
-        "bf16 autocast (fp32 weights, bf16 matmuls)", "speed", needs_gpu=True,
-        why_not_on_cpu="a CPU without bf16 matrix units runs bf16 slower than fp32 "
-                       "(notebook 04 measured it), so fp32 is the right choice there",
+        "the dtype of each matmul in the profiler trace; notebook 04's speed per precision",
+        "bf16 autocast (fp32 weights, bf16 matmuls)", "speed", 1, tiers=GPU_TIERS,
+        why_not="a CPU without bf16 matrix units runs bf16 slower than fp32 (notebook 04 "
+                "measured it), so fp32 is the right choice there",
     ),
     Fault(
         "host_sync", "a host sync every micro-batch",
         "GPU idle gaps between kernels; the CPU cannot run ahead",
-        "gaps in the GPU timeline after each .item(); notebook 06's sync bottleneck",
-        "read the loss once per logging interval, not every micro-batch", "speed",
-        needs_gpu=True,
-        why_not_on_cpu="a CPU runs each operator as Python calls it, so there is no queue "
-                       "for .item() to drain (notebook 06 measured no effect)",
+        "the host syncs counted per step, and the gaps in the GPU timeline (notebook 06's "
+        "sync bottleneck)",
+        "read the loss once per logging interval, not every micro-batch", "speed", 2,
+        tiers=GPU_TIERS,
+        why_not="a CPU runs each operator as Python calls it, so there is no queue for "
+                ".item() to drain (notebook 06 measured no effect)",
+    ),
+    Fault(
+        "unfused_optimizer", "an optimizer that loops over its tensors",
+        "the optimizer phase long for a small model",
+        "the optimizer phase's time and kernel count, and the optimizer facts (foreach, "
+        "fused)",
+        "AdamW(fused=True) (or foreach=True): one or a few kernels for all tensors", "speed", 2,
+        tiers=GPU_TIERS,
+        why_not="on a CPU torch's AdamW already runs its per-tensor loop (foreach and fused "
+                "are GPU paths), so a CPU job has no faster optimizer to miss",
+    ),
+    Fault(
+        "unpinned_copies", "pageable host memory, blocking copies",
+        "the data phase holds a copy the GPU could overlap",
+        "the loader facts (pin_memory) and the host-to-device copies in the trace "
+        "(Memcpy HtoD, pageable or pinned)",
+        "DataLoader(pin_memory=True) and .to(device, non_blocking=True)", "speed", 3,
+        tiers=GPU_TIERS, why_not="a CPU job copies nothing to a device",
+    ),
+    Fault(
+        "misaligned_vocab", "a vocabulary that is not a multiple of 64",
+        "the output layer slower than its FLOPs say",
+        "the model's dimensions, and the head's matmul time per FLOP against the other "
+        "layers' (notebook 04's tensor-core alignment)",
+        "pad the vocabulary to a multiple of 64 (the extra logits are never targets)", "speed",
+        3, tiers=GPU_TIERS,
+        why_not="a CPU's matrix units do not need dimensions in multiples of 8 or 64, so the "
+                "padding buys a CPU nothing",
+    ),
+    Fault(
+        "nccl_p2p_disabled", "NCCL told not to use peer-to-peer",
+        "all-reduce slower than the GPUs' link allows",
+        "the NCCL environment of each rank, and the all-reduce's bus bandwidth against the "
+        "link's (notebook 02's collective benchmark)",
+        "unset NCCL_P2P_DISABLE (a workaround for broken P2P, not a setting to keep)", "speed",
+        3, tiers=("multi-gpu",),
+        why_not="only ranks on two or more GPUs talk over NCCL",
     ),
 )
 BY_ID = {f.id: f for f in FAULTS}
-PLANTED = 3  # faults per job
 
 
 class SeedError(ValueError):
@@ -149,21 +249,31 @@ def available(tier: str) -> tuple[Fault, ...]:
     """The faults a job on ``tier`` can show."""
     if tier not in TIERS:
         raise ValueError(f"tier={tier!r} is not allowed: one of {TIERS}")
-    return tuple(f for f in FAULTS if tier != "cpu" or not f.needs_gpu)
+    return tuple(f for f in FAULTS if tier in f.tiers)
 
 
-def plan(seed: int | str, tier: str, key: Key | None = None) -> tuple[str, ...]:
-    """The ids of the faults seed ``seed`` plants on ``tier`` under ``key`` (the instructor's,
-    :func:`labkit.capstone.keys.load`): :data:`PLANTED` distinct ones, at most one per group, at
-    least one that costs speed; the same seed, tier and key always give the same faults (in
-    catalogue order), and without the key the seed says nothing about them."""
+def parse_level(level: str) -> str:
+    if level not in LEVELS:
+        raise ValueError(f"level={level!r} is not allowed: one of {list(LEVELS)} "
+                         "(how many faults, and how subtle)")  # fmt: skip
+    return level
+
+
+def plan(seed: int | str, tier: str, key: Key | None = None,
+         level: str = DEFAULT_LEVEL) -> tuple[str, ...]:  # fmt: skip
+    """The ids of the faults seed ``seed`` plants on ``tier`` at ``level`` under ``key`` (the
+    instructor's, :func:`labkit.capstone.keys.load`): as many distinct ones as the level says
+    (:data:`LEVELS`), none subtler than it allows, at most one per group, at least one that
+    costs speed; the same seed, tier, level and key always give the same faults (in catalogue
+    order), and without the key the seed says nothing about them."""
     if not isinstance(key, Key):
         raise TypeError(f"key={key!r}: a seed's faults need the instructor's key "
                         "(labkit.capstone.keys.load(), made by `python -m labkit capstone new`)")
-    pool = list(available(tier))
-    rng = random.Random(key.digest(tier, parse_seed(seed)))
+    count, subtlest = LEVELS[parse_level(level)]
+    pool = [f for f in available(tier) if f.subtlety <= subtlest]
+    rng = random.Random(key.digest(tier, parse_seed(seed), level))
     while True:
-        chosen = rng.sample(pool, PLANTED)
+        chosen = rng.sample(pool, count)
         groups = [f.group for f in chosen if f.group]
         if len(groups) == len(set(groups)) and any(f.kind == "speed" for f in chosen):
             return tuple(f.id for f in FAULTS if f in chosen)
@@ -174,21 +284,22 @@ def new_seed() -> int:
 
 
 def describe(faults: Sequence[str], tier: str, head: str) -> str:
-    """An answer key as text: ``head``, then each fault with its evidence and fix, and what
-    the tier left out (for the instructor, or a learner who gave up; never the notebook)."""
+    """An answer key as text: ``head``, then each fault with where it shows and its fix, and
+    what the tier left out (for the instructor, or a learner who gave up; never the
+    notebook)."""
     lines = [head]
     for fid in faults:
         f = BY_ID[fid]
-        lines += [f"  {f.id}: {f.title} ({f.kind})", f"     evidence: {f.evidence}",
-                  f"     fix: {f.fix}"]  # fmt: skip
+        lines += [f"  {f.id}: {f.title} ({f.kind}, subtlety {f.subtlety})",
+                  f"     where it shows: {f.where}", f"     fix: {f.fix}"]  # fmt: skip
     left_out = [f for f in FAULTS if f not in available(tier)]
     if left_out:
-        lines.append("not drawn on this tier: " + "; ".join(
-            f"{f.id} ({f.why_not_on_cpu})" for f in left_out))
+        lines.append(f"not drawn on the {tier} tier: " + "; ".join(
+            f"{f.id} ({f.why_not})" for f in left_out))
     return "\n".join(lines) + "\n"
 
 
-def reveal(seed: int | str, tier: str, key: Key) -> str:
-    """The answer key of ``seed`` on ``tier`` under the instructor's ``key``, as text."""
-    return describe(plan(seed, tier, key), tier,
-                    f"seed {parse_seed(seed)} on the {tier} tier plants:")
+def reveal(seed: int | str, tier: str, key: Key, level: str = DEFAULT_LEVEL) -> str:
+    """The answer key of ``seed`` on ``tier`` at ``level`` under the instructor's ``key``."""
+    return describe(plan(seed, tier, key, level), tier,
+                    f"seed {parse_seed(seed)} on the {tier} tier, level {level}, plants:")

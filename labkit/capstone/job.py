@@ -6,9 +6,11 @@
     fixed = capstone.rerun(job, {"prepare_data": "once"})  # one change of its settings
     fixed.tokens_per_s / job.tokens_per_s                  # the speedup, measured
 
-Every number here is measured in the run: tokens/s from the median step (the first left
-out), per-rank phase medians, all-reduce calls counted by a DDP communication hook, PyTorch
-threads per rank against the cores, and the sample indices each rank trained on.
+Every number here is measured in the run (:class:`labkit.capstone.evidence.Evidence`): tokens/s
+from the median step (the first left out), per-rank phase times step by step, all-reduce calls
+and bytes per micro-batch counted by a DDP communication hook, losses, gradient norms, memory,
+a profiler trace per rank, the processes' threads, environment and runtime flags, the loader's,
+optimizer's and model's facts, and the sample indices each rank trained on.
 
 What the learner holds of a given job (:func:`given_job`) is its measurements and its job code,
 never its faults or settings: the run object's ``faults`` and ``settings`` are empty, this module
@@ -20,24 +22,22 @@ faults again under the learner's changes.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from labkit.capstone import attempts, keys
 from labkit.capstone import settings as st
-from labkit.capstone.faults import BY_ID, new_seed, plan
+from labkit.capstone.evidence import Evidence
+from labkit.capstone.evidence import median as _median
+from labkit.capstone.faults import BY_ID, DEFAULT_LEVEL, new_seed, plan
+from labkit.sealed import seal
 
 MODULE = "labkit.workers.capstone_train"
 SIZES: dict[str, dict[str, Any]] = {
-    "smoke": {"steps": 8, "global_batch": 32, "epoch_steps": 4, "loader_passes": 200},
-    "lab": {"steps": 16, "global_batch": 32, "epoch_steps": 4, "loader_passes": 200},
+    "smoke": {"steps": 8, "epoch_steps": 4, "loader_passes": 200},
+    "lab": {"steps": 16, "epoch_steps": 4, "loader_passes": 200},
 }
-
-
-def _median(xs: Sequence[float]) -> float:
-    return statistics.median(xs[1:] or xs)  # the first step warms up
 
 
 @dataclass
@@ -82,56 +82,13 @@ class CapstoneRun:
         step)."""
         return [_median(r[f"{name}_s"]) for r in self.ranks]
 
-    def evidence(self) -> dict[str, Any]:
-        """The measurements that show each fault (keys as in the fault catalogue's evidence)."""
-        r0 = self.ranks[0]
-        data, step = self.phase("data"), self.phase("step")
-        fwd, bwd = self.phase("forward"), self.phase("backward")
-        seen = [set(i for epoch in r["indices"] for i in epoch) for r in self.ranks]
-        first = [r["indices"][0] for r in self.ranks]
-        repeats = [len(r["indices"]) > 1 and r["indices"][1] == r["indices"][0][: len(r["indices"][1])]
-                   for r in self.ranks]  # fmt: skip
-        return {
-            "data_share": max(d / s for d, s in zip(data, step, strict=True)),
-            "micro_batch": r0["micro_batch"],
-            "grad_accum": r0["grad_accum"],
-            "allreduce_calls_per_step": _median(r0["allreduce_calls"]),
-            "allreduce_calls_before_last_micro_batch":
-                _median(r0["allreduce_calls_before_last_micro_batch"]),
-            "threads_per_rank": max(r["threads"] for r in self.ranks),
-            "threads_total": sum(r["threads"] for r in self.ranks),
-            "cores": r0["cores"],
-            "forward_s": fwd,
-            "backward_s": bwd,
-            "forward_steps_s": [r["forward_s"][1:] or r["forward_s"] for r in self.ranks],
-            "rank_overlap": len(set.intersection(*seen)) / max(1, len(set.union(*seen))),
-            "first_epoch_overlap": len(set(first[0]) & set(first[-1])) / max(1, len(first[0])),
-            "epochs_seen": min(len(r["indices"]) for r in self.ranks),
-            "epoch_repeats": all(repeats),
-            "dtype": r0["dtype"],
-            "host_syncs_per_step": _median(r0["host_syncs"]),
-        }
+    def evidence(self) -> Evidence:
+        """Everything the job measured and says about itself (:class:`Evidence`): no field
+        named after a fault, no threshold."""
+        return Evidence(self.tier, self.ranks)
 
     def evidence_text(self) -> str:
-        e = self.evidence()
-        fwd = ", ".join(f"{v * 1e3:.1f}" for v in e["forward_s"])
-        bwd = ", ".join(f"{v * 1e3:.1f}" for v in e["backward_s"])
-        return "\n".join([
-            f"measured: {self.tokens_per_s:,.0f} tokens/s; waiting for data "
-            f"{e['data_share']:.0%} of the step (the rank that waited most)",
-            f"measured: micro-batch {e['micro_batch']} × {e['grad_accum']} accumulation steps; "
-            f"{e['allreduce_calls_per_step']:g} all-reduce call(s) per optimizer step, "
-            f"{e['allreduce_calls_before_last_micro_batch']:g} of them before its last micro-batch",
-            f"measured: per rank, forward {fwd} ms, backward {bwd} ms (median per step)",
-            f"measured: {e['threads_per_rank']} PyTorch threads per rank, "
-            f"{e['threads_total']} in all, on {e['cores']} cores",
-            f"measured: in the first epoch {e['first_epoch_overlap']:.0%} of rank 0's samples were "
-            f"also rank {len(self.ranks) - 1}'s; epoch 2 repeats epoch 1's order: "
-            f"{e['epoch_repeats'] if e['epochs_seen'] > 1 else 'one epoch only'}",
-            f"measured: the step computes in {e['dtype']}; "
-            + (f"{e['host_syncs_per_step']:g} host sync(s) per step (CUDA's sync debug mode)"
-               if self.tier != "cpu" else "host syncs: none to count on a CPU"),
-        ])  # fmt: skip
+        return self.evidence().report()
 
 
 def tier_for(device: str, nproc: int) -> str:
@@ -170,9 +127,10 @@ def run_job(faults: Sequence[str] = (), *, settings: st.Settings | None = None,
     # The worker's settings travel sealed: the job spec the launcher writes where the learner
     # can read it (labkit_home()/runs) names no fault and no setting in plain form.
     config = {**SIZES[size], **overrides,
-              "sealed": keys.seal(st.worker_config(settings, tier=tier, cores=cores, nproc=nproc))}
+              "sealed": seal(st.worker_config(settings, tier=tier, cores=cores, nproc=nproc))}
     res = launch.run(MODULE, nproc=nproc, device=device, config=config, timeout_s=timeout_s,
-                     stream=stream, observers=list(observers), oversubscribe=False)  # fmt: skip
+                     stream=stream, observers=list(observers), oversubscribe=False,
+                     env=st.worker_env(settings, tier=tier) or None)  # fmt: skip
     present = st.faults_in(settings, tier=tier, cores=cores, nproc=nproc)
     return CapstoneRun(present, res.ranks, res.wall_s, settings=settings, tier=tier, size=size)
 
@@ -182,12 +140,13 @@ EXAMPLE_FAULTS = ("slow_loader", "straggler", "no_set_epoch")
 _LAST: list[CapstoneRun] = []
 
 
-def new_job(tier: str) -> str:
-    """A fresh job code for ``tier``, for a learner without an instructor: a new seed, its
-    faults drawn under a one-off key that is never stored, so only the code's seal holds them
-    (``python -m labkit capstone reveal --give-up`` opens it, and says so in the record)."""
+def new_job(tier: str, level: str = DEFAULT_LEVEL) -> str:
+    """A fresh job code for ``tier`` at difficulty ``level``, for a learner without an
+    instructor: a new seed, its faults drawn under a one-off key that is never stored, so only
+    the code's seal holds them (``python -m labkit capstone reveal --give-up`` opens it, and
+    says so in the record)."""
     seed = new_seed()
-    return keys.code_for(plan(seed, tier, keys.one_off()), tier, seed)
+    return keys.code_for(plan(seed, tier, keys.one_off(), level), tier, seed)
 
 
 def example_code(tier: str | None = None) -> str:

@@ -9,14 +9,14 @@ nothing a learner holds (the seed, the run object, the files the job writes) say
 a seed planted.
 
 The learner's machine must still plant the faults, so the learner gets a **job code**
-(:func:`code_for`): ``cpu-1234-7bnx2qa``, the tier, the seed and the plan **sealed**. Opening
+(:func:`code_for`): ``cpu-1234-d22vgd54``, the tier, the seed and the plan **sealed**. Opening
 the seal on purpose is giving up (``python -m labkit capstone reveal --give-up``), which the
 learner's attempt record keeps (:mod:`labkit.capstone.attempts`). A seal is not encryption:
 labkit itself opens it to plant the faults, so someone who reads this module can open it by
 hand. Nothing depends on that not happening: the capstone's check grades what the learner's
 changes do to the job, measured, and never says which faults were planted, so an opened seal
 buys what giving up buys and no more. The same holds for the job's own files: the launcher's
-job spec carries the worker's settings sealed (:func:`seal`), not as fault names or plain
+job spec carries the worker's settings sealed (:func:`labkit.sealed.seal`), not as fault names or plain
 values.
 
 A self-paced learner needs no instructor: :func:`labkit.capstone.new_job` draws a job with a
@@ -33,7 +33,6 @@ import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from labkit import __version__
 
@@ -42,6 +41,7 @@ VERSION = __version__
 differently, so a key or a code of another version is refused by name."""
 FORMAT = "labkit-capstone-key"
 SECRET_BYTES = 32
+MASK_BYTES = 3  # a job code holds one bit per fault of the catalogue: room for 24
 
 
 class CapstoneKeyError(ValueError):
@@ -65,10 +65,10 @@ class Key:
     def __repr__(self) -> str:
         return f"Key(path={str(self.path)!r}, version={self.version!r})"
 
-    def digest(self, tier: str, seed: int) -> bytes:
-        """HMAC-SHA256 of (course version, tier, seed) under this key: what a seed's plan draws
-        from."""
-        msg = f"labkit-capstone|{self.version}|{tier}|{seed}".encode()
+    def digest(self, tier: str, seed: int, level: str) -> bytes:
+        """HMAC-SHA256 of (course version, tier, seed, level) under this key: what a seed's plan
+        draws from."""
+        msg = f"labkit-capstone|{self.version}|{tier}|{seed}|{level}".encode()
         return hmac.new(self.secret, msg, hashlib.sha256).digest()
 
 
@@ -141,8 +141,8 @@ def code_for(faults: list[str] | tuple[str, ...], tier: str, seed: int) -> str:
         raise ValueError(f"tier={tier!r} is not allowed: one of {TIERS}")
     ids = list(BY_ID)
     mask = sum(1 << ids.index(f) for f in faults)
-    body = mask.to_bytes(2, "big")
-    sealed = bytes(a ^ b for a, b in zip(body, _pad(tier, seed, 2), strict=True))
+    body = mask.to_bytes(MASK_BYTES, "big")
+    sealed = bytes(a ^ b for a, b in zip(body, _pad(tier, seed, MASK_BYTES), strict=True))
     text = base64.b32encode(sealed + _check(tier, seed, mask)).decode().rstrip("=").lower()
     return f"{tier}-{seed}-{text}"
 
@@ -169,13 +169,13 @@ class Code:
 def read_code(text: object, tier: str | None = None) -> Code:
     """``text`` as a job code; a typo, another course version's code, or (with ``tier``) a code
     for another tier is refused with what to do."""
-    from labkit.capstone.faults import BY_ID, PLANTED, available
+    from labkit.capstone.faults import BY_ID, LEVELS, available
 
     fresh = "or leave the job code empty for a fresh job of your own"
     if isinstance(text, int) and not isinstance(text, bool):
         text = str(text)
     if not isinstance(text, str):
-        raise CapstoneKeyError(f"job code {text!r} is not allowed: a text like 'cpu-1234-7bnx2qa' "
+        raise CapstoneKeyError(f"job code {text!r} is not allowed: a text like 'cpu-1234-d22vgd54' "
                                f"(your instructor's, {fresh})")  # fmt: skip
     parts = text.strip().rsplit("-", 2)
     bad = (f"job code {text!r} is not one this labkit ({VERSION}) made: check it for a typo, "
@@ -192,15 +192,16 @@ def read_code(text: object, tier: str | None = None) -> Code:
         raw = base64.b32decode(rest.upper() + "=" * (-len(rest) % 8))
     except ValueError:
         raise CapstoneKeyError(bad) from None
-    if len(raw) != 4:
+    if len(raw) != MASK_BYTES + 2:
         raise CapstoneKeyError(bad)
-    pad = _pad(code_tier, seed, 2)
-    mask = int.from_bytes(bytes(a ^ b for a, b in zip(raw[:2], pad, strict=True)), "big")
-    if not hmac.compare_digest(raw[2:], _check(code_tier, seed, mask)) or mask >> len(BY_ID):
+    pad = _pad(code_tier, seed, MASK_BYTES)
+    mask = int.from_bytes(bytes(a ^ b for a, b in zip(raw[:MASK_BYTES], pad, strict=True)), "big")
+    if not hmac.compare_digest(raw[MASK_BYTES:], _check(code_tier, seed, mask)) or mask >> len(BY_ID):
         raise CapstoneKeyError(bad)
     code = Code(text.strip(), code_tier, seed, mask)
     known = {f.id for f in available(code_tier)} if code_tier in {"cpu", "single-gpu", "multi-gpu"} else set()
-    if not known or len(code.open()) != PLANTED or not set(code.open()) <= known:
+    counts = {count for count, _ in LEVELS.values()}
+    if not known or len(code.open()) not in counts or not set(code.open()) <= known:
         raise CapstoneKeyError(bad)
     if tier is not None and code_tier != tier:
         raise CapstoneKeyError(
@@ -209,29 +210,3 @@ def read_code(text: object, tier: str | None = None) -> Code:
             f"your instructor for a {tier} code (`python -m labkit capstone new --tier {tier}`), "
             f"{fresh}")  # fmt: skip
     return code
-
-
-# --------------------------------------------------------------------------- the job's own files
-
-
-def _stream(nonce: bytes, n: int) -> bytes:
-    out, block = b"", 0
-    while len(out) < n:
-        out += hashlib.sha256(b"labkit-capstone-spec" + nonce + block.to_bytes(4, "big")).digest()
-        block += 1
-    return out[:n]
-
-
-def seal(obj: Any) -> str:
-    """``obj`` (JSON) as an opaque text for the launcher's job spec: no fault name, no setting
-    in plain form (a seal, not encryption: :func:`unseal` opens it)."""
-    body = json.dumps(obj, sort_keys=True).encode()
-    nonce = secrets.token_bytes(8)
-    return base64.b64encode(nonce + bytes(a ^ b for a, b in zip(body, _stream(nonce, len(body)),
-                                                              strict=True))).decode()  # fmt: skip
-
-
-def unseal(text: str) -> Any:
-    raw = base64.b64decode(text)
-    nonce, body = raw[:8], raw[8:]
-    return json.loads(bytes(a ^ b for a, b in zip(body, _stream(nonce, len(body)), strict=True)))

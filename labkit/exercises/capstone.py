@@ -25,6 +25,8 @@ to have run first. Its reference is withheld (``withheld=True``): a learner's co
 from __future__ import annotations
 
 import dataclasses
+import math
+import statistics
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,6 +42,7 @@ from labkit.capstone import (
     rerun,
 )
 from labkit.capstone import settings as st
+from labkit.capstone.evidence import OUTSIDE, median
 from labkit.capstone.job import settings_after
 from labkit.exercises import ExerciseFailed, _require_callable, call, exercise, short_repr
 
@@ -53,49 +56,76 @@ costs more than 2x, measured)."""
 
 
 def reference_diagnose(run: CapstoneRun) -> tuple[set[str], dict[str, Any]]:
-    """The faults ``run``'s evidence shows, and the changes that remove them."""
+    """The faults ``run``'s evidence shows, and the changes that remove them: one hypothesis at
+    a time, each decided by a measurement against what a healthy job of this model shows."""
     e = run.evidence()
+    f = e.facts()
     found: set[str] = set()
     changes: dict[str, Any] = {}
-    if e["threads_total"] > e["cores"]:  # threads fighting over the cores
-        found.add("oversubscribed_threads")
-        changes["threads_per_rank"] = max(1, e["cores"] // len(e["forward_s"]))
-    if e["data_share"] > 0.1:  # prepared data costs a few per cent of a step
-        found.add("slow_loader")
-        changes["prepare_data"] = "once"
-    # A straggler: one rank's forward holds a delay the others spend waiting in backward's
-    # all-reduce; both must show, so noise on one rank alone is not a straggler.
-    # A planted delay is there in every step; threads fighting over cores slow a rank in
-    # some steps and not others: so in at least 4 steps of 5 (per-step forward times).
-    fwd, bwd, steps = e["forward_s"], e["backward_s"], e["forward_steps_s"]
-    slow = max(range(len(fwd)), key=fwd.__getitem__)
 
-    def slower_in_most_steps(r):  # rank `slow`'s forward 50 ms longer than r's, 4 steps of 5
-        gaps = sorted(a - b for a, b in zip(steps[slow], steps[r], strict=True))
-        return gaps[len(gaps) // 5] > 0.05
+    def fault(name: str, **fix: Any) -> None:
+        found.add(name)
+        changes.update(fix)
 
-    if any(slower_in_most_steps(r) and bwd[r] - bwd[slow] > 0.025
-           for r in range(len(fwd)) if r != slow):  # fmt: skip
-        found.add("straggler")
-        changes["straggler_delay_s"] = 0.0
-    if e["grad_accum"] >= 8:  # a rank's share cut into 8 or more micro-batches
-        found.add("tiny_micro_batch")
-        changes["micro_batch"] = e["micro_batch"] * e["grad_accum"] // 2
-    if e["allreduce_calls_before_last_micro_batch"] > 0:  # no no_sync: every micro-batch syncs
-        found.add("sync_every_micro_batch")
-        changes["no_sync"] = True
-    if run.tier != "cpu" and e["dtype"] == "float32":
-        found.add("fp32_on_gpu")
-        changes["dtype"] = "bfloat16"
-    if run.tier != "cpu" and e["host_syncs_per_step"] >= e["grad_accum"]:
-        found.add("host_sync")  # a wait for the GPU in every micro-batch
-        changes["loss_item_every_micro_batch"] = False
-    if e["first_epoch_overlap"] > 0.5:  # the ranks trained on the same samples
-        found.add("no_sampler")
-        changes.update(sampler="distributed", set_epoch=True)
-    elif e["epochs_seen"] > 1 and e["epoch_repeats"]:
-        found.add("no_set_epoch")
-        changes["set_epoch"] = True
+    # The machine and the runtime first: they make every other number erratic.
+    if f["threads"] * e.world_size > e.cores:  # threads fighting over the cores
+        fault("oversubscribed_threads", threads_per_rank=max(1, e.cores // e.world_size))
+    if f["runtime"]["anomaly_enabled"]:  # a debugging mode: a traceback kept for every op
+        fault("anomaly_mode", anomaly_detection=False)
+    # Time: where each step goes, per rank.
+    data, step = e.phase_ms("data"), e.phase_ms("step")
+    if max(median(d) / median(s) for d, s in zip(data, step, strict=True)) > 0.1:
+        fault("slow_loader", prepare_data="once")  # prepared data costs under 1% of a step here
+    fwd, bwd = e.phase_ms("forward"), e.phase_ms("backward")
+    slow = max(range(e.world_size), key=lambda r: median(fwd[r]))
+
+    def slower_in_most_steps(r: int) -> bool:  # `slow`'s forward 50 ms longer, 4 steps of 5
+        gaps = sorted(a - b for a, b in zip(fwd[slow][1:], fwd[r][1:], strict=True))
+        return gaps[len(gaps) // 5] > 50
+
+    # A straggler's delay is in its forward in (nearly) every step while the others wait as
+    # long in backward's all-reduce; threads fighting over cores slow a rank in some steps only.
+    if any(slower_in_most_steps(r) and median(bwd[r]) - median(bwd[slow]) > 25
+           for r in range(e.world_size) if r != slow):  # fmt: skip
+        fault("straggler", straggler_delay_s=0.0)
+    ops = e.ops_by_phase(0)
+    if ops[OUTSIDE]["aten::linear"] > 0:  # a forward pass that is not training's
+        fault("eval_every_step", eval_every_steps=0)
+    if ops["backward"]["aten::linear"] > 0:  # backward re-running the forward's layers
+        fault("needless_recompute", activation_checkpointing=False)
+    # Batch and communication: micro-batches, and what each one's backward sends.
+    if f["grad_accum"] >= 8:  # a rank's share cut into 8 or more pieces
+        fault("tiny_micro_batch", micro_batch=f["micro_batch"] * f["grad_accum"] // 2)
+    calls = e.allreduce_calls[0]
+    k = len(calls[0])
+    if any(median([s[j] for s in calls]) > 0 for j in range(k - 1)):  # no no_sync
+        fault("sync_every_micro_batch", no_sync=True)
+    buckets = math.ceil(f["model"]["gradient_bytes"] / (25 * 2**20))  # DDP's default cap
+    if median([s[-1] for s in calls]) > buckets + 1:  # many small messages, not a few large
+        fault("small_buckets", bucket_cap_mb=25.0)
+    # On a GPU: precision, host syncs, the optimizer's kernels, copies, alignment, NCCL.
+    if run.tier != "cpu":
+        if f["runtime"]["autocast_dtype"] == "float32":
+            fault("fp32_on_gpu", dtype="bfloat16")
+        if median(e.host_syncs[0]) >= f["grad_accum"]:  # a wait in every micro-batch
+            fault("host_sync", loss_item_every_micro_batch=False)
+        if not any(op.startswith(("aten::_foreach", "aten::_fused")) for op in ops["optimizer"]):
+            fault("unfused_optimizer", optimizer="default")  # one kernel set per tensor
+        if any("Pageable" in kind for kind in e.gpu_copies(0)):
+            fault("unpinned_copies", pin_memory=True)
+        if f["model"]["vocab_size"] % 64:
+            fault("misaligned_vocab", vocab_multiple=64)
+        if any(e.facts(r)["env"].get("NCCL_P2P_DISABLE") == "1" for r in range(e.world_size)):
+            fault("nccl_p2p_disabled", nccl_p2p=True)
+    # Correctness: what the ranks trained on, and how the gradient behaves.
+    first = [set(epochs[0]) for epochs in e.samples]
+    if len(first[0] & first[-1]) > len(first[0]) / 2:  # the ranks trained on the same samples
+        fault("no_sampler", sampler="distributed", set_epoch=True)
+    elif all(len(ep) > 1 and ep[1] == ep[0][: len(ep[1])] for ep in e.samples):
+        fault("no_set_epoch", set_epoch=True)  # epoch 2 repeats epoch 1's order
+    norms = e.grad_norm[0]
+    if statistics.median(norms[-3:]) > 2 * statistics.median(norms[:3]):
+        fault("no_zero_grad", zero_grad=True)  # gradients adding up across steps
     return found, changes
 
 
@@ -132,29 +162,62 @@ def _looks_wrong(fixed: CapstoneRun, healthy: CapstoneRun, gap: float) -> list[s
         said.append(f"step time {healthy.tokens_per_s / fixed.tokens_per_s:.1f}× the healthy "
                     f"job's ({cmp.sentence.removeprefix(verdict.PREFIX)})")  # fmt: skip
     e, h = fixed.evidence(), healthy.evidence()
-    if e["data_share"] > max(0.1, 2 * h["data_share"]):
-        said.append(f"the data phase is {e['data_share']:.0%} of the step (the healthy job's: "
-                    f"{h['data_share']:.0%})")  # fmt: skip
-    fwd = e["forward_s"]
-    if max(fwd) - min(fwd) > 0.05:
-        said.append(f"one rank's forward takes {(max(fwd) - min(fwd)) * 1e3:.0f} ms longer than "
+    f = e.facts()
+    share = max(median(d) / median(s) for d, s in zip(e.phase_ms("data"), e.phase_ms("step"), strict=True))
+    share_h = max(median(d) / median(s) for d, s in zip(h.phase_ms("data"), h.phase_ms("step"), strict=True))
+    if share > max(0.1, 2 * share_h):
+        said.append(f"the data phase is {share:.0%} of the step (the healthy job's: {share_h:.0%})")
+    fwd = [median(x) for x in e.phase_ms("forward")]
+    if max(fwd) - min(fwd) > 50:
+        said.append(f"one rank's forward takes {max(fwd) - min(fwd):.0f} ms longer than "
                     "another's (median per step)")  # fmt: skip
-    if e["allreduce_calls_before_last_micro_batch"] > 0:
-        said.append(f"{e['allreduce_calls_before_last_micro_batch']:g} all-reduce call(s) per step "
-                    "before its last micro-batch")  # fmt: skip
-    if e["grad_accum"] >= 8:
-        said.append(f"each rank's share of the batch is cut into {e['grad_accum']} micro-batches "
-                    f"of {e['micro_batch']}")  # fmt: skip
-    if e["threads_total"] > e["cores"]:
-        said.append(f"{e['threads_total']} PyTorch threads on {e['cores']} cores")
-    if e["first_epoch_overlap"] > 0:
-        said.append(f"the ranks share {e['first_epoch_overlap']:.0%} of their first epoch's samples")
-    if e["epochs_seen"] > 1 and e["epoch_repeats"]:
+    other, other_h = (median(x.phase_ms("other")[0]) / median(x.phase_ms("step")[0]) for x in (e, h))
+    if other > max(0.05, 3 * other_h):
+        said.append(f"{other:.0%} of each step is spent outside its labelled phases (the healthy "
+                    f"job: {other_h:.0%})")  # fmt: skip
+    bwd_f, bwd_h = (median(x.phase_ms("backward")[0]) / median(x.phase_ms("forward")[0]) for x in (e, h))
+    if bwd_f > 1.3 * bwd_h and e.ops_by_phase(0)["backward"]["aten::linear"] > 0:
+        said.append(f"backward takes {bwd_f:.1f}× forward (the healthy job: {bwd_h:.1f}×) and "
+                    "runs forward operators")  # fmt: skip
+    calls = e.allreduce_calls[0]
+    early = sum(median([s[j] for s in calls]) for j in range(len(calls[0]) - 1))
+    if early > 0:
+        said.append(f"{early:g} all-reduce call(s) per step before its last micro-batch")
+    last, last_h = median([s[-1] for s in calls]), median([s[-1] for s in h.allreduce_calls[0]])
+    if last > last_h + 1:
+        said.append(f"{last:g} all-reduce calls in the last micro-batch's backward (the healthy "
+                    f"job: {last_h:g}) for the same {f['model']['gradient_bytes']:,} bytes")  # fmt: skip
+    if f["grad_accum"] >= 8:
+        said.append(f"each rank's share of the batch is cut into {f['grad_accum']} micro-batches "
+                    f"of {f['micro_batch']}")  # fmt: skip
+    if f["threads"] * e.world_size > e.cores:
+        said.append(f"{f['threads'] * e.world_size} PyTorch threads on {e.cores} cores")
+    if f["runtime"]["anomaly_enabled"]:
+        said.append("the runtime flags show autograd's anomaly detection on")
+    first = [set(epochs[0]) for epochs in e.samples]
+    overlap = len(first[0] & first[-1]) / max(1, len(first[0]))
+    if overlap > 0:
+        said.append(f"the ranks share {overlap:.0%} of their first epoch's samples")
+    if all(len(ep) > 1 and ep[1] == ep[0][: len(ep[1])] for ep in e.samples):
         said.append("epoch 2 repeats epoch 1's order on every rank")
-    if fixed.tier != "cpu" and e["dtype"] == "float32":
-        said.append("the step computes in float32")
-    if fixed.tier != "cpu" and e["host_syncs_per_step"] >= e["grad_accum"]:
-        said.append(f"{e['host_syncs_per_step']:g} host sync(s) per step")
+    norms, norms_h = e.grad_norm[0], h.grad_norm[0]
+    if statistics.median(norms[-3:]) > 2 * statistics.median(norms[:3]):
+        said.append(f"the gradient norm grows from {norms[0]:.2f} to {norms[-1]:.2f} over the "
+                    f"run (the healthy job's: {norms_h[0]:.2f} to {norms_h[-1]:.2f})")  # fmt: skip
+    if fixed.tier != "cpu":
+        if f["runtime"]["autocast_dtype"] == "float32":
+            said.append("the step computes in float32")
+        if median(e.host_syncs[0]) >= f["grad_accum"]:
+            said.append(f"{median(e.host_syncs[0]):g} host sync(s) per step")
+        opt, opt_h = median(e.phase_ms("optimizer")[0]), median(h.phase_ms("optimizer")[0])
+        if opt > 1.5 * opt_h:
+            said.append(f"the optimizer phase takes {opt:.1f} ms (the healthy job's: {opt_h:.1f} ms)")
+        if any("Pageable" in kind for kind in e.gpu_copies(0)):
+            said.append("the batches are copied to the GPU from pageable memory")
+        if f["model"]["vocab_size"] % 64:
+            said.append(f"the output layer has {f['model']['vocab_size']} rows")
+        if any(e.facts(r)["env"].get("NCCL_P2P_DISABLE") == "1" for r in range(e.world_size)):
+            said.append("the ranks' environment holds NCCL_P2P_DISABLE=1")
     if gap > LOSS_TOLERANCE:
         said.append(f"the losses differ from the healthy job's by up to {gap:.3g} (the same "
                     f"training: under {LOSS_TOLERANCE:g})")  # fmt: skip
@@ -181,29 +244,41 @@ def _record(run: CapstoneRun, passed: bool, said: str) -> None:
     "07.diagnose",
     "Diagnose the slow job from its evidence, and fix it",
     hints=(
-        "work through the suspects one at a time, as the worked example does: for each fault "
-        "of capstone.FAULTS, its `evidence` says which measurement shows it. Read that number "
-        "in run.evidence() and decide from the number, not from a guess",
-        "each fault has a signature you can test with a threshold against what a healthy job "
-        "shows: threads against cores; the share of the step spent waiting for data; one "
-        "rank's forward long in nearly every step while the other waits as long in its "
-        "backward (noise comes and goes, a slow rank does not); how many pieces "
-        "a rank's share is cut into; all-reduces before a step's last micro-batch; the samples "
-        "the ranks share; whether epoch 2 repeats epoch 1; on GPUs the dtype and host syncs",
-        "each fix is one or two settings of capstone.Settings (its docstrings say which fault "
-        "sets each): return them as a dict of changes, and change nothing you did not "
-        "diagnose. Keep global_batch as it is: it is part of the training recipe",
-        "recipe: e = run.evidence(); threads_total > cores → 'oversubscribed_threads', "
-        "threads_per_rank=cores//ranks; data_share > 0.1 → 'slow_loader', prepare_data='once'; "
-        "a rank whose forward is 50 ms longer than another's in 4 steps of 5 "
-        "(forward_steps_s) while that one's backward is 25 ms longer → 'straggler', "
-        "straggler_delay_s=0; grad_accum >= 8 → "
-        "'tiny_micro_batch', micro_batch=micro_batch*grad_accum//2; "
-        "allreduce_calls_before_last_micro_batch > 0 → 'sync_every_micro_batch', no_sync=True; "
-        "on a GPU dtype float32 → 'fp32_on_gpu', dtype='bfloat16', and host_syncs_per_step >= "
-        "grad_accum → 'host_sync', loss_item_every_micro_batch=False; first_epoch_overlap > "
-        "0.5 → 'no_sampler', sampler='distributed', set_epoch=True; else epoch_repeats → "
-        "'no_set_epoch', set_epoch=True",
+        "work through the suspects one at a time, in the order of capstone.FIXES: for each "
+        "fault of section 1, its `where` names the measurement or tool that would show it. Find "
+        "that measurement in run.evidence() and decide from the number against what a healthy "
+        "job shows (section 2's prediction, the other rank, a formula), not from a guess",
+        "the signatures, as comparisons: threads × ranks against cores; autograd's runtime "
+        "flags; the data phase's share of the step; one rank's forward long in nearly every "
+        "step while the other waits as long in its backward (noise comes and goes, a slow rank "
+        "does not); operators where they do not belong (ops_by_phase: a forward outside the "
+        "phases, the forward's layers inside backward); how many micro-batches a rank's share "
+        "is cut into; all-reduce calls before the last micro-batch, and how many in the last "
+        "against the gradient's size and DDP's 25 MB buckets; the samples the ranks share; "
+        "whether epoch 2 repeats epoch 1; whether the gradient norm settles or grows; on GPUs "
+        "the matmul dtypes, host syncs, foreach/fused optimizer ops, pageable copies, the "
+        "vocabulary's size and NCCL's environment",
+        "each fix is one or two settings of capstone.Settings (its docstrings say what each "
+        "does): return them as a dict of changes, and change nothing you did not diagnose. "
+        "Keep global_batch as it is: it is part of the training recipe",
+        "recipe: e = run.evidence(); f = e.facts(); threads*ranks > cores → "
+        "'oversubscribed_threads', threads_per_rank=cores//ranks; runtime anomaly_enabled → "
+        "'anomaly_mode', anomaly_detection=False; median data/step > 0.1 → 'slow_loader', "
+        "prepare_data='once'; a forward 50 ms longer in 4 steps of 5 while the other rank's "
+        "backward is 25 ms longer → 'straggler', straggler_delay_s=0; aten::linear outside the "
+        "phases → 'eval_every_step', eval_every_steps=0; aten::linear in backward → "
+        "'needless_recompute', activation_checkpointing=False; grad_accum >= 8 → "
+        "'tiny_micro_batch', micro_batch=micro_batch*grad_accum//2; calls before the last "
+        "micro-batch → 'sync_every_micro_batch', no_sync=True; more calls in the last than "
+        "ceil(gradient bytes / 25 MiB) + 1 → 'small_buckets', bucket_cap_mb=25; ranks sharing "
+        "over half their first epoch → 'no_sampler', sampler='distributed', set_epoch=True; "
+        "else epoch 2 repeating epoch 1 → 'no_set_epoch', set_epoch=True; the gradient norm's "
+        "last three steps over twice its first three → 'no_zero_grad', zero_grad=True; on a "
+        "GPU: autocast float32 → 'fp32_on_gpu', dtype='bfloat16'; host syncs >= grad_accum → "
+        "'host_sync', loss_item_every_micro_batch=False; no aten::_foreach/_fused op in the "
+        "optimizer phase → 'unfused_optimizer', optimizer='default'; a Pageable copy → "
+        "'unpinned_copies', pin_memory=True; vocab_size % 64 → 'misaligned_vocab', "
+        "vocab_multiple=64; NCCL_P2P_DISABLE=1 → 'nccl_p2p_disabled', nccl_p2p=True",
     ),
     withheld=True,  # a reference diagnosis run on the learner's job would print its key
     time_limit_s=300.0,

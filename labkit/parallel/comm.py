@@ -97,6 +97,10 @@ class ByteCounter:
         """Collectives recorded in the step not yet closed (all kinds)."""
         return sum(v["calls"] for v in self._current.values())
 
+    def bytes_so_far(self) -> int:
+        """Message bytes recorded in the step not yet closed (all kinds)."""
+        return sum(v["message_bytes"] for v in self._current.values())
+
     def end_step(self) -> None:
         """Close the current step (an empty step is recorded too: no_sync steps send nothing)."""
         self.steps.append(self._current)

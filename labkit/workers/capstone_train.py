@@ -1,43 +1,45 @@
-"""The capstone's slow job: data-parallel training of the course GPT with planted faults.
+"""The capstone's job: data-parallel training of the course GPT, every knob of it a setting.
 
     labkit.launch.run("labkit.workers.capstone_train", nproc=2,
-                      config={"faults": ["slow_loader", "straggler"], "steps": 8})
+                      config={"prepare_data": "per_item", "straggler_s": 0.1, "steps": 8})
 
-Usually started by :func:`labkit.capstone.run_job`. Every rank trains the same GPT under torch
-DDP on its share of each global batch, with the faults of ``faults`` planted (the catalogue and
-what each one means: :mod:`labkit.capstone.faults`), and reports what the tools of notebooks
-00–06 would show: per-step phase times, the all-reduces issued, its threads, the sample indices
-it trained on, and the losses.
+Usually started by :func:`labkit.capstone.run_job`, which turns a job's settings
+(:class:`labkit.capstone.Settings`) into this config and passes it sealed
+(:func:`labkit.sealed.seal`), so the job spec on disk names no setting. This module knows
+no fault: it trains, with whatever knobs it is given, and reports what an engineer's tools
+would show (the tools of notebooks 00–06), raw:
 
-Config (all optional; :func:`labkit.capstone.run_job` passes the settings below as one
-``sealed`` text, :func:`labkit.capstone.keys.seal`, so the job spec names no fault):
+* per step: the wall time and its labelled phases (data, forward, backward, optimizer; what
+  the step spends outside them is the learner's to explain), the loss, the gradient norm,
+  the memory, the all-reduce calls and bytes each micro-batch's backward issued, the host
+  syncs (a GPU only);
+* a profiler trace of the last ``profile_steps`` steps (not timed), with those phases as
+  ``record_function``/NVTX ranges, written into the job directory;
+* facts: threads and cores, the environment's thread and NCCL variables, autograd's runtime
+  flags, the loader (dataset, sampler, batch, pinning, the cost of one item), the optimizer's
+  implementation flags, the model's dimensions, the sample indices of every epoch.
+
+Config (all optional; defaults are the healthy job):
     model          GPT fields (seq_len, n_layer, n_head, d_model); default the smoke model
-    faults         fault ids planted in this run (default none)
-    global_batch   sequences per optimizer step over all ranks (default 32)
-    micro_batch    sequences per micro-batch without ``tiny_micro_batch`` (default half a
-                   rank's share: 2 micro-batches per step, so accumulation happens)
-    steps          optimizer steps (default 8)
-    epoch_steps    optimizer steps per epoch with a correct sampler (default 4): the dataset
-                   holds global_batch × epoch_steps windows, so a run sees several epochs
-    loader_passes  tokeniser passes per item: the dataset's preprocessing (default 200)
-    straggler_s    seconds the last rank loses per step under ``straggler`` (default 0.1)
-    threads        PyTorch threads per rank (default: the cores shared out among the ranks,
-                   or every core under ``oversubscribed_threads``)
-    dtype          the autocast dtype on a GPU without ``fp32_on_gpu`` (default bfloat16)
-    seed, lr       (default 0, 1e-3)
-
-What each fault switches (and its fix, the same switch off):
-    slow_loader             the preprocessing runs in ``__getitem__`` every epoch, in the
-                            training process; fixed, it runs once, before training (timed
-                            apart as ``prepare_s``)
-    tiny_micro_batch        micro-batches of 1 sequence (the same global batch: more of them)
-    sync_every_micro_batch  no ``no_sync``: DDP all-reduces after every micro-batch
-    straggler               the last rank sleeps ``straggler_s`` in each step's forward
-    oversubscribed_threads  every rank runs as many PyTorch threads as the machine has cores
-    no_sampler              a plain RandomSampler with one seed: every rank the same samples
-    no_set_epoch            DistributedSampler without set_epoch: every epoch the same order
-    fp32_on_gpu             fp32 instead of autocast to ``dtype`` (a GPU only)
-    host_sync               ``loss.item()`` after every micro-batch's forward
+    global_batch   sequences per optimizer step over all ranks (32)
+    micro_batch    sequences per forward/backward on each rank (half a rank's share)
+    prepare_data   "once" (tokenise before training) or "per_item" (in __getitem__)
+    no_sync        DDP's no_sync() for every micro-batch but the last (True)
+    bucket_cap_mb  DDP's gradient bucket cap (25)
+    straggler_s    seconds the last rank sleeps in each step's first forward (0)
+    threads        PyTorch threads per rank (None: the cores shared out among the ranks)
+    anomaly_detection   autograd's anomaly mode for the whole run (False)
+    eval_every_steps    validate every this many steps; 0: once, after the last (0)
+    activation_checkpointing  recompute each block in backward (False)
+    sampler        "distributed" or "random" (one shuffled order shared by every rank)
+    set_epoch      call sampler.set_epoch(epoch) each epoch (True)
+    zero_grad      zero the gradients after each optimizer step (True)
+    dtype          the autocast dtype on a GPU ("bfloat16"; a CPU trains in float32)
+    loss_item_every_micro_batch  read loss.item() after every micro-batch (False)
+    optimizer      AdamW's implementation: "default", "for_loop", "foreach", "fused"
+    pin_memory     on a GPU: pinned batches and non_blocking copies (True)
+    vocab_size     the model's vocabulary (320: the tokeniser's 257 padded to 64s)
+    steps, epoch_steps, loader_passes, profile_steps, eval_batches, seed, lr
 """
 
 from __future__ import annotations
@@ -47,36 +49,50 @@ import os
 import statistics
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as tdist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
+from torch.profiler import profile, schedule
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, RandomSampler, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
-from labkit import dist
-from labkit.capstone.faults import BY_ID
-from labkit.capstone.keys import unseal
+from labkit import data, dist
 from labkit.config import ModelConfig, TrainConfig
 from labkit.model import GPT
 from labkit.parallel import comm
 from labkit.profiling.bottlenecks import TokenizingDataset
+from labkit.profiling.capture import activities, quiet_kineto
+from labkit.profiling.phases import phase
+from labkit.sealed import unseal
 from labkit.timing import synchronize
 from labkit.train import autocast, make_optimizer
 
-FAULTS = tuple(BY_ID)  # the catalogue's ids: this job plants every one of them
 SMOKE_MODEL = {"seq_len": 64, "n_layer": 2, "n_head": 2, "d_model": 64}
+PHASES = ("data", "forward", "backward", "optimizer")
+DEFAULTS: dict[str, Any] = {
+    "global_batch": 32, "micro_batch": None, "prepare_data": "once", "no_sync": True,
+    "bucket_cap_mb": 25.0, "straggler_s": 0.0, "threads": None, "anomaly_detection": False,
+    "eval_every_steps": 0, "activation_checkpointing": False, "sampler": "distributed",
+    "set_epoch": True, "zero_grad": True, "dtype": "bfloat16",
+    "loss_item_every_micro_batch": False, "optimizer": "default", "pin_memory": True,
+    "vocab_size": 320, "steps": 8, "epoch_steps": 4, "loader_passes": 200,
+    "profile_steps": 2, "eval_batches": 4, "seed": 0, "lr": 1e-3, "model": {},
+}  # fmt: skip
+ENV_SHOWN = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
 
 
 class PhaseClock:
     """Marks in time without waiting for the device: ``time.perf_counter`` on a CPU, CUDA events
     on a GPU (read once the step has synchronised), so timing the phases adds no sync of its
-    own: one would hide the ``host_sync`` fault and blunt ``fp32_on_gpu``. On a GPU a phase is
-    the time between two events on the stream; an event recorded on an idle stream completes
-    at once, so a delay on the host between it and the next kernels (the straggler's sleep)
-    falls inside the phase, as it does on a CPU."""
+    own: one would hide a host sync and blunt a slow dtype. On a GPU a phase is the time
+    between two events on the stream; an event recorded on an idle stream completes at once,
+    so a delay on the host between it and the next kernels (a slow rank's sleep) falls inside
+    the phase, as it does on a CPU."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -118,7 +134,7 @@ class SyncCounter:
 
 
 class Prepared(torch.utils.data.Dataset):
-    """Every item of ``dataset`` computed once, up front: the fix for ``slow_loader``."""
+    """Every item of ``dataset`` computed once, up front."""
 
     def __init__(self, dataset: torch.utils.data.Dataset) -> None:
         self.items = [dataset[i] for i in range(len(dataset))]
@@ -146,138 +162,240 @@ class Recording(Sampler[int]):
             yield i
 
 
-def _check(cfg: dict[str, Any], n: int) -> dict[str, Any]:
+def validate(cfg: dict[str, Any], n: int) -> dict[str, Any]:
+    """The config with its defaults; an unknown key or an impossible split is refused."""
     if "sealed" in cfg:  # labkit.capstone.run_job seals the settings out of the job spec's sight
         cfg = {**{k: v for k, v in cfg.items() if k != "sealed"}, **unseal(cfg["sealed"])}
-    faults = list(cfg.get("faults", []))
-    unknown = sorted(set(faults) - set(FAULTS))
+    unknown = sorted(set(cfg) - set(DEFAULTS))
     if unknown:
-        raise ValueError(f"faults={unknown} are not planted by this job; it knows {list(FAULTS)}")
-    g = int(cfg.get("global_batch", 32))
+        raise ValueError(f"config keys {unknown} are not settings of this job; it has "
+                         f"{sorted(DEFAULTS)}")  # fmt: skip
+    cfg = {**DEFAULTS, **cfg}
+    g = int(cfg["global_batch"])
     if g % n:
         raise ValueError(f"global_batch={g} does not split over {n} ranks")
     share = g // n
-    micro = 1 if "tiny_micro_batch" in faults else int(cfg.get("micro_batch", max(1, share // 2)))
+    micro = int(cfg["micro_batch"] or max(1, share // 2))
     if share % micro:
         raise ValueError(f"micro_batch={micro} does not divide a rank's {share} sequences")
-    return {**cfg, "faults": faults, "global_batch": g, "share": share, "micro": micro,
-            "steps": int(cfg.get("steps", 8)), "epoch_steps": int(cfg.get("epoch_steps", 4)),
-            "passes": int(cfg.get("loader_passes", 200)),
-            "straggler_s": float(cfg.get("straggler_s", 0.1)),
-            "seed": int(cfg.get("seed", 0)), "lr": float(cfg.get("lr", 1e-3)),
-            "model": {**SMOKE_MODEL, **cfg.get("model", {})}}  # fmt: skip
+    return {**cfg, "global_batch": g, "share": share, "micro_batch": micro,
+            "model": {**SMOKE_MODEL, **cfg["model"], "vocab_size": int(cfg["vocab_size"])}}
+
+
+def _rss_mb() -> float:
+    """This process's resident memory in MiB (Linux's /proc; 0 where there is none)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _optimizer(model: torch.nn.Module, cfg: dict[str, Any]) -> torch.optim.Optimizer:
+    impl = {"default": {}, "for_loop": {"foreach": False, "fused": False},
+            "foreach": {"foreach": True}, "fused": {"fused": True}}[cfg["optimizer"]]  # fmt: skip
+    return make_optimizer(model, TrainConfig(lr=cfg["lr"]), **impl)
+
+
+def _checkpointed(block: torch.nn.Module) -> None:
+    """Make ``block`` keep only its input and recompute the rest in backward (Chen et al.
+    2016, arXiv:1604.06174): memory for one more forward."""
+    inner = block.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    block.forward = forward
 
 
 @dist.entrypoint
 def main(ctx: dist.Context) -> dict[str, Any]:
     n, rank, device = ctx.world_size, ctx.rank, ctx.device
-    cfg = _check(ctx.config, n)
-    faults = set(cfg["faults"])
+    cfg = validate(ctx.config, n)
+    quiet_kineto()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cores = cores or 1
-    threads = cfg.get("threads") or (cores if "oversubscribed_threads" in faults else max(1, cores // n))
-    torch.set_num_threads(int(threads))
+    torch.set_num_threads(int(cfg["threads"] or max(1, cores // n)))
+    torch.autograd.set_detect_anomaly(bool(cfg["anomaly_detection"]))
+    on_gpu = device.type == "cuda"
 
-    # The data: windows of the course corpus, preprocessed in __getitem__ (slow_loader) or once.
-    seq_len = cfg["model"]["seq_len"]
-    raw = TokenizingDataset(seq_len=seq_len, passes=cfg["passes"],
+    # The data: windows of the course corpus, tokenised in __getitem__ or once, up front.
+    seq_len, share, micro = cfg["model"]["seq_len"], cfg["share"], cfg["micro_batch"]
+    raw = TokenizingDataset(seq_len=seq_len, passes=cfg["loader_passes"],
                             n_items=cfg["global_batch"] * cfg["epoch_steps"])  # fmt: skip
     t0 = time.perf_counter()
-    dataset = raw if "slow_loader" in faults else Prepared(raw)
+    dataset = raw if cfg["prepare_data"] == "per_item" else Prepared(raw)
     prepare_s = time.perf_counter() - t0
-    if "no_sampler" in faults:  # the same seed on every rank: the same samples everywhere
+    if cfg["sampler"] == "random":  # one seed on every rank: one order everywhere
         inner: Sampler[int] = RandomSampler(dataset, generator=torch.Generator().manual_seed(cfg["seed"]))
     else:
         inner = DistributedSampler(dataset, num_replicas=n, rank=rank, shuffle=True,
                                    seed=cfg["seed"], drop_last=True)  # fmt: skip
     epochs: list[list[int]] = []
-    loader = DataLoader(dataset, batch_size=cfg["share"], sampler=Recording(inner, epochs),
-                        drop_last=True)  # fmt: skip
+    pin = on_gpu and bool(cfg["pin_memory"])
+    loader = DataLoader(dataset, batch_size=share, sampler=Recording(inner, epochs),
+                        drop_last=True, pin_memory=pin)  # fmt: skip
+    val = TokenizingDataset(data.load_splits().val, seq_len=seq_len,
+                            n_items=share * cfg["eval_batches"])  # fmt: skip
+    val_x, val_y = (torch.stack(t).to(device) for t in zip(*(val[i] for i in range(len(val))), strict=True))
 
     torch.manual_seed(cfg["seed"])  # the same initial weights on every rank (DDP broadcasts)
     model = GPT(ModelConfig(**cfg["model"])).to(device)
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if cfg["activation_checkpointing"]:
+        for block in model.blocks:
+            _checkpointed(block)
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if on_gpu else None,
+                                  bucket_cap_mb=float(cfg["bucket_cap_mb"]))  # fmt: skip
     counter = comm.ByteCounter(n, ctx.backend, "counted by a DDP communication hook")
     ddp.register_comm_hook(None, comm.counting_hook(counter, default_hooks.allreduce_hook))
-    opt = make_optimizer(ddp, TrainConfig(lr=cfg["lr"]))
-    dtype = "float32"
-    if device.type == "cuda" and "fp32_on_gpu" not in faults:
-        dtype = cfg.get("dtype", "bfloat16")
-    k = cfg["share"] // cfg["micro"]
-    last = rank == n - 1
+    opt = _optimizer(ddp, cfg)
+    dtype = cfg["dtype"] if on_gpu else "float32"
+    k = share // micro
+    slow = rank == n - 1 and cfg["straggler_s"] > 0
+    uses_set_epoch = isinstance(inner, DistributedSampler) and cfg["set_epoch"]
+
+    def evaluate() -> float:
+        model.eval()
+        with torch.no_grad(), autocast(device, dtype):
+            losses = [model(val_x[i:i + share], val_y[i:i + share])[1]
+                      for i in range(0, len(val_x), share)]  # fmt: skip
+        model.train()
+        return float(torch.stack(losses).mean())
 
     clock = PhaseClock(device)
-    rec: dict[str, list[float]] = {p: [] for p in ("step_s", "data_s", "forward_s",
-                                                   "backward_s", "optimizer_s")}  # fmt: skip
-    losses, calls_per_step, early_calls, syncs_per_step, epoch = [], [], [], [], 0
-    batches = iter(())
-    if isinstance(inner, DistributedSampler) and "no_set_epoch" not in faults:
-        inner.set_epoch(epoch)
-    for step in range(cfg["steps"]):
+    timed, total_steps = cfg["steps"], cfg["steps"] + cfg["profile_steps"]
+    rec: dict[str, list[Any]] = {key: [] for key in (
+        "step_s", "data_s", "forward_s", "backward_s", "optimizer_s", "losses", "grad_norm",
+        "memory_mb", "allreduce_calls", "allreduce_bytes", "host_syncs", "val_losses")}  # fmt: skip
+    state = {"epoch": 0, "batches": iter(())}
+    if uses_set_epoch:
+        inner.set_epoch(0)
+
+    def one_step(step: int) -> None:
         synchronize(device)
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats(device)
         t_start = time.perf_counter()
-        batch = next(batches, None)
-        if batch is None:  # the epoch ended: a new pass over the data
-            if epochs:
-                epoch += 1
-                if isinstance(inner, DistributedSampler) and "no_set_epoch" not in faults:
-                    inner.set_epoch(epoch)
-            batches = iter(loader)
-            batch = next(batches)
-        x, y = (t.to(device) for t in batch)
+        with phase("data"):
+            batch = next(state["batches"], None)
+            if batch is None:  # the epoch ended: a new pass over the data
+                if epochs:
+                    state["epoch"] += 1
+                    if uses_set_epoch:
+                        inner.set_epoch(state["epoch"])
+                state["batches"] = iter(loader)
+                batch = next(state["batches"])
+            x, y = (t.to(device, non_blocking=pin) for t in batch)
         t_data = time.perf_counter()
         total = torch.zeros((), device=device)
-        spans = []  # (forward start, backward start, backward end) marks per micro-batch
+        spans, calls, sent = [], [], []  # per micro-batch: marks, all-reduce calls and bytes
         host_syncs = SyncCounter(device)
         with host_syncs:
             for j in range(k):
-                sl = slice(j * cfg["micro"], (j + 1) * cfg["micro"])
-                sync = (j == k - 1) or "sync_every_micro_batch" in faults
+                sl = slice(j * micro, (j + 1) * micro)
+                sync = j == k - 1 or not cfg["no_sync"]
+                before = counter.calls_so_far(), counter.bytes_so_far()
                 with contextlib.nullcontext() if sync else ddp.no_sync():
                     a = clock.mark()
-                    if last and j == 0 and "straggler" in faults:
-                        time.sleep(cfg["straggler_s"])  # a slow node: its compute takes longer
-                    with autocast(device, dtype):
-                        _, loss = ddp(x[sl], y[sl])
-                    loss = loss / k
-                    if "host_sync" in faults:
-                        loss.item()  # the CPU waits for the GPU to drain its queue
+                    with phase("forward"):
+                        if slow and j == 0:
+                            time.sleep(cfg["straggler_s"])  # a slow node: its compute takes longer
+                        with autocast(device, dtype):
+                            _, loss = ddp(x[sl], y[sl])
+                        loss = loss / k
+                        if cfg["loss_item_every_micro_batch"]:
+                            loss.item()  # the CPU waits for the GPU to drain its queue
                     b = clock.mark()
-                    loss.backward()
+                    with phase("backward"):
+                        loss.backward()
                     spans.append((a, b, clock.mark()))
-                if j == k - 2:  # DDP's hook has run for every bucket this backward made ready
-                    early_calls.append(counter.calls_so_far())
+                calls.append(counter.calls_so_far() - before[0])
+                sent.append(counter.bytes_so_far() - before[1])
                 total += loss.detach()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
         c = clock.mark()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        with phase("optimizer"):
+            opt.step()
+            if cfg["zero_grad"]:
+                opt.zero_grad(set_to_none=True)
         end = clock.mark()
-        synchronize(device)  # once per step: no other wait the faults could hide behind
+        if cfg["eval_every_steps"] and (step + 1) % cfg["eval_every_steps"] == 0:
+            rec["val_losses"].append((step + 1, evaluate()))
+        synchronize(device)  # once per step: no other wait a slow setting could hide behind
         t_end = time.perf_counter()
-        fwd = sum(clock.seconds(a, b) for a, b, _ in spans)
-        bwd = sum(clock.seconds(b, e) for _, b, e in spans)
         counter.end_step()
-        calls_per_step.append(sum(v["calls"] for v in counter.steps[-1].values()))
-        syncs_per_step.append(host_syncs.count)
+        rec["host_syncs"].append(host_syncs.count)
         tdist.all_reduce(total)  # the mean loss over ranks (reporting, not counted)
-        losses.append(float(total) / n)
-        for key, v in (("step_s", t_end - t_start), ("data_s", t_data - t_start),
-                       ("forward_s", fwd), ("backward_s", bwd),
-                       ("optimizer_s", clock.seconds(c, end))):
-            rec[key].append(v)
-        ctx.heartbeat(step=step + 1, total=cfg["steps"])
+        rec["losses"].append(float(total) / n)
+        rec["grad_norm"].append(float(grad_norm))
+        rec["memory_mb"].append(torch.cuda.max_memory_allocated(device) / 2**20 if on_gpu else _rss_mb())
+        rec["allreduce_calls"].append(calls)
+        rec["allreduce_bytes"].append(sent)
+        if step < timed:
+            for key, v in (("step_s", t_end - t_start), ("data_s", t_data - t_start),
+                           ("forward_s", sum(clock.seconds(a, b) for a, b, _ in spans)),
+                           ("backward_s", sum(clock.seconds(b, e) for _, b, e in spans)),
+                           ("optimizer_s", clock.seconds(c, end))):  # fmt: skip
+                rec[key].append(v)
+        ctx.heartbeat(step=step + 1, total=total_steps)
+
+    for step in range(timed):
+        one_step(step)
+    trace = None
+    if cfg["profile_steps"]:
+        root = Path(ctx.job_dir or Path.cwd()) / "traces"
+        root.mkdir(parents=True, exist_ok=True)
+        trace = root / f"rank{rank}.json"
+
+        def export(prof: profile) -> None:
+            tmp = trace.with_suffix(".part")  # a reader never sees a half-written trace
+            prof.export_chrome_trace(str(tmp))
+            tmp.replace(trace)
+
+        with profile(activities=activities(device), record_shapes=on_gpu, on_trace_ready=export,
+                     schedule=schedule(wait=0, warmup=0, active=cfg["profile_steps"], repeat=1)) as prof:  # fmt: skip
+            for step in range(timed, total_steps):
+                one_step(step)
+                prof.step()
+    if not cfg["eval_every_steps"]:
+        rec["val_losses"].append((total_steps, evaluate()))
+
+    t0 = time.perf_counter()
+    sample = [dataset[i] for i in range(min(8, len(dataset)))]
+    item_ms = (time.perf_counter() - t0) / len(sample) * 1e3
     with torch.no_grad():
         checksum = float(sum(p.double().sum() for p in model.parameters()))
-    tokens = cfg["global_batch"] * seq_len
+    with contextlib.suppress(Exception):
+        tdist.barrier()  # every rank's trace written before rank 0 reports
     steady = rec["step_s"][1:] or rec["step_s"]
+    params = sum(p.numel() for p in model.parameters())
+    group = opt.param_groups[0]
     return {
-        "rank": rank, **rec, "prepare_s": prepare_s,
-        "tokens_per_s": tokens / statistics.median(steady),
-        "allreduce_calls": calls_per_step, "host_syncs": syncs_per_step,
-        "allreduce_calls_before_last_micro_batch": early_calls or [0] * len(calls_per_step), "micro_batch": cfg["micro"], "grad_accum": k,
-        "threads": torch.get_num_threads(), "cores": cores, "world_size": n,
-        "indices": epochs, "losses": losses, "checksum": checksum, "dtype": dtype,
-        "device": str(device),
+        "rank": rank, "world_size": n, "device": str(device), "backend": ctx.backend, **rec,
+        "tokens_per_s": cfg["global_batch"] * seq_len / statistics.median(steady),
+        "micro_batch": micro, "grad_accum": k, "global_batch": cfg["global_batch"],
+        "threads": torch.get_num_threads(), "cores": cores,
+        "env": {key: v for key, v in os.environ.items()
+                if key in ENV_SHOWN or key.startswith("NCCL_")},
+        "runtime": {"anomaly_enabled": torch.is_anomaly_enabled(),
+                    "grad_enabled": torch.is_grad_enabled(),
+                    "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+                    "float32_matmul_precision": torch.get_float32_matmul_precision(),
+                    "autocast_dtype": dtype, "torch": torch.__version__},
+        "loader": {"dataset": type(dataset).__name__, "items": len(dataset),
+                   "item_ms": item_ms, "prepare_s": prepare_s, "batch_size": share,
+                   "sampler": type(inner).__name__, "num_workers": loader.num_workers,
+                   "pin_memory": loader.pin_memory, "drop_last": loader.drop_last},
+        "optimizer": {"class": type(opt).__name__, "lr": group["lr"],
+                      "foreach": group.get("foreach"), "fused": group.get("fused"),
+                      "weight_decay": group["weight_decay"]},
+        "model": {**cfg["model"], "parameters": params,
+                  "gradient_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+                  "tensors": len(list(model.parameters()))},
+        "indices": epochs, "checksum": checksum, "dtype": dtype,
+        "trace": str(trace) if trace is not None else None,
+        "steps_timed": timed,
     }  # fmt: skip
 
 
