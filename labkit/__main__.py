@@ -12,9 +12,10 @@
     labkit recordings  build the key GPU figures that ship from a GPU run's benchmark results
                        (build FILES --out DIR), or show what ships (show)
     labkit exam        a mock exam drawn from every quiz bank, scored by sub-topic (--history)
-    labkit capstone    new: a job code for notebook 07's slow job (and the instructor's key file);
-                       reveal --seed N: its answer key (needs the key file); reveal --give-up:
-                       a learner opens their own job's key, and the record says so
+    labkit capstone    new [--level L]: a job code for notebook 07's slow job (and the
+                       instructor's key file); reveal --job CODE (or --seed N --level L): its
+                       answer key (needs the key file); reveal --give-up: a learner opens
+                       their own job's key, and the record says so
     labkit timings     each notebook's run time, per section, and peak memory on this machine
     labkit slurm       an sbatch script that runs a worker on a SLURM cluster's nodes
 """
@@ -76,6 +77,17 @@ def _capstone(args: argparse.Namespace) -> int:
               end="")
         print(f"recorded: you opened this job's key on {record['gave_up']}, after "
               f"{len(record['attempts'])} attempt(s) ({attempts.path(job.text)})")
+        return 0
+    if args.action == "reveal" and args.job:  # the instructor, by the learner's code
+        try:
+            job, key = keys.read_code(args.job), keys.load(args.key)
+        except keys.CapstoneKeyError as err:
+            return refuse(str(err))
+        level = next(lv for lv, (count, _) in capstone.LEVELS.items() if count == len(job.open()))
+        if capstone.plan(job.seed, job.tier, key, level) != job.open():
+            return refuse(f"job {job.text} was not made with the key file {key.path}: reveal it "
+                          "with the key that made it (--key PATH)")  # fmt: skip
+        print(capstone.reveal(job.seed, job.tier, key, level), end="")
         return 0
     if args.give_up or args.job:
         return refuse("--give-up and --job go with reveal: "
@@ -156,12 +168,13 @@ def main(argv: list[str] | None = None) -> int:
                      help="reveal, for a learner: open your job's key (recorded in your "
                           "attempt record)")
     cap.add_argument("--job", metavar="CODE",
-                     help="with --give-up: the job code to open (default: the last job run here)")
+                     help="reveal: the job code to open, with your key file (the instructor), or "
+                          "with --give-up (a learner; default: the last job run here)")
     cap.add_argument("--level", choices=list(capstone_levels()), default="standard",
                      help="how many faults and how subtle: intro (3, each shown by one "
                           "measurement), standard (4, some by a comparison), expert (5, some "
-                          "only in a trace or a series); reveal needs the level the code was "
-                          "made at (default standard)")
+                          "only in a trace or a series); reveal --seed N needs the level the "
+                          "code was made at, reveal --job CODE reads it (default standard)")
     cap.add_argument("--tier", choices=["cpu", "single-gpu", "multi-gpu"],
                      help="the tier notebook 07's job runs on: multi-gpu with a GPU per rank, "
                           "single-gpu for a one-rank job on one GPU, else cpu (default: this "

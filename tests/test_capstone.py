@@ -343,6 +343,13 @@ def test_the_command_line_makes_a_key_a_code_and_reveals_only_with_the_key(capsy
                  "--key", str(key_path)]) == 0  # fmt: skip
     revealed = capsys.readouterr().out
     assert all(f in revealed for f in hard) and "level expert" in revealed
+    # ... or by the learner's code, whose level the code itself says; another key is refused
+    hard_code = keys.code_for(hard, "cpu", 9)
+    assert main(["capstone", "reveal", "--job", hard_code, "--key", str(key_path)]) == 0
+    assert capsys.readouterr().out == revealed
+    keys.create(tmp_path / "other.json")
+    assert main(["capstone", "reveal", "--job", hard_code, "--key", str(tmp_path / "other.json")]) == 2
+    assert "was not made with the key file" in capsys.readouterr().err
 
 
 GPU_FAULTS = [f.id for f in capstone.FAULTS if "cpu" not in f.tiers]

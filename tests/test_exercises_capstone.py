@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 
 import pytest
@@ -136,7 +137,7 @@ def stand_in_rank(rank: int, settings: st.Settings, faults: tuple[str, ...], *,
         "grad_norm": norms, "memory_mb": [330.0] * steps, "host_syncs": [0] * steps,
         "threads": settings.threads_per_rank or max(1, cores // 2), "env": {},
         "runtime": {"anomaly_enabled": "anomaly_mode" in faults, "autocast_dtype": "float32"},
-        "loader": {"dataset": "Prepared", "item_ms": 0.002}, "optimizer": {"class": "AdamW"},
+        "loader": {"dataset": "Prepared", "item_ms": 0.002, "prepare_s": 0.12}, "optimizer": {"class": "AdamW"},
         "model": {"vocab_size": 320, "gradient_bytes": 500_000, "tensors": 36, "parameters": 125_000},
         "global_batch": 32, "micro_batch": settings.micro_batch, "grad_accum": k,
         "indices": [order, again], "trace": None, "stand_in_faults": faults,
@@ -444,3 +445,53 @@ def test_every_fault_left_in_is_described_by_a_measurement_never_by_name(fault, 
     assert "in a way this run's measurements did not show" not in said, said
     assert not names_a_fault(said.split("with your changes")[1]), said
     assert excap.reference_diagnose(job)[0] == {fault}
+
+
+def test_fixes_one_at_a_time_keep_what_a_measurement_supports(monkeypatch):
+    """Notebook 07's section 5 (capstone.one_at_a_time) on stand-in runs: each fix re-run on
+    top of those kept, in FIXES order; a measurably faster fix stays, a measurably slower one
+    goes, a correctness fix stays when its evidence is gone; the table says why."""
+    from labkit.capstone import trials
+
+    job = fake_run(st.given(["slow_loader", "straggler", "no_set_epoch"], cores=2), tokens_per_s=300.0)
+
+    def rerun(run, changes, **kwargs):
+        s = st.apply(run.settings, changes)
+        left = st.faults_in(s, tier="cpu", cores=2, nproc=2)
+        speed = {"slow_loader": 2.0, "straggler": 3.0}  # what each fault costs, as a factor
+        tps = 1000.0 / math.prod(speed.get(f, 1.0) for f in left)
+        if s.threads_per_rank == 4:  # a "fix" that makes the job slower
+            tps /= 4
+        return fake_run(s, tokens_per_s=tps, losses=(3.0, 2.9 if s.set_epoch else 2.5))
+
+    monkeypatch.setattr(trials, "rerun", rerun)
+    found = {"straggler", "slow_loader", "no_set_epoch", "oversubscribed_threads"}
+    changes = {"straggler_delay_s": 0.0, "prepare_data": "once", "set_epoch": True,
+               "threads_per_rank": 4}  # fmt: skip
+    seq = capstone.one_at_a_time(job, found, changes, excap.reference_diagnose, progress=False)
+    assert [t.fault for t in seq.trials] == ["oversubscribed_threads", "slow_loader", "straggler",
+                                             "no_set_epoch"]  # fmt: skip
+    assert [t.kept for t in seq.trials] == [False, True, True, True]
+    assert seq.kept == {"prepare_data": "once", "straggler_delay_s": 0.0, "set_epoch": True}
+    assert seq.current.tokens_per_s == pytest.approx(1000.0)
+    assert seq.trials[1].before is job and seq.trials[2].before is seq.trials[1].after
+    table = seq.table()
+    assert "before is faster than after" in table and "its evidence is gone" in table
+    assert "3.33× in all" in table
+
+
+def test_the_evidence_picture_stacks_each_ranks_phases_and_draws_every_step():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run = fake_run(st.given(["straggler"], cores=2), tokens_per_s=300.0)
+    fig = run.evidence().plot()
+    left, right = fig.axes
+    heights = [[p.get_height() for p in c.patches] for c in left.containers]  # one per bar
+    assert len(heights) == 2 * 5  # 2 ranks × (4 phases + other)
+    tops = [sum(h[0] for h in heights[r * 5:(r + 1) * 5]) for r in range(2)]
+    assert tops == pytest.approx([1e3 * 32 * 64 / 300.0] * 2, rel=0.01)  # the step, stacked
+    assert len(right.lines) == 2 and len(right.lines[0].get_xdata()) == 8
+    plt.close(fig)

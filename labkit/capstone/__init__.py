@@ -10,6 +10,8 @@ wrong), with faults planted from a seed, and the measurements that find each one
                launched for real
     evidence   Evidence: what the job measured and says about itself, raw, with the tables
                and trace readers to study it
+    trials     one_at_a_time(job, found, changes, diagnose): each fix tried on top of those
+               kept, re-run for real, kept or dropped by a verdict on the measurement
 
 Importing this package launches nothing.
 """
@@ -45,6 +47,7 @@ from labkit.capstone.job import (
 )
 from labkit.capstone.keys import CapstoneKeyError
 from labkit.capstone.settings import FIXES, Settings, faults_in
+from labkit.capstone.trials import FixSequence, Trial, one_at_a_time
 
 __all__ = [
     "BY_ID",
@@ -57,8 +60,10 @@ __all__ = [
     "CapstoneRun",
     "Evidence",
     "Fault",
+    "FixSequence",
     "SeedError",
     "Settings",
+    "Trial",
     "available",
     "describe",
     "example_code",
@@ -67,6 +72,7 @@ __all__ = [
     "last_given",
     "new_job",
     "new_seed",
+    "one_at_a_time",
     "parse_seed",
     "placement",
     "plan",

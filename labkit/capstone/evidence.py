@@ -187,6 +187,33 @@ class Evidence:
         t = self.trace(rank)
         return Counter(s.name for s in t.spans(cat="gpu_memcpy"))
 
+    # ---------------------------------------------------------------- the picture
+    def plot(self, title: str = ""):
+        """Where each rank's step goes (median ms per phase, stacked) and every step's time
+        per rank: a slow rank, a phase that grows, or steps that wander show at a glance.
+        Returns the matplotlib figure."""
+        import matplotlib.pyplot as plt
+
+        table = self.steps_ms
+        parts = (*PHASES, "other")
+        fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2), width_ratios=(1, 2))
+        for r in range(self.world_size):
+            bottom = 0.0
+            for i, p in enumerate(parts):
+                v = max(0.0, median(table[p][r]))
+                left.bar(r, v, bottom=bottom, color=f"C{i}", label=p if r == 0 else None)
+                bottom += v
+            right.plot(range(1, len(table["step"][r]) + 1), table["step"][r], marker="o", ms=3,
+                       label=f"rank {r}")  # fmt: skip
+        left.set(xticks=range(self.world_size), xlabel="rank", ylabel="ms per step (median)",
+                 title="where a step goes (measured)")  # fmt: skip
+        left.legend(fontsize=7)
+        right.set(xlabel="step (the first warms up)", ylabel="step, ms (measured)",
+                  title=title or "every step, per rank")  # fmt: skip
+        right.legend(fontsize=7)
+        fig.tight_layout()
+        return fig
+
     # ---------------------------------------------------------------- the report
     def report(self) -> str:
         """Every measurement and fact, as the tables an engineer would print."""
