@@ -23,7 +23,8 @@ Each field, its unit and where it comes from (the worker, :mod:`labkit.workers.c
     grad_norm      [rank][step] the gradient's L2 norm before the optimizer step
     memory_mb      [rank][step] peak CUDA memory allocated (GPU), or the process's resident
                    memory (CPU: ``/proc/self/statm``; what ``top``'s RES shows), MiB
-    host_syncs     [rank][step] host-device syncs (CUDA's sync debug mode; 0 on a CPU)
+    host_syncs     [rank][step] host-device syncs, in forward and in backward (CUDA's sync
+                   debug mode; 0 on a CPU)
     facts          per rank: threads, cores, environment (thread and NCCL variables), runtime
                    flags, the loader, the optimizer, the model
     samples        [rank][epoch] the dataset indices each rank's sampler handed out
@@ -118,7 +119,12 @@ class Evidence:
 
     @property
     def host_syncs(self) -> list[list[int]]:
-        return [r["host_syncs"] for r in self.ranks]
+        """[rank][step] host-device syncs in the step's forward and backward together."""
+        return [[sum(s.values()) for s in r["host_syncs"]] for r in self.ranks]
+
+    def host_syncs_in(self, phase: str) -> list[list[int]]:
+        """[rank][step] host-device syncs in ``phase`` ("forward" or "backward")."""
+        return [[s[phase] for s in r["host_syncs"]] for r in self.ranks]
 
     @property
     def samples(self) -> list[list[list[int]]]:
@@ -255,14 +261,14 @@ class Evidence:
         def row(xs: Sequence[float], fmt: str) -> str:
             return ", ".join(format(x, fmt) for x in xs)
 
-        syncs = self.host_syncs[0]
         return "\n".join([
             "per step (rank 0 unless said):",
             f"  loss (mean over ranks): {row(self.losses, '.3f')}",
             f"  gradient norm:          {row(self.grad_norm[0], '.3f')}",
             f"  memory, MiB ({'peak allocated' if self.tier != 'cpu' else 'resident'}): "
             f"{row(self.memory_mb[0], '.0f')}",
-            f"  host syncs:             {row(syncs, 'g')}"
+            f"  host syncs (forward):   {row(self.host_syncs_in('forward')[0], 'g')}",
+            f"  host syncs (backward):  {row(self.host_syncs_in('backward')[0], 'g')}"
             + ("  (a CPU has no device to wait for)" if self.tier == "cpu" else ""),
             "  validation loss (after step): "
             + ", ".join(f"{s}: {v:.3f}" for s, v in self.val_losses),

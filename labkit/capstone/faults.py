@@ -12,8 +12,10 @@ nothing.
 
 Tiers: six faults need a GPU to show (a CPU has no launch queue for a host sync to drain, no
 bf16 tensor cores, no host-to-device copy, no fused optimizer path) and one needs NCCL between
-GPUs: a seed on a tier draws only from the faults that tier can show, and ``why_not`` says why
-a tier leaves a fault out.
+GPUs; three need two ranks or more (a straggler, threads shared out among ranks, a sampler
+that splits the data), which the single-gpu tier's one-rank job does not have. A seed on a
+tier draws only from the faults that tier can show, and ``why_not`` says why a tier leaves a
+fault out.
 
 Sources for the symptoms and fixes: PyTorch's performance tuning guide
 (https://docs.pytorch.org/tutorials/recipes/recipes/tuning_guide.html: data loading workers,
@@ -44,6 +46,8 @@ from labkit.capstone.keys import Key
 TIERS = ("cpu", "single-gpu", "multi-gpu")
 GPU_TIERS = ("single-gpu", "multi-gpu")
 ALL_TIERS = TIERS
+RANKS_TIERS = ("cpu", "multi-gpu")  # the tiers whose job has two ranks or more
+ONE_RANK = "the single-gpu tier's job has one rank, and one rank has {}"
 
 LEVELS: dict[str, tuple[int, int]] = {"intro": (3, 1), "standard": (4, 2), "expert": (5, 3)}
 """Difficulty: level → (faults planted, the subtlest fault drawn). ``intro`` plants three
@@ -76,6 +80,9 @@ class Fault:
     """Faults of one group are alternatives: a seed plants at most one of them."""
     why_not: str = ""
     """Why the tiers it leaves out cannot show it (said when a tier leaves it out)."""
+    small_here: str = ""
+    """Why its cost is small in the capstone's small job, where it is (its evidence still
+    shows it, and the check still needs it fixed; on a real model it costs more)."""
 
 
 FAULTS: tuple[Fault, ...] = (
@@ -89,7 +96,7 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "tiny_micro_batch", "a micro-batch far below what fits",
-        "low FLOP/s; memory nearly empty",
+        "low FLOP/s; on a GPU, memory far below what it holds",
         "the micro-batch and its accumulation steps against memory and speed (notebook 05's "
         "sweep: where tokens/s stops rising)",
         "raise the micro-batch and lower the accumulation by the same factor (the same global "
@@ -108,7 +115,7 @@ FAULTS: tuple[Fault, ...] = (
         "the per-rank phase times, step by step (notebook 06's per-rank traces): where one "
         "rank spends time the others spend waiting",
         "find the slow rank's cause and remove it (here: the planted delay on that rank)",
-        "speed", 2,
+        "speed", 2, tiers=RANKS_TIERS, why_not=ONE_RANK.format("no other rank to wait for it"),
     ),
     Fault(
         "oversubscribed_threads", "more compute threads than cores",
@@ -117,6 +124,7 @@ FAULTS: tuple[Fault, ...] = (
         "notebook 00's machine check)",
         "no more threads in all than cores: each rank its share (OMP_NUM_THREADS, "
         "torch.set_num_threads; torchrun's own default is 1 per worker)", "speed", 1,
+        tiers=RANKS_TIERS, why_not=ONE_RANK.format("every core is its own share"),
     ),
     Fault(
         "small_buckets", "DDP's gradient buckets far too small",
@@ -129,10 +137,11 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "anomaly_mode", "autograd's anomaly detection left on",
         "forward and backward both slower than the model's FLOPs explain",
-        "the runtime flags, and each phase against a clean step of the same model (the "
-        "profiler's per-op times, notebook 06)",
-        "torch.autograd.set_detect_anomaly(False): it is a debugging tool that records a "
-        "traceback for every op", "speed", 2,
+        "the operators backward runs in the profiler trace, and each phase against a clean "
+        "step of the same model (notebook 06)",
+        "torch.autograd.set_detect_anomaly(False): a debugging mode that checks every backward "
+        "output for NaN (a host sync per check on a GPU) and keeps each forward op's "
+        "traceback", "speed", 2,
     ),
     Fault(
         "eval_every_step", "a validation pass every step",
@@ -155,7 +164,8 @@ FAULTS: tuple[Fault, ...] = (
         "nothing looks slow: the job is wrong, not slow",
         "the sample indices each rank saw, and the sampler the loader holds (notebook 02's "
         "sampler section)", "a DistributedSampler, with set_epoch(epoch) every epoch",
-        "correctness", 1, group="sampler",
+        "correctness", 1, group="sampler", tiers=RANKS_TIERS,
+        why_not=ONE_RANK.format("no other rank to share its samples with"),
     ),
     Fault(
         "no_set_epoch", "DistributedSampler without set_epoch",
@@ -166,7 +176,8 @@ FAULTS: tuple[Fault, ...] = (
     ),
     Fault(
         "no_zero_grad", "gradients never zeroed",
-        "the loss falls more slowly than it should, or not at all",
+        "the losses look plausible (AdamW scales each update by its own running statistics), "
+        "so nothing in the loss curve gives it away",
         "the gradient norm step by step, and the losses (notebook 01's training curve)",
         "optimizer.zero_grad(set_to_none=True) after every optimizer step", "correctness", 2,
     ),
@@ -191,12 +202,13 @@ FAULTS: tuple[Fault, ...] = (
     Fault(
         "unfused_optimizer", "an optimizer that loops over its tensors",
         "the optimizer phase long for a small model",
-        "the optimizer phase's time and kernel count, and the optimizer facts (foreach, "
-        "fused)",
+        "the optimizer phase's time, and the operators it runs in the profiler trace (one "
+        "set per tensor, or one foreach or fused set over all of them)",
         "AdamW(fused=True) (or foreach=True): one or a few kernels for all tensors", "speed", 2,
         tiers=GPU_TIERS,
-        why_not="on a CPU torch's AdamW already runs its per-tensor loop (foreach and fused "
-                "are GPU paths), so a CPU job has no faster optimizer to miss",
+        why_not="torch's default AdamW on a CPU is the per-tensor loop (foreach is the default "
+                "for CUDA tensors only; a fused CPU AdamW exists since torch 2.4 but is not the "
+                "default), so the CPU job's healthy optimizer is that loop",
     ),
     Fault(
         "unpinned_copies", "pageable host memory, blocking copies",
@@ -205,6 +217,9 @@ FAULTS: tuple[Fault, ...] = (
         "(Memcpy HtoD, pageable or pinned)",
         "DataLoader(pin_memory=True) and .to(device, non_blocking=True)", "speed", 3,
         tiers=GPU_TIERS, why_not="a CPU job copies nothing to a device",
+        small_here="a batch here is 16 × 64 token ids (8 kB), and the loader has no worker "
+                   "to pin ahead of time: pinned or not, the copy costs microseconds (PyTorch's "
+                   "pin_memory tutorial: pinning on the spot can cost more than it saves)",
     ),
     Fault(
         "misaligned_vocab", "a vocabulary that is not a multiple of 64",
@@ -212,7 +227,9 @@ FAULTS: tuple[Fault, ...] = (
         "the model's dimensions, and the head's matmul time per FLOP against the other "
         "layers' (notebook 04's tensor-core alignment)",
         "pad the vocabulary to a multiple of 64 (the extra logits are never targets)", "speed",
-        3, tiers=GPU_TIERS,
+        1, tiers=GPU_TIERS,
+        small_here="the head here is a 512 × 64 × 257 matmul, which a GPU finishes in "
+                   "microseconds whatever its alignment: launch time, not tensor cores, sets it",
         why_not="a CPU's matrix units do not need dimensions in multiples of 8 or 64, so the "
                 "padding buys a CPU nothing",
     ),
@@ -222,7 +239,9 @@ FAULTS: tuple[Fault, ...] = (
         "the NCCL environment of each rank, and the all-reduce's bus bandwidth against the "
         "link's (notebook 02's collective benchmark)",
         "unset NCCL_P2P_DISABLE (a workaround for broken P2P, not a setting to keep)", "speed",
-        3, tiers=("multi-gpu",),
+        1, tiers=("multi-gpu",),
+        small_here="the gradient here is 0.5 MB, so each all-reduce is latency-bound and the "
+                   "link's bandwidth barely shows",
         why_not="only ranks on two or more GPUs talk over NCCL",
     ),
 )
@@ -292,6 +311,8 @@ def describe(faults: Sequence[str], tier: str, head: str) -> str:
         f = BY_ID[fid]
         lines += [f"  {f.id}: {f.title} ({f.kind}, subtlety {f.subtlety})",
                   f"     where it shows: {f.where}", f"     fix: {f.fix}"]  # fmt: skip
+        if f.small_here:
+            lines.append(f"     in this job: {f.small_here}")
     left_out = [f for f in FAULTS if f not in available(tier)]
     if left_out:
         lines.append(f"not drawn on the {tier} tier: " + "; ".join(

@@ -1,12 +1,13 @@
 """Who can know a capstone job's faults: the instructor's key, the learner's job code, the seal.
 
 A seed alone plants nothing: which faults a seed plants (:func:`labkit.capstone.plan`) is an
-HMAC-SHA256 of (course version, tier, seed) under a secret that only the instructor's **key
-file** holds (:func:`create`, :func:`load`; ``python -m labkit capstone new`` makes one, mode
-0600, under ``labkit_home()/capstone/key.json`` or where ``--key`` says). With the key file the
-instructor turns a seed back into its answer key (``capstone reveal --seed N``); without it,
-nothing a learner holds (the seed, the run object, the files the job writes) says which faults
-a seed planted.
+HMAC-SHA256 of (course version, tier, seed, level) under a secret that only the instructor's
+**key file** holds (:func:`create`, :func:`load`; ``python -m labkit capstone new`` makes one,
+mode 0600, under ``labkit_home()/capstone/key.json`` or where ``--key`` says). With the key file
+the instructor turns a learner's code (``capstone reveal --job CODE``) or a seed and level back
+into its answer key; without it, the seed says nothing about the faults, and neither do the
+run object's fields or the files the job writes. The job code does hold them, sealed (below):
+the learner's record of attempts works on trust.
 
 The learner's machine must still plant the faults, so the learner gets a **job code**
 (:func:`code_for`): ``cpu-1234-d22vgd54``, the tier, the seed and the plan **sealed**. Opening

@@ -12,12 +12,14 @@ would show (the tools of notebooks 00–06), raw:
 * per step: the wall time and its labelled phases (data, forward, backward, optimizer; what
   the step spends outside them is the learner's to explain), the loss, the gradient norm,
   the memory, the all-reduce calls and bytes each micro-batch's backward issued, the host
-  syncs (a GPU only);
+  syncs in forward and in backward (a GPU only);
 * a profiler trace of the last ``profile_steps`` steps (not timed), with those phases as
   ``record_function``/NVTX ranges, written into the job directory;
-* facts: threads and cores, the environment's thread and NCCL variables, autograd's runtime
-  flags, the loader (dataset, sampler, batch, pinning, the cost of one item), the optimizer's
-  implementation flags, the model's dimensions, the sample indices of every epoch.
+* facts: threads and cores, the environment's thread and NCCL variables, a few runtime flags,
+  the loader (dataset, sampler, batch, pinning, the cost of one item), the optimizer's class
+  and hyper-parameters, the model's dimensions, the sample indices of every epoch. Settings
+  the job was started with are not echoed back: what they do shows in the measurements and
+  the trace (the dtype of each matmul, the optimizer's operators, autograd's checks).
 
 Config (all optional; defaults are the healthy job):
     model          GPT fields (seq_len, n_layer, n_head, d_model); default the smoke model
@@ -289,29 +291,30 @@ def main(ctx: dist.Context) -> dict[str, Any]:
         t_data = time.perf_counter()
         total = torch.zeros((), device=device)
         spans, calls, sent = [], [], []  # per micro-batch: marks, all-reduce calls and bytes
-        host_syncs = SyncCounter(device)
-        with host_syncs:
-            for j in range(k):
-                sl = slice(j * micro, (j + 1) * micro)
-                sync = j == k - 1 or not cfg["no_sync"]
-                before = counter.calls_so_far(), counter.bytes_so_far()
-                with contextlib.nullcontext() if sync else ddp.no_sync():
-                    a = clock.mark()
-                    with phase("forward"):
-                        if slow and j == 0:
-                            time.sleep(cfg["straggler_s"])  # a slow node: its compute takes longer
-                        with autocast(device, dtype):
-                            _, loss = ddp(x[sl], y[sl])
-                        loss = loss / k
-                        if cfg["loss_item_every_micro_batch"]:
-                            loss.item()  # the CPU waits for the GPU to drain its queue
-                    b = clock.mark()
-                    with phase("backward"):
-                        loss.backward()
-                    spans.append((a, b, clock.mark()))
-                calls.append(counter.calls_so_far() - before[0])
-                sent.append(counter.bytes_so_far() - before[1])
-                total += loss.detach()
+        syncs = {"forward": 0, "backward": 0}  # host-device syncs counted in each phase
+        for j in range(k):
+            sl = slice(j * micro, (j + 1) * micro)
+            sync = j == k - 1 or not cfg["no_sync"]
+            before = counter.calls_so_far(), counter.bytes_so_far()
+            with contextlib.nullcontext() if sync else ddp.no_sync():
+                a = clock.mark()
+                with phase("forward"), SyncCounter(device) as counted:
+                    if slow and j == 0:
+                        time.sleep(cfg["straggler_s"])  # a slow node: its compute takes longer
+                    with autocast(device, dtype):
+                        _, loss = ddp(x[sl], y[sl])
+                    loss = loss / k
+                    if cfg["loss_item_every_micro_batch"]:
+                        loss.item()  # the CPU waits for the GPU to drain its queue
+                syncs["forward"] += counted.count
+                b = clock.mark()
+                with phase("backward"), SyncCounter(device) as counted:
+                    loss.backward()
+                syncs["backward"] += counted.count
+                spans.append((a, b, clock.mark()))
+            calls.append(counter.calls_so_far() - before[0])
+            sent.append(counter.bytes_so_far() - before[1])
+            total += loss.detach()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
         c = clock.mark()
@@ -325,7 +328,7 @@ def main(ctx: dist.Context) -> dict[str, Any]:
         synchronize(device)  # once per step: no other wait a slow setting could hide behind
         t_end = time.perf_counter()
         counter.end_step()
-        rec["host_syncs"].append(host_syncs.count)
+        rec["host_syncs"].append(syncs)
         tdist.all_reduce(total)  # the mean loss over ranks (reporting, not counted)
         rec["losses"].append(float(total) / n)
         rec["grad_norm"].append(float(grad_norm))
@@ -378,17 +381,15 @@ def main(ctx: dist.Context) -> dict[str, Any]:
         "threads": torch.get_num_threads(), "cores": cores,
         "env": {key: v for key, v in os.environ.items()
                 if key in ENV_SHOWN or key.startswith("NCCL_")},
-        "runtime": {"anomaly_enabled": torch.is_anomaly_enabled(),
-                    "grad_enabled": torch.is_grad_enabled(),
+        "runtime": {"grad_enabled": torch.is_grad_enabled(),
                     "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
                     "float32_matmul_precision": torch.get_float32_matmul_precision(),
-                    "autocast_dtype": dtype, "torch": torch.__version__},
+                    "torch": torch.__version__},
         "loader": {"dataset": type(dataset).__name__, "items": len(dataset),
                    "item_ms": item_ms, "prepare_s": prepare_s, "batch_size": share,
                    "sampler": type(inner).__name__, "num_workers": loader.num_workers,
                    "pin_memory": loader.pin_memory, "drop_last": loader.drop_last},
-        "optimizer": {"class": type(opt).__name__, "lr": group["lr"],
-                      "foreach": group.get("foreach"), "fused": group.get("fused"),
+        "optimizer": {"class": type(opt).__name__, "lr": group["lr"], "betas": group["betas"],
                       "weight_decay": group["weight_decay"]},
         "model": {**cfg["model"], "parameters": params,
                   "gradient_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
