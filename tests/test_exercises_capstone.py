@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 from exercise_cells import assert_stub_is_not_done, run_cell
@@ -18,86 +19,21 @@ from labkit.capstone import attempts, keys
 from labkit.capstone import settings as st
 from labkit.exercises import capstone as excap
 
-SOLUTION = """
-import math
-import statistics
-
-from labkit.capstone.evidence import OUTSIDE, median
+NOTEBOOK = Path(__file__).resolve().parents[1] / "solutions" / "07_capstone.ipynb"
 
 
-def diagnose(run):
-    \"\"\"(the fault ids `run`'s evidence shows, the setting changes that remove them).\"\"\"
-    # BEGIN SOLUTION
-    e, f = run.evidence(), run.evidence().facts()
-    found, changes = set(), {}
+def solution_cell() -> str:
+    """Notebook 07's own `diagnose` cell (solutions/), up to the check, with the imports its
+    setup cell gives it: the tests run the notebook's answer, not a copy of it."""
+    cells = {c["id"]: c["source"] for c in json.loads(NOTEBOOK.read_text())["cells"]}
+    source = "".join(cells["nb07-10"])
+    body = source[: source.index("\ndiagnose = ex.check(")]
+    setup = ("import math\nimport statistics\n\n"
+             "from labkit.capstone.evidence import OUTSIDE, median\n\n\n")  # fmt: skip
+    return setup + body.rstrip() + "\n\n\nanswer = diagnose\n"
 
-    def fault(name, **fix):
-        found.add(name)
-        changes.update(fix)
 
-    # The machine first: threads fighting over the cores make every other number erratic.
-    if f["threads"] * e.world_size > e.cores:  # threads fighting over the cores
-        fault("oversubscribed_threads", threads_per_rank=max(1, e.cores // e.world_size))
-    # Time: where each step goes, per rank (medians leave the warm-up step out).
-    data, step = e.phase_ms("data"), e.phase_ms("step")
-    if max(median(d) / median(s) for d, s in zip(data, step, strict=True)) > 0.1:
-        fault("slow_loader", prepare_data="once")  # prepared data costs under 1% of a step here
-    fwd, bwd = e.phase_ms("forward"), e.phase_ms("backward")
-    slow = max(range(e.world_size), key=lambda r: median(fwd[r]))
-
-    def slower_in_most_steps(r):  # `slow`'s forward 50 ms longer than r's, 4 steps of 5
-        gaps = sorted(a - b for a, b in zip(fwd[slow][1:], fwd[r][1:], strict=True))
-        return gaps[len(gaps) // 5] > 50
-
-    # A straggler's delay is in its forward in (nearly) every step while the others wait as
-    # long in backward's all-reduce; threads fighting over cores slow a rank in some steps only.
-    if any(slower_in_most_steps(r) and median(bwd[r]) - median(bwd[slow]) > 25
-           for r in range(e.world_size) if r != slow):
-        fault("straggler", straggler_delay_s=0.0)
-    ops = e.ops_by_phase(0)  # the profiler trace's operators, per phase, per step
-    if ops["backward"]["aten::isnan"] > 0:  # autograd checking every output: anomaly mode
-        fault("anomaly_mode", anomaly_detection=False)
-    if ops[OUTSIDE]["aten::linear"] > 0:  # a forward pass that is not training's
-        fault("eval_every_step", eval_every_steps=0)
-    if ops["backward"]["aten::linear"] > 0:  # backward re-running the forward's layers
-        fault("needless_recompute", activation_checkpointing=False)
-    # Batch and communication: micro-batches, and what each one's backward sends.
-    if f["grad_accum"] >= 8:  # a rank's share cut into 8 or more pieces
-        fault("tiny_micro_batch", micro_batch=f["micro_batch"] * f["grad_accum"] // 2)
-    calls = e.allreduce_calls[0]  # [step][micro-batch]
-    if any(median([s[j] for s in calls]) > 0 for j in range(len(calls[0]) - 1)):
-        fault("sync_every_micro_batch", no_sync=True)  # no no_sync: every micro-batch syncs
-    # DDP's default cap is 25 MiB a bucket, plus a first bucket of 1 MiB when left unset:
-    buckets = math.ceil(f["model"]["gradient_bytes"] / (25 * 2**20)) + 1
-    if median([s[-1] for s in calls]) > buckets:  # many small messages, not a few large
-        fault("small_buckets", bucket_cap_mb=25.0)
-    # On a GPU: precision, host syncs, the optimizer's kernels, copies, alignment, NCCL.
-    if run.tier != "cpu":
-        if "float" in e.matmul_dtypes(0):  # the forward's matmuls in fp32, not bf16
-            fault("fp32_on_gpu", dtype="bfloat16")
-        if median(e.host_syncs_in("forward")[0]) >= f["grad_accum"]:  # a wait per micro-batch
-            fault("host_sync", loss_item_every_micro_batch=False)
-        if not any(op.startswith(("aten::_foreach", "aten::_fused")) for op in ops["optimizer"]):
-            fault("unfused_optimizer", optimizer="default")  # one kernel set per tensor
-        if any("HtoD (Pageable" in kind for kind in e.gpu_copies(0)):
-            fault("unpinned_copies", pin_memory=True)
-        if f["model"]["vocab_size"] % 64:
-            fault("misaligned_vocab", vocab_multiple=64)
-        if any(e.facts(r)["env"].get("NCCL_P2P_DISABLE") == "1" for r in range(e.world_size)):
-            fault("nccl_p2p_disabled", nccl_p2p=True)
-    # Correctness: what the ranks trained on, and how the gradient behaves.
-    first = [set(epochs[0]) for epochs in e.samples]
-    if e.world_size > 1 and len(first[0] & first[-1]) > len(first[0]) / 2:  # the same samples
-        fault("no_sampler", sampler="distributed", set_epoch=True)
-    elif all(len(ep) > 1 and ep[1] == ep[0][: len(ep[1])] for ep in e.samples):
-        fault("no_set_epoch", set_epoch=True)  # epoch 2 repeats epoch 1's order
-    norms = e.grad_norm[0]
-    if statistics.median(norms[-3:]) > 2 * statistics.median(norms[:3]):
-        fault("no_zero_grad", zero_grad=True)  # gradients adding up across steps
-    return found, changes
-    # END SOLUTION
-answer = diagnose
-"""
+SOLUTION = solution_cell()
 PLANTED = capstone.EXAMPLE_FAULTS  # slow_loader, straggler, no_set_epoch
 FAULT_ID = re.compile(r"\b(" + "|".join(capstone.BY_ID) + r")\b")
 
