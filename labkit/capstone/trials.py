@@ -27,7 +27,7 @@ from labkit.capstone.settings import FIXES
 
 def steps(run: CapstoneRun) -> list[float]:
     """One rank's step seconds after the first (every rank waits for the slowest)."""
-    return run.ranks[0]["step_s"][1:]
+    return run.ranks[0]["step_s"][1:] or run.ranks[0]["step_s"]
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from labkit.capstone import (
 from labkit.capstone import settings as st
 from labkit.capstone.evidence import OUTSIDE, Evidence, median
 from labkit.capstone.job import settings_after
+from labkit.capstone.trials import steps
 from labkit.exercises import ExerciseFailed, _require_callable, call, exercise, short_repr
 
 LOSS_TOLERANCE = 1e-4
@@ -149,10 +150,6 @@ def _answer(result: Any) -> tuple[set[str], dict[str, Any]]:
     return set(found), dict(changes)
 
 
-def _steps(run: CapstoneRun) -> list[float]:
-    return run.ranks[0]["step_s"][1:] or run.ranks[0]["step_s"]  # every rank waits for the slowest
-
-
 def _signs(e: Evidence, h: Evidence, tier: str) -> dict[str, str]:
     """Each catalogue fault whose measurement in ``e`` still looks wrong against the healthy
     job's ``h``, with that measurement as a sentence (which never names the fault)."""
@@ -229,7 +226,7 @@ def _looks_wrong(fixed: CapstoneRun, healthy: CapstoneRun, gap: float,
     did not take). Every measurement of every fault would be the key, one line per fault."""
     said = []
     if fixed.tokens_per_s < SLOWER_THAN_RIGHT * healthy.tokens_per_s:
-        cmp = verdict.compare_times(_steps(fixed), _steps(healthy),
+        cmp = verdict.compare_times(steps(fixed), steps(healthy),
                                     names=("your job's step", "the healthy job's step"))  # fmt: skip
         said.append(f"step time {healthy.tokens_per_s / fixed.tokens_per_s:.1f}× the healthy "
                     f"job's ({cmp.sentence.removeprefix(verdict.PREFIX)})")  # fmt: skip
@@ -377,7 +374,7 @@ def _verify_diagnose(diagnose: Any) -> str:
         raise fail("the job is healthy with your changes, but at least one fault you named is "
                    "fixed by changes that change nothing in this job: name only what a "
                    "measurement shows (the check does not say which: that would be the key)")  # fmt: skip
-    cmp = verdict.compare_times(_steps(fixed), _steps(run), names=("fixed step", "given step"))
+    cmp = verdict.compare_times(steps(fixed), steps(run), names=("fixed step", "given step"))
     record = attempts.load(run.code) if run.code else {}
     said = (f"attempt {n}: your {len(changes)} change(s) made the job healthy: "
             f"{run.tokens_per_s:,.0f} → {fixed.tokens_per_s:,.0f} tokens/s "
