@@ -46,6 +46,10 @@ from labkit.quiz import DOMAINS, LETTERS, Question
 RESULTS_VERSION = 1
 
 
+FEW = 5
+"""Below this many questions a sub-topic's score is shown as a count, not a percentage: one
+question more or less right moves it by 20 points or more."""
+
 class ExamError(ValueError):
     """An exam that cannot be drawn, answered or saved as asked; the message says why and what
     to do instead."""
@@ -198,9 +202,12 @@ class Result:
         lines = [f"Score: {right}/{asked} ({right / asked:.0%}) in {_clock(self.elapsed_s)}"
                  + (" (time ran out: unanswered questions count as wrong)" if self.timed_out
                     else ""),
-                 "", "By sub-topic:"]  # fmt: skip
+                 "", "By sub-topic (indicative: each rests on a handful of questions):"]  # fmt: skip
         for topic, (r, k) in self.by_topic().items():
-            lines.append(f"  {r:>3}/{k:<3} {r / k:>5.0%}  {topic}")
+            share = f"{r / k:>5.0%}" if k >= FEW else " " * 5  # 1 of 2 is not "50%"
+            lines.append(f"  {r:>3}/{k:<3} {share}  {topic}"
+                         + (f" ({k} question{'s' * (k > 1)}: too few for a percentage)"
+                            if k < FEW else ""))  # fmt: skip
         missed = self.revisit()
         if missed:
             lines += ["", "To revisit:"]

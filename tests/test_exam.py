@@ -227,3 +227,23 @@ def test_the_widget_gives_no_feedback_until_finish_and_then_saves():
     assert result.score == (1, 3) and "Score: 1/3" in view.result.value
     assert all(b.disabled for row in view.rows for b in row)
     assert len(exam.load_history()[0]) == 1
+
+
+def test_a_subtopic_with_few_questions_gets_a_count_not_a_percentage():
+    """Review EXAM-1: 1 of 2 right is not "50%" of a sub-topic; below exam.FEW questions the
+    score shows the count alone and says why, and the header says the split is indicative."""
+    e = exam.draw(30, seed=67)
+    attempt = exam.Attempt(e, clock=FakeClock())
+    for i, q in enumerate(e.questions):
+        attempt.answer(i, q.answer if i % 2 else (q.answer + 1) % len(q.choices))
+    result = attempt.finish()
+    text = result.as_text()
+    assert "By sub-topic (indicative" in text
+    few = [t for t, (_, k) in result.by_topic().items() if k < exam.FEW]
+    many = [t for t, (_, k) in result.by_topic().items() if k >= exam.FEW]
+    assert few and many, result.by_topic()  # the draw has both kinds
+    for line in text.split("By sub-topic")[1].split("\n\n")[0].splitlines()[1:]:
+        topic_is_few = any(line.endswith(f"{t} ({result.by_topic()[t][1]} question"
+                                         f"{'s' * (result.by_topic()[t][1] > 1)}: too few for a "
+                                         "percentage)") for t in few)  # fmt: skip
+        assert ("%" not in line) == topic_is_few, line
