@@ -28,8 +28,7 @@ from typing import Any
 
 from labkit.capstone import attempts, keys
 from labkit.capstone import settings as st
-from labkit.capstone.evidence import Evidence
-from labkit.capstone.evidence import median as _median
+from labkit.capstone.evidence import Evidence, median
 from labkit.capstone.faults import BY_ID, DEFAULT_LEVEL, new_seed, plan
 from labkit.sealed import seal
 
@@ -70,17 +69,17 @@ class CapstoneRun:
 
     @property
     def tokens_per_s(self) -> float:
-        """Tokens per second of the whole job, from the slowest rank's median step."""
-        return min(r["tokens_per_s"] for r in self.ranks)
+        """Tokens per second of the whole job (:attr:`Evidence.tokens_per_s`)."""
+        return self.evidence().tokens_per_s
 
     @property
     def losses(self) -> list[float]:
-        return self.ranks[0]["losses"]
+        return self.evidence().losses
 
     def phase(self, name: str) -> list[float]:
         """Each rank's median seconds per step in ``name`` (data, forward, backward, optimizer,
-        step)."""
-        return [_median(r[f"{name}_s"]) for r in self.ranks]
+        step, other), the warm-up step left out."""
+        return [median(ms) / 1e3 for ms in self.evidence().phase_ms(name)]
 
     def evidence(self) -> Evidence:
         """Everything the job measured and says about itself (:class:`Evidence`): no field
