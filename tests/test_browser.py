@@ -36,6 +36,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -328,7 +329,15 @@ def saved_run(page, lab: Lab, name: str) -> tuple[list[int | None], list[str]]:
     deadline = time.monotonic() + SAVE_S
     resave = time.monotonic() + RESAVE_S
     while True:  # until the file holds what the page shows
-        content = lab.api(f"/api/contents/{name}?content=1")
+        try:
+            content = lab.api(f"/api/contents/{name}?content=1")
+        except urllib.error.HTTPError as err:
+            # A read while the server's atomic save renames its temporary file answers 500
+            # (FileNotFoundError on '.~name', seen in a CI run) or 404: the save is in flight.
+            if err.code not in (404, 500) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+            continue
         cells = [c for c in content["content"]["cells"] if c["cell_type"] == "code"]
         counts = [c["execution_count"] for c in cells]
         if counts == shown:
