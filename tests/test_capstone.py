@@ -14,6 +14,7 @@ import torch
 from labkit import capstone, sealed
 from labkit.capstone import attempts, keys
 from labkit.capstone import faults as fl
+from labkit.capstone import settings as st
 
 CPU_FAULTS = [f.id for f in capstone.available("cpu")]
 
@@ -224,7 +225,6 @@ def assert_found_and_fixed(
     A fix that turns the job into one in ``already_run`` (same settings, size, tier and ranks:
     the very same job) is judged on that run, measured once, rather than on a second launch of
     it: most fixes restore the fault-free job exactly."""
-    from labkit.capstone import settings as st
     from labkit.exercises.capstone import reference_diagnose
 
     found, changes = reference_diagnose(run)
@@ -252,6 +252,26 @@ def test_speed_faults_leave_the_result_alone_and_sampler_faults_change_it(runs):
     for fault in [f.id for f in capstone.FAULTS if f.kind == "speed" and f.id in CPU_FAULTS]:
         assert runs[fault].losses == pytest.approx(base, abs=1e-5), fault
     assert runs["no_zero_grad"].losses != pytest.approx(base, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_loader_workers_take_the_per_item_work_and_the_sampler_stays_recorded(runs):
+    """notebook 06's remedy for a slow loader is a setting too: with workers the per-item
+    tokenising runs in other processes (the loader facts say how many), the fault is no longer
+    carried, and the ranks train on the same samples, so the same losses, as without them.
+    Whether it is faster depends on spare cores: the check judges that by the speed."""
+    slow = st.apply(st.given(["slow_loader"], cores=2), {"loader_workers": 1})
+    assert "slow_loader" not in st.faults_in(slow, tier="cpu", cores=2, nproc=2)
+    run = capstone.run_job(settings=slow)
+    e = run.evidence()
+    assert [e.facts(r)["loader"]["num_workers"] for r in range(2)] == [1, 1]
+    # The same order; workers fetch ahead, so the last epoch may hold indices not yet trained on.
+    for ours, base in zip(e.samples, runs["base"].evidence().samples, strict=True):
+        assert len(ours) == len(base)
+        assert all(a[: len(b)] == b[: len(a)] for a, b in zip(ours, base, strict=True))
+    assert run.losses == pytest.approx(runs["base"].losses, abs=1e-5)
+    with pytest.raises(ValueError, match="loader_workers=-1: processes, 0 or more"):
+        st.apply(st.Settings(), {"loader_workers": -1})
 
 
 SAMPLE_SEEDS = ((3, "intro"), (0, "standard"), (0, "expert"), (6, "expert"))

@@ -151,6 +151,10 @@ def test_the_notebook_07_exercise_is_registered_and_withholds_its_reference():
     exercise = ex.get("07.diagnose")
     assert 3 <= len(exercise.hints) <= 4 and exercise.hints[-1].startswith("recipe:")
     assert exercise.withheld and exercise.reference is None  # nothing to print the key with
+    # The recipe is a method, not the key's table: no fault id, no setting's value.
+    recipe = exercise.hints[-1]
+    assert not names_a_fault(recipe)
+    assert not any(f"{name}=" in recipe for name in st.Settings.__dataclass_fields__)
 
 
 def test_check_passes_on_the_solution_and_on_the_reference(given, capsys):

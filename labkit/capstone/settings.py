@@ -36,7 +36,7 @@ EVAL_RARE_STEPS = 100  # validating less often than this is not a fault
 FIXES: dict[str, tuple[str, ...]] = {
     "oversubscribed_threads": ("threads_per_rank",),
     "anomaly_mode": ("anomaly_detection",),
-    "slow_loader": ("prepare_data",),
+    "slow_loader": ("prepare_data", "loader_workers"),
     "straggler": ("straggler_delay_s",),
     "tiny_micro_batch": ("micro_batch",),
     "sync_every_micro_batch": ("no_sync",),
@@ -69,7 +69,12 @@ class Settings:
     share of the global batch is split into micro-batches of this size (accumulation)."""
     prepare_data: str = "once"
     """"once": tokenise the dataset before training; "per_item": in ``__getitem__``, every
-    epoch, in the training process (``slow_loader``)."""
+    epoch (``slow_loader``)."""
+    loader_workers: int = 0
+    """DataLoader worker processes per rank (``num_workers``); 0: the training process loads
+    each batch itself. Workers take per-item work off the step's critical path when there are
+    cores to run them (notebook 06's loader section); on cores the ranks already fill, they
+    compete with the ranks for them."""
     no_sync: bool = True
     """DDP's ``no_sync()`` for every micro-batch but the last (``sync_every_micro_batch``
     sets False: an all-reduce per micro-batch)."""
@@ -136,6 +141,8 @@ class Settings:
             raise ValueError("global_batch and micro_batch are sequences: 1 or more")
         if self.threads_per_rank is not None and self.threads_per_rank < 1:
             raise ValueError(f"threads_per_rank={self.threads_per_rank}: 1 or more, or None")
+        if self.loader_workers < 0:
+            raise ValueError(f"loader_workers={self.loader_workers}: processes, 0 or more")
         if self.straggler_delay_s < 0:
             raise ValueError(f"straggler_delay_s={self.straggler_delay_s}: seconds, 0 or more")
         if self.bucket_cap_mb <= 0:
@@ -205,7 +212,7 @@ def faults_in(s: Settings, *, tier: str, cores: int, nproc: int) -> tuple[str, .
     on_gpu = tier != "cpu"
     threads = s.threads_per_rank if s.threads_per_rank is not None else max(1, cores // nproc)
     present = {
-        "slow_loader": s.prepare_data == "per_item",
+        "slow_loader": s.prepare_data == "per_item" and s.loader_workers == 0,
         "tiny_micro_batch": s.micro_batch * 8 <= share,
         "sync_every_micro_batch": not s.no_sync and s.micro_batch < share,
         "straggler": s.straggler_delay_s > 0,
@@ -238,7 +245,8 @@ def worker_config(s: Settings, *, tier: str, cores: int, nproc: int) -> dict[str
                          f"{[d for d in range(1, share + 1) if share % d == 0]}")  # fmt: skip
     return {
         "global_batch": s.global_batch, "micro_batch": s.micro_batch,
-        "prepare_data": s.prepare_data, "no_sync": s.no_sync, "bucket_cap_mb": s.bucket_cap_mb,
+        "prepare_data": s.prepare_data, "loader_workers": s.loader_workers,
+        "no_sync": s.no_sync, "bucket_cap_mb": s.bucket_cap_mb,
         "straggler_s": s.straggler_delay_s, "threads": s.threads_per_rank,
         "anomaly_detection": s.anomaly_detection, "eval_every_steps": s.eval_every_steps,
         "activation_checkpointing": s.activation_checkpointing, "sampler": s.sampler,

@@ -278,25 +278,14 @@ def _record(run: CapstoneRun, passed: bool, said: str) -> None:
         "1, whether the gradient norm settles or grows. On GPUs: the matmuls' dtypes, host "
         "syncs in forward, the optimizer phase's operators, the host-to-device copies, the "
         "vocabulary's size, NCCL's environment",
-        "recipe: e = run.evidence(); f = e.facts(); ops = e.ops_by_phase(0); threads*ranks > "
-        "cores → 'oversubscribed_threads', threads_per_rank=cores//ranks; median data/step > "
-        "0.1 → 'slow_loader', prepare_data='once'; a forward 50 ms longer in 4 steps of 5 while "
-        "the other rank's backward is 25 ms longer → 'straggler', straggler_delay_s=0; "
-        "aten::isnan in backward → 'anomaly_mode', anomaly_detection=False; aten::linear "
-        "outside the phases → 'eval_every_step', eval_every_steps=0; aten::linear in backward "
-        "→ 'needless_recompute', activation_checkpointing=False; grad_accum >= 8 → "
-        "'tiny_micro_batch', micro_batch=micro_batch*grad_accum//2; calls before the last "
-        "micro-batch → 'sync_every_micro_batch', no_sync=True; more calls in the last than "
-        "ceil(gradient bytes / 25 MiB) + 1 → 'small_buckets', bucket_cap_mb=25; ranks sharing "
-        "over half their first epoch → 'no_sampler', sampler='distributed', set_epoch=True; "
-        "else epoch 2 repeating epoch 1 → 'no_set_epoch', set_epoch=True; the gradient norm's "
-        "last three steps over twice its first three → 'no_zero_grad', zero_grad=True; on a "
-        "GPU: 'float' in matmul_dtypes → 'fp32_on_gpu', dtype='bfloat16'; forward host syncs "
-        ">= grad_accum → 'host_sync', loss_item_every_micro_batch=False; no aten::_foreach or "
-        "_fused op in the optimizer phase → 'unfused_optimizer', optimizer='default'; a "
-        "pageable host-to-device copy → 'unpinned_copies', pin_memory=True; vocab_size % 64 → "
-        "'misaligned_vocab', vocab_multiple=64; NCCL_P2P_DISABLE=1 → 'nccl_p2p_disabled', "
-        "nccl_p2p=True",
+        "recipe: e = run.evidence(); f = e.facts(); ops = e.ops_by_phase(0). For each id of "
+        "capstone.FIXES, in order: compute the one number its `where` names in this job (a "
+        "share of the step, a count per step, one rank against the other, an overlap of two "
+        "sets); compute what a healthy job shows for it (section 2's prediction, the other "
+        "rank, or the rule the notebook that teaches it gives); name the fault only where the "
+        "two differ by more than the run's own spread. For its change, read the field's "
+        "docstring in capstone.Settings: it says what the healthy job uses, and which other "
+        "remedy works when there are cores to spare",
     ),
     withheld=True,  # a reference diagnosis run on the learner's job would print its key
     time_limit_s=300.0,

@@ -26,6 +26,7 @@ Config (all optional; defaults are the healthy job):
     global_batch   sequences per optimizer step over all ranks (32)
     micro_batch    sequences per forward/backward on each rank (half a rank's share)
     prepare_data   "once" (tokenise before training) or "per_item" (in __getitem__)
+    loader_workers DataLoader worker processes per rank (0: the rank loads its own batches)
     no_sync        DDP's no_sync() for every micro-batch but the last (True)
     bucket_cap_mb  DDP's gradient bucket cap (25)
     straggler_s    seconds the last rank sleeps in each step's first forward (0)
@@ -77,7 +78,8 @@ from labkit.train import autocast, make_optimizer
 SMOKE_MODEL = {"seq_len": 64, "n_layer": 2, "n_head": 2, "d_model": 64}
 PHASES = ("data", "forward", "backward", "optimizer")
 DEFAULTS: dict[str, Any] = {
-    "global_batch": 32, "micro_batch": None, "prepare_data": "once", "no_sync": True,
+    "global_batch": 32, "micro_batch": None, "prepare_data": "once", "loader_workers": 0,
+    "no_sync": True,
     "bucket_cap_mb": 25.0, "straggler_s": 0.0, "threads": None, "anomaly_detection": False,
     "eval_every_steps": 0, "activation_checkpointing": False, "sampler": "distributed",
     "set_epoch": True, "zero_grad": True, "dtype": "bfloat16",
@@ -149,7 +151,9 @@ class Prepared(torch.utils.data.Dataset):
 
 
 class Recording(Sampler[int]):
-    """``inner``'s indices, each epoch's appended to ``epochs`` as they are handed out."""
+    """``inner``'s indices, each epoch's appended to ``epochs`` as they are handed out. With
+    loader workers the sampler runs ahead of training (prefetching), so the last epoch can
+    hold indices no step trained on yet."""
 
     def __init__(self, inner: Sampler[int], epochs: list[list[int]]) -> None:
         self.inner, self.epochs = inner, epochs
@@ -235,8 +239,10 @@ def main(ctx: dist.Context) -> dict[str, Any]:
                                    seed=cfg["seed"], drop_last=True)  # fmt: skip
     epochs: list[list[int]] = []
     pin = on_gpu and bool(cfg["pin_memory"])
+    workers = int(cfg["loader_workers"])  # the sampler stays in this process: epochs recorded
     loader = DataLoader(dataset, batch_size=share, sampler=Recording(inner, epochs),
-                        drop_last=True, pin_memory=pin)  # fmt: skip
+                        drop_last=True, pin_memory=pin, num_workers=workers,
+                        persistent_workers=workers > 0)  # fmt: skip
     val = TokenizingDataset(data.load_splits().val, seq_len=seq_len,
                             n_items=share * cfg["eval_batches"])  # fmt: skip
     val_x, val_y = (torch.stack(t).to(device) for t in zip(*(val[i] for i in range(len(val))), strict=True))
