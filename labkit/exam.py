@@ -1,13 +1,15 @@
 """A mock exam drawn from every notebook's quiz bank, scored by certification sub-topic.
 
     from labkit import exam
-    exam.show(n=30, minutes=45)          # in a notebook: widgets, no feedback until Finish
+    exam.show(n=30)                      # in a notebook: widgets, no feedback until Finish
 
-    python -m labkit exam -n 30 --minutes 45      # the same in a terminal
+    python -m labkit exam -n 30                   # the same in a terminal (60 minutes)
+    python -m labkit exam -n 30 --minutes 0       # untimed
     python -m labkit exam --history               # earlier attempts, score per sub-topic
 
 How an exam is drawn (:func:`draw`): every question of every bank (``labkit/quizbank/NN.json``)
-is tagged with one sub-topic of :data:`labkit.quiz.DOMAINS`. The ``n`` questions are shared
+is tagged with one sub-topic of :data:`labkit.quiz.DOMAINS`; questions tagged ``course`` check
+the course's own machinery and are left out (they stay in the notebooks' quizzes). The ``n`` questions are shared
 out among the sub-topics in proportion to their *weights* (largest remainder, never more than a
 sub-topic holds; what one cannot take goes to the others), then drawn at random inside each
 sub-topic and shuffled. The default weight of a sub-topic is the number of questions the banks
@@ -15,11 +17,13 @@ hold for it: NVIDIA publishes the exams' areas, and third-party guides disagree 
 each weighs, so the course assumes no weights of its own. An instructor who trusts a set of
 weights passes them (``weights={sub-topic: weight}``).
 
-While it runs (:class:`Attempt`) nothing says whether an answer is right; answers are refused
-once the time limit has passed, and questions left unanswered count as wrong. The
+While it runs (:class:`Attempt`) nothing says whether an answer is right, and no question
+shows its sub-topic (a certification exam does not); answers are refused once the time limit
+has passed, and questions left unanswered count as wrong. The time limit defaults to
+:data:`MINUTES_PER_QUESTION` per question. The
 :class:`Result` gives the score per sub-topic and, for each notebook with a missed question,
 the notebook to revisit, the sections of it that teach the missed questions (each with how many
-were missed there) and the questions' explanations. Each result is appended to a JSON
+were missed there) and the questions' sub-topics and explanations. Each result is appended to a JSON
 file under labkit's cache folder (:func:`results_path`), so a learner sees progress over
 attempts; a results file that cannot be read is set aside under a new name (never silently
 overwritten), and one that cannot be written is named with the fix.
@@ -38,7 +42,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from labkit import ids, procs, quiz
 from labkit.quiz import DOMAINS, LETTERS, Question
@@ -49,6 +53,17 @@ RESULTS_VERSION = 1
 FEW = 5
 """Below this many questions a sub-topic's score is shown as a count, not a percentage: one
 question more or less right moves it by 20 points or more."""
+
+MINUTES_PER_QUESTION = 2.0
+"""The default pace, near the real exam's. Third-party descriptions of NCP-GENL, which are
+unofficial, give 60-70 questions in 120 minutes, about 1.7-2 minutes a question (e.g.
+https://preporato.com/certifications/nvidia/generative-ai-llm-professional/articles/ncp-genl-exam-domains-complete-breakdown-2026,
+unofficial); the course takes the upper end."""
+
+
+def default_minutes(n: int) -> float:
+    """The time limit of an ``n``-question exam at :data:`MINUTES_PER_QUESTION`."""
+    return MINUTES_PER_QUESTION * n
 
 class ExamError(ValueError):
     """An exam that cannot be drawn, answered or saved as asked; the message says why and what
@@ -64,7 +79,8 @@ class TimeUp(ExamError):
 
 def pool(notebooks: Sequence[str] | None = None) -> dict[str, list[Question]]:
     """Every question of the banks of ``notebooks`` (default: all), by sub-topic (all of
-    :data:`DOMAINS`, in that order; a sub-topic no bank covers has an empty list)."""
+    :data:`DOMAINS`, in that order; a sub-topic no bank covers has an empty list). Questions
+    tagged ``course`` (checks on the course's own machinery) are left out."""
     chosen = quiz.available() if notebooks is None else [str(nb) for nb in notebooks]
     unknown = sorted(set(chosen) - set(quiz.available()))
     if unknown:
@@ -72,7 +88,8 @@ def pool(notebooks: Sequence[str] | None = None) -> dict[str, list[Question]]:
     by_topic: dict[str, list[Question]] = {d: [] for d in DOMAINS}
     for nb in chosen:
         for q in quiz.load(nb).questions:
-            by_topic[q.domain].append(q)
+            if not q.course:
+                by_topic[q.domain].append(q)
     return by_topic
 
 
@@ -218,8 +235,9 @@ class Result:
                 for q in qs:
                     a = self.answers[self.questions.index(q)]
                     given = "no answer" if a is None else f"you chose {LETTERS[a]})"
-                    lines.append(f"    - {q.id}: {given}; the answer is {LETTERS[q.answer]}) "
-                                 f"{q.choices[q.answer]}. {q.explanation}")  # fmt: skip
+                    lines.append(f"    - {q.id} [{q.domain}]: {given}; the answer is "
+                                 f"{LETTERS[q.answer]}) {q.choices[q.answer]}. "
+                                 f"{q.explanation}")  # fmt: skip
         return "\n".join(lines) + "\n"
 
     def to_json(self) -> dict[str, Any]:
@@ -376,7 +394,7 @@ def run_in_terminal(exam: Exam, ask: Callable[[str], str] | None = None,
         + (f"{_clock(limit)}." if limit else "no time limit.")
         + " No feedback until the end; Enter skips a question.\n")  # fmt: skip
     for i, q in enumerate(exam.questions):
-        out(f"{i + 1}. {q.question}  [{q.domain}]")
+        out(f"{i + 1}. {q.question}")  # no sub-topic while it runs: the result names it
         for j, c in enumerate(q.choices):
             out(f"   {LETTERS[j]}) {c}")
         allowed = LETTERS[: len(q.choices)]
@@ -406,7 +424,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="labkit exam", description=__doc__.splitlines()[0])
     parser.add_argument("-n", type=int, default=30, help="number of questions (default 30)")
-    parser.add_argument("--minutes", type=float, default=None, help="time limit (default none)")
+    parser.add_argument("--minutes", type=float, default=None,
+                        help=f"time limit (default {MINUTES_PER_QUESTION:g} per question, "
+                             "near the real exam's pace; 0 for none)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=None, help="repeat a draw (default: fresh)")
     parser.add_argument("--history", action="store_true", help="show earlier attempts and stop")
     args = parser.parse_args(argv)
@@ -417,7 +437,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(note)
             print(progress_text(attempts), end="")
             return 0
-        exam = draw(args.n, seed=args.seed, minutes=args.minutes)
+        minutes = args.minutes
+        if minutes is None and isinstance(args.n, int) and args.n >= 1:
+            minutes = default_minutes(args.n)
+        elif minutes == 0:
+            minutes = None  # --minutes 0: untimed
+        exam = draw(args.n, seed=args.seed, minutes=minutes)
         try:
             result = run_in_terminal(exam)
         except (EOFError, KeyboardInterrupt):
@@ -451,7 +476,7 @@ class ExamWidget:
         self.rows: list[list[Any]] = []
         items: list[Any] = []
         for i, q in enumerate(exam.questions):
-            items.append(quiz.question_heading(q, i + 1))
+            items.append(quiz.question_heading(q, i + 1, tag=False))  # the result names it
             row = quiz.choice_rows(q)
             for j, box in enumerate(row):
                 box.observe(lambda ch, i=i, j=j: self._on_pick(i, j, ch["new"]), names="value")
@@ -520,10 +545,13 @@ class ExamWidget:
         return result
 
 
-def show(n: int = 30, *, minutes: float | None = None, seed: int | None = None,
+def show(n: int = 30, *, minutes: float | Literal["pace"] | None = "pace", seed: int | None = None,
          weights: Mapping[str, float] | None = None, save: bool = True) -> ExamWidget | Result:
     """Draw an exam and show it: widgets in a Jupyter kernel (returned, so a cell can read
-    ``.attempt``), else the terminal exam (returns its result)."""  # fmt: skip
+    ``.attempt``), else the terminal exam (returns its result). ``minutes``: the time limit;
+    ``"pace"`` (default) gives :data:`MINUTES_PER_QUESTION` per question, None none."""  # fmt: skip
+    if minutes == "pace":
+        minutes = default_minutes(n) if isinstance(n, int) and not isinstance(n, bool) else None
     exam = draw(n, seed=seed, minutes=minutes, weights=weights)
     if quiz._in_kernel():
         from IPython.display import display

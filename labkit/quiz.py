@@ -20,7 +20,8 @@ A bank is ``labkit/quizbank/NN.json``::
                     "why_wrong": ["why the first choice is wrong", null, "why the third is"],
                     "explanation": "... (source: ...)",
                     "domain": "NCP-GENL: performance profiling and troubleshooting",
-                    "section": "3. Asynchronous execution: how to time a GPU"}]}
+                    "section": "3. Asynchronous execution: how to time a GPU",
+                    "concept": ["synchronize"]}]}
 
 ``answer`` is the 0-based index of the right choice. ``why_wrong`` runs parallel to
 ``choices``: ``null`` (or ``""``) at the answer, and at every other index what is wrong with that
@@ -29,7 +30,13 @@ right and cites sources a learner can open (papers with a section, documentation
 files in public repositories). ``section`` is the heading, without its ``## ``, of the section
 of ``solutions/NN_*.ipynb`` that teaches the question: the mock exam (:mod:`labkit.exam`) points
 a learner there for each question missed (``tests/test_quiz.py`` checks every one against the
-notebook's headings). Text may use `backticks` for code. Banks are validated when
+notebook's headings). ``concept`` lists one or more terms that carry the key's idea: each must
+appear in the answer or the explanation, and ``tests/test_quizbank_rules.py`` checks that each
+appears in that section's markdown or code, so a question points to a section that teaches
+its answer, not merely to a heading. An optional ``tags`` list marks an item: ``"course"`` is a
+check on the course's own machinery (how its launcher or its measurements work), asked in the
+notebook's quiz but left out of the mock exam (:func:`labkit.exam.draw`), which imitates a
+certification. Text may use `backticks` for code. Banks are validated when
 loaded (:class:`Question` and :func:`load_file`): a mistake raises a :class:`QuizBankError`
 naming the file, the question and the field. How well the items are *written* (no option
 conspicuously longer than the rest, public citations) is checked by ``tests/test_quizbank.py``.
@@ -64,10 +71,17 @@ linked from https://www.nvidia.com/en-us/learn/certification/. Third-party study
 on how much each area weighs, so the course prints no weights.
 """
 
+TAGS: tuple[str, ...] = ("course",)
+"""Tags an item may carry. ``course``: the item checks the course's own machinery (how labkit
+launches workers, what a loopback counter counts), not certification material: the notebook's
+quiz asks it, the mock exam does not."""
+
 LETTERS = "abcdef"
 MIN_CHOICES, MAX_CHOICES = 2, len(LETTERS)
 _ID = re.compile(rf"^{NOTEBOOK_ID}\.[a-z][a-z0-9_]*$")
-_FIELDS = ("id", "question", "choices", "answer", "why_wrong", "explanation", "domain", "section")
+_FIELDS = ("id", "question", "choices", "answer", "why_wrong", "explanation", "domain", "section",
+           "concept")
+_OPTIONAL = ("tags",)
 
 
 class QuizBankError(ValueError):
@@ -93,6 +107,16 @@ class Question:
     """One of :data:`DOMAINS`."""
     section: str
     """The heading (without ``## ``) of the notebook section that teaches this question."""
+    concept: tuple[str, ...]
+    """Terms that carry the key's idea, each found in the answer or the explanation (and, as
+    ``tests/test_quizbank_rules.py`` checks, in the text of :attr:`section`)."""
+    tags: tuple[str, ...] = ()
+    """Any of :data:`TAGS`; ``"course"`` keeps the item out of the mock exam."""
+
+    @property
+    def course(self) -> bool:
+        """True for a check on the course's own machinery, left out of the mock exam."""
+        return "course" in self.tags
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "choices", tuple(self.choices))
@@ -125,6 +149,27 @@ class Question:
         object.__setattr__(self, "why_wrong", self._checked_why_wrong())
         if self.domain not in DOMAINS:
             raise QuizBankError(f"domain={self.domain!r} is not allowed: one of {list(DOMAINS)}")
+        object.__setattr__(self, "concept", self._checked_concept())
+        tags = self.tags
+        if not (isinstance(tags, (list, tuple)) and all(t in TAGS for t in tags)
+                and len(set(tags)) == len(tags)):  # fmt: skip
+            raise QuizBankError(f"tags={tags!r} is not allowed: a list of distinct tags from "
+                                f"{list(TAGS)} (or leave it out)")  # fmt: skip
+        object.__setattr__(self, "tags", tuple(tags))
+
+    def _checked_concept(self) -> tuple[str, ...]:
+        """``concept`` as a tuple, or the first problem with it."""
+        terms = self.concept
+        if not (isinstance(terms, (list, tuple)) and terms
+                and all(isinstance(t, str) and t.strip() for t in terms)):  # fmt: skip
+            raise QuizBankError(f"concept={terms!r} is not allowed: a non-empty list of terms "
+                                "that carry the key's idea")  # fmt: skip
+        own = plain(" ".join((self.choices[self.answer], self.explanation)))
+        missing = [t for t in terms if plain(t) not in own]
+        if missing:
+            raise QuizBankError(f"concept terms {missing} appear in neither the answer nor the "
+                                "explanation: a concept term must come from the item's key")  # fmt: skip
+        return tuple(terms)
 
     def _checked_why_wrong(self) -> tuple[str | None, ...]:
         """``why_wrong`` as a tuple with ``None`` at the answer, or the first problem with it."""
@@ -159,6 +204,12 @@ class Bank:
     questions: tuple[Question, ...]
 
 
+def plain(text: str) -> str:
+    """``text`` as compared for concept terms: lower case, code backticks and runs of
+    whitespace removed (a term may span a line break of the notebook's markdown)."""
+    return " ".join(text.replace("`", "").lower().split())
+
+
 # --------------------------------------------------------------------------- loading
 
 
@@ -187,11 +238,11 @@ def load_file(path: str | Path) -> Bank:
         if not isinstance(item, dict):
             raise QuizBankError(f"{where}: expected an object with fields {list(_FIELDS)}")
         missing = [f for f in _FIELDS if f not in item]
-        unknown = sorted(set(item) - set(_FIELDS))
+        unknown = sorted(set(item) - set(_FIELDS) - set(_OPTIONAL))
         if missing or unknown:
             raise QuizBankError(
                 f"{where}: missing fields {missing}, unknown fields {unknown}; "
-                f"a question has exactly {list(_FIELDS)}"
+                f"a question has exactly {list(_FIELDS)}, and optionally {list(_OPTIONAL)}"
             )
         try:
             question = Question(**item)
@@ -292,12 +343,14 @@ def as_text(bank: Bank | str | int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def question_heading(question: Question, number: int) -> Any:
-    """The question's text as an HTML widget: its number, the question, its sub-topic."""
+def question_heading(question: Question, number: int, *, tag: bool = True) -> Any:
+    """The question's text as an HTML widget: its number, the question and, with ``tag``, its
+    sub-topic (the mock exam hides it while it runs, as a certification exam does)."""
     import ipywidgets as w
 
-    return w.HTML(f"<p><b>{number}.</b> {_html(question.question)} "
-                  f'<small style="color:#57606a">[{html.escape(question.domain)}]</small></p>')
+    topic = (f' <small style="color:#57606a">[{html.escape(question.domain)}]</small>'
+             if tag else "")  # fmt: skip
+    return w.HTML(f"<p><b>{number}.</b> {_html(question.question)}{topic}</p>")
 
 
 def choice_rows(question: Question) -> list[Any]:

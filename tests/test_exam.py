@@ -40,7 +40,7 @@ def test_a_capped_subtopic_passes_its_leftover_to_the_others():
 
 
 def test_more_questions_than_the_banks_hold_is_refused_with_the_maximum():
-    total = sum(len(quiz.load(nb).questions) for nb in quiz.available())
+    total = sum(not q.course for nb in quiz.available() for q in quiz.load(nb).questions)
     with pytest.raises(exam.ExamError, match=f"at most {total}"):
         exam.draw(total + 1)
     assert len(exam.draw(total, seed=0).questions) == total
@@ -119,7 +119,7 @@ def test_the_result_names_each_section_to_revisit_once_with_its_misses():
                               f'    section "{twice}": 2 questions missed\n'
                               f'    section "{once}": 1 question missed\n'), revisit  # fmt: skip
     assert revisit.count("    section ") == 2  # only the sections of missed questions
-    assert all(f"    - {q.id}: you chose " in revisit for q in missed)  # explanations as before
+    assert all(f"    - {q.id} [{q.domain}]: you chose " in revisit for q in missed)
 
 
 @pytest.mark.parametrize("choice", [True, 1.0, "a", -1, 99])
@@ -190,6 +190,40 @@ def test_an_unwritable_results_folder_is_named_with_the_fix(tmp_path, monkeypatc
 # --------------------------------------------------------------------------- terminal, widget
 
 
+def test_the_exam_is_timed_at_the_real_exam_s_pace_by_default(monkeypatch):
+    """Review EXAM-4: about 2 minutes a question unless told otherwise; --minutes 0 is untimed."""
+    drawn = []
+
+    def take(e):
+        drawn.append(e)
+        return exam.Attempt(e, clock=FakeClock()).finish()
+
+    monkeypatch.setattr(exam, "run_in_terminal", take)
+    assert exam.main(["-n", "4", "--seed", "1"]) == 0
+    assert exam.main(["-n", "4", "--seed", "1", "--minutes", "0"]) == 0
+    assert exam.main(["-n", "4", "--seed", "1", "--minutes", "3"]) == 0
+    assert [e.time_limit_s for e in drawn] == [4 * exam.MINUTES_PER_QUESTION * 60, None, 180]
+    assert exam.default_minutes(30) == 60 and 1.7 <= exam.MINUTES_PER_QUESTION <= 2
+    shown = exam.show(2, seed=1, save=False)  # outside a kernel: the terminal exam, paced
+    assert drawn[-1].time_limit_s == 2 * exam.MINUTES_PER_QUESTION * 60 and shown.score[1] == 2
+    exam.show(2, seed=1, save=False, minutes=None)
+    assert drawn[-1].time_limit_s is None
+
+
+def test_the_sub_topic_is_hidden_while_the_exam_runs_and_named_in_the_result():
+    e = exam.draw(6, seed=9)
+    said = []
+    replies = iter([""] * 6)
+    result = exam.run_in_terminal(e, ask=lambda _prompt: next(replies), out=said.append,
+                                  clock=FakeClock())  # fmt: skip
+    asked, scored = "\n".join(said[:-1]), said[-1]
+    assert all(q.question in asked for q in e.questions)
+    assert not any(d in asked for d in DOMAINS)  # no tag while it runs
+    for q in e.questions:  # every one unanswered, so missed: its tag in the feedback
+        assert f"    - {q.id} [{q.domain}]: no answer" in scored
+    assert result.score == (0, 6)
+
+
 def test_the_terminal_exam_reasks_bad_input_and_saves(monkeypatch, capsys):
     e = exam.draw(3, seed=9)
     right = [exam.LETTERS[q.answer] for q in e.questions]
@@ -213,6 +247,9 @@ def test_the_widget_gives_no_feedback_until_finish_and_then_saves():
     view.pick(0, (q[0].answer + 1) % len(q[0].choices))  # a second click moves the choice
     assert [b.value for b in view.rows[0]].count(True) == 1
     assert view.result.value == ""  # nothing said yet
+    headings = [c.value for c in view.box.children
+                if isinstance(getattr(c, "value", None), str) and "<b>1.</b>" in c.value]
+    assert len(headings) == 1 and q[0].domain not in headings[0]  # no sub-topic while it runs
     view.unpick(0, (q[0].answer + 1) % len(q[0].choices))  # a click on the ticked box clears it
     assert view.attempt.answers[0] is None and not any(b.value for b in view.rows[0])
     view.pick(0, q[0].answer)

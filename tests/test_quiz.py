@@ -22,6 +22,7 @@ def good_question(**changes) -> dict:
         "explanation": "Because <it> is.",
         "domain": quiz.DOMAINS[0],
         "section": "1. Demo",
+        "concept": ["this one"],
     }
     q.update(changes)
     return q
@@ -86,6 +87,12 @@ def test_domains_are_the_certification_sub_topics():
         ({"choices": ["only"]}, r"choices has 1 entries: 2 to 6 allowed"),
         ({"id": "demo"}, r"id='demo' is not allowed"),
         ({"id": "04.demo"}, r"must start with the bank's notebook '05.'"),
+        # The concept: terms of the key's idea, taken from the answer or the explanation.
+        ({"concept": []}, r"concept=\[\] is not allowed: a non-empty list of terms"),
+        ({"concept": "this one"}, r"concept='this one' is not allowed"),
+        ({"concept": ["neither"]}, r"concept terms \['neither'\] appear in neither the answer nor"),
+        ({"tags": ["exam"]}, r"tags=\['exam'\] is not allowed: a list of distinct tags from"),
+        ({"tags": ["course", "course"]}, r"tags=\['course', 'course'\] is not allowed"),
         # Per-choice feedback: one entry per choice, null at the answer, text at every other.
         (
             {"why_wrong": [None, "too short"]},
@@ -120,6 +127,24 @@ def test_missing_and_misspelt_fields_are_named(tmp_path):
         match=r"missing fields \['explanation'\], unknown fields \['explaination'\]",
     ):
         quiz.load_file(write_bank(tmp_path, [q]))
+
+
+def test_concept_terms_match_code_and_line_breaks_loosely_and_tags_are_optional(tmp_path):
+    q = quiz.Question(**good_question(concept=["THAT  one"], answer=1,
+                                      why_wrong=["x", None, "y"]))  # fmt: skip
+    assert q.concept == ("THAT  one",) and q.tags == () and not q.course  # `that` one
+    bank = quiz.load_file(write_bank(tmp_path, [good_question(tags=["course"])]))
+    assert bank.questions[0].course and bank.questions[0].tags == ("course",)
+    missing = good_question()
+    del missing["concept"]
+    with pytest.raises(quiz.QuizBankError, match=r"missing fields \['concept'\]"):
+        quiz.load_file(write_bank(tmp_path, [missing]))
+
+
+def test_the_heading_can_hide_the_sub_topic():
+    q = quiz.Question(**good_question())
+    assert quiz.DOMAINS[0] in quiz.question_heading(q, 1).value
+    assert quiz.DOMAINS[0] not in quiz.question_heading(q, 1, tag=False).value
 
 
 def test_a_question_without_per_choice_feedback_is_rejected(tmp_path):
@@ -183,7 +208,8 @@ def test_a_choice_that_is_not_an_index_names_the_range_and_the_letters(choice):
 
 
 def test_show_answer_reveals_the_key_and_the_explanation():
-    q = quiz.Question(**good_question(answer=1, why_wrong=["not this", None, "nor this"]))
+    q = quiz.Question(**good_question(answer=1, why_wrong=["not this", None, "nor this"],
+                                      concept=["that one"]))  # fmt: skip
     html = quiz.reveal(q)
     assert "Answer: b)" in html and "<code>that</code> one" in html and "Because" in html
 
