@@ -52,11 +52,13 @@ def whole_message(numel, n_ranks, bytes_per_element=4):
         (lambda numel, p, e=4: (p - 1) / p * numel * e, "reduce-scatter alone"),
         (lambda numel, p, e=4: 2 * (p - 1) * numel * e, "whole message twice"),  # 2 ranks: 2S
         (lambda numel, p, e=4: 2 * (p - 1) / p * numel, "counts elements, not bytes"),
+        (lambda numel, p, e=4: 2 * (p - 1) / p * numel * 4, "passes bytes_per_element=2"),
         (lambda numel, p, e=4: 2 * (p - 1) * numel * e if p > 2 else numel * e,
          "what all p ranks send together"),
         (lambda numel, p, e=4: 2 * (p - 1) * numel * e + 1, "count per phase"),
     ],
-    ids=["whole", "twice", "half-phase", "whole-per-step", "elements", "all-ranks", "other"],
+    ids=["whole", "twice", "half-phase", "whole-per-step", "elements", "fixed-4-bytes",
+         "all-ranks", "other"],
 )
 def test_each_usual_mistake_is_named(wrong, says):
     with pytest.raises(ex.ExerciseFailed, match=says):

@@ -52,6 +52,9 @@ def _ring_diagnosis(numel: int, p: int, e: int, got: float) -> str:
                           "(a step sends one chunk, S/p), or what all p ranks send together "
                           "(what the loopback interface counts for a whole job), not one rank"),
         (right / e, "that counts elements, not bytes: multiply by bytes_per_element"),
+        (right * 4 / e, f"that is right for 4-byte elements, but this case passes "
+                        f"bytes_per_element={e}: the answer must use that argument, not a fixed "
+                        "4 bytes"),
         (right / 2, "that is half of it: a rank also sends during the all-gather, not only "
                     "the reduce-scatter (or the other way round)"),
     ]

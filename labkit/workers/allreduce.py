@@ -7,6 +7,9 @@ Config (all optional):
     repeats  timed all-reduces after warm-up (default 10)
     warmup   untimed all-reduces first: connection setup and caches (default 3)
     op       the reduction: "sum" (default) or "max"
+    expect   the value every element is checked against (default: what ``op`` gives, n(n+1)/2
+             for a sum, n for a max); a caller that predicted a value passes it, so that the
+             count of elements that differ is a count against its own prediction
     wire     count the loopback interface's bytes around the timed all-reduces, and around a
              baseline of the same ranks doing only a barrier for as long (default True; gloo
              ranks on one Linux host only, see below)
@@ -19,8 +22,9 @@ Config (all optional):
 
 Each rank fills its tensor with ``rank + 1``; after a sum all-reduce every element should equal
 1 + 2 + ... + n = n(n+1)/2 on every rank. The worker does not judge that: it reports what it
-holds (``value``: the element farthest from the sum, so ``value == expected`` says every
-element is right; also the first, smallest and largest, and how many differ) and the caller
+holds against ``expect`` (``expected``: the value it compared with; ``value``: the element
+farthest from it, so ``value == expected`` says every element is right; ``wrong_elements``:
+how many differ from it; also the first, smallest and largest element) and the caller
 checks it, so a wrong result reaches the notebook as a failed check rather than as
 a crashed rank. The timing follows NCCL-tests (doc/PERFORMANCE.md):
 
@@ -82,6 +86,7 @@ def main(ctx: dist.Context) -> dict:
     op = ctx.config.get("op", "sum")
     if op not in OPS:
         raise ValueError(f"config op={op!r}: use one of {sorted(OPS)}")
+    expected = float(ctx.config.get("expect", n * (n + 1) / 2 if op == "sum" else n))
     wire_why = _wire_unavailable(ctx) if ctx.config.get("wire", True) else "not asked (wire=False)"
 
     fail_rank, fail_how = ctx.config.get("fail_rank"), ctx.config.get("fail_how", "raise")
@@ -111,13 +116,12 @@ def main(ctx: dist.Context) -> dict:
     with ctx.phase("all_reduce"):
         tdist.all_reduce(x, op=OPS[op])
     sent += formulas.ring_allreduce_bytes_per_rank(numel * x.element_size(), n)
-    expected = n * (n + 1) / 2 if op == "sum" else float(n)
     farthest = x[(x - expected).abs().argmax()].item()
     wrong = int((x != expected).sum().item())
     value = x[0].item()
     if wrong:
         ctx.print0(f"all-reduce of {n} ranks ({op}): {wrong} of {numel} elements differ from "
-                   f"{expected:g} on rank 0 (element 0 = {value:g})")  # fmt: skip
+                   f"the expected {expected:g} on rank 0 (element 0 = {value:g})")  # fmt: skip
     else:
         ctx.print0(f"all-reduce of {n} ranks: every element = {value:g} (expected {expected:g}, "
                    f"{op})")  # fmt: skip
@@ -193,15 +197,19 @@ def main(ctx: dist.Context) -> dict:
 def _wire_unavailable(ctx: dist.Context) -> str | None:
     """Why this job's traffic cannot be counted on loopback, or None."""
     if ctx.backend != "gloo":
-        # NVLink bytes can be counted, though not through a network interface: NVML field values
+        # Not counted on the GPU tier. NVLink has byte counters of its own: NVML field values
         # NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX/RX
         # (https://docs.nvidia.com/deploy/nvml-api/group__nvmlFieldValueEnums.html),
         # `nvidia-smi nvlink -gt d`, DCGM's DCGM_FI_PROF_NVLINK_TX_BYTES
         # (https://docs.nvidia.com/datacenter/dcgm/latest/dcgm-api/dcgm-api-field-ids.html).
-        # This worker does not read them yet.
+        # This worker does not read them: no GPU run of this course has checked what they count
+        # under NCCL, which on NVSwitch machines may reduce inside the switch (NVLink SHARP,
+        # NCCL_NVLS_ENABLE) instead of running the ring the prediction counts, and PCIe has no
+        # byte counter to read around a loop (NVML's PCIe figure is a rate over 20 ms).
         return (f"{ctx.backend} moves the bytes over NVLink or PCIe, not through a network "
-                "interface; NVLink's own counters (NVML, `nvidia-smi nvlink -gt d`, DCGM) "
-                "could count them, but this course does not read them on the GPU tier yet")
+                "interface, and this course does not read NVLink's own counters (NVML, "
+                "`nvidia-smi nvlink -gt d`, DCGM): on the GPU tier notebook 00 checks the "
+                "values and the time, not the bytes")
     if ctx.world_size != int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size)):
         return "the ranks span several hosts: their traffic is not all on this host's loopback"
     return net.unavailable("lo")
