@@ -67,3 +67,32 @@ def test_callers_model_is_untouched(model_and_batch):
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     assert any(g.abs().sum() > 0 for g in grads.values())  # real gradients came back
+
+
+def test_predict_accumulated_seconds_is_k_single_steps_less_the_skipped_updates():
+    from labkit.batching import accumulation
+
+    # by hand: 4 single steps of 10 ms pay 4 updates of 2 ms; accumulated pays 1: 40 - 3·2
+    assert accumulation.predict_accumulated_seconds(0.010, 0.002, 4) == pytest.approx(0.034)
+    assert accumulation.predict_accumulated_seconds(0.010, 0.002, 1) == pytest.approx(0.010)
+    with pytest.raises(ValueError, match="part of the step"):
+        accumulation.predict_accumulated_seconds(0.001, 0.002, 4)
+    with pytest.raises(ValueError, match="update_s"):
+        accumulation.predict_accumulated_seconds(0.010, float("nan"), 4)
+    with pytest.raises(ValueError, match="k"):
+        accumulation.predict_accumulated_seconds(0.010, 0.002, 0)
+
+
+def test_measure_update_seconds_times_the_update_and_leaves_the_template_alone():
+    from labkit import config
+    from labkit.batching import accumulation
+    from labkit.model import GPT
+
+    smoke = config.preset("smoke")
+    torch.manual_seed(0)
+    model = GPT(smoke.model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    seconds = accumulation.measure_update_seconds(model, train_cfg=smoke.train, rounds=3)
+    assert len(seconds) == 3 and all(s > 0 for s in seconds)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())

@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 
+from labkit.batching import checkpointing
 from labkit.batching.checkpointing import (
     CheckpointedBlock,
     apply_checkpointing,
@@ -171,3 +172,15 @@ def test_prediction_counts_blocks_and_refuses_bad_input():
         predict_checkpointing(cfg, 0, 1)
     with pytest.raises(ValueError, match="dtype='fp16' is not allowed"):
         predict_checkpointing(cfg, 4, 1, dtype="fp16")
+
+
+def test_segment_checkpoint_bytes_by_hand():
+    # 16 layers of 10 bytes, inputs of 1 byte
+    assert checkpointing.segment_checkpoint_bytes(16, 10, 1, None) == 160
+    assert checkpointing.segment_checkpoint_bytes(16, 10, 1, 16) == 16 + 10  # every block
+    assert checkpointing.segment_checkpoint_bytes(16, 10, 1, 4) == 4 + 4 * 10  # √n segments
+    assert checkpointing.segment_checkpoint_bytes(10, 10, 1, 3) == 3 + 4 * 10  # ⌈10/3⌉ = 4
+    with pytest.raises(ValueError, match="segments"):
+        checkpointing.segment_checkpoint_bytes(4, 10, 1, 5)
+    with pytest.raises(ValueError, match="per_layer_bytes"):
+        checkpointing.segment_checkpoint_bytes(4, -1, 1, 2)

@@ -233,3 +233,15 @@ def test_fsdp2_bf16_policy_and_no_reshard_send_what_the_formula_says():
     ]  # gradients reduced in fp32
     _, ref_loss = dp_train.train_reference(checked)
     assert run["loss"] == pytest.approx(ref_loss, abs=0.02)
+
+
+@pytest.mark.slow
+def test_every_rank_counts_the_sequences_it_consumed(sgd_job):
+    """Counted in the training loop, not echoed from the config: 8 sequences over 2 ranks × 2
+    micro-batches are 2 per micro-batch, 4 per rank and 8 together, every step."""
+    res = sgd_job[0]
+    for name in EXACT:
+        for rank in range(2):
+            run = res.rank(rank)["runs"][name]
+            assert run["sequences_per_rank_step"] == [4, 4, 4], (name, rank)
+            assert run["sequences_per_step"] == [8, 8, 8], (name, rank)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -127,3 +128,65 @@ def gradient_parity(model: nn.Module, batch: Batch, k: int, *, divide: bool = Tr
         norm_ratio=math.sqrt(sq_acc) / total if total > 0 else math.nan,
         zero_gradient=tuple(zero),
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# What accumulation costs in time: a point prediction from the step model of notebook 05 §1.
+
+
+def measure_update_seconds(template: nn.Module, *, train_cfg: Any = None,
+                           device: torch.device | str = "cpu", rounds: int = 7,
+                           warmup: int = 1) -> list[float]:  # fmt: skip
+    """Seconds of what a training step pays once, however many micro-batches it has (measured).
+
+    That is ``labkit.train.train_step``'s tail: gradient clipping, the optimizer step and
+    ``zero_grad``, on a copy of ``template`` (never modified) whose AdamW state exists and
+    whose ``.grad`` holds random values, refilled outside the timed region before each call.
+    ``train_cfg`` (default ``TrainConfig()``) gives the optimizer and the clip threshold.
+    """
+    from labkit import timing, train  # layers 0 and 2
+    from labkit.config import TrainConfig
+
+    cfg = train_cfg if train_cfg is not None else TrainConfig()
+    device = train.resolve_device(str(device))
+    model = copy.deepcopy(template).to(device).train()
+    optimizer = train.make_optimizer(model, cfg)
+    params = [p for p in model.parameters() if p.requires_grad]
+    g = torch.Generator().manual_seed(0)
+    noise = [1e-3 * torch.randn(p.shape, generator=g).to(device) for p in params]
+
+    def once() -> float:
+        for p, n in zip(params, noise, strict=True):
+            p.grad = n.clone()
+        with timing.Timer(device) as timer:
+            if cfg.grad_clip is not None:
+                nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return timer.elapsed_s
+
+    return timing.alternate({"update": once}, rounds=_positive_int("rounds", rounds),
+                            warmup=warmup)["update"]  # fmt: skip
+
+
+def predict_accumulated_seconds(single_step_s: float, update_s: float, k: int) -> float:
+    """Predicted seconds of one optimiser step that accumulates k micro-batches of b sequences.
+
+    ``single_step_s``: a measured single step at micro-batch b, t(b); ``update_s``: the measured
+    once-per-step cost u (:func:`measure_update_seconds`), part of every single step. k single
+    steps pay k passes and k updates; the accumulated step pays the same k passes and one
+    update::
+
+        t_acc = k·t(b) - (k - 1)·u
+
+    What it assumes: a pass over b sequences costs the same whether its gradients go into
+    fresh ``.grad`` tensors or are added to the ones already there.
+    """
+    for name, v in (("single_step_s", single_step_s), ("update_s", update_s)):
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+            raise ValueError(f"{name}={v!r} is not allowed: a finite number of seconds >= 0")
+    k = _positive_int("k", k)
+    if update_s > single_step_s:
+        raise ValueError(f"update_s={update_s!r} is more than the whole step "
+                         f"single_step_s={single_step_s!r}: the update is part of the step")
+    return k * single_step_s - (k - 1) * update_s

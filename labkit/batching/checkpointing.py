@@ -431,3 +431,29 @@ def measure_in_flight_bytes(stage: nn.Module, inputs: list[torch.Tensor]) -> lis
             out.sum().backward()
         outputs.clear()
     return held
+
+
+def segment_checkpoint_bytes(n_layer: int, per_layer_bytes: float, input_bytes: float,
+                             segments: int | None) -> float:  # fmt: skip
+    """Activation bytes held at the worst moment with the layers cut into checkpointed segments.
+
+    Chen et al. 2016 (arXiv 1604.06174, §4): keep only each segment's input through the
+    forward, and in the backward rebuild one segment at a time. With k segments of at most
+    ⌈n/k⌉ layers the most held at once is k inputs plus one rebuilt segment::
+
+        k · input_bytes + ⌈n / k⌉ · per_layer_bytes
+
+    k = √n gives their O(√n) memory. ``segments=None``: no checkpointing, n · per_layer_bytes;
+    ``segments=n_layer`` is checkpointing every block. Modelled: per-layer bytes from the
+    formulas (``predict_checkpointing``), as for a chain of equal layers.
+    """
+    n = formulas._positive_int("n_layer", n_layer)
+    for name, v in (("per_layer_bytes", per_layer_bytes), ("input_bytes", input_bytes)):
+        if not (isinstance(v, (int, float)) and v >= 0):
+            raise ValueError(f"{name}={v!r} is not allowed: a number of bytes >= 0")
+    if segments is None:
+        return n * per_layer_bytes
+    k = formulas._positive_int("segments", segments)
+    if k > n:
+        raise ValueError(f"segments={k} is not allowed: at most n_layer={n} (one layer each)")
+    return k * input_bytes + -(-n // k) * per_layer_bytes

@@ -72,6 +72,7 @@ __all__ = [  # the finder's API; the trials' names are re-exported for finder.X 
     "Trial",
     "find_max_batch",
     "predict_max_batch",
+    "predict_max_batch_tensorwise",
     "search_max_batch",
 ]
 
@@ -396,3 +397,37 @@ def find_max_batch(
         seq_len=seq_len, max_batch=max_batch, capped=outcome.capped,
         trials=tuple(warmup) + outcome.trials, prediction=prediction, baseline_bytes=baseline,
     )  # fmt: skip
+
+
+def predict_max_batch_tensorwise(cfg_model: ModelConfig, budget_bytes: float, *,
+                                 dtype: str = "float32", seq_len: int | None = None,
+                                 cuda: bool = False, max_batch: int = 1 << 20) -> int:  # fmt: skip
+    """The largest micro-batch whose step peak, counted tensor by tensor, fits ``budget_bytes``.
+
+    A prediction from formulas alone, independent of any measurement:
+    ``labkit.memory.predicted_step_peak`` lists every tensor alive at the step's peak (model
+    states, batch, saved activations, logits and the head's gradients, ...), the terms the
+    affine memory model of :func:`predict_max_batch` leaves out (``OMISSIONS``) included.
+    ``cuda=True`` rounds each tensor as the CUDA caching allocator does (512-byte blocks).
+    Returns 0 when not even one sequence fits. Dropout off (every preset has it).
+    """
+    from labkit import memory  # layer 3
+
+    budget = _budget(budget_bytes)
+    seq_len = _seq_len(cfg_model, seq_len)
+    dtype = _dtype(dtype)
+
+    def fits(b: int) -> bool:
+        peak = memory.predicted_step_peak(cfg_model, b, dtype=dtype, seq_len=seq_len)
+        return (peak.cuda_bytes if cuda else peak.bytes) <= budget
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= max_batch and fits(hi):  # the peak grows with b: double, then bisect
+        lo, hi = hi, 2 * hi
+    hi = min(hi, max_batch + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo

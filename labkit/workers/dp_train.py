@@ -241,13 +241,13 @@ def predicted_memory(
     """ZeRO's model-state bytes per rank, fp32: 4 + 4 + k bytes per trainable parameter.
 
     ``formulas.zero_memory_per_rank`` with param_bytes=4, grad_bytes=4 and k=8 for AdamW
-    (m and v in fp32), k=0 for plain SGD; frozen parameters add 4 bytes each (sharded only by
-    FSDP2). Modelled, not measured.
+    (m and v in fp32), k=4 for SGD with momentum, k=0 for plain SGD; frozen parameters add 4
+    bytes each (sharded only by FSDP2). Modelled, not measured.
     """
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     stage = ZERO_STAGE.get(name, 0)
-    k = 8 if optimizer == "adamw" else 0
+    k = {"adamw": 8, "sgd_momentum": 4}.get(optimizer, 0)  # fp32 moments / momentum buffer
     total = formulas.zero_memory_per_rank(trainable, stage, n, k=k, param_bytes=4, grad_bytes=4)
     return {
         "zero_stage": stage,
@@ -394,8 +394,10 @@ def _one_strategy(
     # gloo between processes of one host goes through loopback: count it around every step.
     iface = "lo" if ctx.backend == "gloo" and net.unavailable("lo") is None else None
     losses, seconds, wire, idle = [], [], [], []
+    consumed = []  # sequences this rank's forward passes took, per step (counted, not configured)
     for step, batch in enumerate(batches):
         micro = rank_micro_batches(batch, ctx.rank, cfg)
+        consumed.append(sum(int(x.shape[0]) for x, _ in micro))
         opened = wire_window(iface)
         with ctx.phase(f"{name} step"), comm.spying(spy):
             stats = train_step(
@@ -420,6 +422,8 @@ def _one_strategy(
         losses.append(loss.item() / n)
         seconds.append(stats.seconds)
         ctx.heartbeat(step=done + step + 1)
+    per_step = torch.tensor(consumed, dtype=torch.int64, device=device)
+    tdist.all_reduce(per_step)  # every rank's count summed (not counted: reporting)
     params = full_params(base)
     memory = measure_memory(
         strategy, model, opt, rank_micro_batches(batches[0], ctx.rank, cfg)[0], device
@@ -428,6 +432,8 @@ def _one_strategy(
     result = {
         "loss": losses,
         "step_s": seconds,
+        "sequences_per_rank_step": consumed,
+        "sequences_per_step": per_step.tolist(),  # summed over the ranks: the global batch
         "timed_with_spy": spy is not None,
         "tokens_per_s": tokens * len(seconds[1:]) / sum(seconds[1:]) if len(seconds) > 1 else None,
         "bytes": strategy.bytes_counter.summary(),
