@@ -40,7 +40,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from numbers import Integral, Real
-from typing import Any
+from typing import Any, NamedTuple
 
 from labkit import dtypes
 
@@ -615,6 +615,29 @@ def training_flops(n_params: float, tokens: float) -> float:
     return 6 * _positive_number("n_params", n_params) * _positive_number("tokens", tokens)
 
 
+def layer_training_flops(b: int, s: int, h: int, attention: str = "full") -> float:
+    """FLOPs of one transformer layer's forward and backward for b sequences of s tokens.
+
+    Forward, per layer (Narayanan et al. 2021, arXiv 2104.04473, section 5.1): the q/k/v,
+    output-projection and 4h MLP matmuls, 24·b·s·h², plus attention's scores QKᵀ and their
+    product with V, 4·b·s²·h. Backward costs twice the forward, so::
+
+        "full"    72·b·s·h² + 12·b·s²·h   = 72·b·s·h²·(1 + s/6h), the paper's eq. (3) per
+                                            layer without its recomputation and vocabulary terms
+        "causal"  72·b·s·h² +  6·b·s²·h   a kernel that skips the masked half of the scores
+        "none"    72·b·s·h²               the matmuls with weights only (6N per token)
+
+    Per token, "full" is :func:`flops_per_token`'s per-layer share (6·12h² + 12·h·s). At
+    s = h the attention term adds 1/6 (17 %) to the weight matmuls.
+    """
+    b = _positive_int("b", b)
+    s = _positive_int("s", s)
+    h = _positive_int("h", h)
+    _choice("attention", attention, FLOP_ATTENTION_CONVENTIONS)
+    scores = {"full": 12, "causal": 6, "none": 0}[attention] * b * s**2 * h
+    return 72 * b * s * h**2 + scores
+
+
 def mfu(
     tokens_per_s: float,
     flops_per_token: float,
@@ -793,6 +816,23 @@ def young_checkpoint_interval(save_s: float, mtbf_s: float) -> float:
     δ/τ + τ/(2M) is least at τ = √(2δM). First order: good while δ ≪ τ ≪ M.
     """
     return math.sqrt(2 * _positive_number("save_s", save_s) * _positive_number("mtbf_s", mtbf_s))
+
+
+def daly_checkpoint_interval(save_s: float, mtbf_s: float) -> float:
+    """Daly's higher-order optimum checkpoint interval, seconds of work between checkpoints.
+
+    Daly, "A higher order estimate of the optimum checkpoint interval for restart dumps",
+    Future Generation Computer Systems 22(3), 2006 (doi:10.1016/j.future.2004.11.016), eq. 37:
+    τ = √(2δM)·[1 + ⅓·√(δ/2M) + ⅑·(δ/2M)] − δ for δ < 2M, else τ = M. It corrects Young's
+    √(2δM) (``young_checkpoint_interval``) for the time the saves themselves take, and stays
+    valid where δ is not small against M; to first order it is √(2δM) − δ.
+    """
+    delta = _positive_number("save_s", save_s)
+    m = _positive_number("mtbf_s", mtbf_s)
+    if delta >= 2 * m:
+        return m
+    r = delta / (2 * m)
+    return math.sqrt(2 * delta * m) * (1 + math.sqrt(r) / 3 + r / 9) - delta
 
 
 def checkpoint_waste_fraction(interval_s: float, save_s: float, mtbf_s: float,
@@ -1124,3 +1164,44 @@ def checkpoint_bytes(
     per_tensor = _non_negative_number("bytes_per_tensor", bytes_per_tensor)
     aliased = _non_negative_number("aliased_params", aliased_params)
     return (n + aliased) * w + trainable * states + tensors * per_tensor
+
+
+class GemmQuantization(NamedTuple):
+    """How a GEMM's output C (m × n) maps onto tiles and waves of a GPU (modelled)."""
+
+    tiles: int  # ceil(m / tile_m) × ceil(n / tile_n) output tiles, one thread block each
+    waves: int  # ceil(tiles / concurrent), rounds of tiles the GPU runs one after another
+    tile_efficiency: float  # useful outputs ÷ outputs the tiles compute (padding wasted)
+    wave_efficiency: float  # tiles ÷ (waves × concurrent): the last wave's idle share
+    efficiency: float  # their product: the share of the launched work that is useful
+
+
+def gemm_quantization(m: int, n: int, *, tile_m: int = 256, tile_n: int = 128,
+                      concurrent: int = 108) -> GemmQuantization:  # fmt: skip
+    """Tile and wave quantization of an m × n GEMM output (NVIDIA, "Matrix Multiplication
+    Background User's Guide", §3.1 Tile Quantization and §3.2 Wave Quantization).
+
+    A GPU computes C in tiles of tile_m × tile_n, one thread block each; a dimension that is
+    not a multiple of the tile pads the last tile with work that is thrown away (**tile
+    quantization**). The tiles run in waves of ``concurrent`` at a time (the guide's A100
+    example: 108 SMs, one 256 × 128 tile per SM, so a wave of 108 tiles); a tile count just
+    above a multiple of the wave adds a nearly empty last wave that takes as long as a full
+    one (**wave quantization**). Time is modelled as proportional to waves, so throughput
+    follows ``efficiency``: a saw-tooth against m or n. Which tile cuBLAS picks depends on
+    the shape and the library version; the defaults are the guide's example, not a rule.
+
+    >>> q = gemm_quantization(256 * 9, 128 * 12)  # 108 tiles: exactly one full wave
+    >>> q.tiles, q.waves, q.efficiency
+    (108, 1, 1.0)
+    >>> round(gemm_quantization(256 * 9 + 1, 128 * 12).efficiency, 3)  # 120 tiles: 2 waves
+    0.5
+    """
+    m, n = _positive_int("m", m), _positive_int("n", n)
+    tile_m, tile_n = _positive_int("tile_m", tile_m), _positive_int("tile_n", tile_n)
+    concurrent = _positive_int("concurrent", concurrent)
+    rows, cols = math.ceil(m / tile_m), math.ceil(n / tile_n)
+    tiles = rows * cols
+    waves = math.ceil(tiles / concurrent)
+    tile_eff = (m * n) / (rows * tile_m * cols * tile_n)
+    wave_eff = tiles / (waves * concurrent)
+    return GemmQuantization(tiles, waves, tile_eff, wave_eff, tile_eff * wave_eff)

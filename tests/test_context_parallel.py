@@ -177,7 +177,25 @@ def test_bytes_sent_are_the_formulas(job):
 @pytest.mark.slow
 def test_torch_context_parallel_ran_or_says_why(job):
     t = job.ranks[0]["torch"]
+    # torch 2.13's default K/V exchange is one all-gather, not a ring (_ContextParallelOptions)
+    assert t["rotate_method"] == "ALL_GATHER"
     if t["ran"]:
         assert t["max_abs_err"] < 1e-2
     else:  # CPU tier, torch 2.13: SDPA's CPU kernel has no DTensor sharding rule
         assert "NotImplementedError" in t["error"] and "_for_cpu" in t["error"]
+
+
+def _times(compute_last, compute_first, n=2):
+    t = {r: {"post_s": [1e-4] * 5, "wait_s": [1e-3] * 5, "call_s": [0.01] * 5,
+             "compute_s": [compute_first] * 5, "blocks_computed": r + 1} for r in range(n)}
+    t[n - 1]["compute_s"] = [compute_last * (1 + 0.01 * i) for i in range(5)]
+    return t
+
+
+@pytest.mark.parametrize(("ratio", "says"), [(2.0, "nearer the blocks computed"),
+                                             (2.9, "nearer the half-blocks"),
+                                             (6.0, "above both"), (1.0, "below both")])
+def test_ring_time_report_places_the_ratio_against_both_predictions(ratio, says):
+    # n = 2: rank 1 computes 2 blocks to rank 0's 1, and 3 half-blocks to rank 0's 1
+    text = context.ring_time_report(_times(ratio * 0.01, 0.01), causal=True)
+    assert says in text and "verdict: " in text

@@ -223,3 +223,37 @@ def test_counted_all_to_all_bytes_match_the_routing(job):
         assert sum(res["tokens_per_expert"]) == B * MODEL["seq_len"] * K
     total_sent = sum(res["counted"]["dispatch"]["sent_bytes"] for res in job.ranks)
     assert total_sent == sum(res["counted"]["dispatch"]["received_bytes"] for res in job.ranks)
+
+
+def test_worst_imbalance_is_e_over_k_because_a_token_picks_distinct_experts():
+    router = expert.Router(d_model=8, n_experts=8, top_k=2)
+    routing = router(torch.randn(64, 8))
+    counts = expert.tokens_per_expert(routing.experts, 8)
+    assert counts.max() <= 64  # at most one copy of each token per expert
+    assert expert.imbalance(counts) <= expert.worst_imbalance(8, 2) == 4.0
+    # every token on the same two experts reaches the bound exactly
+    piled = expert.tokens_per_expert(torch.tensor([[0, 1]] * 64), 8)
+    assert expert.imbalance(piled) == expert.worst_imbalance(8, 2)
+
+
+def _moe_rank(rank, copies, received, counted, routed, written):
+    four = {k: {"sent_bytes": counted} for k in ("combine", "dispatch (backward)", "combine (backward)")}
+    return {"rank": rank, "copies_per_rank": copies, "received_per_rank": received,
+            "predicted_uniform_sent": 100.0, "predicted_routed_sent": {"dispatch": routed},
+            "counted": {"dispatch": {"sent_bytes": counted, "written_bytes": written},
+                        "counts": {"message_bytes": 64}, **four}}
+
+
+def test_dispatch_report_chooses_its_verdicts_from_the_numbers():
+    ok = [_moe_rank(0, [3, 1], [3, 2], 128, 128, 128 + 40),
+          _moe_rank(1, [2, 5], [1, 5], 256, 256, 256 + 40)]
+    r = expert.dispatch_report(ok, 100.0, 8)
+    assert r.consistent and r.matches_routing and r.sent == [128, 256] and r.extra == [40, 40]
+    assert "equals the routing's prediction" in r.text and "gloo's message header" in r.text
+    bad = [_moe_rank(0, [3, 1], [3, 9], 128, 120, 128 + 5000),
+           _moe_rank(1, [2, 5], [1, 5], 256, 256, None)]
+    r = expert.dispatch_report(bad, 100.0, 8)
+    assert not r.consistent and not r.matches_routing
+    assert "DIFFERS from the routing's prediction" in r.text and "measured: N/A" in r.text
+    bad[1]["counted"]["dispatch"]["written_bytes"] = 256
+    assert "MORE than a header" in expert.dispatch_report(bad, 100.0, 8).text

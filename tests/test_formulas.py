@@ -88,6 +88,43 @@ def test_flops_conventions_causal_and_none():
     assert full - 6 * N == 2 * (causal - 6 * N) == 12 * L * H * S
 
 
+def test_layer_training_flops_is_narayanan_eq_3_without_recompute_and_vocabulary():
+    # arXiv 2104.04473 eq. (3), with activation recomputation (a second forward: 4/3 of
+    # forward + backward) and the logit layer: 96·B·s·l·h²·(1 + s/6h + V/(16·l·h)).
+    b, s, h, n_l, v = 3, 2048, 12288, 96, 51200
+    eq3 = 96 * b * s * n_l * h**2 * (1 + s / (6 * h) + v / (16 * n_l * h))
+    ours = 4 / 3 * n_l * f.layer_training_flops(b, s, h) + 6 * b * s * h * v
+    assert ours == pytest.approx(eq3, rel=1e-12)
+    # at s = h the scores add a sixth to the weight matmuls (N03-1: the omitted 17 %)
+    assert f.layer_training_flops(1, 4096, 4096) / f.layer_training_flops(1, 4096, 4096, "none") == 7 / 6
+    full, causal, none = (f.layer_training_flops(2, 64, 32, a) for a in ("full", "causal", "none"))
+    assert full - none == 2 * (causal - none) == 12 * 2 * 64**2 * 32
+
+
+def test_layer_training_flops_per_token_is_flops_per_token_per_layer():
+    b, s, h, n_layer = 2, 1024, 768, 12
+    n = 12 * h**2 * n_layer  # the layers' weight matrices only
+    assert f.layer_training_flops(b, s, h) * n_layer / (b * s) == f.flops_per_token(n, n_layer, h, s)
+
+
+def test_layer_training_flops_equal_torchs_flop_count_of_a_block():
+    # torch's FlopCounterMode counts every matmul of forward and backward; the math SDPA kernel
+    # runs attention as matmuls, so the scores are counted too (the CPU flash kernel is not).
+    torch = pytest.importorskip("torch")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from labkit.config import ModelConfig
+    from labkit.model import Block
+
+    b, s, h = 2, 64, 32
+    block = Block(ModelConfig(seq_len=s, n_layer=1, n_head=4, d_model=h))
+    x = torch.randn(b, s, h, requires_grad=True)
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        block(x).sum().backward()
+    assert counter.get_total_flops() == f.layer_training_flops(b, s, h, "full")
+
+
 def test_mfu_reproduces_nanogpt_37_percent():
     # transformer_sizing.ipynb: forward+backward 874,944,921,600 FLOPs per 1024-token sequence,
     # 100 sequences per iteration in 0.755 s on one A100 at 312 TFLOP/s: "fraction of A100 used:
@@ -360,6 +397,8 @@ def test_roofline_attainable():
         (lambda: f.flops_per_token(-1, 2, 64, 32), "n_params"),
         (lambda: f.flops_per_token(1e6, 2, 64, 32, attention="sparse"), "attention"),
         (lambda: f.training_flops(1e6, math.inf), "tokens"),
+        (lambda: f.layer_training_flops(1, 0, 64), "^s must"),
+        (lambda: f.layer_training_flops(1, 64, 64, attention="flash"), "attention"),
         (lambda: f.mfu(1000, 6e9, None), "peak_flops_per_s"),
         (lambda: f.mfu(1000, 6e9, 0), "peak_flops_per_s"),
         (lambda: f.mfu(1000, 6e9, 1e12, n_devices=0), "n_devices"),

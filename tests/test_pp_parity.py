@@ -109,7 +109,7 @@ def test_activation_memory_matches_the_schedule(job, schedule):
         expected = {"naive": 1, "gpipe": m, "1f1b": min(P - r, m)}[schedule.removeprefix("torch_")]
         assert act["peak_in_flight"] == act["predicted_in_flight"] == expected
         assert act["bytes_per_microbatch"] > 0
-        assert act["peak_bytes"] == pytest.approx(act["predicted_peak_bytes"], rel=0.02)
+        assert act["peak_bytes"] == pytest.approx(act["in_flight_x_measured_mb_bytes"], rel=0.02)
         assert 0.0 <= run["bubble"] < 1.0 and run["bubble_formula"] == (P - 1) / (m + P - 1)
     assert job.ranks[0]["bounds"] == [[0, 2], [2, 4]]  # JSON turns tuples into lists
 

@@ -148,9 +148,9 @@ def check_groups(fn: Any) -> str:
         "init_device_mesh lays ranks out row-major, like torch.arange(world).reshape(sizes): "
         "the last dimension varies fastest, so with {'dp': 2, 'tp': 2} rank 1 sits at "
         "dp 0, tp 1.",
-        "recipe: the stride of dimension i is the product of the sizes after it; coordinate i is "
-        "(rank // stride) % size. The group along i is base + c * stride for c in "
-        "range(size), where base = rank - coordinate_i * stride.",
+        "How far apart in rank number are two neighbours along a dimension? Work that stride "
+        "out for each dimension from the sizes after it; with it you can read the rank's "
+        "coordinate, and its group steps by that stride only.",
     ),
 )
 def _verify_mesh_groups(answer: Any) -> str:

@@ -1,6 +1,7 @@
 """Two parallelisms at once on a 2-D device mesh: FSDP2 × tensor parallelism, and HSDP.
 
-Both follow torchtitan's order (torchtitan/models/llama3/infra/parallelize.py): tensor
+Both follow torchtitan's order (torchtitan/models/llama3/infra/parallelize.py up to commit
+238fa9953; since Feb 2026 models/llama3/parallelize.py and distributed/fsdp.py): tensor
 parallelism first, on the inner mesh dimension, then FSDP2's ``fully_shard`` on the outer one,
 so FSDP shards the tensors TP already split (a parameter ends up a DTensor placed on both
 dimensions: ``(_StridedShard(0), Shard(0))`` for a column-parallel weight).
@@ -90,8 +91,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> float:
     replicates, the 2-D ("dp", "tp") mesh for the split weights: "All operands in
     aten.stack.default must have the same mesh", seen with torch 2.13). So the norm is taken
     per mesh (``torch.nn.utils.get_total_norm``, one reduction over that mesh) and the squares
-    added; torchtitan's ``clip_grad_norm_`` (torchtitan/distributed/utils.py) works around the
-    same limit.
+    added. torchtitan (torchtitan/distributed/utils.py) sums per-mesh norms only with expert
+    parallelism (``_clip_grad_norm_with_ep``); for FSDP × TP it avoids mixed meshes by placing
+    embeddings and norms on the TP mesh too, and it all-reduces the norm over the pipeline group.
     """
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     by_mesh: dict[Any, list[torch.Tensor]] = {}

@@ -25,6 +25,11 @@ arXiv 2407.21783, section 3.3.2; torch's ``_HeadTailLoadBalancer``); striped att
 rank r every n-th token (Brandon et al. 2023, arXiv 2311.09431). Skipped blocks are still
 forwarded: causal masking saves compute, never ring traffic.
 
+Not every context parallelism is a ring. Llama 3 all-gathers K and V once (small under
+grouped-query attention) and attends locally; torch 2.13's ``context_parallel`` does the same
+by default (``_ContextParallelOptions.rotate_method = ALL_GATHER``) and passes K/V round a
+ring only after ``set_rotate_method("alltoall")``.
+
 The gradient (``RingAttention``, a custom autograd function) recomputes each block's
 probabilities from the saved lse and runs the ring again: the k/v blocks travel as in the
 forward, and the gradients dK, dV of each block travel with it, accumulating, and take one
@@ -436,3 +441,47 @@ def saved_bytes_per_rank(
     validate_context_parallel(seq_len, world_size)
     shard = batch * heads * (seq_len // world_size)
     return shard * head_dim * (3 * bytes_per_el + 4) + shard * 4
+
+
+def ring_time_report(times: dict[int, dict[str, Any]], *, causal: bool = True) -> str:
+    """The printed verdict on a ring's timings (``labkit.workers.cp_attention``'s "time" part).
+
+    ``times[r]`` is rank r's ``post_s``, ``wait_s``, ``call_s``, ``compute_s`` lists and its
+    ``blocks_computed``. Summarises each, compares the last rank's compute time with rank 0's
+    (``verdict.compare_times``), and places the ratio of medians against the two predictions:
+    the count of blocks (what our code computes: the diagonal block whole) and the work in
+    half-blocks (what a kernel that skips the masked half does), or says it confirms neither.
+    """
+    import statistics
+
+    from labkit import verdict
+
+    n = len(times)
+    lines = []
+    for key, what in (("post_s", "posting the next hop"), ("wait_s", "waiting for a block")):
+        lines += [verdict.summarize(t[key], f"rank {r} {what}").line(width=36)
+                  for r, t in times.items()]
+    slowest = [max(c) for c in zip(*(t["call_s"] for t in times.values()), strict=True)]
+    lines.append(verdict.summarize(slowest, "whole call, slowest rank").line(width=36))
+    lines.append("blocks computed (counted): "
+                 + ", ".join(f"rank {r} {t['blocks_computed']}" for r, t in times.items()))
+    last, first = times[n - 1], times[0]
+    lines += [verdict.summarize(t["compute_s"], f"rank {r} computing").line(width=36)
+              for r, t in ((n - 1, last), (0, first))]
+    lines.append(verdict.compare_times(last["compute_s"], first["compute_s"],
+                                       names=(f"rank {n - 1} computing", "rank 0 computing")).sentence)
+    ratio = statistics.median(last["compute_s"]) / statistics.median(first["compute_s"])
+    blocks = last["blocks_computed"] / first["blocks_computed"]
+    half_blocks = (2 * n - 1) if causal else 1  # rank n-1: n-1 full blocks and a half; rank 0: a half
+    if ratio > max(blocks, half_blocks):
+        where = ("above both: the busier rank's time is inflated (on shared cores, contention), "
+                 "so neither prediction is confirmed here")
+    elif ratio < min(blocks, half_blocks):
+        where = "below both: neither prediction is confirmed here"
+    else:
+        nearer = "blocks computed" if abs(ratio - blocks) <= abs(ratio - half_blocks) else "half-blocks"
+        where = f"nearer the {nearer}"
+    lines.append(f"rank {n - 1} / rank 0 compute time, medians (measured): {ratio:.2f}; blocks "
+                 f"computed {blocks:.0f} (counted); work in half-blocks {half_blocks:.0f} "
+                 f"(predicted): {where}")
+    return "\n".join(lines)

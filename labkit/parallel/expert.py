@@ -122,10 +122,21 @@ def tokens_per_expert(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
 
 
 def imbalance(counts: torch.Tensor | list[int]) -> float:
-    """max / mean of tokens per expert (or per rank): 1.0 is perfect balance, E the worst."""
+    """max / mean of tokens per expert (or per rank): 1.0 is perfect balance.
+
+    With top-k routing each token sends one copy to each of k *distinct* experts, so an expert
+    gets at most one copy per token: the worst is E/k over experts (:func:`worst_imbalance`).
+    """
     c = torch.as_tensor(counts, dtype=torch.float64)
     mean = float(c.mean())
     return float(c.max()) / mean if mean > 0 else float("nan")
+
+
+def worst_imbalance(n_experts: int, top_k: int) -> float:
+    """The largest max/mean over experts top-k routing allows: E/k (every token's k copies on
+    the same k experts; each expert gets at most one copy per token)."""
+    validate_moe(n_experts, top_k)
+    return n_experts / top_k
 
 
 def load_balancing_loss(routing: Routing) -> torch.Tensor:
@@ -505,3 +516,67 @@ def _balance_run(alpha, steps, d_model, n_experts, top_k, batch_size, seq_len, l
         out["aux"].append(float(aux.detach()))
         out["loss"].append(float(loss.detach()))
     return out
+
+
+@dataclass(frozen=True)
+class DispatchReport:
+    """Cell-ready reading of ``labkit.workers.moe_train``'s per-rank results for the dispatch."""
+
+    text: str
+    sent: list[int]  # bytes each rank's dispatch was told to send to other ranks (counted)
+    extra: list[int | None]  # bytes written to sockets beyond that (measured), None if unseen
+    consistent: bool  # every receiver counted what its senders said they sent
+    matches_routing: bool  # counted == the prediction from the routing, on every rank
+
+
+def dispatch_report(ranks: list[dict[str, Any]], even_sent: float, n_experts: int) -> DispatchReport:
+    """Predicted (even router, and from the routing), counted and measured dispatch bytes per
+    rank, with the verdict lines chosen by comparing them. ``ranks`` sorted by rank."""
+    n = len(ranks)
+    sent_copies = [r["copies_per_rank"] for r in ranks]  # [i][j]: copies rank i sent to j
+    consistent = all(r["received_per_rank"] == [sent_copies[i][r["rank"]] for i in range(n)]
+                     for r in ranks)
+    lines = ["copies sent, rank i (row) → rank j (column), counted by the sender:"]
+    lines += [f"  rank {i}: " + "  ".join(f"{c:5d}" for c in row) + f"   (keeps {row[i]} of {sum(row)})"
+              for i, row in enumerate(sent_copies)]
+    lines += [f"→ every receiver counted what its senders sent: {consistent}", "",
+              "dispatch, bytes sent per rank:",
+              "rank | predicted (even) | predicted (routing) | counted | measured (written) | "
+              "measured − counted"]
+    sent, extra = [], []
+    for r in ranks:
+        d = r["counted"]["dispatch"]
+        w = d.get("written_bytes")
+        sent.append(d["sent_bytes"])
+        extra.append(None if w is None else w - d["sent_bytes"])
+        w_txt, x_txt = ("N/A", "N/A") if w is None else (f"{w:,}", f"{w - d['sent_bytes']:+,}")
+        lines.append(f"{r['rank']:4d} | {r['predicted_uniform_sent']:16,.0f} | "
+                     f"{r['predicted_routed_sent']['dispatch']:19,} | {d['sent_bytes']:7,} | "
+                     f"{w_txt:>18} | {x_txt:>17}")
+    matches = all(r["counted"]["dispatch"]["sent_bytes"] == r["predicted_routed_sent"]["dispatch"]
+                  for r in ranks)
+    lines += ["", f"→ counted {'equals' if matches else 'DIFFERS from'} the routing's prediction on "
+              f"every rank; counted is {min(sent) / even_sent:.2f}× to {max(sent) / even_sent:.2f}× "
+              "the even-router prediction"]
+    if None in extra:
+        lines.append("→ measured: N/A (this backend moves the bytes without socket writes the "
+                     "process can see)")
+    else:
+        per_peer = [e / (n - 1) for e in extra]
+
+        def span(v: list[float], f: Any) -> str:
+            return f(min(v)) if min(v) == max(v) else f"{f(min(v))} to {f(max(v))}"
+
+        header = all(0 <= e <= 1024 for e in per_peer)
+        lines.append(f"→ measured − counted: {span(extra, lambda v: f'{v:,}')} B per call on every "
+                     f"rank, {span(per_peer, lambda v: f'{v:.0f}')} B per peer: "
+                     + ("gloo's message header, the payload itself agrees to the byte" if header else
+                        "MORE than a header: something else wrote during the call, or bytes were "
+                        "sent twice"))
+    four = [sum(r["counted"][k]["sent_bytes"] for k in
+                ("dispatch", "combine", "dispatch (backward)", "combine (backward)")) for r in ranks]
+    lines.append(f"four token all-to-alls per step (counted): {', '.join(f'{b:,}' for b in four)} B "
+                 f"per rank (predicted, even router: {4 * even_sent:,.0f}); plus the count exchange, "
+                 f"{n_experts} int64 = {ranks[0]['counted']['counts']['message_bytes']} B per rank, "
+                 "once per forward")
+    return DispatchReport("\n".join(lines), sent, extra, consistent, matches)

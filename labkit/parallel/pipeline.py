@@ -468,7 +468,9 @@ class StageProbe:
             "peak_in_flight": self.peak_in_flight,
             "peak_bytes": self.peak_bytes,
             "predicted_in_flight": predicted_in_flight,
-            "predicted_peak_bytes": predicted_in_flight * per_mb,
+            # Not a prediction of bytes (that is memory.predicted_stage_activations): the count
+            # the schedule predicts times the largest micro-batch this stage measured.
+            "in_flight_x_measured_mb_bytes": predicted_in_flight * per_mb,
         }
 
 

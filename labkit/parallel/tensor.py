@@ -25,7 +25,12 @@ What is split (n = tensor-parallel ranks; a = heads, h = d_model):
   the output layer by vocabulary, which saves memory but needs a parallel cross-entropy.
 
 Replicated parameters need no gradient communication: everything upstream of ``f`` and
-downstream of ``g`` is computed identically on every rank, so their gradients agree.
+downstream of ``g`` is computed identically on every rank, so their gradients agree. That holds
+only while the replicated regions draw the same random numbers on every rank: with dropout there
+(after the embedding, on the residual stream), every rank of a tensor-parallel group must seed
+that dropout alike, while dropout *inside* the split region wants a different seed per rank
+(Megatron-LM keeps two RNG states for this, its ``model-parallel-rng`` tracker; Shoeybi et al.
+2019, arXiv 1909.08053, section 3). The course's presets train without dropout.
 
 ``apply_tensor_parallel`` converts a *loaded* GPT by slicing its weights, so the parallel
 model starts equal to the single-process one by construction. ``apply_dtensor_parallel`` does
@@ -256,6 +261,9 @@ class ColumnParallelLinear(nn.Module):
         self.copy_input, self.counter = copy_input, counter
         self.weight = nn.Parameter(torch.empty(rows.stop - rows.start, in_features))
         self.bias = nn.Parameter(torch.zeros(rows.stop - rows.start)) if bias else None
+        # Initialised shard by shard, the same draw on every rank: a freshly built parallel
+        # layer is NOT a slice of any single-process layer. Build from a loaded model with
+        # ``from_linear`` (what ``apply_tensor_parallel`` does) to start equal to one process.
         nn.init.normal_(self.weight, std=0.02)
         self.weight.tp_shard_dim = 0  # type: ignore[attr-defined]
         if self.bias is not None:
@@ -321,6 +329,9 @@ class RowParallelLinear(nn.Module):
         self.world_size, self.rank, self.group, self.counter = world_size, rank, group, counter
         self.weight = nn.Parameter(torch.empty(out_features, cols.stop - cols.start))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        # Initialised shard by shard, the same draw on every rank: a freshly built parallel
+        # layer is NOT a slice of any single-process layer. Build from a loaded model with
+        # ``from_linear`` (what ``apply_tensor_parallel`` does) to start equal to one process.
         nn.init.normal_(self.weight, std=0.02)
         self.weight.tp_shard_dim = 1  # type: ignore[attr-defined]
 
@@ -505,7 +516,8 @@ def apply_dtensor_parallel(model: nn.Module, mesh: Any) -> nn.Module:
         # per attention instead of 1 (counted with CommDebugMode: 4 + 8 per step on 2 layers,
         # against 4 + 4). PyTorch's TP tutorial and torchtitan's parallelize do the same:
         # https://docs.pytorch.org/tutorials/intermediate/TP_tutorial.html
-        # https://github.com/pytorch/torchtitan/blob/main/torchtitan/models/llama3/infra/parallelize.py
+        # https://github.com/pytorch/torchtitan/blob/238fa9953/torchtitan/models/llama3/infra/parallelize.py
+        # (since Feb 2026: torchtitan/models/llama3/parallelize.py)
         "attn": PrepareModuleInput(
             input_layouts=(Replicate(),),
             desired_input_layouts=(Replicate(),),

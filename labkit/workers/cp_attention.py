@@ -15,8 +15,10 @@ of the sequence (rank r: positions [r·T/n, (r+1)·T/n)). Parts, each optional (
              saved for backward by the ring and by naive attention on one device
     time     ``repeats`` ring forwards (float32): seconds per call, and per rank the seconds
              spent computing and waiting for the next block
-    torch    torch's experimental ``context_parallel`` (DTensor's ring attention over SDPA) on
-             the same inputs: its max |error|, or the exact error it raised
+    torch    torch's experimental ``context_parallel`` on the same inputs, with its default K/V
+             exchange (torch 2.13: one all-gather of K and V, then the same per-block SDPA and
+             log-sum-exp merge; ``set_rotate_method("alltoall")`` would make it a pass-KV ring):
+             its max |error| and the exchange it used, or the exact error it raised
 
 Config (all optional): batch (2), heads (4), seq_len (256), head_dim (32), causal (true),
 dtypes (["float32", "bfloat16"]), repeats (5), seed (0), parts (all five).
@@ -254,6 +256,13 @@ def _torch_cp(ctx: dist.Context, c: dict[str, Any], qkv64) -> dict[str, Any]:
     from torch.distributed.tensor.experimental import context_parallel
     from torch.distributed.tensor.experimental._attention import context_parallel_unshard
 
+    try:  # the K/V exchange context_parallel will use: "ALL_GATHER" unless set_rotate_method ran
+        from torch.distributed.tensor.experimental._context_parallel._attention import _cp_options
+
+        rotate = _cp_options.rotate_method.name
+    except (ImportError, AttributeError):
+        rotate = "unknown"
+
     dev = ctx.device
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     mesh = init_device_mesh(dev.type, (ctx.world_size,))
@@ -266,11 +275,12 @@ def _torch_cp(ctx: dist.Context, c: dict[str, Any], qkv64) -> dict[str, Any]:
         (full,) = context_parallel_unshard(mesh, [o], [2])
         return {
             "ran": True,
+            "rotate_method": rotate,
             "dtype": str(dt).removeprefix("torch."),
             "max_abs_err": (full.double().cpu() - truth).abs().max().item(),
         }
     except Exception as e:
-        return {"ran": False, "error": f"{type(e).__name__}: {e}"}
+        return {"ran": False, "rotate_method": rotate, "error": f"{type(e).__name__}: {e}"}
 
 
 @dist.entrypoint
