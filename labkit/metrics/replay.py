@@ -26,7 +26,7 @@ does this for you with ``record_to=``; ``python -m labkit record-trace`` records
 training run):
 
     nv = NvmlBackend()
-    with Recorder("h200-train.jsonl", nv, notes="labkit.workers.train, preset gpu") as rec, \\
+    with Recorder("h200-train.jsonl", nv, notes="notebook 01, preset gpu") as rec, \\
          Sampler(nv, period_s=1.0, on_sample=rec.write):
         launch.run(...)
 

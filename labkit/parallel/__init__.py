@@ -20,29 +20,26 @@ Data parallelism (notebook 02), every strategy behind the same small interface
     dp_config     the shared interface, and the checks a data-parallel config passes before
                   any process starts
 
-Pipeline and tensor parallelism (notebook 03) live in ``pipeline`` (with ``schedules`` and
-``timeline``) and ``tensor``.
+Pipeline and tensor parallelism (notebook 03; schedules and debugging in notebook 03c):
+
+    pipeline      the GPT cut into stages, one per rank, micro-batches streamed through
+                  them (GPipe, 1F1B, interleaved), also over a mesh's "pp" dimension
+    schedules     pipeline schedules as plain lists of actions, and an ideal-clock simulator
+    timeline      each rank's timeline of a pipeline step: the bubble measured, the Gantt chart
+    tensor        every layer's matrices split across ranks, Megatron-LM's f and g
 
 Composing them (notebook 03b), each strategy taking its process group from a named dimension
 of a device mesh:
 
-    mesh          named device meshes: validation before any process group exists, each
-                  rank's groups, bytes per dimension and memory per rank predicted
-    compose       FSDP2 × tensor parallelism on a 2-D mesh, and HSDP
-    sequence      sequence parallelism (Korthikanti et al. 2022) from scratch, and DTensor's
-    context       context parallelism: ring attention with the online-softmax merge
-    expert        a mixture of experts, with experts on ranks and tokens sent all-to-all
-    pipeline      also runs over a mesh's "pp" dimension, beside data parallelism (ZeRO-1)
-
-Composing them (notebook 03b):
-
     mesh          named device meshes: validated before any process group exists, each
                   rank's group along a dimension (row-major, as init_device_mesh), the bytes
                   per rank on each dimension and the memory per rank predicted, and MeshSpy,
-                  which counts collectives by the dimension whose group carried them; every
-                  data-parallel strategy takes its group from a named dimension (``group=``)
+                  which counts collectives by the dimension whose group carried them
     compose       FSDP2 x tensor parallelism on a ("dp", "tp") mesh and HSDP on a
                   ("replicate", "shard") mesh, torchtitan's order
+    sequence      sequence parallelism (Korthikanti et al. 2022) from scratch, and DTensor's
+    context       context parallelism: ring attention with the online-softmax merge
+    expert        a mixture of experts, experts on ranks, tokens sent all-to-all
 
 This file imports nothing on purpose: each module is imported where it is used, so importing
 one strategy never pulls in another.

@@ -1,0 +1,108 @@
+"""The words that describe the package stay true: every module a doc names exists, and the
+package map in ``labkit/__init__.py`` names every unit, in the order of its layers.
+
+Docs go stale quietly (a module moves, a map forgets the new one); these tests make a stale
+name fail, naming the file and the name."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import re
+from pathlib import Path
+
+import pytest
+from test_layers import LAYERS, PACKAGE, SOURCES, unit_of
+
+ROOT = PACKAGE.parent
+LISTING = re.compile(r"^ {4}(\w+) {2,}\S", re.M)  # "    name      what it is" in a docstring
+DOTTED = re.compile(r"\blabkit(?:\.[A-Za-z_]\w*)+")
+PATH = re.compile(r"\blabkit/(?:[\w-]+/)*[\w-]+\.py\b")
+RANGE_NAME = re.compile(r"""(?:record_function\(|_MARK = )["'](labkit\.[\w.]+)["']""")
+"""A profiler range named ``labkit.something`` (``record_function``): a label, not a module."""
+
+
+def docstring(path: Path) -> str:
+    return ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+
+
+def listed(path: Path) -> list[str]:
+    return LISTING.findall(docstring(path))
+
+
+def test_the_package_map_names_every_unit_once_in_layer_order():
+    names = listed(PACKAGE / "__init__.py")
+    units = {unit_of(p) for p in SOURCES}
+    assert sorted(set(names) - units) == [], "the map names units that do not exist"
+    assert sorted(units - set(names)) == [], "the map in labkit/__init__.py leaves these out"
+    assert len(names) == len(set(names))
+    layers = [LAYERS[n] for n in names]
+    out_of_order = [(a, b) for a, b, la, lb in zip(names, names[1:], layers, layers[1:], strict=False)
+                    if lb < la]  # fmt: skip
+    assert not out_of_order, f"listed above a unit of a lower layer: {out_of_order}"
+
+
+@pytest.mark.parametrize("package", sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py")))
+def test_a_subpackage_map_names_only_its_own_modules(package):
+    """A subpackage's docstring that lists modules ("    name   what it does") lists real ones;
+    ``parallel``'s, the course's map of strategies, lists every one."""
+    here = PACKAGE / package
+    modules = {p.stem for p in here.glob("*.py") if p.stem != "__init__"}
+    modules |= {p.name for p in here.iterdir() if (p / "__init__.py").exists()}
+    names = set(listed(here / "__init__.py"))
+    assert sorted(names - modules) == [], f"labkit/{package}/__init__.py names modules that do not exist"
+    if package == "parallel":
+        assert sorted(modules - names) == [], "labkit/parallel/__init__.py leaves these out"
+
+
+def _texts() -> list[tuple[str, str]]:
+    """(where, text) of every doc that can name a module: labkit's sources, README, docs/,
+    the solutions' cells, tests excluded (they name modules on purpose to import them)."""
+    out = [(str(p.relative_to(ROOT)), p.read_text(encoding="utf-8"))
+           for p in sorted(PACKAGE.rglob("*.py"))]  # fmt: skip
+    out += [(str(p.relative_to(ROOT)), p.read_text(encoding="utf-8"))
+            for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))] if p.exists()]  # fmt: skip
+    for nb in sorted((ROOT / "solutions").glob("*.ipynb")):
+        cells = json.loads(nb.read_text(encoding="utf-8"))["cells"]
+        out += [(f"{nb.name} cell {i}", "".join(c["source"])) for i, c in enumerate(cells)]
+    return out
+
+
+def resolves(dotted: str) -> bool:
+    """``labkit.a.b.c``: each part a module of the one before, or an attribute of it."""
+    parts = dotted.split(".")
+    obj = importlib.import_module(parts[0])
+    for i, part in enumerate(parts[1:], start=2):
+        name = ".".join(parts[:i])
+        if hasattr(obj, "__path__") and importlib.util.find_spec(name) is not None:
+            obj = importlib.import_module(name)
+        elif hasattr(obj, part):
+            obj = getattr(obj, part)
+        else:
+            return False
+    return True
+
+
+def test_every_labkit_name_in_the_docs_exists():
+    """``labkit.x.y`` (a module, or a function or class in one) and ``labkit/x/y.py``, wherever
+    the course's text names them."""
+    stale, texts = [], _texts()
+    ranges = {name for _, text in texts for name in RANGE_NAME.findall(text)}
+    for where, text in texts:
+        for dotted in sorted(set(DOTTED.findall(text)) - ranges):
+            if not resolves(dotted.rstrip(".")):
+                stale.append(f"{where}: {dotted}")
+        stale += [f"{where}: {p}" for p in sorted(set(PATH.findall(text))) if not (ROOT / p).exists()]
+    assert not stale, "names of things that do not exist:\n" + "\n".join(stale)
+
+
+MOVING = re.compile(r"https://github\.com/pytorch/torchtitan/(?:blob|tree)/(?![0-9a-f]{9,40}/)[^\s)\"'>`]+")
+
+
+def test_links_into_a_fast_moving_repository_are_pinned_to_a_commit():
+    """torchtitan moves its files between releases (``docs/performance.md`` became
+    ``benchmarks/…`` in 2025; ``models/llama3/infra/parallelize.py`` went in the config refactor
+    of February 2026): a link to ``blob/main`` turns into a 404, a link to a commit does not."""
+    unpinned = [f"{where}: {url}" for where, text in _texts() for url in MOVING.findall(text)]
+    assert not unpinned, "pin these to a commit (blob/<sha>/path):\n" + "\n".join(unpinned)
