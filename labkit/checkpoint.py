@@ -573,3 +573,122 @@ def load_latest(
     _say(log, f"resumed from {folder} (step {choice['step']})")
     return Loaded(path=str(folder), step=int(choice["step"]), extra=own["extra"],
                   manifest=choice["manifest"], seconds=time.perf_counter() - started)  # fmt: skip
+
+
+# --- resharding on load, and asynchronous saves --------------------------------------------------
+
+
+def shares(folder: Path | str) -> dict[str, int]:
+    """DCP's data files in a checkpoint folder and their bytes: one ``__R_0.distcp`` per rank
+    that wrote a share (measured on disk)."""
+    return {p.name: p.stat().st_size for p in sorted(Path(folder).glob("*.distcp"))}
+
+
+def load_resharded(folder: Path | str, model: nn.Module, optimizer: torch.optim.Optimizer,
+                   *, log: Callable[[str], None] | None = print) -> dict[str, Any]:  # fmt: skip
+    """Load the model and optimizer state of the complete checkpoint ``folder`` into this job,
+    whatever number of ranks saved it or runs now: DCP's resharding on load.
+
+    DCP's ``.metadata`` records every tensor's global shape and where each saved piece of it
+    lies; ``dcp.load`` asks for the pieces this rank's tensors need (its whole tensor here, its
+    own shard under FSDP2) and reads them from whichever rank's file holds them
+    (``torch/distributed/checkpoint/default_planner.py``, ``create_default_local_load_plan``).
+    What does not reshard is labkit's per-rank file (``rank{r}.pt``: step, data position, random
+    state), so this loads none of it and restores no RNG: a job resumed on another number of
+    ranks must re-derive those (a global data position, generators seeded from (seed, step,
+    rank)). The model's shape and the optimizer must still match (``CheckpointMismatch``).
+    Returns the manifest, the files read and the seconds it took (measured).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    folder = Path(folder)
+    started = time.perf_counter()
+    manifest = read_manifest(folder)
+    if manifest is None or not (folder / ".metadata").exists():
+        raise CheckpointMismatch(f"{folder} is not a complete checkpoint (no manifest or no "
+                                 "DCP index): load only folders that scan() lists")  # fmt: skip
+    _, world = _world()
+    problems = [p for p in mismatches(manifest, model, optimizer, world)
+                if not p.startswith("saved by ")]  # the world size is what may differ  # fmt: skip
+    if problems:
+        raise CheckpointMismatch(f"checkpoint {folder} does not fit this job:\n"
+                                 + "".join(f"  {p}\n" for p in problems[:MAX_LINES]))  # fmt: skip
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    with _quiet():
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder),
+                 no_dist=not tdist.is_initialized())  # fmt: skip
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    seconds = time.perf_counter() - started
+    _say(log, f"loaded {folder} (saved by {manifest.get('world_size')} ranks) into {world} "
+              f"rank(s) in {seconds:.3f} s (measured)")  # fmt: skip
+    return {"manifest": manifest, "files": shares(folder), "saved_by": manifest.get("world_size"),
+            "loaded_by": world, "seconds": seconds}  # fmt: skip
+
+
+def time_save_modes(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path | str, *,
+                    rounds: int = 5, threads: int | None = 1) -> dict[str, Any]:  # fmt: skip
+    """Measure, side by side, how long a synchronous ``dcp.save`` and an asynchronous
+    ``dcp.async_save`` of the same state stop the caller, in this process (no process group).
+
+    ``async_save`` (torch 2.13, ``torch/distributed/checkpoint/state_dict_saver.py``) first
+    *stages* the state dict, a copy into CPU memory (its ``DefaultStager``), and returns a
+    ``Future`` while a background thread writes the copy (``AsyncCheckpointerType.THREAD``,
+    the default); training may change the weights as soon as it returns. Each round saves once
+    each way, in alternating order, into fresh folders under ``folder`` (removed after). The
+    staging buffers are kept from one save to the next, as a training loop keeps them (one
+    ``DefaultStager``, without pinned memory: a CPU state needs none). ``threads``: torch's
+    CPU threads while timing, 1 as in a torchrun rank (``OMP_NUM_THREADS=1``); on a busy
+    machine more threads make each small copy wait for its thread pool. None: as they are.
+    Returns per-round seconds: ``sync_s``, ``async_blocking_s`` (until ``async_save``
+    returned: what training waits for), ``async_total_s`` (until the write finished), and the
+    bytes one save wrote.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds={rounds!r}: give a whole number of rounds >= 1")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    no_dist = not tdist.is_initialized()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    out: dict[str, Any] = {"sync_s": [], "async_blocking_s": [], "async_total_s": [], "bytes": 0}
+
+    def sync(path: Path) -> None:
+        start = time.perf_counter()
+        dcp.save(state, checkpoint_id=str(path), no_dist=no_dist)
+        out["sync_s"].append(time.perf_counter() - start)
+
+    def asynchronous(path: Path) -> None:
+        start = time.perf_counter()
+        future = dcp.async_save(state, checkpoint_id=str(path), no_dist=no_dist,
+                                async_stager=stager)  # fmt: skip
+        out["async_blocking_s"].append(time.perf_counter() - start)
+        future.result()
+        out["async_total_s"].append(time.perf_counter() - start)
+
+    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                          use_async_staging=False, use_non_blocking_copy=False))  # fmt: skip
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        with _quiet():
+            for r in range(rounds + 1):  # round 0 warms up both paths (imports, thread pool)
+                order = (sync, asynchronous) if r % 2 else (asynchronous, sync)
+                for i, fn in enumerate(order):
+                    path = folder / f".round{r}-{i}"
+                    fn(path)
+                    out["bytes"] = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+                    shutil.rmtree(path, ignore_errors=True)
+                if r == 0:
+                    out["sync_s"].clear()
+                    out["async_blocking_s"].clear()
+                    out["async_total_s"].clear()
+    finally:
+        torch.set_num_threads(before)
+        stager.close()
+    return out

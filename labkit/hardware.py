@@ -539,7 +539,9 @@ def describe_tier(*, cuda: Any | None = None, nvml: Any | None = None) -> TierIn
 # a T4 (7.5) or V100 (7.0) has no row for them, and the lookup says why. Their "float16" row is
 # the datasheet's tensor-core figure (fp16 inputs, fp32 accumulation).
 
-_TORCHTITAN = "https://github.com/pytorch/torchtitan/blob/main/torchtitan/tools/utils.py"
+# Pinned to a commit: torchtitan moves its files between releases.
+_TORCHTITAN = ("https://github.com/pytorch/torchtitan/blob/b5bcd76c66d0acb1a08b176d9639425bc55e0b2a/"
+               "torchtitan/tools/utils.py#L141")
 _ALSO_TORCHTITAN = f"; the same bf16 figure in torchtitan's get_peak_flops, {_TORCHTITAN}"
 _A100_SOURCE = (
     "NVIDIA A100 datasheet, https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/"
@@ -951,6 +953,10 @@ LINK_TABLE: tuple[LinkRow, ...] = (
     LinkRow("InfiniBand NDR 400 Gb/s", 50e9, "jax-ml/scaling-book gpus.md (H100 nodes: 400 Gb/s "
             "InfiniBand per GPU); Llama Team 2024, arXiv 2407.21783, section 3.3.1 (\"400 Gbps "
             "interconnects between GPUs\"); 400e9 bit/s / 8"),
+    LinkRow("RoCE 400 Gb/s", 50e9, "Llama Team 2024, arXiv 2407.21783, section 3.3.1, "
+            "\"Network\": Llama 3 405B trained on RDMA over Converged Ethernet (Arista 7800 and "
+            "Minipack2 switches), the smaller models on InfiniBand; \"400 Gbps interconnects "
+            "between GPUs\"; 400e9 bit/s / 8"),
     LinkRow("InfiniBand HDR 200 Gb/s", 25e9, "Narayanan et al. 2021, arXiv 2104.04473, "
             "section 5 (Selene: eight 200 Gbps HDR InfiniBand HCAs per node of eight A100s, one "
             "per GPU); 200e9 bit/s / 8"),

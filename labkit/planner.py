@@ -314,8 +314,12 @@ class Workload:
     overlap_dp: bool = True
     """Assumed: the final gradient sync overlaps the last micro-batch's backward as far as it
     can (and ZeRO-3's all-gathers their micro-batch's compute)."""
-    usable_memory: float = 1.0
-    """Share of the device's published memory the layout may fill."""
+    usable_memory: float = 0.9
+    """Assumed: the share of the device's published memory the layout may fill. The rest is a
+    reserve for what no formula here counts: the CUDA context, NCCL's communication buffers and
+    the caching allocator's fragmentation (PyTorch's CUDA memory-management notes,
+    https://docs.pytorch.org/docs/stable/notes/cuda.html#memory-management). 1.0 trusts the
+    formulas to the byte; ``sensitivity`` shows what each choice does to the ranking."""
 
     def __post_init__(self) -> None:
         _int("global_batch", self.global_batch)
@@ -816,6 +820,41 @@ def plan(model: ModelSpec, cluster: Cluster, workload: Workload,
     return Plan(model, cluster, workload, search, preds)
 
 
+def sensitivity(model: ModelSpec, cluster: Cluster, workload: Workload, search: Search,
+                shape: dict[str, int], *, usable: Sequence[float] = (1.0, 0.95, 0.9),
+                overlap: Sequence[bool] = (True, False)) -> list[dict[str, Any]]:  # fmt: skip
+    """Re-plan under each (usable_memory, overlap_dp) and say where ``shape`` lands (modelled).
+
+    One row per setting: the planner's first choice (its layout, variant, step and memory),
+    the rank of ``shape`` among the fitting layouts (None: no variant of it fits) with its
+    step, and how many layouts fit. The two assumptions are the ones a ranking rests on most:
+    how much of the memory the formulas may fill, and whether ZeRO's gathers and the gradient
+    sync hide behind compute (False charges every byte of them).
+    """
+    import dataclasses
+
+    rows = []
+    for u in usable:
+        for ov in overlap:
+            w = dataclasses.replace(workload, usable_memory=u, overlap_dp=ov)
+            pl = plan(model, cluster, w, search)
+            best = pl.best_per_shape()
+            rank = pl.rank_of(**shape)
+            pub = best[rank - 1] if rank else None
+            first = best[0] if best else None
+            rows.append({
+                "usable_memory": u, "overlap_dp": ov, "fitting": len(best),
+                "first": None if first is None else first.layout.name,
+                "first_variant": None if first is None else first.layout.variant,
+                "first_step_s": None if first is None else first.step_s,
+                "first_memory_bytes": None if first is None else first.memory["total"],
+                "published_rank": rank,
+                "published_step_s": None if pub is None else pub.step_s,
+                "published_variant": None if pub is None else pub.layout.variant,
+            })  # fmt: skip
+    return rows
+
+
 # ----------------------------------------------------------------------------------------------
 # Published configurations to hold the planner against.
 
@@ -860,7 +899,9 @@ def published_cases(mfu: float = 0.5) -> list[Published]:
             "Llama 3 405B, 8,192 H100",
             llama_cite,
             llama,
-            Cluster.from_tables("NVIDIA H100 80GB HBM3", n_gpus=8192, **h100),
+            # 405B ran on RoCE, not InfiniBand (section 3.3.1): the same 400 Gb/s per GPU
+            Cluster.from_tables("NVIDIA H100 80GB HBM3", n_gpus=8192,
+                                **{**h100, "inter_node": "RoCE 400 Gb/s"}),
             Workload.from_tokens(2048 * 8192, 8192, mfu=mfu),
             Search(uneven_stages=True, zero_stages=(1, 2, 3)),
             {"dp": 64, "tp": 8, "pp": 16, "cp": 1},
@@ -935,5 +976,6 @@ __all__: Sequence[str] = (
     "plan",
     "predict",
     "published_cases",
+    "sensitivity",
     "this_machine",
 )  # fmt: skip

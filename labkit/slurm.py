@@ -49,6 +49,8 @@ _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
 _PATH = re.compile(r"[A-Za-z0-9_.\-/+@]{1,4096}")
 _IFNAME = re.compile(r"[A-Za-z0-9_.\-,^=]{1,64}")  # NCCL takes "eth0", "^docker,lo", "=ib0"
+_MEM = re.compile(r"0|[1-9][0-9]{0,8}[KMGT]?")
+CPUS_PER_GPU_RANK = 3  # the rank and two data-loader workers (see SlurmJob.cpus_per_node)
 _TIME = re.compile(r"(?:(\d{1,3})-)?(\d{1,2}):(\d{2}):(\d{2})")
 
 
@@ -63,8 +65,22 @@ class SlurmJob:
         ranks_per_node: ranks each machine runs. Default: ``gpus_per_node``, or 1 CPU rank.
             A GPU job runs one rank per GPU, so it may only repeat ``gpus_per_node``.
         cpus_per_node: CPU cores SLURM reserves on each machine for its agent and ranks
-            (``--cpus-per-task``: the node's one task is the agent). Default: one per rank;
-            give more for data-loader workers.
+            (``--cpus-per-task``: the node's one task is the agent). Default: for GPU ranks
+            ``CPUS_PER_GPU_RANK`` per rank (the rank itself and two data-loader workers, the
+            rule of thumb of ml-engineering's ``orchestration/slurm/performance.md``: "8 gpus
+            and 2 DataLoader workers per gpu ... at least 3*8=24 cpu-cores per node"); for CPU
+            ranks one per rank.
+        exclusive: ask for whole machines (``--exclusive``), no other job's ranks beside
+            yours. Default: True for GPU jobs, False for CPU ones.
+        mem: memory per node (``--mem``): "0" is all of each node's memory (sbatch's man
+            page), "64G" a size. Default: "0" with ``exclusive``, otherwise the cluster's
+            default (``DefMemPerCPU``), which may be small.
+        signal_s: seconds before the time limit at which SLURM sends SIGUSR1 to the batch
+            script (``--signal=B:USR1@N``); its trap writes ``checkpoint_requested`` into the
+            job folder, for a worker that checks for it after each step to save at once, and
+            with ``requeue`` puts the job back in the queue. None: no signal.
+        requeue: let SLURM requeue the job (``--requeue``): after a node failure, or from the
+            trap above; the requeued job resumes from its newest checkpoint.
         time: the job's wall-clock limit, ``HH:MM:SS`` or ``D-HH:MM:SS``. SLURM ends the job
             when it is up (and schedules short jobs sooner).
         partition, account: SLURM's queue and the account billed, if the cluster needs them
@@ -77,7 +93,9 @@ class SlurmJob:
             (``NCCL_SOCKET_IFNAME``/``GLOO_SOCKET_IFNAME``, e.g. "ib0" or "eth0"); None: let
             them choose.
         python: the Python every node runs; default the one this object was made in, which
-            must exist at the same path on every node (a shared filesystem or the same image).
+            must exist at the same path on every node, with labkit importable there: the
+            virtual environment and the repository on a filesystem every node sees (or the same
+            container image), not a laptop-style checkout on the login node's own disk.
         runs_dir: where the job folder goes, relative to the folder the job is submitted from
             (or absolute); on a filesystem every node sees.
     """
@@ -93,6 +111,10 @@ class SlurmJob:
     module: str = DEFAULT_MODULE
     config: dict[str, Any] = field(default_factory=dict)
     max_restarts: int = 0
+    exclusive: bool | None = None
+    mem: str | None = None
+    signal_s: int | None = None
+    requeue: bool = False
     socket_ifname: str | None = None
     python: str = field(default_factory=lambda: sys.executable)
     runs_dir: str = "runs"
@@ -142,6 +164,18 @@ class SlurmJob:
                 f"config: not plain JSON ({e}); use numbers, strings, lists and dicts"
             ) from None
         _whole("max_restarts", self.max_restarts, 0, "restarts after a failure, 0 for none")
+        if self.exclusive is not None and not isinstance(self.exclusive, bool):
+            raise ValueError(f"exclusive={self.exclusive!r}: True, False or None (the default)")
+        if self.mem is not None and not (isinstance(self.mem, str) and _MEM.fullmatch(self.mem)):
+            raise ValueError(f"mem={self.mem!r}: need '0' (all of each node's memory) or a size "
+                             "such as '64G' or '500000M'")  # fmt: skip
+        if self.signal_s is not None:
+            _whole("signal_s", self.signal_s, 1, "seconds before the time limit, e.g. 120")
+            if self.signal_s >= self.time_limit_s:
+                raise ValueError(f"signal_s={self.signal_s}: the signal must come before the "
+                                 f"time limit ({self.time_limit_s} s) and leave time to work")  # fmt: skip
+        if not isinstance(self.requeue, bool):
+            raise ValueError(f"requeue={self.requeue!r}: True or False")
         if self.socket_ifname is not None and not (
             isinstance(self.socket_ifname, str) and _IFNAME.fullmatch(self.socket_ifname)
         ):
@@ -175,7 +209,20 @@ class SlurmJob:
     @property
     def cpus(self) -> int:
         """CPU cores reserved per node (``--cpus-per-task`` of the node's one task)."""
-        return self.cpus_per_node if self.cpus_per_node is not None else self.ranks
+        if self.cpus_per_node is not None:
+            return self.cpus_per_node
+        return self.ranks * (CPUS_PER_GPU_RANK if self.gpus_per_node else 1)
+
+    @property
+    def is_exclusive(self) -> bool:
+        return bool(self.gpus_per_node) if self.exclusive is None else self.exclusive
+
+    @property
+    def memory(self) -> str | None:
+        """``--mem``: the given one, "0" (all of it) on whole machines, else None."""
+        if self.mem is not None:
+            return self.mem
+        return "0" if self.is_exclusive else None
 
     @property
     def world_size(self) -> int:
@@ -231,6 +278,16 @@ class SlurmJob:
             f"#SBATCH --time={self.time}",
             "#SBATCH --output=%x-%j.out        # job name and job id: one file per job",
         ]
+        if self.is_exclusive:
+            sbatch.append("#SBATCH --exclusive                # whole machines: no other job beside")
+        if self.memory is not None:
+            sbatch.append(f"#SBATCH --mem={self.memory}"
+                          + ("                     # all of each node's memory" if self.memory == "0" else ""))
+        if self.signal_s:
+            sbatch.append(f"#SBATCH --signal=B:USR1@{self.signal_s}     # SIGUSR1 to this script "
+                          f"{self.signal_s} s before the limit")
+        if self.requeue:
+            sbatch.append("#SBATCH --requeue                  # SLURM may put the job back in the queue")
         if self.partition:
             sbatch.append(f"#SBATCH --partition={self.partition}")
         if self.account:
@@ -252,6 +309,25 @@ class SlurmJob:
             if self.max_restarts else ""
         )
         srun_gpus = f"--gpus-per-node={gpus} " if gpus else ""
+        trap, wait = "", ""
+        if self.signal_s:
+            requeue = ('  scontrol requeue "$SLURM_JOB_ID"  # back in the queue; it resumes from '
+                       'its newest checkpoint\n') if self.requeue else ""
+            trap = (
+                f"# SLURM sends SIGUSR1 {self.signal_s} s before the time limit (--signal=B:...: to this\n"
+                "# script only). The trap asks the ranks for a checkpoint through a file in the job\n"
+                "# folder: a worker that looks for it after each step saves at once (a worker that\n"
+                "# does not only gets the requeue). bash runs a trap only between commands, so srun\n"
+                "# runs in the background and the script waits for it.\n"
+                "on_time_limit() {\n"
+                f'  echo "job $SLURM_JOB_ID: {self.signal_s} s left, checkpoint requested"\n'
+                f'  touch "${JOB_DIR_ENV}/checkpoint_requested"\n'
+                f"{requeue}"
+                "}\n"
+                "trap on_time_limit USR1\n"
+            )
+            wait = (" &\nSRUN_PID=$!\n# wait returns early when the trap runs: wait again for srun itself\n"
+                    'wait "$SRUN_PID" || wait "$SRUN_PID"')
         spec = json.dumps(self.spec(), indent=2, sort_keys=True, allow_nan=False)
         return f"""#!/bin/bash
 # A labkit job for SLURM: {self.nodes} node(s) x {what} of {self.module}.
@@ -299,8 +375,8 @@ export HEAD_NODE RDZV_PORT
 export TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='{RANK_PREFIX}'
 export PYTHONUNBUFFERED=1  # lines arrive as they are printed, not when a buffer fills
 # torch's CPU threads per rank: the node's {self.cpus} reserved core(s) shared among its
-# {self.ranks} rank(s). Unset, torchrun would set 1 and print a banner saying so.
-export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{max(1, self.cpus // self.ranks)}}}
+# {self.ranks} rank(s){" and their data-loader workers (" + str(CPUS_PER_GPU_RANK - 1) + " each)" if gpus else ""}. Unset, torchrun would set 1 and print a banner saying so.
+export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{max(1, self.cpus // (self.ranks * (CPUS_PER_GPU_RANK if gpus else 1)))}}}
 {restarts}# When NCCL fails or hangs, `export NCCL_DEBUG=INFO` here makes it say which interfaces and
 # transports (InfiniBand or TCP sockets) it chose, and where it stopped; it is off by default
 # because it prints a lot.
@@ -313,7 +389,7 @@ export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{max(1, self.cpus // self.ranks)}}}
 # agent fails, SLURM ends the others.
 # The command is in single quotes so that $SLURMD_NODENAME (each node's own name, set by
 # srun for the task) is read on that node, not here.
-srun --ntasks-per-node=1 --cpus-per-task=$SLURM_CPUS_PER_TASK {srun_gpus}--kill-on-bad-exit=1 \\
+{trap}srun --ntasks-per-node=1 --cpus-per-task=$SLURM_CPUS_PER_TASK {srun_gpus}--kill-on-bad-exit=1 \\
   bash -c 'exec "$PYTHON" -m torch.distributed.run \\
     --nnodes=$SLURM_NNODES \\
     --nproc-per-node={self.ranks} \\
@@ -323,7 +399,7 @@ srun --ntasks-per-node=1 --cpus-per-task=$SLURM_CPUS_PER_TASK {srun_gpus}--kill-
     --max-restarts={self.max_restarts} \\
     --log-dir="${JOB_DIR_ENV}/torchrun/$SLURMD_NODENAME" \\
     --tee=3 \\
-    -m {self.module}'
+    -m {self.module}'{wait}
 # --rdzv-backend=c10d: the agent on $HEAD_NODE hosts the store, the others join it, and they
 # number the nodes among themselves; --rdzv-id keeps two jobs on one port apart.
 # --tee=3: each rank's stdout and stderr go to its own file under --log-dir as well as here.
@@ -389,6 +465,13 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="torchrun's restarts after a failure (default 0)",
     )
+    p.add_argument("--exclusive", action=argparse.BooleanOptionalAction, default=None,
+                   help="whole machines (default: yes for GPU jobs, no for CPU ones)")
+    p.add_argument("--mem", help="memory per node: '0' all of it (default with --exclusive), "
+                   "or a size such as 64G")
+    p.add_argument("--signal-s", type=int, help="SIGUSR1 this many seconds before the time "
+                   "limit: the script's trap requests a checkpoint (and requeues with --requeue)")
+    p.add_argument("--requeue", action="store_true", help="let SLURM requeue the job")
     p.add_argument(
         "--socket-ifname", help="network interface between the nodes (NCCL/GLOO_SOCKET_IFNAME)"
     )
@@ -411,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
             cpus_per_node=args.cpus_per_node, time=args.time, partition=args.partition,
             account=args.account, job_name=args.job_name, module=args.module, config=config,
             max_restarts=args.max_restarts, socket_ifname=args.socket_ifname, python=args.python,
+            exclusive=args.exclusive, mem=args.mem, signal_s=args.signal_s, requeue=args.requeue,
         )  # fmt: skip
     except ValueError as e:
         print(f"labkit slurm: {e}", file=sys.stderr)

@@ -268,3 +268,35 @@ def test_a_job_across_nodes_must_name_a_shared_checkpoint_folder():
     rt.check_shared_root({**cfg, "checkpoint_dir": "/shared/ckpt"}, 2)
     with pytest.raises(ValueError, match=r"spans 2 agents.*checkpoint_dir"):
         rt.check_shared_root(cfg, 2)
+
+
+# --- resharding and asynchronous saves ------------------------------------------------------------
+
+
+def test_load_resharded_reads_dcp_state_but_no_per_rank_state(tmp_path):
+    model, opt = trained()
+    saved = checkpoint.save(tmp_path, 2, model, opt, extra={"data_position": 2}, log=None)
+    other, other_opt = fresh()
+    torch.manual_seed(5)
+    draw = torch.rand(3)
+    torch.manual_seed(5)
+    got = checkpoint.load_resharded(saved.path, other, other_opt, log=None)
+    assert got["saved_by"] == 1 and list(got["files"]) == ["__0_0.distcp"]
+    for (name, a), b in zip(model.state_dict().items(), other.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert torch.equal(torch.rand(3), draw)  # the saved generator state was not restored
+    with pytest.raises(checkpoint.CheckpointMismatch, match="not a complete checkpoint"):
+        checkpoint.load_resharded(tmp_path / "nothing-here", other, other_opt, log=None)
+
+
+def test_time_save_modes_measures_both_kinds_and_leaves_nothing(tmp_path):
+    model, opt = trained()
+    threads = torch.get_num_threads()
+    out = checkpoint.time_save_modes(model, opt, tmp_path, rounds=2)
+    assert torch.get_num_threads() == threads  # restored
+    assert len(out["sync_s"]) == len(out["async_blocking_s"]) == len(out["async_total_s"]) == 2
+    assert all(b <= t for b, t in zip(out["async_blocking_s"], out["async_total_s"], strict=True))
+    assert out["bytes"] > checkpoint.count(model, opt)["n_params"] * 12  # weights + m + v
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="rounds=0"):
+        checkpoint.time_save_modes(model, opt, tmp_path, rounds=0)

@@ -102,6 +102,26 @@ def test_a_checkpoint_of_two_ranks_refuses_a_job_of_one(jobs):
         checkpoint.load_latest(root, model, make_optimizer(model, TrainConfig()), log=None)
 
 
+def test_a_checkpoint_of_two_ranks_reshards_into_one_process(jobs):
+    # DCP's resharding on load (notebook 02b): both ranks wrote a share, one process reads both,
+    # and gets the job's final weights bitwise (the last checkpoint follows the last step)
+    killed = jobs[0].result
+    newest = checkpoint.scan(killed["checkpoint_dir"])[0][-1][1]
+    files = checkpoint.shares(newest)
+    assert sorted(files) == ["__0_0.distcp", "__1_0.distcp"] and all(files.values())
+    model = GPT(ModelConfig(**rt.DEFAULTS["model"]))
+    opt = make_optimizer(model, TrainConfig())
+    got = checkpoint.load_resharded(newest, model, opt, log=None)
+    assert (got["saved_by"], got["loaded_by"]) == (2, 1)
+    final = torch.load(killed["final_params"])
+    params = dict(model.named_parameters())
+    assert all(torch.equal(params[n].detach(), final[n]) for n in final)
+    assert len(opt.state) == len(list(model.parameters()))  # AdamW's moments came too
+    wider = GPT(ModelConfig(**{**rt.DEFAULTS["model"], "d_model": 2 * rt.DEFAULTS["model"].get("d_model", 64)}))
+    with pytest.raises(checkpoint.CheckpointMismatch, match=r"saved .*this model"):
+        checkpoint.load_resharded(newest, wider, make_optimizer(wider, TrainConfig()), log=None)
+
+
 @pytest.mark.parametrize(
     ("config", "match"),
     [

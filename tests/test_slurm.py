@@ -54,6 +54,33 @@ def gpu_job(**kw) -> SlurmJob:
 # --- the script as text -----------------------------------------------------------------------
 
 
+def test_a_job_near_its_time_limit_requests_a_checkpoint_and_requeues(tmp_path):
+    # review N02b-6: the scheduler's time limit meets section 4's checkpoints
+    job = gpu_job(signal_s=120, requeue=True, max_restarts=1)
+    script = job.render()
+    sbatch = [line.split()[1] for line in script.splitlines() if line.startswith("#SBATCH")]
+    assert "--signal=B:USR1@120" in sbatch and "--requeue" in sbatch
+    assert "trap on_time_limit USR1" in script
+    assert 'touch "$LABKIT_JOB_DIR/checkpoint_requested"' in script
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in script
+    # the trap can only run while the script waits: srun in the background, then wait
+    assert "-m labkit.workers.multinode' &\nSRUN_PID=$!" in script
+    assert script.index("trap on_time_limit USR1") < script.index("\nsrun ")
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
+    # without a signal nothing waits in the background
+    assert "SRUN_PID" not in gpu_job().render()
+    # a CPU job shares its machine and takes the cluster's memory default, unless asked
+    cpu = SlurmJob(nodes=1, ranks_per_node=2, python="/usr/bin/python3")
+    assert "--exclusive" not in cpu.render() and "--mem" not in cpu.render()
+    assert "--mem=64G" in SlurmJob(nodes=1, mem="64G", python="/usr/bin/python3").render()
+    with pytest.raises(ValueError, match="mem="):
+        SlurmJob(nodes=1, mem="lots", python="/usr/bin/python3")
+    with pytest.raises(ValueError, match="before the time limit"):
+        gpu_job(time="00:01:00", signal_s=120)
+
+
 def test_constants_match_the_modules_they_copy():
     # slurm sits below dist and launch (they import torch): its copies must not drift
     assert slurm.JOB_DIR_ENV == dist.JOB_DIR_ENV
@@ -68,8 +95,8 @@ def test_a_gpu_job_asks_for_its_nodes_and_gpus_and_runs_one_agent_per_node():
     options = [line.split()[1] for line in sbatch]
     assert options == [
         "--job-name=labkit-multinode", "--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=8",
-        "--cpus-per-task=8", "--time=00:30:00", "--output=%x-%j.out", "--partition=gpu",
-        "--account=proj42",
+        "--cpus-per-task=24", "--time=00:30:00", "--output=%x-%j.out", "--exclusive",
+        "--mem=0", "--partition=gpu", "--account=proj42",
     ]  # fmt: skip
     assert script.startswith("#!/bin/bash\n")
     assert "set -euo pipefail" in script
@@ -201,7 +228,7 @@ def test_each_rank_gets_its_share_of_the_cores_as_threads():
 
 
 def test_ranks_and_cores_default_from_the_gpus():
-    assert (gpu_job().ranks, gpu_job().cpus, gpu_job().world_size) == (8, 8, 16)
+    assert (gpu_job().ranks, gpu_job().cpus, gpu_job().world_size) == (8, 24, 16)  # 3 per GPU rank
     assert (SlurmJob().ranks, SlurmJob().cpus) == (1, 1)
     assert SlurmJob(ranks_per_node=4, cpus_per_node=16).cpus == 16
     assert SlurmJob().python == sys.executable

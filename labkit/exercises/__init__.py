@@ -61,6 +61,8 @@ MODULES: dict[str, str] = {
     "05": "labkit.exercises.batch_size",
     "06": "labkit.exercises.profiling",
     "03b": "labkit.exercises.composing",
+    "02b": "labkit.exercises.resilience",
+    "03c": "labkit.exercises.planning",
     "07": "labkit.exercises.capstone",
 }
 """Notebook -> the module that registers its exercises."""
