@@ -148,9 +148,10 @@ def check_groups(fn: Any) -> str:
         "init_device_mesh lays ranks out row-major, like torch.arange(world).reshape(sizes): "
         "the last dimension varies fastest, so with {'dp': 2, 'tp': 2} rank 1 sits at "
         "dp 0, tp 1.",
-        "How far apart in rank number are two neighbours along a dimension? Work that stride "
-        "out for each dimension from the sizes after it; with it you can read the rank's "
-        "coordinate, and its group steps by that stride only.",
+        "recipe: for each dimension, work out its stride (how far apart in rank number two "
+        "neighbours along it are: it follows from the sizes after it); read this rank's "
+        "coordinate on that dimension from its rank and the stride; its group is the ranks "
+        "that differ from it only in that coordinate, so they step by that stride.",
     ),
 )
 def _verify_mesh_groups(answer: Any) -> str:
