@@ -5,8 +5,13 @@ shape ``torch.profiler`` writes on a CUDA machine (pytorch/kineto,
 ``libkineto/src/output_json.cpp``; the field names checked against real traces of HTA's test
 data): ``ProfilerStep#N`` on the training thread, a ``cudaLaunchKernel`` (``cuda_runtime``)
 per kernel carrying the kernel's ``correlation`` id, the kernels on CUDA streams (a process
-per device, a thread per stream), NCCL kernels on their own stream, and the process group's
-``nccl:all_reduce`` range. Every figure a test expects is computed from the intervals the
+per device, a thread per stream), NCCL kernels on their own stream, the process group's
+``nccl:all_reduce`` range, and Kineto's projection of each CPU range onto the streams its
+kernels ran on (``gpu_user_annotation``: ``ProfilerStep#N``, ``forward`` and ``nccl:all_reduce``
+again, from the first kernel the range launched to the end of the last, as the profiler writes
+them on a CUDA machine; pytorch/kineto ``libkineto/src/CuptiActivityProfiler.cpp``,
+``GpuUserEventMap``). An analysis must not count those twice: they name work, they are not
+work. Every figure a test expects is computed from the intervals the
 builder placed, never read back from the code under test. These traces are *synthetic*: a
 real GPU trace differs in every number, and the real ones are read by
 ``tests/test_gpu_traces_real.py`` where they are present.
@@ -54,7 +59,8 @@ class Built:
 def build(*, rank: int = 0, world_size: int = 2, steps: int = 3, step_us: float = 1000.0,
           kernels: int = 8, kernel_us: float = 150.0, launch_us: float = 6.0,
           all_reduce_us: float = 200.0, earlier: int = 0, copy_us: float = 0.0,
-          schema: str = "current", profiler_steps: bool = True) -> Built:
+          schema: str = "current", profiler_steps: bool = True,
+          gpu_annotations: bool = True) -> Built:
     """A ``steps``-step trace of one rank.
 
     Each step launches ``kernels`` compute kernels of ``kernel_us`` at even intervals over its
@@ -62,7 +68,8 @@ def build(*, rank: int = 0, world_size: int = 2, steps: int = 3, step_us: float 
     compute kernels: it overlaps the rest) unless ``all_reduce_us`` is 0, and a host-to-device
     copy of ``copy_us`` first when it is not 0. ``earlier`` kernels queued by the step before
     the window run at its start (their launches were not recorded). ``schema="2021"`` writes
-    the 2021 profiler's category names, the steps as operators."""
+    the 2021 profiler's category names, the steps as operators. ``gpu_annotations`` adds the
+    ``gpu_user_annotation`` projections of the step, forward and all-reduce ranges."""
     events: list[dict[str, Any]] = []
     meta: dict[str, Any] = {
         "schemaVersion": 1,
@@ -98,9 +105,18 @@ def build(*, rank: int = 0, world_size: int = 2, steps: int = 3, step_us: float 
         built.step_ends[-1] = max(built.step_ends[-1], start + dur)
         return start, start + dur
 
+    def project(name: str, placed: list[tuple[float, float]], stream: int) -> None:
+        if gpu_annotations and placed and schema == "current":
+            start, end = min(a for a, _ in placed), max(b for _, b in placed)
+            # Kineto writes these with the range's "External id" only: no stream or device
+            # argument, so HTA (which takes a kernel's stream from args) does not read them
+            x(name, "gpu_user_annotation", start, end - start, GPU_PID, stream,
+              **{"External id": len(events)})
+
     for s in range(steps):
         lo = t0 + s * step_us
         built.step_ends.append(lo + step_us)
+        first_compute, first_comm = len(built.compute), len(built.comm)
         step_name = f"ProfilerStep#{s + 10}"
         if profiler_steps:
             x(step_name, "cpu_op" if schema == "2021" else "user_annotation", lo, step_us,
@@ -121,4 +137,8 @@ def build(*, rank: int = 0, world_size: int = 2, steps: int = 3, step_us: float 
                 built.all_reduces += 1
             built.compute.append(launch("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n(...)", "kernel",
                                         at + 3, kernel_us, COMPUTE_STREAM))
+        mine = built.compute[first_compute:]
+        project(step_name, mine, COMPUTE_STREAM)
+        project("forward", mine, COMPUTE_STREAM)  # the forward range launched them all
+        project("nccl:all_reduce", built.comm[first_comm:], NCCL_STREAM)
     return built

@@ -23,6 +23,7 @@ from labkit.profiling import (
     load_trace,
     load_traces,
     plot_trace,
+    rank_steps,
     rank_times,
 )
 from labkit.profiling.hta import ANALYSES
@@ -124,6 +125,44 @@ def test_all_reduces_are_counted_whichever_backend_ran_them(tmp_path):
     t = load_trace(built.write(tmp_path / "gloo.json"))
     assert t.per_step(t.collective_calls("all_reduce")) == 1.0
 
+
+
+def test_kinetos_gpu_projections_of_ranges_are_not_counted_as_work(tmp_path):
+    # Kineto repeats ProfilerStep#N, forward and nccl:all_reduce on the streams their kernels
+    # ran on (gpu_user_annotation); they span the gaps between kernels, so counting them as
+    # kernels would fill the GPU's idle time and double the all-reduces
+    built = build(steps=4, kernel_us=60.0, all_reduce_us=300.0)
+    projected = [e for e in built.events if e["cat"] == "gpu_user_annotation"]
+    assert {e["name"] for e in projected} >= {"ProfilerStep#10", "forward", "nccl:all_reduce"}
+    t = load_trace(built.write(tmp_path / "with.json"))
+    bare = load_trace(build(steps=4, kernel_us=60.0, all_reduce_us=300.0,
+                            gpu_annotations=False).write(tmp_path / "without.json"))  # fmt: skip
+    n = 4
+    r, g = rank_times(t), gpu_split(t)
+    assert r == rank_times(bare)
+    assert r.compute_s == pytest.approx(length(built.compute) / n * US, rel=1e-9)
+    assert r.comm_s == pytest.approx(length(built.comm) / n * US, rel=1e-9)
+    hidden = length(intersect(built.compute, built.comm))
+    assert 0 < hidden < length(built.comm)  # neither all hidden nor all exposed
+    assert r.hidden_fraction == pytest.approx(hidden / length(built.comm), rel=1e-9)
+    assert g.idle_s > 0 and g == gpu_split(bare)
+    assert len(t.steps) == n  # the projected ProfilerStep ranges are not steps
+    assert len(t.collective_calls("all_reduce")) == built.all_reduces == n
+
+
+def test_rank_steps_on_a_gpu_trace_hold_each_steps_kernels(tmp_path):
+    built = build(steps=3, kernels=8, kernel_us=150.0, step_us=1000.0)
+    t = load_trace(built.write(tmp_path / "rank0.json"))
+    steps, whole = rank_steps(t), rank_times(t)
+    assert len(steps) == 3 and all(s.steps == 1 for s in steps)
+    # compute kernels run one after another on one stream: each step's add up to the whole
+    assert sum(s.compute_s for s in steps) / 3 == pytest.approx(whole.compute_s, rel=1e-9)
+    assert sum(s.comm_s for s in steps) / 3 == pytest.approx(whole.comm_s, rel=1e-9)
+    per_step = [length(built.compute[8 * k:8 * (k + 1)]) * US for k in range(3)]
+    assert [s.compute_s for s in steps] == pytest.approx(per_step, rel=1e-9)
+    e = built.step_ends  # each step ends with its last kernel; the first starts at its range
+    assert [s.step_s for s in steps] == pytest.approx(
+        [(e[0] - built.window[0]) * US, (e[1] - e[0]) * US, (e[2] - e[1]) * US], rel=1e-9)
 
 def test_the_2021_schema_reads_like_todays(tmp_path):
     today = load_trace(build().write(tmp_path / "today.json"))

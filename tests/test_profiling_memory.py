@@ -303,6 +303,12 @@ def test_the_plot_stacks_categories_shades_phases_and_says_host_memory(recorded)
         assert "2 training steps" in ax.get_title()
         legend = [t.get_text() for t in ax.get_legend().get_texts()]
         assert "parameter" in legend and any(t.startswith("peak") for t in legend)
+        # the training text ("input") was allocated before recording: outside the total, so it
+        # is drawn apart from the stack (hatched) and says so, never as a band of the stack
+        assert "input" in tl.categories.bytes, "the recording has no input band to check"
+        assert "input" not in legend
+        assert [t for t in legend if t.startswith("input")] == [
+            "input (not in the total: allocated before recording)"]
     finally:
         import matplotlib.pyplot as plt
 

@@ -37,17 +37,20 @@ from torch.profiler import ProfilerActivity, profile
 from labkit.profiling import (
     MODES,
     HtaReport,
+    Overhead,
     RankTimes,
     TraceError,
     find_straggler,
     hidden_fraction,
     hta_report,
+    judge_prediction,
     load_trace,
     load_traces,
     phase,
     plot_trace,
     profile_steps,
     profiler_overhead,
+    rank_steps,
     rank_times,
 )
 from labkit.profiling.hta import ANALYSES
@@ -149,6 +152,29 @@ def test_find_straggler_rule():
     assert find_straggler([_times(0, 0.5, 0.25), _times(1, 1.0, 0.5)]) is None
     assert find_straggler([_times(0, 0.5, 0.5), _times(1, 0.5, 0.5)]) is None
 
+
+
+def test_find_straggler_asks_for_the_same_rank_step_after_step():
+    # means: rank 1 works 0.9 s a step against 0.5 s, and rank 0 waits; step by step either a
+    # planted delay (rank 1 slow in every step) or noise (rank 1 very slow in one step of 5)
+    means = [_times(0, 0.5, 0.4), _times(1, 0.9, 0.0)]
+    planted = [[_times(0, 0.5, 0.4)] * 5, [_times(1, 0.9, 0.0)] * 5]
+    noise = [[_times(0, 0.5, 0.4)] * 5,
+             [_times(1, 0.5, 0.0)] * 4 + [_times(1, 2.5, 0.0)]]  # the same mean, one bad step
+    s = find_straggler(means, per_step=planted)
+    assert (s.rank, s.steps_slower, s.steps) == (1, 5, 5) and "in 5 of 5 steps" in s.describe()
+    assert find_straggler(means) is not None  # the means alone name the noise ...
+    assert find_straggler(means, per_step=noise) is None  # ... step by step it is not one rank
+    # 4 steps of 5 is enough by default, 3 is not
+    four = [[_times(0, 0.5, 0.4)] * 5, [_times(1, 0.5, 0.0)] + [_times(1, 1.0, 0.0)] * 4]
+    three = [[_times(0, 0.5, 0.4)] * 5, [_times(1, 0.5, 0.0)] * 2 + [_times(1, 1.2, 0.0)] * 3]
+    assert find_straggler(means, per_step=four).steps_slower == 4
+    assert find_straggler(means, per_step=three) is None
+    assert find_straggler(means, per_step=three, most=0.6).steps_slower == 3
+    with pytest.raises(ValueError, match="one list of steps per rank"):
+        find_straggler(means, per_step=[planted[0]])
+    with pytest.raises(ValueError, match="most="):
+        find_straggler(means, per_step=planted, most=0)
 
 # --- a phased training loop recorded through profile_steps ----------------------------------
 
@@ -380,6 +406,19 @@ def test_rank_times_on_a_hidden_and_an_exposed_all_reduce(overlap):
     assert r.describe().startswith("rank 0: step")
 
 
+
+def test_rank_steps_split_the_trace_at_its_steps(overlap):
+    t = overlap
+    whole, steps = rank_times(t), rank_steps(t)
+    assert [s.steps for s in steps] == [1, 1] and {s.rank for s in steps} == {0}
+    assert [s.step_s for s in steps] == pytest.approx([x.dur_us / 1e6 for x in t.steps])
+    n = len(steps)
+    for field in ("compute_s", "comm_s", "hidden_s", "exposed_s"):  # the steps add up
+        assert sum(getattr(s, field) for s in steps) / n == pytest.approx(
+            getattr(whole, field), rel=1e-6, abs=1e-9), field
+    # each step holds its own all-reduces: one hidden in the forward, one exposed after it
+    assert all(s.hidden_s > 0 and s.exposed_s > 0 for s in steps)
+
 def test_compute_excludes_time_inside_a_collective_call(overlap):
     t = overlap
     compute, comm = compute_and_comm(t)
@@ -419,6 +458,14 @@ def test_plot_trace_draws_one_row_per_thread(overlap):
     labels2 = [tick.get_text() for tick in ax2.get_yticklabels()]
     assert len(labels2) <= 2 * len(threads) and all(lab.startswith("rank 0: ") for lab in labels2)
     assert labels2[0] == "rank 0: training loop (main thread)" and ax2.get_title() == "two ranks"
+    # the legend sits beside the axes (below them it covered the x-axis label), and names the
+    # operators without their aten:: prefix
+    ax.figure.canvas.draw()
+    legend = ax.get_legend()
+    box = legend.get_window_extent()
+    assert box.x0 >= ax.get_window_extent().x1
+    ops = [t.get_text() for t in legend.get_texts() if t.get_text().startswith("top ")]
+    assert ops and "aten::" not in ops[0]
     plt.close("all")
 
 
@@ -442,6 +489,28 @@ def test_profiler_overhead_counts_and_keys():
     assert o.slowdown("off") == 1.0 and o.device == "cpu"
     assert set(MODES) >= {"off", "on"} and MODES["off"] is None
 
+
+
+def test_overhead_per_round_is_each_rounds_difference_of_medians():
+    # 2 rounds × 3 kept steps: round 1 off 10/11/12 ms, on 13/14/90 ms (one slow step)
+    o = Overhead({"off": [0.010, 0.011, 0.012, 0.020, 0.021, 0.022],
+                  "on": [0.013, 0.014, 0.090, 0.021, 0.022, 0.023]}, {}, "cpu", "test", block=3)
+    assert o.per_round("on") == pytest.approx([0.003, 0.001])
+    with pytest.raises(ValueError, match="block size"):
+        Overhead({"off": [1.0], "on": [1.0]}, {}, "cpu", "test").per_round("on")
+
+
+def test_judge_prediction_holds_a_value_against_repeated_measurements():
+    near = [1.00, 1.02, 0.98, 1.01, 0.99]
+    assert judge_prediction(1.0, near) == "agree"
+    assert judge_prediction(2.0, near) == "below"  # measured well under the prediction
+    assert judge_prediction(0.5, near) == "above"
+    assert judge_prediction(1.0, near[:4]) == "noisy"  # too few runs
+    assert judge_prediction(1.0, [0.2, 1.8, 0.5, 1.5, 1.0]) == "noisy"  # wider than the band
+    assert judge_prediction(1.2, near, tolerance=0.25) == "agree"
+    assert judge_prediction(1.4, near, tolerance=0.25) == "below"
+    with pytest.raises(ValueError, match="tolerance"):
+        judge_prediction(1.0, near, tolerance=1.5)
 
 def test_profiler_overhead_refuses_bad_modes():
     never = lambda i: pytest.fail("ran a step")  # noqa: E731

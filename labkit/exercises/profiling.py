@@ -213,10 +213,11 @@ def _annotate_failure(steps: list[Span], spans: list[Span]) -> str | None:
         "autocast (float32: off), entered around the model call inside the forward range; "
         "backward is loss.backward(), outside it; the optimizer part is optimizer.step() and "
         "then optimizer.zero_grad(set_to_none=True). Return the loss",
-        "recipe: with phase('data'): x, y = next_batch(); with phase('forward'), "
-        "train.autocast(x.device, dtype): _, loss = model(x, y); with phase('backward'): "
-        "loss.backward(); with phase('optimizer'): optimizer.step(); "
-        "optimizer.zero_grad(set_to_none=True); return loss",
+        "recipe: in words (the code is yours), four `with phase(name):` blocks one after the "
+        "other; 'data' takes the batch from next_batch(); 'forward' enters "
+        "train.autocast(x.device, dtype) in the same `with` statement and keeps the model's "
+        "loss; 'backward' backpropagates that loss; 'optimizer' steps and then clears the "
+        "gradients with set_to_none=True; after the last block, return the loss",
     ),
     reference=reference_annotated_step,
 )

@@ -29,6 +29,7 @@ from labkit.profiling.capture import (
     MODES,
     Overhead,
     ProfiledRun,
+    judge_prediction,
     profile_steps,
     profiler_overhead,
     quiet_kineto,
@@ -63,6 +64,7 @@ from labkit.profiling.overlap import (
     gpu_split,
     gpu_work,
     hidden_fraction,
+    rank_steps,
     rank_times,
 )
 from labkit.profiling.phases import COMMUNICATION, PHASES, nvtx_backend, phase
@@ -97,6 +99,7 @@ __all__ = [
     "hidden_fraction",
     "hta_report",
     "hta_side_by_side",
+    "judge_prediction",
     "kind_of",
     "linear_snippet",
     "load_trace",
@@ -111,6 +114,7 @@ __all__ = [
     "profile_steps",
     "profiler_overhead",
     "quiet_kineto",
+    "rank_steps",
     "rank_times",
     "record_memory_timeline",
     "run_ncu",

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
+from labkit import verdict
 from labkit.timing import synchronize
 
 Step = Callable[[int], Any]
@@ -131,6 +133,28 @@ def profile_steps(
 
 # --- the cost of looking --------------------------------------------------------------------
 
+
+def judge_prediction(predicted: float, samples: Sequence[float], *, tolerance: float = 0.25,
+                     min_runs: int = 5) -> str:  # fmt: skip
+    """Hold one predicted value against repeated measurements of it: ``"agree"`` when the
+    measured median's notch (median ± 1.57·IQR/√n, ``labkit.verdict``) lies within
+    ``tolerance`` of the prediction, ``"above"`` or ``"below"`` when the notch lies wholly
+    outside that band, ``"noisy"`` otherwise or with fewer than ``min_runs`` samples."""
+    if not 0 < tolerance < 1:
+        raise ValueError(f"tolerance={tolerance!r} is not allowed: a fraction in (0, 1)")
+    summary = verdict.summarize(samples, "measured")
+    if summary.n < min_runs or predicted <= 0:
+        return "noisy"
+    lo, hi = summary.interval
+    band = predicted * (1 - tolerance), predicted * (1 + tolerance)
+    if band[0] <= lo and hi <= band[1]:
+        return "agree"
+    if hi < band[0]:
+        return "below"
+    if lo > band[1]:
+        return "above"
+    return "noisy"
+
 MODES: dict[str, dict[str, bool] | None] = {
     "off": None,
     "on": {},
@@ -149,6 +173,8 @@ class Overhead:
     stop_s: dict[str, list[float]]
     device: str
     method: str
+    block: int = 0
+    """Steps kept per block (one block per setting and round), in ``step_s`` in round order."""
 
     def median(self, mode: str) -> float:
         values = sorted(self.step_s[mode])
@@ -157,6 +183,19 @@ class Overhead:
     def slowdown(self, mode: str) -> float:
         """Median step time with ``mode`` over the median with the profiler off."""
         return self.median(mode) / self.median("off")
+
+    def per_round(self, mode: str) -> list[float]:
+        """The overhead of ``mode`` in each round, seconds per step: the median step of its
+        block minus the median step of the same round's block with the profiler off. Rounds
+        interleave the settings, so a busy moment of the machine falls on both sides of each
+        difference; the spread of these values is the spread of the overhead itself."""
+        k = self.block
+        if k < 1:
+            raise ValueError("this Overhead does not record its block size: measure it with "
+                             "profiler_overhead")  # fmt: skip
+        on, off = self.step_s[mode], self.step_s["off"]
+        return [statistics.median(on[i:i + k]) - statistics.median(off[i:i + k])
+                for i in range(0, min(len(on), len(off)), k)]  # fmt: skip
 
 
 def profiler_overhead(
@@ -207,4 +246,5 @@ def profiler_overhead(
                     stop_s[mode].append(time.perf_counter() - t0)
     return Overhead(step_s, stop_s, str(device),
                     f"{rounds} rounds × {steps_per_block - 1} kept steps per setting, interleaved; "
-                    "wall time per step (time.perf_counter, synchronised)")
+                    "wall time per step (time.perf_counter, synchronised)",
+                    block=steps_per_block - 1)

@@ -641,7 +641,8 @@ def plot_memory_timeline(tl: MemoryTimeline, ax: Any = None, *, title: str | Non
 
     On the CPU the line can sit a little below the stack's top: the profiler's categories
     size every tensor alive before recording (the batch too), the counted baseline only the
-    model states."""
+    model states. The "input" category (the training text) is drawn hatched above the stack,
+    labelled as outside the total."""
     import matplotlib.pyplot as plt
 
     if ax is None:
@@ -650,11 +651,19 @@ def plot_memory_timeline(tl: MemoryTimeline, ax: Any = None, *, title: str | Non
     x_end = x_ms[-1]
     if tl.categories is not None and tl.categories.bytes:
         cx = [t * 1e3 for t in tl.categories.times_s]
-        names = list(tl.categories.bytes)
+        # "input" (the training text the batches are cut from, allocated before recording)
+        # is not in the measured total: drawn hatched on top of the stack, not inside it
+        names = [c for c in tl.categories.bytes if c != "input"]
         ax.stackplot(cx, *[[b / MiB for b in tl.categories.bytes[c]] for c in names],
                      labels=[c.replace("_", " ") for c in names],
                      colors=[CATEGORY_COLORS.get(c, "grey") for c in names],
                      alpha=0.75, step="post")
+        if "input" in tl.categories.bytes:
+            top = [sum(tl.categories.bytes[c][k] for c in names) / MiB for k in range(len(cx))]
+            extra = [t + b / MiB for t, b in zip(top, tl.categories.bytes["input"], strict=True)]
+            ax.fill_between(cx, top, extra, step="post", facecolor="none", hatch="///",
+                            edgecolor=CATEGORY_COLORS.get("input", "grey"), linewidth=0,
+                            label="input (not in the total: allocated before recording)")
         x_end = max(x_end, cx[-1])
     ax.step(x_ms, [b / MiB for b in tl.total_bytes], where="post", color="black",
             linewidth=1.2, label="total (measured" + (", + counted baseline)" if

@@ -373,7 +373,7 @@ class NsysTorchrunCommand(_NsysOptions):
         super().__post_init__()
         if not isinstance(self.module, str) or not re.fullmatch(r"[A-Za-z_][\w.]*", self.module):
             raise ValueError(f"module={self.module!r} is not allowed: a dotted module name such "
-                             "as 'labkit.workers.ddp_train'")  # fmt: skip
+                             "as 'labkit.workers.dp_train'")  # fmt: skip
         _count("nproc", self.nproc, 1)
         if not isinstance(self.python, str) or not self.python:
             raise ValueError(f"python={self.python!r} is not allowed: the interpreter's path")

@@ -1,9 +1,11 @@
 """Compute against communication in one rank's trace, and the rank the others wait for.
 
-    from labkit.profiling import load_traces, rank_times, find_straggler
-    times = [rank_times(t) for t in load_traces(paths)]
+    from labkit.profiling import load_traces, rank_steps, rank_times, find_straggler
+    traces = load_traces(paths)
+    times = [rank_times(t) for t in traces]
     times[0].hidden_fraction      # share of rank 0's communication that ran under compute
     find_straggler(times)         # Straggler(rank=1, ...) or None
+    find_straggler(times, per_step=[rank_steps(t) for t in traces])  # slow step after step
 
 Definitions (per rank, over the recorded steps, seconds per step):
 
@@ -28,7 +30,11 @@ measures the same quantity from the threads.
 A straggler: in a synchronous data-parallel step every rank waits in the all-reduce for the
 slowest. The slow rank's own work per step (step time minus exposed communication) is the
 largest, and the others' exposed communication grows by the difference. The rank named is the
-one with the most own work, when it exceeds the median of the others by ``threshold``.
+one with the most own work, when it exceeds the median of the others by ``threshold``. Given
+each rank's steps one by one (:func:`rank_steps`), it must also do so step after step (in
+``most`` of the steps, 4 of 5 by default): a planted delay slows its rank in every step, while
+a busy machine slows one rank in some steps and another in others, and their means can still
+differ by 2x (measured on 2 shared cores with no delay planted).
 """
 
 from __future__ import annotations
@@ -297,6 +303,50 @@ def rank_times(trace: Trace, *, whole_trace: bool = False) -> RankTimes:
     )
 
 
+def rank_steps(trace: Trace) -> list[RankTimes]:
+    """:func:`rank_times` for each recorded step on its own (``steps`` = 1 in each), in order.
+
+    On a CPU trace each step is its ``ProfilerStep`` range, and its compute and communication
+    are the trace's (:func:`compute_and_comm`) inside that range. On a GPU trace a step holds
+    the work it launched (:func:`gpu_work`) and lasts from the end of the previous step's last
+    kernel to the end of its own (the first step: from its start)."""
+    steps = trace.steps
+    trace.window_us  # noqa: B018 (raises the explanatory TraceError when no step was recorded)
+    out: list[RankTimes] = []
+    if trace.on_gpu:
+        ends = gpu_intervals(trace).step_ends
+        source = "CUDA kernels launched in this step"
+        for k, step in enumerate(steps):
+            work, _ = gpu_work(trace, (step.start_us, step.end_us))
+            if not trace.records_launches:  # attributed by time: only their time inside it
+                work_iv = {kind: intersect([(s.start_us, s.end_us) for s in work
+                                            if kernel_kind(s) == kind],
+                                           [(step.start_us, step.end_us)])
+                           for kind in ("compute", "communication")}  # fmt: skip
+            else:
+                work_iv = {kind: union((s.start_us, s.end_us) for s in work
+                                       if kernel_kind(s) == kind)
+                           for kind in ("compute", "communication")}  # fmt: skip
+            begin = ends[k - 1] if k else step.start_us
+            out.append(_times(trace.rank, (ends[k] - begin), work_iv["compute"],
+                              work_iv["communication"], source))  # fmt: skip
+        return out
+    compute, comm = compute_and_comm(trace)
+    for step in steps:
+        window = [(step.start_us, step.end_us)]
+        out.append(_times(trace.rank, step.dur_us, intersect(compute, window),
+                          intersect(comm, window), "CPU threads, one step"))  # fmt: skip
+    return out
+
+
+def _times(rank: int | None, step_us: float, compute: list[Interval], comm: list[Interval],
+           source: str) -> RankTimes:  # fmt: skip
+    hidden, total = length(intersect(compute, comm)), length(comm)
+    return RankTimes(rank=rank, steps=1, step_s=step_us / 1e6, compute_s=length(compute) / 1e6,
+                     comm_s=total / 1e6, hidden_s=hidden / 1e6, exposed_s=(total - hidden) / 1e6,
+                     source=source)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class GpuSplit:
     """How one rank's GPU spent the recorded steps, in seconds per step, by kind of kernel:
@@ -352,27 +402,52 @@ class Straggler:
     own_s: float
     others_own_s: float
     others_exposed_s: float
+    steps_slower: int | None = None
+    """In how many of the recorded steps it was the slow one (None: steps not given)."""
+    steps: int | None = None
 
     def describe(self) -> str:
+        every = (f", in {self.steps_slower} of {self.steps} steps" if self.steps is not None
+                 else "")  # fmt: skip
         return (
             f"rank {self.rank} is the straggler: its own work takes {self.own_s * 1e3:.1f} ms a "
-            f"step against {self.others_own_s * 1e3:.1f} ms on the other ranks (median), which wait "
-            f"{self.others_exposed_s * 1e3:.1f} ms a step in exposed communication (measured)"
+            f"step against {self.others_own_s * 1e3:.1f} ms on the other ranks (median{every}), "
+            f"which wait {self.others_exposed_s * 1e3:.1f} ms a step in exposed communication "
+            "(measured)"
         )
 
 
-def find_straggler(times: Sequence[RankTimes], threshold: float = 0.3) -> Straggler | None:
+def find_straggler(times: Sequence[RankTimes], threshold: float = 0.3, *,
+                   per_step: Sequence[Sequence[RankTimes]] | None = None,
+                   most: float = 0.8) -> Straggler | None:  # fmt: skip
     """The rank whose own work exceeds the median of the others' by ``threshold``, and whose
     exposed communication is below theirs (they waited for it), or None.
 
     The threshold is wide because a busy machine moves a rank's own time by 10–20% from run
-    to run on its own (measured on 2 cores): a smaller one names stragglers that are noise."""
+    to run on its own (measured on 2 cores): a smaller one names stragglers that are noise.
+    ``per_step`` (each rank's :func:`rank_steps`, in the order of ``times``) also asks that the
+    rank's own work exceed the others' median by ``threshold`` in at least ``most`` of the
+    steps, one step at a time: noise slows a rank in some steps, a straggler in all."""
     if len(times) < 2:
         raise TraceError(f"a straggler needs two or more ranks' traces; got {len(times)}")
+    if not 0 < most <= 1:
+        raise ValueError(f"most={most!r} is not allowed: a share of the steps in (0, 1]")
     slow = max(times, key=lambda t: t.own_s)
     others = [t for t in times if t is not slow]
     typical = statistics.median(t.own_s for t in others)
     waited = statistics.median(t.exposed_s for t in others)
     if slow.own_s <= typical * (1 + threshold) or waited <= slow.exposed_s:
         return None
-    return Straggler(slow.rank, slow.own_s, typical, waited)
+    if per_step is None:
+        return Straggler(slow.rank, slow.own_s, typical, waited)
+    if len(per_step) != len(times) or len({len(s) for s in per_step}) != 1:
+        raise ValueError(f"per_step must hold one list of steps per rank, all as long: got "
+                         f"{[len(s) for s in per_step]} for {len(times)} ranks")  # fmt: skip
+    k = times.index(slow)
+    n = len(per_step[0])
+    slower = sum(1 for j in range(n)
+                 if per_step[k][j].own_s > (1 + threshold) * statistics.median(
+                     per_step[r][j].own_s for r in range(len(times)) if r != k))  # fmt: skip
+    if slower < most * n:
+        return None
+    return Straggler(slow.rank, slow.own_s, typical, waited, slower, n)

@@ -58,6 +58,12 @@ def top_ops(trace: Trace, window: tuple[float, float], k: int) -> list[str]:
     return sorted(total, key=total.__getitem__, reverse=True)[:k]
 
 
+def _short(name: str, width: int = 26) -> str:
+    """An operator's name for a legend: without ``aten::``, cut to ``width`` characters."""
+    name = name.removeprefix("aten::")
+    return name if len(name) <= width else name[: width - 1] + "…"
+
+
 def plot_trace(
     traces: Trace | Sequence[Trace],
     *,
@@ -119,9 +125,11 @@ def plot_trace(
     if COMM_COLOUR in drawn and COMMUNICATION not in [p.get_label() for p in legend]:
         legend.append(Patch(color=COMM_COLOUR, label=COMMUNICATION))
     if OP_COLOUR in drawn:
+        short = sorted({_short(n) for n in op_names})
         legend.append(Patch(color=OP_COLOUR, alpha=0.55,
-                            label=f"top {top} operators ({', '.join(sorted(op_names))})"))
-    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=3,
+                            label=f"top {top} operators:\n" + "\n".join(short)))
+    # beside the axes, not under them: below, it covered the x-axis label
+    ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=1,
               fontsize=8, frameon=False)  # fmt: skip
     if title:
         ax.set_title(title)
