@@ -286,7 +286,8 @@ def get_batch(
 
 
 class BatchIterator:
-    """Epochs of non-overlapping windows, divided among ranks as ``DistributedSampler`` does.
+    """Epochs of non-overlapping windows, divided among ranks as ``DistributedSampler`` does
+    with ``drop_last=True`` (it drops; it never pads by repeating windows).
 
     The data is cut into windows of ``seq_len + 1`` tokens that start every ``seq_len``
     tokens (consecutive windows share one token: the last target of one is the first input

@@ -127,3 +127,25 @@ def test_reshard_after_forward_false_holds_all_weights_and_skips_the_backward_ga
     # one micro-batch: ZeRO-2-like gathers once and reduce-scatters, an all-reduce's bytes
     assert zero2["sent_per_rank"] == formulas.ring_allreduce_bytes_per_rank(every, 2)
     assert zero3["sent_per_rank"] > zero2["sent_per_rank"]  # the backward gathers the blocks again
+
+
+def test_sgd_with_momentum_is_a_config_option_with_its_own_state_count():
+    """Notebook 02 runs its compression hooks under SGD with momentum (PowerSGD's setting):
+    the config accepts it, the factory builds momentum 0.9, and the memory prediction counts
+    one fp32 buffer per parameter (k = 4), not AdamW's two."""
+    import torch
+
+    from labkit.config import TrainConfig
+    from labkit.parallel.dp_config import optimizer_factory, validate_dp_config
+
+    cfg = validate_dp_config({**CONFIG, "optimizer": "sgd_momentum"}, 2, 0)
+    assert cfg["optimizer"] == "sgd_momentum"
+    model = torch.nn.Linear(4, 3)
+    opt = optimizer_factory("sgd_momentum", TrainConfig(lr=0.1))(model)
+    assert isinstance(opt, torch.optim.SGD)
+    assert opt.param_groups[0]["momentum"] == 0.9 and opt.param_groups[0]["lr"] == 0.1
+    psi = sum(p.numel() for p in model.parameters())
+    assert dp_train.predicted_memory("ddp", model, 2, "sgd_momentum")["model_states"] == 12 * psi
+    assert dp_train.predicted_memory("ddp", model, 2, "adamw")["model_states"] == 16 * psi
+    with pytest.raises(ValueError, match="optimizer='adam' is not allowed"):
+        validate_dp_config({**CONFIG, "optimizer": "adam"}, 2, 0)

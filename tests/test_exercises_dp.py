@@ -162,14 +162,31 @@ OVERLAP_MISTAKES = {
         "pass",
         "for p in self.params:\n            dist.all_reduce(p.grad)\n"
         "            p.grad /= self.world_size",
-        "after\nbackward had ended: nothing overlaps".replace("\n", " "),
+        "after backward had ended, so none of them ran while backward was computing",
     ),
     "never_waits": (
         "self.handles.append((p, dist.all_reduce(p.grad, async_op=True)))",
         "for p, h in self.handles: p.grad /= self.world_size\n        self.handles.clear()",
         "never waited on before finish_gradient_sync() returned",
     ),
+    # review N02-10: the list of handles is never emptied, so step 2 averages step 1's again
+    "handles_never_emptied": (
+        "self.handles.append((p, dist.all_reduce(p.grad, async_op=True)))",
+        "for p, h in self.handles:\n            h.wait()\n            p.grad /= self.world_size",
+        "finish_gradient_sync() waited on 16 handles that step 1 started: they were still in "
+        "the list",
+    ),
 }
+
+# What a failure message must not hand over: the code of the fix (review N02-8). The graded
+# hints (ex.hint) carry it; a message says what went wrong and why.
+GIVEAWAYS = ("async_op=True", "reduce_scatter_single", "all_gather_single", "self.inner.step()",
+             "register_post_accumulate_grad_hook", "dist.broadcast(", "view_as", ".copy_(")
+
+
+def assert_diagnoses_without_code(message: str) -> None:
+    given = [g for g in GIVEAWAYS if g in message]
+    assert not given, f"the message hands over {given}: {message}"
 
 
 @pytest.mark.parametrize("mistake", sorted(OVERLAP_MISTAKES))
@@ -179,6 +196,7 @@ def test_overlap_timing_mistakes_are_named(group, mistake, tmp_path):
     res = run_one(tmp_path, "02.allreduce_grads", f"overlap_{mistake}", source)
     assert res["status"] == "failed"
     assert expected in res["message"], res["message"]
+    assert_diagnoses_without_code(res["message"])
 
 
 def test_a_hook_on_the_frozen_parameter_is_reported_with_the_error(group, tmp_path):
@@ -213,6 +231,18 @@ BUCKET_MISTAKES = {
          "            p.register_post_accumulate_grad_hook"},
         "never reaches the cap, and that bucket was never sent",
     ),
+    # review N02-9: the same mistake with a hook on every parameter: the learner's lookup of
+    # the parameter the forgotten bucket would hold raises KeyError inside backward
+    "last_bucket_forgotten_with_hooks_on_every_parameter": (
+        {"        for group in groups:  # the last group too, however small\n":
+         "        for group in groups[:-1]:  # (forgets the last, small, group)\n"},
+        "is in no bucket, so its hook found nowhere to put it",
+    ),
+    # review N02-5: buckets grouped in forward parameter order, each still sent as it fills
+    "forward_order": (
+        {"for p in reversed(params):": "for p in params:"},
+        "are the parameters grouped in the order model.parameters() lists them",
+    ),
     "one_message_per_gradient": (
         {"if groups[-1] and size + nbytes > cap_bytes:": "if groups[-1]:"},
         "one message per gradient is not bucketing",
@@ -236,6 +266,22 @@ def test_bucketed_mistakes_are_named(group, mistake, tmp_path):
     res = run_one(tmp_path, "02.bucketed_ddp", f"bucket_{mistake}", bucketed_source(**replace))
     assert res["status"] == "failed"
     assert expected in res["message"], res["message"]
+    assert_diagnoses_without_code(res["message"])
+    assert "KeyError: " not in res["message"]  # named, not a bare key
+
+
+def test_the_bucket_order_check_tells_forward_from_reverse_on_the_check_model():
+    """The forward-order message needs the two groupings to differ on CheckLM at the check's
+    cap; the notebook's solution (reverse) must give the reverse grouping."""
+    import torch
+
+    params = [p for _, p in exdp._trainable(exdp._model(0, torch.device("cpu")))]
+    cap = int(exdp.BUCKET_CAP_MB * 2**20)
+    reverse = exdp._greedy_bucket_bytes(reversed(params), cap)
+    forward = exdp._greedy_bucket_bytes(params, cap)
+    assert sorted(reverse) != sorted(forward)
+    assert sum(reverse) == sum(forward) == sum(p.numel() * 4 for p in params)
+    assert all(b <= cap for b in reverse) and reverse[-1] < cap / 2  # the small last bucket
 
 
 # --------------------------------------------------------------------------- ZeRO-1
@@ -287,11 +333,11 @@ STEP_MISTAKES = {
     "all_reduce_instead_of_reduce_scatter": (
         {"dist.reduce_scatter_single(shard_grad, grads)  # the sum over ranks of my shard":
          "dist.all_reduce(grads); shard_grad.copy_(grads[self.start:self.stop])"},
-        "reduce-scatter the flat gradient instead",
+        "the gradients were all-reduced, so every rank received the sum of all of them",
     ),
     "no_copy_back": (
         {"            p.copy_(self.flat[offset : offset + p.numel()].view_as(p))\n": ""},
-        "copy each parameter's slice of self.flat back",
+        "the gathered weights never reached the parameters",
     ),
     "whole_model_to_the_optimizer": (
         {"self.inner = make_optimizer([self.shard])":
@@ -307,6 +353,7 @@ def test_zero1_step_mistakes_are_named(group, mistake, tmp_path):
     res = run_one(tmp_path, "02.zero1_step", f"step_{mistake}", zero1_source(**replace))
     assert res["status"] == "failed"
     assert expected in res["message"], res["message"]
+    assert_diagnoses_without_code(res["message"])
 
 
 # --------------------------------------------------------------------------- files and reports
@@ -450,7 +497,7 @@ def test_in_two_worker_processes_the_multi_rank_mistakes_are_caught(tmp_path):
     assert "divide by world_size" in messages["02.allreduce_grads"]
     assert re.search(r"the gradients of (scale, wte.weight|wte.weight, scale) were never "
                      r"all-reduced", messages["02.bucketed_ddp"]), messages["02.bucketed_ddp"]  # fmt: skip
-    assert "close the open one too" in messages["02.bucketed_ddp"]
+    assert "was the last, still open bucket ever closed?" in messages["02.bucketed_ddp"]
     assert "it is 2x the average: reduce-scatter sums" in messages["02.zero1_step"]
 
 
@@ -463,7 +510,25 @@ def test_ranks_that_start_from_different_weights_are_caught(tmp_path):
         exdp.verify_file("02.allreduce_grads", path, timeout_s=90)
     message = str(info.value)
     assert "the ranks hold different values of wte.weight" in message, message
-    assert "broadcast rank 0's parameters and buffers" in message
+    assert "starts every rank from rank 0's parameters and buffers" in message
+    assert_diagnoses_without_code(message)
+
+
+@pytest.mark.slow
+def test_averaged_buckets_that_never_reach_the_gradients_are_named(tmp_path):
+    """Review N02-9: every bucket all-reduced and averaged, nothing copied back into p.grad.
+    Each gradient then equals this rank's own, which only a second rank can tell from the
+    average; the check must not call that "never all-reduced"."""
+    source = bucketed_source(**{
+        "                p.grad.copy_(bucket[\"buffer\"][offset : offset + p.numel()].view_as(p))\n":
+        "                pass\n"})  # fmt: skip
+    path = write(tmp_path, "dp_buckets_no_copy", source)
+    with pytest.raises(ex.ExerciseFailed) as info:
+        exdp.verify_file("02.bucketed_ddp", path, timeout_s=90)
+    message = str(info.value)
+    assert "every gradient still holds this rank's own gradient" in message, message
+    assert "the averaged buckets never reached p.grad" in message
+    assert "never all-reduced" not in message
 
 
 def exdp_source_without_broadcast() -> str:
@@ -601,7 +666,60 @@ def test_a_busy_moment_that_defeats_the_alpha_beta_fit_is_named_not_raised(monke
     times = iter([0.004, 0.003] * 3)  # small slower than large, three times over
     monkeypatch.setattr(dp_bench, "_time_allreduce", lambda numel, device, repeats: next(times))
     a, slope, t_small, t_large, note = dp_bench._alpha_beta(torch.device("cpu"), 256, 2**20)
-    assert (a, t_small, t_large) == (0.004, 0.004, 0.003) and slope == 0.003 / (4 * 2**20)
+    # review N02-2: the slope is bytes per second, as formulas.alpha_beta_fit's
+    assert (a, t_small, t_large) == (0.004, 0.004, 0.003) and slope == 4 * 2**20 / 0.003
     assert "no α–β line fitted" in note
+    # the large message's modelled time is then the two timings added, not 1e15 seconds
+    from labkit import formulas
+
+    modelled = formulas.ring_allreduce_time(4 * 2**20, 2, a / 2, slope)
+    assert modelled == pytest.approx(0.004 + 0.003)
     times = iter([0.001, 0.010])
     assert dp_bench._alpha_beta(torch.device("cpu"), 256, 2**20)[4] == ""
+
+
+# --------------------------------------------------------------------------- the sweep's verdict
+
+
+def _sweep(predicted_ms: dict[int, float], measured_ms: dict[int, list[float]]) -> dict:
+    """A dp_bench.run result with only what sweep_verdict reads: buckets -> predicted step and
+    the measured samples of each cap."""
+    rows = [{"variant": f"bucketed_{k}", "buckets": k, "predicted_s": p / 1e3,
+             "measured_s": sorted(measured_ms[k])[len(measured_ms[k]) // 2] / 1e3}
+            for k, p in predicted_ms.items()]  # fmt: skip
+    return {"sweep": rows, "grad_bytes": 3 * 2**20, "alpha_s": 100e-6, "beta_bytes_per_s": 1e9,
+            "backward_s": 0.25,
+            "samples_s": {f"bucketed_{k}": [t / 1e3 for t in v] for k, v in measured_ms.items()}}
+
+
+STEADY = [100.0, 100.5, 99.5, 100.2, 99.8, 100.1, 99.9]
+
+
+def test_a_flat_prediction_is_said_to_predict_no_difference():
+    """Review N02-3: predictions that tie must not crown a "predicted best"."""
+    from labkit.exercises import dp_bench
+
+    res = _sweep({51: 379.6, 22: 379.6, 5: 379.6, 1: 382.2},
+                 {k: [t + d for t in STEADY] for k, d in ((51, 0), (22, 0.3), (5, 0.1), (1, 0.2))})
+    text = dp_bench.sweep_verdict(res)
+    assert "the model predicts no difference between the caps at this size" in text, text
+    assert "predicted best" not in text and " is best" not in text
+    assert "agree within 10%" in text
+    assert text.endswith("Prediction and measurement agree: no cap stands out at this size.")
+
+
+def test_a_shaped_prediction_names_its_best_and_meets_the_measurement():
+    from labkit.exercises import dp_bench
+
+    res = _sweep({51: 160.0, 22: 120.0, 5: 100.0, 1: 140.0},
+                 {51: [t * 1.6 for t in STEADY], 22: [t * 1.2 for t in STEADY],
+                  5: STEADY, 1: [t * 1.4 for t in STEADY]})  # fmt: skip
+    text = dp_bench.sweep_verdict(res)
+    assert "predicted (α–β): 5 buckets is best, 60.0 ms faster than 51 buckets" in text, text
+    assert "verdict: fastest cap, 5 buckets is faster than slowest cap, 51 buckets" in text
+    assert text.endswith("Prediction and measurement agree: 5 buckets is best.")
+    swapped = _sweep({51: 160.0, 22: 120.0, 5: 100.0, 1: 140.0},
+                     {51: [t * 1.6 for t in STEADY], 22: STEADY,
+                      5: [t * 1.2 for t in STEADY], 1: [t * 1.4 for t in STEADY]})  # fmt: skip
+    assert dp_bench.sweep_verdict(swapped).endswith(
+        "They disagree: the model predicted 5 buckets best, the measurement found 22 buckets.")

@@ -354,8 +354,11 @@ def _agree(problem: str | None) -> None:
             raise ExerciseFailed(message)
 
 
-def _attempt(fn: Callable[[], Any]) -> tuple[Any, str | None]:
-    """Run a piece of the learner's code; (result, None), or (None, what went wrong)."""
+def _attempt(
+    fn: Callable[[], Any], explain: Callable[[Exception], str | None] | None = None
+) -> tuple[Any, str | None]:
+    """Run a piece of the learner's code; (result, None), or (None, what went wrong).
+    ``explain(err)`` may name the mistake behind an exception (None: it cannot)."""
     try:
         return fn(), None
     except NotImplementedError:
@@ -363,7 +366,31 @@ def _attempt(fn: Callable[[], Any]) -> tuple[Any, str | None]:
     except ExerciseFailed as err:
         return None, str(err)
     except Exception as err:  # call() turns most into ExerciseFailed; this is the rest
+        why = explain(err) if explain is not None else None
+        if why is not None:
+            return None, f"{why}{learner_frame(err)}"
         return None, f"your code raised {type(err).__name__}: {err}{learner_frame(err)}"
+
+
+def _missing_key(model: nn.Module) -> Callable[[Exception], str | None]:
+    """An explainer for :func:`_attempt`: a KeyError whose key is one of ``model``'s trainable
+    parameters (the tensor or its ``id``) means the learner's lookup table has no entry for
+    it, most often because the bucket holding it was never made."""
+    by_id = {id(p): name for name, p in _trainable(model)}
+
+    def explain(err: Exception) -> str | None:
+        if not isinstance(err, KeyError) or not err.args:
+            return None
+        key = err.args[0]
+        name = by_id.get(id(key)) if isinstance(key, torch.Tensor) else by_id.get(key)
+        if name is None:
+            return None
+        return (f"your code raised KeyError when the gradient of {name} arrived: {name} is "
+                "in no bucket, so its hook found nowhere to put it. Every trainable "
+                "parameter must belong to a bucket: was the last, still open bucket ever "
+                "added?")  # fmt: skip
+
+    return explain
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -371,9 +398,9 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _why_gradient_differs(
-    got: torch.Tensor, want: torch.Tensor, local: torch.Tensor, n: int
+    got: torch.Tensor, want: torch.Tensor, local: torch.Tensor, n: int, step: int = 1
 ) -> str:
-    """The usual mistake a wrong averaged gradient points to."""
+    """The usual mistake a wrong averaged gradient points to (``step``: counted from 1)."""
     if not torch.isfinite(got).all():
         return "it contains inf/NaN"
     if _close(got, local):
@@ -382,6 +409,10 @@ def _why_gradient_differs(
         return (f"it is {n}x the average: all_reduce sums over the {n} ranks, so divide by "
                 "world_size once the all-reduce has finished")  # fmt: skip
     if _close(got, want / n):
+        if step > 1:
+            return (f"it is 1/{n} of the average: it was divided by world_size twice, only from "
+                    f"step 2 on. Is something of step 1 (its handles still in the list?) "
+                    "divided again?")  # fmt: skip
         return f"it is 1/{n} of the average: it was divided by world_size twice"
     if _close(got, local / n):
         return ("it is this rank's gradient divided by world_size: the sum over ranks never "
@@ -428,6 +459,8 @@ class _Handle:
         self._work, self._record, self._spy = work, record, spy
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
+        if not any(c is self._record for c in self._spy.calls):
+            self._spy.stale_waits += 1  # a handle of an earlier step, waited on again
         if self._record.waited is None:
             self._record.waited = self._spy.phase
         return self._work.wait(*args, **kwargs)
@@ -454,6 +487,7 @@ class _Spy:
         self.phase = "init"
         self.ready = 0
         self.events: list[str] = []  # "reduce_scatter", "update", "all_gather"... in order
+        self.stale_waits = 0  # waits on handles an earlier step started (reset per step)
         self._depth = 0  # a collective that calls another by its new name is one call
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_ready) for p in params]
 
@@ -592,7 +626,10 @@ def _ranks_disagree(model: nn.Module) -> str | None:
 
 
 def _run_ddp_class(
-    cls: Callable[..., Any], args: tuple[Any, ...], signature: str
+    cls: Callable[..., Any],
+    args: tuple[Any, ...],
+    signature: str,
+    explain: Callable[[nn.Module], Callable[[Exception], str | None]] | None = None,
 ) -> tuple[_DDPRun, list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]],
            list[dict[str, torch.Tensor]], nn.Module]:  # fmt: skip
     """Train CheckLM for STEPS steps with the learner's DDP class and with what DDP computes.
@@ -600,7 +637,8 @@ def _run_ddp_class(
     Every rank seeds its model differently (as separately initialised processes would): both
     must broadcast rank 0's weights. Returns what the learner's run saw, its averaged
     gradients per step, DDP's (:func:`_reference_ddp`), this rank's local ones, and the
-    reference's final model.
+    reference's final model. ``explain(model)``: an explainer of the learner's exceptions
+    during backward and ``finish_gradient_sync()`` (see :func:`_attempt`).
     Between phases the ranks agree (:func:`_agree`), so a mistake stops all of them together.
     """
     rank, n, device = _group()
@@ -619,26 +657,27 @@ def _run_ddp_class(
     if disagree is not None:
         _agree(f"after {signature} the ranks hold different values of {disagree}: each rank "
                "initialised its own model (a different seed per rank), and nothing made them "
-               "equal. In __init__, broadcast rank 0's parameters and buffers to every rank "
-               "(dist.broadcast(t.data, src=0) for each), as torch DDP does")  # fmt: skip
+               "equal, so the ranks would train different models. torch DDP starts every rank "
+               "from rank 0's parameters and buffers")  # fmt: skip
     finish = getattr(ddp, "finish_gradient_sync", None)
     if not callable(finish):
         _agree(f"{type(ddp).__name__} has no method finish_gradient_sync(): the training loop "
                "calls it after loss.backward() and before optimizer.step()")  # fmt: skip
     want, reference = _reference_ddp(original, batches, args[0] if args else None)
 
+    why = explain(model) if explain is not None else None
     got, local = [], []
     for step, (x, y) in enumerate(batches):
         local.append(_local_grads(model, x, y))
         model.zero_grad(set_to_none=True)
-        spy.calls, spy.events, spy.ready = [], [], 0
+        spy.calls, spy.events, spy.ready, spy.stale_waits = [], [], 0, 0
         problem = None
         with spy.active():
             spy.phase = "backward"
-            _, problem = _attempt(lambda: model(x, y).backward())  # noqa: B023
+            _, problem = _attempt(lambda: model(x, y).backward(), why)  # noqa: B023
             if problem is None:
                 spy.phase = "finish"
-                _, problem = _attempt(lambda: call(finish))
+                _, problem = _attempt(lambda: call(finish), why)
         spy.phase = "after"
         spy.wait_all()
         run.steps.append(copy.copy(spy))
@@ -659,20 +698,23 @@ def _compare_steps(
     got: list[dict[str, torch.Tensor]],
     want: list[dict[str, torch.Tensor]],
     local: list[dict[str, torch.Tensor]],
-    extra: Callable[[list[str]], str] | None = None,
+    extra: Callable[[list[str]], str | None] | None = None,
 ) -> str | None:
     """The first gradient that differs from DDP's, and why; None when all agree.
-    ``extra(names of still-local gradients)`` may explain a pattern of them."""
+    ``extra(names of still-local gradients)`` may explain a pattern of them (all of them
+    too: a class that reduced everything and wrote nothing back)."""
     rank, n = tdist.get_rank(), tdist.get_world_size()
     for step, (g, w, loc) in enumerate(zip(got, want, local, strict=True)):
         unreduced = [k for k in w if not _close(g[k], w[k]) and _close(g[k], loc[k])]
-        if unreduced and extra is not None and len(unreduced) < len(w):
-            return extra(unreduced)
+        if unreduced and extra is not None:
+            message = extra(unreduced)
+            if message is not None:
+                return message
         for name, target in w.items():
             if not _close(g[name], target):
                 return (f"in step {step + 1}, {name}.grad on rank {rank} of {n} is not "
                         f"the averaged gradient DDP computes: "
-                        f"{_why_gradient_differs(g[name], target, loc[name], n)}")  # fmt: skip
+                        f"{_why_gradient_differs(g[name], target, loc[name], n, step + 1)}")  # fmt: skip
     return None
 
 
@@ -696,9 +738,12 @@ def _frozen_untouched(model: nn.Module) -> str | None:
         "gradient is final and nothing waits for it until backward is over",
         "p.register_post_accumulate_grad_hook(fn) calls fn(p) once p.grad is final; "
         "dist.all_reduce(t, async_op=True) starts the sum over ranks and returns a handle at "
-        "once; handle.wait() blocks until it is done. Parameters with requires_grad=False get "
-        "no gradient (and a hook on them is an error); ranks seeded differently need rank 0's "
-        "weights first (dist.broadcast)",
+        "once; handle.wait() blocks until it is done. A blocking all-reduce, or a wait, inside "
+        "the hook holds backward up: keep the handles until finish_gradient_sync()",
+        "three traps: parameters with requires_grad=False get no gradient (and a hook on them "
+        "is an error); ranks seeded differently train different models unless they start "
+        "from rank 0's parameters and buffers (dist.broadcast(t.data, src=0)); and whatever "
+        "list of handles a step fills must be empty when the next step begins",
         "recipe: in __init__ broadcast every parameter and buffer from rank 0, keep a list of "
         "handles, and hook each trainable p with a function that appends (p, "
         "dist.all_reduce(p.grad, async_op=True)); in finish_gradient_sync() wait on each "
@@ -724,22 +769,26 @@ def _verify_overlap_ddp(cls: Any) -> str:
                        "dist.all_reduce, with import torch.distributed as dist)")  # fmt: skip
         elif len(after) == len(mine):
             problem = (f"all {len(mine)} all-reduces started in finish_gradient_sync(), after "
-                       "backward had ended: nothing overlaps with backward (that is naive data "
-                       "parallelism). Start each one from the gradient's "
-                       "register_post_accumulate_grad_hook")  # fmt: skip
+                       "backward had ended, so none of them ran while backward was computing "
+                       "(that is naive data parallelism). What could start a gradient's "
+                       "all-reduce while backward is still running?")  # fmt: skip
         elif sync:
             problem = (f"{len(sync)} all-reduces ran with async_op=False inside backward: each "
-                       "one blocks backward until the bytes have moved, so nothing overlaps. "
-                       "Pass async_op=True and keep the handle")  # fmt: skip
+                       "one held backward up until its bytes had moved, so nothing "
+                       "overlapped")  # fmt: skip
         elif early:
-            problem = (f"{len(early)} handles were waited on inside backward (the hook called "
-                       ".wait() right after starting the all-reduce): backward stops there "
-                       "until the bytes have moved, so nothing overlaps. Keep the handles and "
-                       "wait on them in finish_gradient_sync()")  # fmt: skip
+            problem = (f"{len(early)} handles were waited on inside backward (right after "
+                       "their all-reduce started): backward stopped there until the bytes had "
+                       "moved, so nothing overlapped")  # fmt: skip
         elif unwaited:
             problem = (f"{len(unwaited)} all-reduce handles were never waited on before "
                        "finish_gradient_sync() returned: the optimizer would read gradients the "
-                       "all-reduce may still be writing. Wait on every handle there")  # fmt: skip
+                       "all-reduce may still be writing")  # fmt: skip
+        elif spy.stale_waits:
+            problem = (f"finish_gradient_sync() waited on {spy.stale_waits} handles that step "
+                       f"{step - 1} started: they were still in the list, so their gradients "
+                       "were averaged again (on more than one rank, divided by world_size "
+                       "twice)")  # fmt: skip
         elif len(mine) > n_params:
             problem = (f"{len(mine)} all-reduces for {n_params} trainable parameters: some "
                        "gradient went out twice (a hook registered twice, or a tied weight "
@@ -761,6 +810,24 @@ def _verify_overlap_ddp(cls: Any) -> str:
 # --------------------------------------------------------------------------- 02.bucketed_ddp
 
 
+def _greedy_bucket_bytes(params: Any, cap: float) -> list[int]:
+    """Bytes of each bucket when ``params`` are grouped in the order given, a new bucket
+    started whenever the next one would take the open bucket past ``cap`` bytes."""
+    sizes: list[int] = []
+    size = count = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if count and size + nbytes > cap:
+            sizes.append(size)
+            size = count = 0
+        size += nbytes
+        count += 1
+    if count:
+        sizes.append(size)
+    return sizes
+
+
+
 @exercise(
     "02.bucketed_ddp",
     "Bucketed DDP: one asynchronous all-reduce per bucket of gradients, started when it fills",
@@ -772,8 +839,11 @@ def _verify_overlap_ddp(cls: Any) -> str:
         "walk the trainable parameters in reverse, start a new bucket when the next one would "
         "take it past the cap (bucket_cap_mb · 2**20 bytes); give each bucket a flat buffer "
         "and each parameter an offset in it. The last bucket is usually smaller than the cap, "
-        "and it must be sent too. A hook copies p.grad into its slot; when all of a bucket's "
-        "gradients are in, dist.all_reduce(buffer, async_op=True)",
+        "and it must be made and sent too",
+        "a hook copies p.grad into its slot and counts the bucket's ready gradients; when all "
+        "of them are in, dist.all_reduce(buffer, async_op=True) and keep the handle. The "
+        "all-reduce averages the buffer, not p.grad: after waiting, the slices must go back "
+        "into each p.grad",
         "recipe: __init__: broadcast parameters and buffers from rank 0; group reversed "
         "trainable parameters greedily (append the open group after the loop too); per bucket "
         "a torch.zeros buffer, offsets, a count of ready gradients and a handle; hook each p: "
@@ -789,22 +859,32 @@ def _verify_bucketed_ddp(cls: Any) -> str:
     rank, n, _ = _group()
     cap = int(BUCKET_CAP_MB * 2**20)
 
-    def never_reduced(names: list[str]) -> str:
+    short: tuple[int, int] | None = None  # (bytes the buckets carried, gradient bytes)
+
+    def never_reduced(names: list[str]) -> str | None:
+        if short is None:  # every byte went through all-reduces that were waited on
+            which = "every gradient" if len(names) == n_params else ", ".join(names)
+            return (f"on rank {rank}, {which} still holds this rank's own gradient, although "
+                    f"the buckets carried all {grad_bytes} bytes of gradients through "
+                    "all-reduces that finished: the averaged buckets never reached p.grad")  # fmt: skip
+        if len(names) == n_params:
+            return None  # nothing reduced at all: the per-parameter message says so
         return (f"on rank {rank} the gradients of {', '.join(names)} were never all-reduced "
-                "(each is still this rank's own). They are the last ones backward produces "
-                "and fill a last bucket that never reaches the cap: that bucket was never "
-                "sent. After the loop that fills buckets, close the open one too; start a "
-                "bucket's all-reduce when all of its gradients are in, not when it reaches "
-                "the cap")  # fmt: skip
+                "(each is still this rank's own). They are the last ones backward produces, "
+                "in a last bucket that never reaches the cap, and that bucket was never sent: "
+                "was the last, still open bucket ever closed?")  # fmt: skip
 
     run, got, want, local, _ = _run_ddp_class(
-        cls, (BUCKET_CAP_MB,), f"BucketedDDP(model, world_size, bucket_cap_mb={BUCKET_CAP_MB})"
+        cls, (BUCKET_CAP_MB,), f"BucketedDDP(model, world_size, bucket_cap_mb={BUCKET_CAP_MB})",
+        explain=_missing_key,
     )
     params = dict(_trainable(run.model))
     n_params = len(params)
     grad_bytes = sum(p.numel() * p.element_size() for p in params.values())
     largest = max(p.numel() * p.element_size() for p in params.values())
-    short: tuple[int, int] | None = None
+    ordered = list(params.values())
+    in_reverse = sorted(_greedy_bucket_bytes(reversed(ordered), cap))
+    in_forward = sorted(_greedy_bucket_bytes(ordered, cap))
     for step, spy in enumerate(run.steps, start=1):
         mine = [c for c in spy.calls if c.kind == "all_reduce"]
         sent = sum(c.nbytes for c in mine)
@@ -814,22 +894,22 @@ def _verify_bucketed_ddp(cls: Any) -> str:
                        "(call it as dist.all_reduce, with import torch.distributed as dist)")  # fmt: skip
         elif all(c.phase != "backward" for c in mine):
             problem = (f"all {len(mine)} all-reduces started in finish_gradient_sync(), after "
-                       "backward: nothing overlaps. Start a bucket's all-reduce from the hook "
-                       "of its last gradient")  # fmt: skip
+                       "backward, so none of them ran while backward was computing. When is a "
+                       "bucket ready to leave?")  # fmt: skip
         elif any(c.phase == "backward" and not c.async_op for c in mine):
-            problem = ("an all-reduce ran with async_op=False inside backward: it blocks "
-                       "backward while the bucket moves. Pass async_op=True, keep the handle")  # fmt: skip
+            problem = ("an all-reduce ran with async_op=False inside backward: it held "
+                       "backward up while the bucket moved, so nothing overlapped")  # fmt: skip
         elif any(c.waited == "backward" for c in mine):
             problem = ("a bucket's handle was waited on inside backward (right after starting "
-                       "it): backward stops there, so nothing overlaps. Wait in "
-                       "finish_gradient_sync()")  # fmt: skip
+                       "it): backward stopped there until the bucket had moved, so nothing "
+                       "overlapped")  # fmt: skip
         elif any(c.async_op and c.waited not in ("backward", "finish") for c in mine):
             problem = ("a bucket's handle was never waited on before finish_gradient_sync() "
                        "returned: the gradients copied out of it may be half-reduced")  # fmt: skip
         elif len(mine) >= n_params:
             problem = (f"{len(mine)} all-reduces for {n_params} trainable parameters: one "
-                       "message per gradient is not bucketing. Group gradients into flat "
-                       "buffers of up to bucket_cap_mb")  # fmt: skip
+                       "message per gradient is not bucketing, and pays the latency once per "
+                       "parameter")  # fmt: skip
         elif any(c.nbytes > cap + largest for c in mine) or len(mine) == 1:
             problem = (f"messages of {sorted(c.nbytes for c in mine)} bytes for a cap of "
                        f"{cap} bytes ({BUCKET_CAP_MB} MB · 2**20): a bucket holds up to the "
@@ -841,6 +921,14 @@ def _verify_bucketed_ddp(cls: Any) -> str:
         elif sent > grad_bytes:
             problem = (f"the buckets carried {sent} bytes, more than the {grad_bytes} bytes of "
                        "gradients: some gradient was sent twice")  # fmt: skip
+        elif sorted(c.nbytes for c in mine) == in_forward != in_reverse:
+            problem = (f"the buckets ({sorted(c.nbytes for c in mine)} bytes) are the "
+                       "parameters grouped in the order model.parameters() lists them, but "
+                       "backward produces gradients in roughly the reverse order. Sending each "
+                       "bucket as it fills hides that here; DDP issues its buckets in bucket "
+                       "order, so that every rank issues the same collectives in the same "
+                       "order, and its first bucket would then be the last to fill, holding "
+                       "every other all-reduce back until backward ends")  # fmt: skip
         if sent < grad_bytes:
             short = short or (sent, grad_bytes)
             problem = None  # a bucket never sent: the values below name its parameters
@@ -850,8 +938,8 @@ def _verify_bucketed_ddp(cls: Any) -> str:
     if values is None and short:  # one rank: an unsent bucket has the right values anyway
         values = (f"on rank {rank} the buckets carried {short[0]} of the {short[1]} bytes of "
                   "gradients: the last gradients backward produces fill a last bucket that "
-                  "never reaches the cap, and that bucket was never sent. After the loop that "
-                  "fills buckets, close the open one too")  # fmt: skip
+                  "never reaches the cap, and that bucket was never sent: was the last, still "
+                  "open bucket ever closed?")  # fmt: skip
     _agree(values)
     calls = [c for c in run.steps[-1].calls if c.kind == "all_reduce"]
     before_end = sum(1 for c in calls if c.ready < n_params)
@@ -952,10 +1040,11 @@ class _Update:
         "ranks hold the same new weights",
         "shard_bounds: every shard has the same length (reduce-scatter and all-gather move "
         "equal pieces), the smallest whole number that covers numel, so the flat buffer is "
-        "zero-padded at the end. step: dist.reduce_scatter_single(out, inp) leaves in out "
-        "(one shard) the sum over ranks of that piece of inp (the whole padded buffer); "
-        "dist.all_gather_single(out, inp) is the reverse. Order matters: gather what was "
-        "updated",
+        "zero-padded at the end",
+        "step: dist.reduce_scatter_single(out, inp) leaves in out (one shard) the sum over "
+        "ranks of that piece of inp (the whole padded buffer); dist.all_gather_single(out, "
+        "inp) is the reverse. Order matters: gather what was updated. self.flat is a copy of "
+        "the parameters, not a view of them: what lands in it must be copied back",
         "recipe: shard = -(-numel // world_size); rank r owns [r·shard, (r+1)·shard). step(): "
         "flatten every p.grad into a zero buffer like self.flat (zeros stand in for a grad "
         "that is None: here every trainable parameter gets one; labkit.parallel.zero1 also "
@@ -1026,14 +1115,14 @@ def _verify_zero1_step(cls: Any) -> str:
         zero, problem = _attempt(lambda: call(cls, model.parameters(), make_optimizer, rank, n))
     _agree(problem)
     if len(made) != 1:
-        _agree(f"{signature} called make_optimizer {len(made)} times: call it once, with the "
-               "shard this rank updates")  # fmt: skip
+        _agree(f"{signature} called make_optimizer {len(made)} times; ZeRO-1 keeps one "
+               "optimizer, for the shard this rank updates")  # fmt: skip
     held = sum(p.numel() for g in made[0].param_groups for p in g["params"])
     if held != stop - start:
         _agree(f"on rank {rank} of {n} the optimizer was given {held} elements, but the rank "
                f"owns a shard of {stop - start} of the {numel} (shard_bounds({numel}, {rank}, "
-               f"{n}) = ({start}, {stop})): give make_optimizer only [self.shard], so AdamW "
-               "keeps state for 1/world_size of the model")  # fmt: skip
+               f"{n}) = ({start}, {stop})), so AdamW would keep state for more than "
+               "1/world_size of the model")  # fmt: skip
 
     batches = _batches(rank, n, device)
     for step, (x, y) in enumerate(batches, start=1):
@@ -1102,20 +1191,19 @@ def _zero1_problem(
         return f"{where}: step() called self.inner.step() {events.count('update')} times"
     first_update = events.index("update")
     if "all_reduce" in events[:first_update] and "reduce_scatter" not in events:
-        return (f"{where}: the gradients were all-reduced, so every rank received all of them; "
-                "ZeRO-1 needs only its shard's: reduce-scatter the flat gradient instead "
-                "(dist.reduce_scatter_single), half the bytes of an all-reduce")  # fmt: skip
+        return (f"{where}: the gradients were all-reduced, so every rank received the sum of "
+                "all of them, though it updates only its own shard: twice the bytes ZeRO-1 "
+                "needs to send")  # fmt: skip
     if "reduce_scatter" not in events[:first_update]:
-        return (f"{where}: no reduce-scatter before the update: the shard's gradient must be "
-                "summed over ranks first (dist.reduce_scatter_single)")  # fmt: skip
+        return (f"{where}: no reduce-scatter before the update, so the shard was updated "
+                "with a gradient that was not summed over the ranks")  # fmt: skip
     gathers = [i for i, e in enumerate(events) if e == "all_gather"]
     if gathers and all(i < first_update for i in gathers):
         return (f"{where}: the all-gather ran before the update, so every rank received the "
-                "other shards' old weights and the new ones never left their rank: all-gather "
-                "after self.inner.step()")  # fmt: skip
+                "other shards' old weights and the new ones never left their rank")  # fmt: skip
     if not gathers:
-        return (f"{where}: no all-gather after the update: only this rank's shard of the "
-                "weights changed. all_gather_single the updated shard into self.flat")  # fmt: skip
+        return (f"{where}: no all-gather after the update, so on every rank only its own "
+                "shard of the weights changed")  # fmt: skip
     up = updates[0]
     piece = slice(start, stop)
     if up.grad is None:
@@ -1153,11 +1241,11 @@ def _zero1_problem(
         theirs = not bool(bad[start:stop].any()) if start < numel else True
         if stale and theirs:
             why = ("they still hold the old weights, and they belong to other ranks' shards: "
-                   "the updated shards never came back. All-gather the updated self.shard into "
-                   "self.flat, then copy each parameter's slice of self.flat into it")  # fmt: skip
+                   "the updated shards never reached the parameters of this rank")  # fmt: skip
         elif stale:
-            why = ("they were never changed: copy each parameter's slice of self.flat back "
-                   "into the parameter after the all-gather")  # fmt: skip
+            why = ("they were never changed, this rank's own shard included: the gathered "
+                   "weights never reached the parameters (self.flat is a copy, not a view "
+                   "of them)")  # fmt: skip
         else:
             why = (f"the first differs by {(got[first] - want_flat[first]).abs().item():.3g}; "
                    "do the parameters get their own slices of self.flat?")  # fmt: skip

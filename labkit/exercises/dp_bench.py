@@ -21,10 +21,17 @@ a barrier before each step; the comparison is a ratio of medians. The same job t
 all-reduces of a small and a large message (α and β of the α–β line,
 ``formulas.alpha_beta_fit``) and the backward pass without communication, and
 ``formulas.dp_exposed_comm_s`` predicts each variant's step as forward + backward + the
-communication left exposed after backward. The sweep's *shape* is the prediction to compare:
-tiny buckets pay α per message, one bucket hides nothing, the best lies between. On the CPU
-tier gloo's threads and the backward pass share the same cores, so "overlap" can slow the
+communication left exposed after backward. The sweep's *shape* is the prediction to compare
+where communication is not small next to backward: tiny buckets pay α per message, one bucket
+hides nothing, the best lies between. Where all the gradients' all-reduce takes a few percent
+of backward (a small model on loopback), every cap is predicted within noise of the others:
+:func:`sweep_verdict` says which case a run is in, and then what the measurement found. On the
+CPU tier gloo's threads and the backward pass share the same cores, so "overlap" can slow the
 compute it hides behind: the measured ratios say how much.
+
+``micro_batch`` (sequences per rank; default the size's ``train.micro_batch``) sets the
+backward pass the communication can hide behind: fewer sequences, shorter backward, the same
+bytes.
 
 ``benchmarks/bench_dp_overlap.py`` runs this job on the reference classes and records it.
 """
@@ -42,7 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from labkit import dist, formulas
+from labkit import dist, formulas, verdict
 
 MODULE = "labkit.exercises.dp_bench"
 CAP_FRACTIONS = (1 / 64, 1 / 16, 1 / 4, 1.0)  # bucket cap as a fraction of the gradient bytes
@@ -67,8 +74,9 @@ def _alpha_beta(device: torch.device, small: int, large: int) -> tuple[float, fl
     """(intercept, slope, t_small, t_large, note) of the α–β line through a small and a large
     all-reduce, each the fastest of its repeats. A busy moment can still make the large one
     look no slower than the small one, which no line fits: time both again, twice at most,
-    then fall back to the small message's time as the latency and the large one's as the
-    bandwidth, and say so (a notebook cell must not stop for a neighbour's load)."""
+    then fall back to the small message's time as the latency and the large one's bytes over
+    its time as the bandwidth, and say so (a notebook cell must not stop for a neighbour's
+    load). The slope is in bytes/s either way, as ``formulas.alpha_beta_fit`` returns it."""
     for _ in range(3):
         t_small = _time_allreduce(small, device, 10)
         t_large = _time_allreduce(large, device, 5)
@@ -78,8 +86,9 @@ def _alpha_beta(device: torch.device, small: int, large: int) -> tuple[float, fl
         except ValueError:
             continue
     note = ("no α–β line fitted: the large all-reduce was never slower than the small one "
-            "(a busy machine); the small one's time is taken as α, the large one's as β")
-    return t_small, t_large / (4 * large), t_small, t_large, note
+            "(a busy machine); the small one's time is taken as α, and the large one's bytes "
+            "over its time as β")
+    return t_small, 4 * large / t_large, t_small, t_large, note
 
 
 @contextlib.contextmanager
@@ -121,7 +130,7 @@ def worker(ctx: dist.Context) -> dict[str, Any]:
     params = [p for p in base.parameters() if p.requires_grad]
     grad_bytes = sum(p.numel() * p.element_size() for p in params)
     g = torch.Generator().manual_seed(1 + ctx.rank)  # each rank its own slice of the batch
-    b, s = preset.train.micro_batch, preset.model.seq_len
+    b, s = int(cfg.get("micro_batch") or preset.train.micro_batch), preset.model.seq_len
     tokens = torch.randint(0, preset.model.vocab_size, (b, s + 1), generator=g).to(device)
     x, y = tokens[:, :-1], tokens[:, 1:]
 
@@ -213,6 +222,7 @@ def worker(ctx: dist.Context) -> dict[str, Any]:
                         "large": t_large},
         "grad_bytes": grad_bytes,
         "n_params": len(params),
+        "micro_batch": b,
         "caps_mb": dict(zip([f"bucketed_{f:g}" for f in CAP_FRACTIONS], caps_mb, strict=True)),
         "buckets_bytes": buckets,
         "messages_bytes": messages,
@@ -226,20 +236,26 @@ def worker(ctx: dist.Context) -> dict[str, Any]:
 
 def run(*, size: str = "lab", rounds: int = 8, warmup: int = 2, device: str = "cpu",
         timeout_s: float = 300.0, files: dict[str, str | Path] | None = None,
-        stream: bool = False) -> dict[str, Any]:  # fmt: skip
+        stream: bool = False, micro_batch: int | None = None) -> dict[str, Any]:  # fmt: skip
     """Run the 2-rank job and return rank 0's measurements plus ``sweep``: one row per
     variant with its buckets, measured median step, predicted step, and both ÷ naive.
 
     ``files``: class name (``"OverlapDDP"``, ``"BucketedDDP"``) -> the learner's file that
-    defines it; a class not given is labkit's reference answer."""
+    defines it; a class not given is labkit's reference answer. ``micro_batch``: sequences
+    per rank in the timed step (None: the size's ``train.micro_batch``)."""
     from labkit import launch
 
     files = {k: str(v) for k, v in (files or {}).items()}
     unknown = sorted(set(files) - set(CLASSES))
     if unknown:
         raise ValueError(f"files={unknown} is not allowed: the classes are {list(CLASSES)}")
+    if micro_batch is not None and (isinstance(micro_batch, bool)
+                                    or not isinstance(micro_batch, int) or micro_batch < 1):
+        raise ValueError(f"micro_batch={micro_batch!r} is not allowed: a positive integer "
+                         "(sequences per rank), or None for the size's own")  # fmt: skip
     res = launch.run(MODULE, nproc=2, device=device, stream=stream, timeout_s=timeout_s,
-                     config={"size": size, "rounds": rounds, "warmup": warmup, "files": files},
+                     config={"size": size, "rounds": rounds, "warmup": warmup, "files": files,
+                             "micro_batch": micro_batch},
                      env={"OMP_NUM_THREADS": "1"} if device == "cpu" else None)  # fmt: skip
     r0 = dict(res.rank(0))
     median = {k: statistics.median(v) for k, v in r0["samples_s"].items()}
@@ -271,6 +287,81 @@ def report(res: dict[str, Any], device: str = "cpu") -> str:
         lines.append(f"{row['variant']:<18}{row['buckets']:>8}{row['measured_s'] * 1e3:>13.1f}"
                      f"{row['predicted_s'] * 1e3:>14.1f}{row['measured_vs_naive']:>12.2f}"
                      f"{row['predicted_vs_naive']:>12.2f}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def sweep_verdict(res: dict[str, Any], tolerance: float = verdict.DEFAULT_TOLERANCE) -> str:
+    """What the bucket-size sweep predicted and what it measured, each sentence chosen by
+    comparing numbers (``res``: what :func:`run` returns).
+
+    Predicted: the caps' predicted steps are said to differ only when their spread exceeds
+    both ``tolerance`` of the best predicted step and the measured medians' own uncertainty
+    (the widest notch half-width, ``verdict.Summary.interval``); otherwise the model predicts
+    no difference at this size, and the sentence says what its shape would need (the
+    gradients' all-reduce against the backward pass, both in ms). Measured: the fastest and
+    the slowest cap compared with ``verdict.compare_times``. The last sentence sets the two
+    side by side."""
+    swept = [r for r in res["sweep"] if r["variant"].startswith("bucketed_")]
+    if len(swept) < 2:
+        raise ValueError(f"the sweep has {len(swept)} bucketed variant(s): it needs two or more")
+
+    def label(row: dict[str, Any]) -> str:
+        k = row["buckets"]
+        return f"{k} bucket{'s' if k != 1 else ''}"
+
+    summaries = {r["variant"]: verdict.summarize(res["samples_s"][r["variant"]]) for r in swept}
+    noise = max((s.interval[1] - s.interval[0]) / 2 for s in summaries.values())
+    best_p = min(swept, key=lambda r: r["predicted_s"])
+    worst_p = max(swept, key=lambda r: r["predicted_s"])
+    spread = worst_p["predicted_s"] - best_p["predicted_s"]
+    threshold = max(tolerance * best_p["predicted_s"], noise)
+    ms = 1e3
+    lines = []
+    tie = spread <= threshold
+    if tie:
+        whole = formulas.ring_allreduce_time(res["grad_bytes"], 2, res["alpha_s"],
+                                             res["beta_bytes_per_s"])  # fmt: skip
+        lines.append(
+            f"predicted (α–β): the caps' steps lie within {spread * ms:.1f} ms of each other "
+            f"({best_p['predicted_s'] * ms:.1f} to {worst_p['predicted_s'] * ms:.1f} ms), less "
+            f"than {threshold * ms:.1f} ms (the larger of {100 * tolerance:g}% of a step and the "
+            "measured medians' uncertainty): the model predicts no difference between the caps "
+            f"at this size. Its shape (tiny buckets pay α per message, one bucket hides "
+            f"nothing) needs an all-reduce that is not small next to backward; here all the "
+            f"gradients in one all-reduce take {whole * ms:.1f} ms (predicted), backward "
+            f"{res['backward_s'] * ms:.1f} ms (measured)")  # fmt: skip
+    else:
+        lines.append(
+            f"predicted (α–β): {label(best_p)} is best, {spread * ms:.1f} ms faster than "
+            f"{label(worst_p)}, more than the {threshold * ms:.1f} ms the measurement can "
+            "resolve")  # fmt: skip
+    best_m = min(swept, key=lambda r: r["measured_s"])
+    worst_m = max(swept, key=lambda r: r["measured_s"])
+    cmp = verdict.compare_times(res["samples_s"][best_m["variant"]],
+                                res["samples_s"][worst_m["variant"]],
+                                names=(f"fastest cap, {label(best_m)}",
+                                       f"slowest cap, {label(worst_m)}"),
+                                tolerance=tolerance)  # fmt: skip
+    lines.append(f"measured ({cmp.a.n} rounds each):")
+    lines.append(str(cmp))
+    found = cmp.outcome == "faster"
+    if tie and not found:
+        lines.append("Prediction and measurement agree: no cap stands out at this size.")
+    elif tie:
+        lines.append(
+            f"The measurement found a difference the α–β model does not predict ({label(best_m)} "
+            "fastest): a cost the model leaves out, such as the hooks, the copies into the "
+            "buckets, or gloo's threads taking cores from backward (not measured here).")  # fmt: skip
+    elif not found:
+        lines.append(
+            f"The model's {spread * ms:.1f} ms between the caps did not show beyond the "
+            "measurement's noise.")  # fmt: skip
+    elif best_m["variant"] == best_p["variant"]:
+        lines.append(f"Prediction and measurement agree: {label(best_m)} is best.")
+    else:
+        lines.append(
+            f"They disagree: the model predicted {label(best_p)} best, the measurement found "
+            f"{label(best_m)}.")  # fmt: skip
     return "\n".join(lines)
 
 

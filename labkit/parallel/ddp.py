@@ -51,6 +51,9 @@ bf16 on gloo: DDP refuses a hook *named* ``bf16_compress_hook`` unless torch was
 CUDA and NCCL >= 2.10 (a registration-time check in ``DistributedDataParallel``), yet gloo
 all-reduces bf16 CPU tensors correctly (torch 2.13, seen). Our counting wrapper carries
 another name, so "ddp_bf16" runs on gloo; the parity test shows what it costs in accuracy.
+This is for gloo only, to teach on CPU ranks, and not for production: it steps around a
+guard torch put there on purpose, and on NCCL torch's own ``bf16_compress_hook`` is the one to
+register.
 """
 
 from __future__ import annotations

@@ -105,6 +105,8 @@ class BucketedDP(NaiveDP):
             return
         if not self.callback_queued:
             self.callback_queued = True
+            # Private API, not for production (see dp_naive): runs after_backward once the
+            # whole graph is done; no public, stable equivalent exists.
             torch.autograd.Variable._execution_engine.queue_callback(self.after_backward)
         bucket, off = self._where[id(p)]
         bucket.buffer[off : off + p.numel()].copy_(p.grad.reshape(-1))

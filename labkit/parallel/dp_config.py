@@ -45,7 +45,8 @@ STRATEGIES = (
     "fsdp2",
 )
 SHARDED = ("zero1", "fsdp2")
-OPTIMIZERS = ("adamw", "sgd")
+OPTIMIZERS = ("adamw", "sgd", "sgd_momentum")
+SGD_MOMENTUM = 0.9  # "sgd_momentum": the momentum of PowerSGD's experiments (Vogels et al. 2019)
 MakeOptimizer = Callable[[nn.Module], torch.optim.Optimizer]
 # ZeRO stage each strategy corresponds to, for formulas.zero_memory_per_rank.
 ZERO_STAGE = {"zero1": 1, "fsdp2": 3}
@@ -115,12 +116,19 @@ def optimizer_factory(name: str, cfg: TrainConfig) -> MakeOptimizer:
     """``make(model)`` for optimizer ``name``: "adamw" is ``labkit.train.make_optimizer``;
     "sgd" is plain SGD (no momentum, no decay), whose update is proportional to the gradient,
     so a parity test with it catches a gradient summed instead of averaged. AdamW would hide
-    that: its update g/sqrt(v) is nearly invariant to the gradient's scale."""
+    that: its update g/sqrt(v) is nearly invariant to the gradient's scale. "sgd_momentum"
+    is SGD with momentum ``SGD_MOMENTUM`` (no decay), the optimizer PowerSGD was designed and
+    measured with (Vogels et al., NeurIPS 2019, https://arxiv.org/abs/1905.13727): its update
+    is linear in the gradients, which error feedback relies on."""
     if name == "adamw":
         return lambda model: make_optimizer(model, cfg)
     if name == "sgd":
         return lambda model: torch.optim.SGD(
             [p for p in model.parameters() if p.requires_grad], lr=cfg.lr
+        )
+    if name == "sgd_momentum":
+        return lambda model: torch.optim.SGD(
+            [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, momentum=SGD_MOMENTUM
         )
     raise ValueError(f"optimizer={name!r}: use one of {OPTIMIZERS}")
 
@@ -149,7 +157,8 @@ def validate_dp_config(
         train        TrainConfig fields; ``grad_clip`` defaults to None here
         global_batch sequences per optimizer step over all ranks; sets micro_batch to
                      global_batch / (world_size x grad_accum), which must be a whole number
-        optimizer    "adamw" (default, labkit.train.make_optimizer) or "sgd" (parity tests)
+        optimizer    "adamw" (default, labkit.train.make_optimizer), "sgd" (parity tests) or
+                     "sgd_momentum" (momentum 0.9: PowerSGD's setting)
         freeze       parameter names to freeze (requires_grad False), e.g. ["wpe.weight"]
         bucket_cap_mb  bucket size in MiB for "bucketed" and DDP; None (default): DDP's own
                      default, 25 MiB with a 1 MiB first bucket (a number caps every bucket,

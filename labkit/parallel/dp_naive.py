@@ -44,6 +44,9 @@ def _queue_at_end_of_backward(params: list[nn.Parameter], strategy: Strategy) ->
     def on_grad_ready(_: torch.Tensor) -> None:
         if strategy.require_sync and not strategy.callback_queued:
             strategy.callback_queued = True
+            # Private API, not for production: _execution_engine.queue_callback is what DDP's
+            # own Python side uses (torch/nn/parallel/distributed.py) and has no public,
+            # stable equivalent; it may change between torch releases.
             torch.autograd.Variable._execution_engine.queue_callback(strategy.after_backward)
 
     for p in params:

@@ -136,6 +136,11 @@ class ShardedOptimizer:
         offsets, off = [], 0
         for p in params:
             flat[off : off + p.numel()].copy_(p.detach().reshape(-1))
+            # Not for production: rebinding .data swaps a parameter's storage behind
+            # autograd's back (no version counter sees it; torch's docs discourage .data in
+            # favour of detach() and no_grad()). It makes the model read the flat buffer with
+            # no copy, which is all this teaching version needs; DeepSpeed and FSDP manage
+            # flat parameters with their own views and hooks.
             p.data = flat[off : off + p.numel()].view_as(p)  # the model now reads the buffer
             offsets.append(off)
             off += p.numel()
