@@ -5,12 +5,13 @@ import pytest
 import torch
 from torch import nn
 
-from labkit.batching import checkpointing
+from labkit.batching import checkpointing, finder, trials
 from labkit.batching.checkpointing import (
     CheckpointedBlock,
     apply_checkpointing,
     predict_checkpointing,
 )
+from labkit.batching.trials import LiveTensorBytes
 from labkit.config import preset
 from labkit.memory import measure_training_memory
 from labkit.model import GPT
@@ -184,3 +185,71 @@ def test_segment_checkpoint_bytes_by_hand():
         checkpointing.segment_checkpoint_bytes(4, 10, 1, 5)
     with pytest.raises(ValueError, match="per_layer_bytes"):
         checkpointing.segment_checkpoint_bytes(4, -1, 1, 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# The peak of a checkpointed step, tensor by tensor, against the live bytes of a real step.
+
+
+class _LiveAtMoments(LiveTensorBytes):
+    """Live tensor bytes right after each op a predicted moment names: log_softmax's backward,
+    the MLP output projection's weight-gradient matmul (an (h, 4h) mm), GELU's backward."""
+
+    def __init__(self, d_model: int) -> None:
+        super().__init__()
+        self.d_model = d_model
+        self.at: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        aten, h = torch.ops.aten, self.d_model
+        if func in (aten._log_softmax_backward_data.default, aten.gelu_backward.default) or (
+                func is aten.mm.default and tuple(out.shape) == (h, 4 * h)):
+            self.at.append(self.current)
+        return out
+
+
+@pytest.mark.parametrize("name", ["smoke", "lab"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_checkpointed_step_moments_match_a_real_step_to_the_byte(name, dtype):
+    cfg = preset(name)
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    apply_checkpointing(model, every=1)
+    for b in (2, 9):
+        step = trials._Trials(model, seq_len=cfg.model.seq_len, dtype=dtype, train_cfg=cfg.train,
+                              device=CPU)
+        with _LiveAtMoments(cfg.model.d_model) as counter:
+            step._step(b, 1)
+        moments = checkpointing.checkpointed_step_moments(cfg.model, b, dtype=dtype)
+        assert len(moments) == 1 + 2 * cfg.model.n_layer
+        assert counter.at == [m.bytes for m in moments], (name, dtype, b)
+        peak = checkpointing.predicted_checkpointed_step_peak(cfg.model, b, dtype=dtype)
+        assert peak.bytes == counter.peak == max(counter.at)
+        # and the finder's own trial step measures the same peak
+        assert trials.measure_step_peak(model, b, seq_len=cfg.model.seq_len, dtype=dtype,
+                                        train_cfg=cfg.train) == peak.bytes
+
+
+def test_checkpointed_peak_is_below_the_plain_one_and_grows_with_the_batch():
+    from labkit import memory
+
+    cfg = preset("smoke").model
+    peaks = [checkpointing.predicted_checkpointed_step_peak(cfg, b).bytes for b in (4, 8, 16)]
+    assert peaks[0] < peaks[1] < peaks[2]
+    for b in (4, 16):
+        assert (checkpointing.predicted_checkpointed_step_peak(cfg, b).bytes
+                < memory.predicted_step_peak(cfg, b).bytes)
+    with pytest.raises(ValueError, match="dropout"):
+        checkpointing.checkpointed_step_moments(dataclasses.replace(cfg, dropout=0.1), 4)
+
+
+def test_tensorwise_checkpointed_prediction_meets_the_batch_real_steps_find():
+    """Formulas alone against the finder's real trial steps on a checkpointed model."""
+    smoke = preset("smoke")
+    model = _smoke_model()
+    apply_checkpointing(model, every=1)
+    found = finder.find_max_batch(model, 16 * 2**20, train_cfg=smoke.train)
+    predicted = finder.predict_max_batch_tensorwise(smoke.model, 16 * 2**20, checkpointed=True)
+    assert predicted == found.found
+    assert predicted > finder.predict_max_batch_tensorwise(smoke.model, 16 * 2**20)

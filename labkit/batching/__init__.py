@@ -12,7 +12,11 @@ should be.
 * :mod:`labkit.batching.accumulation`  k accumulated micro-batches against one batch k times
   larger: gradient parity, with and without dividing each loss by k;
 * :mod:`labkit.batching.checkpointing`  ``apply_checkpointing``: activation checkpointing of
-  the GPT's blocks (all, or every n-th), the model code untouched.
+  the GPT's blocks (all, or every n-th), the model code untouched; the peak of a checkpointed
+  step predicted tensor by tensor (``checkpointed_step_moments``);
+* :mod:`labkit.batching.lamb`  the layer-wise trust ratio of LARS and LAMB (You et al. 2017,
+  2019) and LAMB as a ``torch.optim.Optimizer``; ``train_with`` trains as ``train.train`` does
+  with the optimizer given.
 
 Importing this package imports neither submodule's dependencies beyond torch: each is loaded
 where it is used (``from labkit.batching import noise``).

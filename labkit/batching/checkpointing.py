@@ -457,3 +457,135 @@ def segment_checkpoint_bytes(n_layer: int, per_layer_bytes: float, input_bytes: 
     if k > n:
         raise ValueError(f"segments={k} is not allowed: at most n_layer={n} (one layer each)")
     return k * input_bytes + -(-n // k) * per_layer_bytes
+
+
+# ----------------------------------------------------------------------------------------------
+# The peak of a checkpointed training step, tensor by tensor.
+
+_BLOCK_PARAMETERS = 16
+"""Parameter tensors per block of labkit's GPT: 2 LayerNorms × 2, q/k/v/proj × 2, fc/proj × 2."""
+
+
+def checkpointed_step_moments(cfg: ModelConfig, micro_batch: int, *, dtype: str = "float32",
+                              seq_len: int | None = None) -> list:  # fmt: skip
+    """The tensors alive at each candidate peak of a step with every block checkpointed.
+
+    The step is ``labkit.train.train_step`` in steady state (AdamW's moments exist, gradients
+    set to None, one micro-batch) on a GPT whose blocks are all checkpointed
+    (:func:`apply_checkpointing` with ``every=1``, ``apply_ac(model, "full")``). Read from what
+    autograd and ``torch.utils.checkpoint`` (non-reentrant, early stop on) do in
+    ``labkit.model.GPT``, the live bytes can peak at three kinds of moment; this lists them
+    all, in the order they happen, as :class:`labkit.memory.StepPeak` objects, and
+    :func:`predicted_checkpointed_step_peak` takes the largest:
+
+    1. **the loss's backward** (``log_softmax``'s backward), as without checkpointing
+       (:func:`labkit.memory.predicted_step_peak`), except that each block has kept only its
+       input (the float32 residual stream, s·b·h·4 bytes), not its activations;
+    2. **each block's MLP output projection's backward**, at its weight gradient's matmul: the
+       block has been rebuilt (the checkpoint reruns its forward when the backward first needs a
+       saved tensor of it), and the projection's input (the GELU output) is still held;
+    3. **each block's GELU backward**, the projection's backward done and its input released.
+
+    At 2 and 3 the rest of what is alive is the same: the inputs of this block and the blocks
+    before it; the logits (``train_step`` keeps them); the output head's and final
+    LayerNorm's gradients; the gradient arriving at the block's output; the gradients of every
+    later block's parameters; the block's rebuilt activations (what its forward saves, as in
+    ``predicted_step_peak``); the gradient of the GELU output. One block further back adds that
+    block's parameter gradients and drops one block input. Under autocast, moment 2 also holds
+    the projection's 16-bit weight copy and the arriving gradient cast to 16 bits, and its
+    weight gradient is 16-bit; in float32 moment 3 is the larger (by the bias gradient), under
+    bf16 autocast moment 2 (by those copies).
+
+    Measured (torch 2.13, CPU; tests/test_batching_checkpointing.py): every moment equals the
+    live tensor bytes (:class:`labkit.batching.trials.LiveTensorBytes`) at its op to the byte,
+    and the largest equals the step's measured peak
+    (:func:`labkit.batching.trials.measure_step_peak`), for the smoke and lab presets at b = 2
+    to 33 in float32 and under bf16 autocast. At b = 1 the step peaks elsewhere (in the
+    optimizer step: 1,024 B above the largest moment in float32, up to 230,912 B under bf16),
+    where a batch's activations are small beside the model states. Not predicted: what
+    :func:`labkit.memory.predicted_step_peak` leaves out (scratch memory inside one op, the
+    CUDA context and workspaces); :attr:`labkit.memory.StepPeak.cuda_bytes` rounds each tensor
+    as the CUDA allocator does. Dropout off (every preset).
+    """
+    from labkit import memory  # layer 3
+
+    if cfg.dropout > 0:
+        raise ValueError(f"cfg.dropout={cfg.dropout!r}: the prediction is for dropout off; "
+                         "use a config with dropout=0.0 (every preset has it)")
+    b = formulas._positive_int("micro_batch", micro_batch)
+    s = cfg.seq_len if seq_len is None else formulas._positive_int("seq_len", seq_len)
+    if s > cfg.seq_len:
+        raise ValueError(f"seq_len={s} is not allowed: the model's context is {cfg.seq_len} "
+                         f"tokens; give 1..{cfg.seq_len}")
+    L, h, a, V = cfg.n_layer, cfg.d_model, cfg.n_head, cfg.vocab_size
+    e = formulas.dtype_bytes(_dtype(dtype))
+    mixed = e < 4
+    r = 4  # the residual stream: float32 under autocast too
+    sbh = s * b * h
+    shapes = memory._gpt_parameter_shapes(cfg)
+    params = tuple(4 * n for n in shapes)
+    block_grads = tuple(4 * n for n in shapes[2:2 + _BLOCK_PARAMETERS])  # after wte, wpe
+    common: dict[str, tuple[int, ...]] = {
+        "parameters": params,
+        "optimizer state (AdamW exp_avg, exp_avg_sq)": params * 2,
+        "token ids, targets and position ids": (8 * s * b, 8 * s * b, 8 * s),
+        "logits (kept by train_step's forward result)": (e * s * b * V,),
+        "loss and its seed gradient": (4, 4),
+    }
+    loss = dict(common)
+    loss[f"saved: the {L} checkpointed blocks' inputs"] = (r * sbh,) * L
+    loss["saved: final LayerNorm input, output and statistics"] = (r * sbh, e * sbh, 4 * s * b,
+                                                                   4 * s * b)  # fmt: skip
+    if mixed:
+        loss["saved: output head 16-bit weight copy"] = (e * V * h,)
+    loss["saved: log-softmax output (float32)"] = (4 * s * b * V,)
+    loss["gradients of the log-softmax output and of the logits"] = (4 * s * b * V,) * 2
+    moments = [memory.StepPeak(tensors=loss, moment="the loss's backward: log_softmax's "
+                               "backward, before any parameter gradient exists")]  # fmt: skip
+    rebuilt = {
+        "rebuilt: LayerNorm mean and rstd (2 norms)": (4 * s * b,) * 4,
+        "rebuilt: q/k/v projections' input": (e * sbh,) * (3 if mixed else 1),
+        "rebuilt: Q, K, V (SDPA's inputs)": (e * sbh,) * 3,
+        "rebuilt: attention output and log-sum-exp": (e * sbh, 4 * a * s * b),
+        "rebuilt: residual stream after attention, MLP input": (r * sbh, e * sbh),
+        "rebuilt: GELU input (fc output)": (4 * e * sbh,),
+    }
+    if mixed:
+        rebuilt["rebuilt: 16-bit weight copies (q, k, v, attention proj, fc)"] = (
+            (e * h * h,) * 4 + (e * 4 * h * h,))
+    for j in range(L):  # j blocks after this one have finished their backward
+        before = dict(common)
+        before[f"saved: inputs of blocks 0..{L - 1 - j}"] = (r * sbh,) * (L - j)
+        before["gradients: output head weight, final LayerNorm weight and bias"] = (
+            4 * V * h, 4 * h, 4 * h)
+        before["gradient arriving at the block's output"] = (r * sbh,)
+        if j:
+            before[f"gradients of the {j} later block(s)' parameters"] = block_grads * j
+        before.update(rebuilt)
+        before["MLP backward: gradient of the GELU output"] = (4 * e * sbh,)
+        proj = dict(before)  # the output projection's backward, its weight gradient allocated
+        proj["rebuilt: GELU output (the output projection's input)"] = (4 * e * sbh,)
+        if mixed:
+            proj["rebuilt: the output projection's 16-bit weight copy"] = (e * 4 * h * h,)
+            proj["the arriving gradient cast to 16 bits"] = (e * sbh,)
+        proj["MLP backward: the output projection's weight gradient"] = (e * 4 * h * h,)
+        gelu = dict(before)  # GELU's backward, the projection's backward done
+        gelu["MLP backward: the output projection's weight and bias gradients (float32)"] = (
+            4 * 4 * h * h, 4 * h)
+        gelu["MLP backward: GELU's input gradient"] = (4 * e * sbh,)
+        block = L - 1 - j
+        moments.append(memory.StepPeak(tensors=proj, moment=f"block {block}'s MLP output "
+                                       "projection's backward (its weight gradient), the block "
+                                       "rebuilt"))  # fmt: skip
+        moments.append(memory.StepPeak(tensors=gelu, moment=f"block {block}'s GELU backward, "
+                                       "the block rebuilt"))  # fmt: skip
+    return moments
+
+
+def predicted_checkpointed_step_peak(cfg: ModelConfig, micro_batch: int, *,
+                                     dtype: str = "float32", seq_len: int | None = None) -> Any:
+    """The largest of :func:`checkpointed_step_moments`: the predicted peak of a training step
+    with every block checkpointed, tensor by tensor (a :class:`labkit.memory.StepPeak`; see
+    that function for what is counted, how it was checked and where it falls short)."""
+    return max(checkpointed_step_moments(cfg, micro_batch, dtype=dtype, seq_len=seq_len),
+               key=lambda m: m.bytes)

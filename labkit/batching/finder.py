@@ -401,7 +401,8 @@ def find_max_batch(
 
 def predict_max_batch_tensorwise(cfg_model: ModelConfig, budget_bytes: float, *,
                                  dtype: str = "float32", seq_len: int | None = None,
-                                 cuda: bool = False, max_batch: int = 1 << 20) -> int:  # fmt: skip
+                                 cuda: bool = False, max_batch: int = 1 << 20,
+                                 checkpointed: bool = False) -> int:  # fmt: skip
     """The largest micro-batch whose step peak, counted tensor by tensor, fits ``budget_bytes``.
 
     A prediction from formulas alone, independent of any measurement:
@@ -410,15 +411,21 @@ def predict_max_batch_tensorwise(cfg_model: ModelConfig, budget_bytes: float, *,
     affine memory model of :func:`predict_max_batch` leaves out (``OMISSIONS``) included.
     ``cuda=True`` rounds each tensor as the CUDA caching allocator does (512-byte blocks).
     Returns 0 when not even one sequence fits. Dropout off (every preset has it).
+
+    ``checkpointed=True``: every block checkpointed (``checkpointing.apply_checkpointing(model,
+    every=1)``); the peak is then the largest of the moments
+    :func:`labkit.batching.checkpointing.checkpointed_step_moments` lists.
     """
     from labkit import memory  # layer 3
+    from labkit.batching import checkpointing
 
     budget = _budget(budget_bytes)
     seq_len = _seq_len(cfg_model, seq_len)
     dtype = _dtype(dtype)
 
     def fits(b: int) -> bool:
-        peak = memory.predicted_step_peak(cfg_model, b, dtype=dtype, seq_len=seq_len)
+        peak = (checkpointing.predicted_checkpointed_step_peak if checkpointed
+                else memory.predicted_step_peak)(cfg_model, b, dtype=dtype, seq_len=seq_len)
         return (peak.cuda_bytes if cuda else peak.bytes) <= budget
 
     if not fits(1):
