@@ -48,6 +48,12 @@ Sources cited below:
                scale), x ≈ x_fp8 / scale), float8_linear_utils.py (``convert_to_float8_training``,
                ``_auto_filter_for_tensorwise``: "All dims must be divisible by 16 due to float8
                hardware requirements").
+    [MX]       Open Compute Project, "OCP Microscaling Formats (MX) Specification", v1.0 (2023):
+               blocks of k = 32 elements share one E8M0 (power-of-two) scale; §6.3 computes
+               the shared exponent as floor(log2 amax) minus the element format's emax.
+    [MXFP8-recipe]  Mishra et al. (NVIDIA) 2025, "Recipes for Pre-training LLMs with MXFP8",
+               arXiv 2506.08027: round the E8M0 scale up (amax / max toward +inf) so that no
+               value saturates; NVIDIA Transformer Engine implements it (``float_to_e8m0``).
 """
 
 from __future__ import annotations
@@ -235,6 +241,85 @@ def fp8_error_table(
         for fmt in formats
         for s in scalings
     ]
+
+
+# ----------------------------------------------------------------------------------------------
+# Block scaling (the OCP Microscaling formats), simulated
+
+MX_BLOCK = 32
+"""Elements that share one scale in the MX formats [MX, §5: k = 32 for every MX format]."""
+
+
+def mx_round_trip(x: torch.Tensor, fmt: str | torch.dtype = "fp8_e4m3", block: int = MX_BLOCK,
+                  rounding: str = "up") -> torch.Tensor:  # fmt: skip
+    """``x`` cast to an MX format and back: every ``block`` consecutive values (the tensor
+    flattened, zero-padded to a whole block) share one power-of-two scale X, stored as an
+    E8M0 exponent (clamped to 2**-127..2**127), and each value V/X is cast to fp8 with
+    saturation to ±max [MX, §5].
+
+    ``rounding`` picks the scale of a block with largest magnitude amax:
+
+    * ``"down"``, the spec's conversion [MX, §6.3]: X = 2**(floor(log2 amax) - emax), emax
+      the exponent of the element format's largest normal (8 for e4m3, max 448 = 1.75·2**8).
+      amax/X then lies in [2**emax, 2**(emax+1)), up to 511.9 for e4m3: a block's largest
+      values can saturate at 448, losing up to 12.5 % of their size.
+    * ``"up"``, NVIDIA's MXFP8 recipe [MXFP8-recipe; TE's ``float_to_e8m0`` of amax / max,
+      rounded toward +inf]: X = 2**ceil(log2(amax / max)), so nothing saturates, at the cost
+      of up to one binade of range left unused at the bottom.
+
+    A block of zeros keeps X = 1. This simulates the numerics only: nothing here runs on MX
+    hardware, and it says nothing about speed.
+    """
+    short = _fp8_name(fmt)
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"block={block!r} is not allowed: a positive number of elements")
+    if rounding not in ("up", "down"):
+        raise ValueError(f"rounding={rounding!r} is not allowed: 'up' (NVIDIA's MXFP8 recipe) "
+                         "or 'down' (the OCP MX v1.0 conversion)")  # fmt: skip
+    dtype = dtype_of(short)
+    fp8_max = torch.finfo(dtype).max
+    flat = x.detach().float().flatten()
+    pad = (-flat.numel()) % block
+    blocks = torch.cat([flat, flat.new_zeros(pad)]).view(-1, block)
+    amax = blocks.abs().amax(dim=1, keepdim=True).double()
+    safe = amax.clamp(min=2.0**-160)
+    if rounding == "down":
+        exponent = torch.floor(torch.log2(safe)) - math.floor(math.log2(fp8_max))
+    else:
+        exponent = torch.ceil(torch.log2(safe / fp8_max))
+    exponent = torch.where(amax > 0, exponent, torch.zeros_like(exponent)).clamp(-127, 127)
+    scale = torch.exp2(exponent).float()
+    q = (blocks / scale).clamp(-fp8_max, fp8_max).to(dtype).float() * scale
+    return q.flatten()[: flat.numel()].view_as(x)
+
+
+def scaling_errors(x: torch.Tensor, fmt: str | torch.dtype = "fp8_e4m3",
+                   block: int = MX_BLOCK) -> dict[str, dict[str, float]]:  # fmt: skip
+    """Relative RMS error, the median relative error of one value, and the share of nonzero
+    values flushed to zero, for one tensor cast
+    to ``fmt`` four ways: unscaled, one scale per tensor (torchao's tensorwise), and one
+    power-of-two scale per ``block`` values (:func:`mx_round_trip`), rounded down as the OCP
+    spec converts and up as NVIDIA's MXFP8 recipe does. Measured by casting."""
+    x = x.detach().float()
+    nonzero = x != 0
+    if not bool(nonzero.any()):
+        raise ValueError("x has no nonzero value: there is no error to measure")
+    out = {}
+    for how, back in (("unscaled", round_trip(x, fmt)),
+                      ("per tensor", round_trip(x, fmt, tensorwise_scale(x, fmt))),
+                      (f"per {block}-block, scale rounded down (OCP MX v1.0)",
+                       mx_round_trip(x, fmt, block, rounding="down")),
+                      (f"per {block}-block, scale rounded up (MXFP8 recipe)",
+                       mx_round_trip(x, fmt, block, rounding="up"))):  # fmt: skip
+        err = (back - x).double()
+        out[how] = {
+            # dominated by the largest values: what a matmul's sum mostly sees
+            "rel_rms_error": float(err.pow(2).sum().sqrt() / x.double().pow(2).sum().sqrt()),
+            # the typical value's own error, small values counted as much as large ones
+            "median_rel_error": float((err.abs() / x.double().abs())[nonzero].median()),
+            "flushed_to_zero": float(((back == 0) & nonzero).sum() / nonzero.sum()),
+        }
+    return out
 
 
 # ----------------------------------------------------------------------------------------------

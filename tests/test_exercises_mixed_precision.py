@@ -341,6 +341,10 @@ def _nonzero_finite(t):
             lambda t: (_nonzero_finite(t).to(torch.float16) == 0).float().mean(),
             r"returned Tensor .* return a Python float",
         ),
+        (
+            lambda t: float((_nonzero_finite(t).to(torch.bfloat16) == 0).float().mean()),
+            r"you cast to bfloat16, which has fp32's 8 exponent bits",
+        ),
     ],
 )
 def test_underflow_names_each_mistake(wrong, message):
@@ -407,9 +411,27 @@ def test_bytes_per_param_names_each_mistake(wrong, message):
         ex.verify("04.bytes_per_param", wrong)
 
 
-def test_bytes_per_param_wants_an_int():
+def test_bytes_per_param_wants_a_whole_number():
+    # 16.0 from dividing itemsizes is the right number (review N04-18); 16.5 is not a count
+    assert "agrees with the prediction" in ex.verify("04.bytes_per_param",
+                                                     lambda r: float(right(r)))  # fmt: skip
     with pytest.raises(ex.ExerciseFailed, match="returned float"):
-        ex.verify("04.bytes_per_param", lambda r: float(right(r)))
+        ex.verify("04.bytes_per_param", lambda r: right(r) + 0.5)
+
+
+def test_bytes_per_param_names_adamw_states_for_every_optimizer():
+    def adamw_always(r):
+        return right(r) - OPTIMIZER_STATES[r.optimizer] * dtype_bytes(r.state_dtype) \
+            + 2 * dtype_bytes(r.state_dtype)  # fmt: skip
+
+    with pytest.raises(ex.ExerciseFailed, match="plain SGD keeps no state"):
+        ex.verify("04.bytes_per_param", adamw_always)
+
+
+def test_bytes_per_param_names_a_table_of_known_recipes():
+    table = {name: right(r) for name, r in recipes.RECIPES.items()}
+    with pytest.raises(ex.ExerciseFailed, match="a table of known recipes cannot answer it"):
+        ex.verify("04.bytes_per_param", lambda r: table[r.name])
 
 
 def test_bytes_per_param_cases_cover_every_recipe_and_the_stated_ones():

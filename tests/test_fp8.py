@@ -306,3 +306,43 @@ def test_fp8_training_of_the_course_gpt_runs_and_learns():
     assert all(math.isfinite(x) for x in losses), losses
     assert losses[-1] < losses[0], losses  # the same batch ten times: it must fit it
     assert type(model.lm_head).__name__ == "Float8Linear"
+
+
+# --- block scaling (MX), simulated ------------------------------------------------------------
+
+
+def test_mx_scales_are_powers_of_two_per_block_of_32():
+    x = torch.cat([torch.full((32,), 1e-6), torch.full((32,), 300.0)])
+    back = fp8.mx_round_trip(x, "fp8_e4m3")
+    # each block has its own scale: the tiny block survives, unlike one scale for both
+    assert bool((back[:32] != 0).all())
+    assert bool((fp8.round_trip(x, "fp8_e4m3", fp8.tensorwise_scale(x, "fp8_e4m3"))[:32] == 0).all())
+    # with a power-of-two scale, a value that is itself fp8 times a power of two comes back exact
+    y = torch.tensor([3.0, 0.5, -1.25, 0.0] * 8) * 2.0**-20
+    assert torch.equal(fp8.mx_round_trip(y, "fp8_e4m3"), y)
+
+
+def test_mx_scale_rounded_down_saturates_and_rounded_up_does_not():
+    # amax = 480: OCP v1.0 takes X = 2**(8 - 8) = 1, and 480 saturates to 448 in e4m3;
+    # rounded up, X = 2**ceil(log2(480/448)) = 2, and 480/2 = 240 = 1.875 · 2**7 is exact
+    x = torch.tensor([480.0] + [1.0] * 31)
+    assert fp8.mx_round_trip(x, "fp8_e4m3", rounding="down")[0].item() == 448.0
+    assert fp8.mx_round_trip(x, "fp8_e4m3", rounding="up")[0].item() == 480.0
+    assert fp8.mx_round_trip(torch.zeros(40), "fp8_e5m2").abs().sum().item() == 0.0  # pads, zeros
+    with pytest.raises(ValueError, match="rounding"):
+        fp8.mx_round_trip(x, "fp8_e4m3", rounding="nearest")
+    with pytest.raises(ValueError, match="block"):
+        fp8.mx_round_trip(x, "fp8_e4m3", block=0)
+
+
+def test_scaling_errors_measures_four_ways():
+    torch.manual_seed(0)
+    x = torch.randn(4096) * 1e-4
+    x[7] = 3e-2  # one outlier sets the per-tensor scale for all
+    rows = fp8.scaling_errors(x, "fp8_e4m3")
+    assert list(rows)[:2] == ["unscaled", "per tensor"] and len(rows) == 4
+    assert rows["unscaled"]["flushed_to_zero"] > 0.9  # 1e-4 is below e4m3's 2**-9
+    blocks = [v for k, v in rows.items() if k.startswith("per 32-block")]
+    assert all(b["flushed_to_zero"] <= rows["per tensor"]["flushed_to_zero"] for b in blocks)
+    with pytest.raises(ValueError, match="no nonzero"):
+        fp8.scaling_errors(torch.zeros(8))

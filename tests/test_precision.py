@@ -450,6 +450,29 @@ def test_spacing_is_the_gap_to_the_next_value_up(fmt, value):
     assert precision.spacing(v.item(), fmt) == (up.double() - v.double()).item()
 
 
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("value", [1.0, 3.0, 4.0, 1000.0, 0.011, -2.0])
+def test_spacing_toward_smaller_is_the_gap_to_the_next_value_down(fmt, value):
+    dtype = precision.dtype_of(fmt)
+    v = torch.tensor(abs(value), dtype=dtype)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    down = (v.view(bits) - 1).view(dtype)  # the next magnitude down [IEEE754]
+    assert precision.spacing(value, fmt, toward="smaller") == (v.double() - down.double()).item()
+
+
+def test_a_bf16_one_is_lowered_by_a_smaller_step_than_raises_it():
+    # the review's measurement (N04-1): 1 - 0.003 moves, 1 + 0.0035 does not
+    one = torch.ones((), dtype=torch.bfloat16)
+    assert (one - 0.003).item() == 0.99609375 and (one + 0.0035).item() == 1.0
+    assert precision.spacing(1.0, "bf16", toward="smaller") / 2 < 0.003
+    assert precision.spacing(1.0, "bf16") / 2 > 0.0035
+    # the smallest normal's neighbour below is a subnormal, one whole gap away
+    tiny = precision.FORMATS["fp16"].smallest_normal
+    assert precision.spacing(tiny, "fp16", toward="smaller") == precision.spacing(tiny, "fp16")
+    with pytest.raises(ValueError, match="toward"):
+        precision.spacing(1.0, "bf16", toward="up")
+
+
 def test_spacing_refuses_values_outside_the_normal_range():
     with pytest.raises(ValueError, match="not a normal fp16 number"):
         precision.spacing(70000.0, "fp16")
@@ -522,3 +545,58 @@ def test_step_times_refuses_a_dtype_autocast_would_drop():
                              precisions=("float32", "fp8_e4m3"))  # fmt: skip
     with pytest.raises(ValueError, match="batches is empty"):
         precision.step_times(GPT(cfg.model), cfg.train, [], device=torch.device("cpu"))
+
+
+def test_step_times_modes_add_a_row_run_inside_its_context():
+    import contextlib
+
+    from labkit import config
+    from labkit.model import GPT
+
+    cfg = config.preset("smoke")
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (2, cfg.model.seq_len), generator=g)
+    entered = []
+
+    @contextlib.contextmanager
+    def marked():
+        entered.append(torch.is_autocast_enabled("cpu"))
+        yield
+
+    times = precision.step_times(GPT(cfg.model), cfg.train, [(x, torch.roll(x, -1, 1))],
+                                 device=torch.device("cpu"), precisions=("float32",), rounds=2,
+                                 warmup=1, modes={"marked fp32": ("float32", marked)})  # fmt: skip
+    assert set(times) == {"float32", "marked fp32"} and len(times["marked fp32"]) == 2
+    assert entered == [False, False, False]  # one per step of that row only, warm-up included
+    with pytest.raises(ValueError, match="modes"):
+        precision.step_times(GPT(cfg.model), cfg.train, [(x, x)], device=torch.device("cpu"),
+                             modes={"tf32": "float32"})  # fmt: skip
+
+
+# --- where a step's time goes -------------------------------------------------------------------
+
+
+def test_profile_step_finds_the_matmuls_in_the_autocast_dtype():
+    from labkit import config
+    from labkit.model import GPT
+
+    cfg = config.preset("smoke")
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (2, cfg.model.seq_len), generator=g)
+    batch = (x, torch.roll(x, -1, 1))
+    fp32 = precision.profile_step(model, cfg.train, batch, device=torch.device("cpu"),
+                                  warmup=1, steps=2)  # fmt: skip
+    bf16 = precision.profile_step(model, cfg.train, batch, device=torch.device("cpu"),
+                                  dtype="bf16", warmup=1, steps=2)  # fmt: skip
+    assert {r.input_dtype for r in fp32.matmuls} == {"float32"}
+    assert {r.input_dtype for r in bf16.matmuls} == {"bfloat16"}  # autocast engaged every one
+    # the same matmuls per step: 6 Linear layers a block + the head, forward and backward
+    assert sum(r.calls for r in fp32.matmuls) == sum(r.calls for r in bf16.matmuls) > 0
+    assert bf16.cast_calls > fp32.cast_calls  # autocast's casts of weights and inputs
+    assert 0 < fp32.share(fp32.matmul_s + fp32.attention_s + fp32.cast_s) < 1
+    assert fp32.kernels == bf16.kernels == ()  # no GPU
+    with pytest.raises(ValueError, match="steps"):
+        precision.profile_step(model, cfg.train, batch, device=torch.device("cpu"), steps=0)

@@ -15,6 +15,7 @@ Nothing is measured until a function here is called.
 from __future__ import annotations
 
 import datetime
+import statistics
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -64,15 +65,19 @@ _COMPUTE_SIZES = {"cpu": (64, 128, 256, 512, 1024, 2048),
 
 
 def _budgeted_sizes(dev: torch.device, dtype: torch.dtype, calls: int,
-                    budget_s: float) -> list[int]:  # fmt: skip
+                    budget_s: float, *, probes: int = 3, min_sizes: int = 3) -> list[int]:  # fmt: skip
     """The sizes of the ladder whose ``calls`` matmuls each should take ≤ ``budget_s`` in all.
 
-    Climbs the ladder timing one call per size (after an untimed one), and stops before a
-    size whose calls would pass the budget, predicting its time as 8× the last size's (n³
-    FLOPs, and a larger matmul is no less efficient than a smaller one). Why several sizes
-    rather than the largest: the largest is not always the fastest. bf16 on a CPU without
-    bf16 instructions ran at 3 GFLOP/s at n=128 and 1.3 GFLOP/s at n=512 on a 2-core AMD
-    EPYC, while its fp32 matmuls reached ~170 GFLOP/s at n=1024.
+    Climbs the ladder timing ``probes`` calls per size (after an untimed one) and keeps their
+    median, then stops before a size whose calls would pass the budget, predicting its time as
+    8× the last size's median (n³ FLOPs, and a larger matmul is no less efficient than a
+    smaller one). The first ``min_sizes`` sizes are always tried. Why a median and a floor:
+    deciding from one timed call let one slow call on a shared machine stop the ladder at
+    n=64, and the fp32 roof became a tiny matrix's rate (65 GFLOP/s where n=512 reached 166,
+    on a shared 2-core AMD EPYC; review finding N04-3). Why several sizes rather than the
+    largest: the largest is not always the fastest. bf16 on a CPU without bf16 instructions
+    ran at 3 GFLOP/s at n=128 and 1.3 GFLOP/s at n=512 on a 2-core AMD EPYC, while its fp32
+    matmuls reached ~170 GFLOP/s at n=1024.
     """
     ladder = _COMPUTE_SIZES["cuda" if dev.type == "cuda" else "cpu"]
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -80,13 +85,16 @@ def _budgeted_sizes(dev: torch.device, dtype: torch.dtype, calls: int,
     sizes: list[int] = []
     spent = last = 0.0  # seconds of one call of every size chosen so far; of the last one
     for n in ladder:
-        if sizes and calls * (spent + 8 * last) > budget_s:
+        if len(sizes) >= min_sizes and calls * (spent + 8 * last) > budget_s:
             break
         a = torch.randn(n, n, generator=gen, device=dev).to(dtype)
         torch.matmul(a, a)  # the first call selects a kernel and grows the allocator
-        with timer:
-            torch.matmul(a, a)
-        last = timer.elapsed_s
+        samples = []
+        for _ in range(probes):
+            with timer:
+                torch.matmul(a, a)
+            samples.append(timer.elapsed_s)
+        last = statistics.median(samples)
         spent += last
         sizes.append(n)
     return sizes
