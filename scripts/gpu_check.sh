@@ -481,7 +481,7 @@ if wanted notebooks; then
     mkdir -p "$NB_DIR"
     # Started longest first (their modelled time at size "gpu" on one GPU, benchmarks/README.md
     # "time budget"), so that no long notebook starts last; the rest in name order.
-    NB_FIRST="05 02 04 06 03 03b 02b 07 01 03c 00"
+    NB_FIRST="05 02 04 06 03 03b 03c 02b 07 01 03d 00"
     STARTS=()
     for id in $NB_FIRST; do
       for nb in "${NOTEBOOKS[@]}"; do

@@ -1,9 +1,12 @@
-"""Notebook 03b's exercise checks: they pass on the solutions and fail helpfully otherwise.
+"""Notebooks 03b's and 03c's exercise checks: they pass on the solutions and fail helpfully
+otherwise.
 
 The solutions are the ``%%writefile`` cells of ``solutions/03b_composing_parallelism.ipynb``
-and the stubs what ``labkit.nbgen`` makes of them. The kernel side runs in process with the
-launch replaced by a recorder; one real 4-rank launch of ``labkit.exercises.mp_worker`` runs
-the rank-side checks on the three solutions and on two wrong dispatches together.
+(``labkit.exercises.composing``) and ``solutions/03c_long_sequences_and_experts.ipynb``
+(``labkit.exercises.sequences_experts``), the stubs what ``labkit.nbgen`` makes of them. The
+kernel side runs in process with the launch replaced by a recorder; one real 4-rank launch of
+``labkit.exercises.mp_worker`` runs the rank-side checks of both notebooks on the three
+solutions and on two wrong dispatches together.
 """
 
 from __future__ import annotations
@@ -15,14 +18,17 @@ import nbformat
 import pytest
 
 from labkit import exercises as ex
-from labkit import launch, nbgen
-from labkit.exercises import composing
+from labkit import ids, launch, nbgen
+from labkit.exercises import composing, sequences_experts
 from labkit.exercises import model_parallel as exmp
 
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOK = ROOT / "solutions" / "03b_composing_parallelism.ipynb"
-FILES = {"03b.mesh_groups": "cp_mesh", "03b.ring_merge": "cp_merge",
-         "03b.moe_dispatch": "cp_dispatch"}  # fmt: skip
+NOTEBOOKS = {"03b": ROOT / "solutions" / "03b_composing_parallelism.ipynb",
+             "03c": ROOT / "solutions" / "03c_long_sequences_and_experts.ipynb"}  # fmt: skip
+CHECKS = {"03b": composing, "03c": sequences_experts}
+"""Notebook -> the module that registers its exercises (``labkit.exercises.MODULES``)."""
+FILES = {"03b.mesh_groups": "cp_mesh", "03c.ring_merge": "cp_merge",
+         "03c.moe_dispatch": "cp_dispatch"}  # fmt: skip
 WRITEFILE = re.compile(r"^%%writefile \{ex_dir\}/(?P<name>\w+)\.py\n")
 
 
@@ -35,9 +41,11 @@ def _writefile_cells(nb) -> dict[str, str]:
     return out
 
 
-SOLUTION_NB = nbformat.read(NOTEBOOK, as_version=4)
-SOLUTIONS = _writefile_cells(SOLUTION_NB)
-STUBS = _writefile_cells(nbgen.generate(SOLUTION_NB))
+SOLUTION_NBS = {nb: nbformat.read(path, as_version=4) for nb, path in NOTEBOOKS.items()}
+BY_NOTEBOOK = {nb: _writefile_cells(n) for nb, n in SOLUTION_NBS.items()}
+SOLUTIONS = {name: text for files in BY_NOTEBOOK.values() for name, text in files.items()}
+STUBS = {name: text for n in SOLUTION_NBS.values()
+         for name, text in _writefile_cells(nbgen.generate(n)).items()}  # fmt: skip
 
 # Wrong answers a learner plausibly writes, each with the diagnosis it must get.
 WRONG_GROUPS = {
@@ -104,11 +112,17 @@ def launches(monkeypatch):
     return calls
 
 
-def test_the_notebook_has_one_file_per_exercise_and_the_stubs_are_stubs():
+def test_each_notebook_has_one_file_per_exercise_and_the_stubs_are_stubs():
     assert set(SOLUTIONS) == set(STUBS) == set(FILES.values())
     for name in FILES.values():
         assert "BEGIN SOLUTION" not in STUBS[name] and "NotImplementedError" in STUBS[name]
-    assert [e.id for e in ex.catalogue("03b")] == sorted(FILES)
+    for nb, files in BY_NOTEBOOK.items():
+        mine = sorted(e for e in FILES if ids.of(e) == nb)
+        assert sorted(FILES[e] for e in mine) == sorted(files), nb
+        assert [e.id for e in ex.catalogue(nb)] == mine
+        assert sorted(CHECKS[nb].EXERCISES) == mine  # one module per notebook, no copies
+    assert ex.MODULES["03b"] == composing.__name__
+    assert ex.MODULES["03c"] == sequences_experts.__name__
 
 
 @pytest.mark.parametrize("exercise_id", sorted(FILES))
@@ -119,9 +133,10 @@ def test_check_passes_on_the_solution_and_sends_the_file_to_its_ranks(
     ex.check_in_workers(exercise_id, path)
     out = capsys.readouterr().out
     assert out.startswith(f"✓ {exercise_id}: ") and out.count("\n") == 1
+    checks = CHECKS[ids.of(exercise_id)]
     spec = {"exercise": exercise_id, "module": FILES[exercise_id], "path": str(path),
-            "names": list(composing.EXERCISES[exercise_id])}  # fmt: skip
-    assert launches == [(spec, composing.NPROC[exercise_id])]
+            "names": list(checks.EXERCISES[exercise_id])}  # fmt: skip
+    assert launches == [(spec, checks.NPROC[exercise_id])]
 
 
 @pytest.mark.parametrize("exercise_id", sorted(FILES))
@@ -145,17 +160,18 @@ def test_a_wrong_mesh_layout_is_named_in_the_kernel(mistake, tmp_path, launches)
 def test_a_wrong_merge_is_named_in_the_kernel(mistake, tmp_path, launches):
     path = write(tmp_path, "cp_merge_wrong", WRONG_MERGES[mistake])
     with pytest.raises(ex.ExerciseFailed, match=mistake):
-        composing.verify_file("03b.ring_merge", path)
+        sequences_experts.verify_file("03c.ring_merge", path)
     assert launches == []
 
 
 @pytest.mark.slow
 def test_the_rank_checks_pass_the_solutions_and_catch_an_unsorted_or_gathering_dispatch(tmp_path):
-    cases = [{"exercise": eid, "module": FILES[eid], "names": list(composing.EXERCISES[eid]),
+    cases = [{"exercise": eid, "module": FILES[eid],
+              "names": list(CHECKS[ids.of(eid)].EXERCISES[eid]),
               "path": str(write(tmp_path, FILES[eid], SOLUTIONS[FILES[eid]]))}
              for eid in sorted(FILES)]  # fmt: skip
     for name, text in [("cp_unsorted", UNSORTED_DISPATCH), ("cp_gather", GATHER_DISPATCH)]:
-        cases.append({"exercise": "03b.moe_dispatch", "module": name, "names": ["dispatch"],
+        cases.append({"exercise": "03c.moe_dispatch", "module": name, "names": ["dispatch"],
                       "path": str(write(tmp_path, name, text))})  # fmt: skip
     job = launch.run(exmp.WORKER, nproc=4, device="cpu", config={"cases": cases},
                      timeout_s=180, stream=False)  # fmt: skip

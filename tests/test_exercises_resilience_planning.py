@@ -1,4 +1,4 @@
-"""Notebooks 02b's and 03c's exercise checks: they pass on the solutions, say "not done" on the
+"""Notebooks 02b's and 03d's exercise checks: they pass on the solutions, say "not done" on the
 stubs, and name each usual mistake (plausible wrong answers below)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from labkit import exercises as ex
 from labkit import planner
 from labkit.exercises import planning, resilience
 
-# The solution cells of notebooks 02b and 03c, less their ex.check lines (same source, same stub).
+# The solution cells of notebooks 02b and 03d, less their ex.check lines (same source, same stub).
 SOLUTIONS = {
     "02b.checkpoint_plan": '''
 import math
@@ -27,7 +27,7 @@ def checkpoint_plan(blocking_s: float, restart_s: float, mtbf_s: float) -> tuple
     # END SOLUTION
 answer = checkpoint_plan
 ''',
-    "03c.choose_layout": '''
+    "03d.choose_layout": '''
 def choose_layout(predictions, memory_bytes: float, usable_memory: float):
     """The fastest prediction whose memory fits in usable_memory × memory_bytes; None if none does."""
     # BEGIN SOLUTION
@@ -39,10 +39,10 @@ answer = choose_layout
 }
 
 
-def test_the_catalogues_of_notebooks_02b_and_03c():
+def test_the_catalogues_of_notebooks_02b_and_03d():
     assert [e.id for e in ex.catalogue("02b")] == ["02b.checkpoint_plan"]
-    assert [e.id for e in ex.catalogue("03c")] == ["03c.choose_layout"]
-    assert all(e.reference is not None for e in ex.catalogue("02b") + ex.catalogue("03c"))
+    assert [e.id for e in ex.catalogue("03d")] == ["03d.choose_layout"]
+    assert all(e.reference is not None for e in ex.catalogue("02b") + ex.catalogue("03d"))
 
 
 @pytest.mark.parametrize("exercise_id", sorted(SOLUTIONS))
@@ -53,7 +53,7 @@ def test_solution_passes(exercise_id, capsys):
 @pytest.mark.parametrize("exercise_id", sorted(SOLUTIONS))
 def test_stub_is_not_done(exercise_id, capsys):
     secrets = {"02b.checkpoint_plan": ("math.sqrt(2", "tau / 2 + restart_s"),
-               "03c.choose_layout": ("usable_memory * memory_bytes", "min(fits")}[exercise_id]  # fmt: skip
+               "03d.choose_layout": ("usable_memory * memory_bytes", "min(fits")}[exercise_id]  # fmt: skip
     assert_stub_is_not_done(exercise_id, SOLUTIONS[exercise_id], capsys, secrets=secrets)
 
 
@@ -95,7 +95,7 @@ def test_the_checkpoint_failure_does_not_hand_over_the_target():
     assert f"{right:,.6g}" not in said and f"{right:.1f}" not in said
 
 
-# --- 03c.choose_layout ----------------------------------------------------------------------------
+# --- 03d.choose_layout ----------------------------------------------------------------------------
 
 
 def fastest_of_all(predictions, memory_bytes, usable_memory):
@@ -135,7 +135,7 @@ def reserve_inverted(predictions, memory_bytes, usable_memory):
 )
 def test_each_usual_layout_mistake_is_named(wrong, says):
     with pytest.raises(ex.ExerciseFailed, match=says):
-        ex.verify("03c.choose_layout", wrong)
+        ex.verify("03d.choose_layout", wrong)
 
 
 def test_the_check_covers_a_setting_where_the_reserve_changes_the_answer():

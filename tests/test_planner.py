@@ -302,8 +302,8 @@ def test_published_layout_is_feasible_and_ranks_in_the_top_few(case):
     assert math.isfinite(best.step_s) and 0 < best.predicted_mfu <= case.workload.mfu
 
 
-def test_the_rankings_notebook_03c_section_4_describes():
-    # Notebook 03c, section 4 prints these ranks at the assumed MFU of 50% and the default
+def test_the_rankings_notebook_03d_section_4_describes():
+    # Notebook 03d, section 4 prints these ranks at the assumed MFU of 50% and the default
     # 10 % memory reserve, and its sweep the ones at 100 %: keep them in step.
     ranks, full = {}, {}
     for case in planner.published_cases(mfu=0.5):

@@ -19,8 +19,9 @@ Hints come in steps (:func:`hint`): the first is conceptual, each call gives one
 is the recipe. A stub's own message carries no hint at all, so nothing is given away by
 running a cell.
 
-Exercises whose code must run on several ranks (notebooks 02 and 03) are written to a file by a
-``%%writefile`` cell and checked with :func:`check_in_workers`, which reports the same way.
+Exercises whose code must run on several ranks (notebooks 02, 03, 03b and 03c) are written to a
+file by a ``%%writefile`` cell and checked with :func:`check_in_workers`, which reports the same
+way.
 
 The registry is data: each :class:`Exercise` has an id, a title, its hints, a ``verify``
 function (takes the learner's answer, raises :class:`ExerciseFailed` or returns a sentence
@@ -62,7 +63,8 @@ MODULES: dict[str, str] = {
     "06": "labkit.exercises.profiling",
     "03b": "labkit.exercises.composing",
     "02b": "labkit.exercises.resilience",
-    "03c": "labkit.exercises.planning",
+    "03c": "labkit.exercises.sequences_experts",
+    "03d": "labkit.exercises.planning",
     "07": "labkit.exercises.capstone",
 }
 """Notebook -> the module that registers its exercises."""

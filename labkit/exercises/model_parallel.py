@@ -257,7 +257,7 @@ def run_rank_check(
 ) -> dict[str, Any]:
     """Run ``checks[exercise_id](ctx, *objs)`` and turn its outcome into the rank's report:
     {"exercise", "status": "ok" | "incomplete" | "failed", "message"}. Every notebook whose
-    checks run in ranks (03, 03b) reports through here."""
+    checks run in ranks (03, 03b, 03c) reports through here."""
     if exercise_id not in checks:
         raise ValueError(f"exercise={exercise_id!r}: no rank-side check; use one of {list(checks)}")
     out = {"exercise": exercise_id}

@@ -1,5 +1,5 @@
-"""Run a learner's exercise code inside real ranks (notebooks 03 and 03b) and report what each
-rank saw.
+"""Run a learner's exercise code inside real ranks (notebooks 03, 03b and 03c) and report what
+each rank saw.
 
     labkit.launch.run("labkit.exercises.mp_worker", nproc=2, config={"cases": [
         {"exercise": "03.f_and_g", "path": ".../mp_fg.py", "module": "mp_fg",
@@ -7,11 +7,11 @@ rank saw.
     ]})
 
 The notebook's checks (``labkit.exercises.model_parallel`` for 03, ``labkit.exercises.composing``
-for 03b: the module that registered the exercise) build each case from the learner's objects;
-this worker imports the learner's file itself (``model_parallel.resolve``), because a process
-cannot import code that exists only in the notebook kernel. Several cases run one after the
-other in one launch (the tests use that to check a solution, a stub and a wrong answer at the
-cost of one start-up).
+for 03b, ``labkit.exercises.sequences_experts`` for 03c: the module that registered the
+exercise) build each case from the learner's objects; this worker imports the learner's file
+itself (``model_parallel.resolve``), because a process cannot import code that exists only in
+the notebook kernel. Several cases run one after the other in one launch (the tests use that to
+check a solution, a stub and a wrong answer at the cost of one start-up).
 
 Config:
     cases   list of {"exercise", "path", "module", "names"} (see ``model_parallel.answer_spec``)

@@ -1,6 +1,6 @@
-"""Exercise checks for notebook 03c (schedules, debugging, planning), run in the kernel.
+"""Exercise checks for notebook 03d (schedules, debugging, planning), run in the kernel.
 
-* ``03c.choose_layout``  ``choose_layout(predictions, memory_bytes, usable_memory) ->
+* ``03d.choose_layout``  ``choose_layout(predictions, memory_bytes, usable_memory) ->
   Prediction | None``: the layout to run, given the planner's predictions
   (``labkit.planner.Prediction``: ``.memory["total"]`` bytes per GPU, ``.step_s``), the device's
   memory and the share of it a layout may fill (the rest a reserve for the CUDA context, NCCL's
@@ -70,7 +70,7 @@ def _diagnosis(preds: Any, cap: float, usable: float, got: Any) -> str:
 
 
 @exercise(
-    "03c.choose_layout",
+    "03d.choose_layout",
     "Choose the layout to run under a memory reserve",
     hints=(
         "two steps: first keep the layouts whose memory per GPU fits in the part of the memory "

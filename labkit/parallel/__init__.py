@@ -20,7 +20,7 @@ Data parallelism (notebook 02), every strategy behind the same small interface
     dp_config     the shared interface, and the checks a data-parallel config passes before
                   any process starts
 
-Pipeline and tensor parallelism (notebook 03; schedules and debugging in notebook 03c):
+Pipeline and tensor parallelism (notebook 03; schedules and debugging in notebook 03d):
 
     pipeline      the GPT cut into stages, one per rank, micro-batches streamed through
                   them (GPipe, 1F1B, interleaved), also over a mesh's "pp" dimension
@@ -28,8 +28,8 @@ Pipeline and tensor parallelism (notebook 03; schedules and debugging in noteboo
     timeline      each rank's timeline of a pipeline step: the bubble measured, the Gantt chart
     tensor        every layer's matrices split across ranks, Megatron-LM's f and g
 
-Composing them (notebook 03b), each strategy taking its process group from a named dimension
-of a device mesh:
+Composing them (notebook 03b; sequence, context and expert parallelism in notebook 03c), each
+strategy taking its process group from a named dimension of a device mesh:
 
     mesh          named device meshes: validated before any process group exists, each
                   rank's group along a dimension (row-major, as init_device_mesh), the bytes
