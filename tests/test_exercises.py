@@ -88,7 +88,8 @@ def test_the_generated_stub_is_not_done_and_gives_nothing_away(exercise_id, caps
 
 
 def test_registry_lists_and_rejects():
-    assert [e.id for e in ex.catalogue("01")] == ["01.adam_bytes", "01.param_count", "01.timed"]
+    assert [e.id for e in ex.catalogue("01")] == ["01.adam_bytes", "01.batch_plan",
+                                                   "01.param_count", "01.timed"]
     assert all(e.notebook == "01" and e.title and len(e.hints) >= 2 for e in ex.catalogue("01"))
     with pytest.raises(ValueError, match=r"exercise_id='01.nope' is not an exercise; known: \["):
         ex.check("01.nope", None)

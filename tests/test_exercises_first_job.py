@@ -3,6 +3,8 @@ names each usual mistake."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from exercise_cells import assert_check_passes, assert_stub_is_not_done
 
@@ -21,7 +23,18 @@ def ring_bytes_sent(numel: int, n_ranks: int, bytes_per_element: int = 4) -> flo
     # END SOLUTION
 answer = ring_bytes_sent
 """,
+    "00.bucket_size": """
+def bucket_bytes(alpha_s: float, beta: float, n_ranks: int, share: float = 0.8) -> float:
+    \"\"\"The smallest ring all-reduce, in bytes, whose α–β algbw reaches `share` of its limit.\"\"\"
+    # BEGIN SOLUTION
+    # algbw(S) = S / (2(n−1)(α + S/(nβ))) tends to nβ/(2(n−1)); their ratio is S / (S + nαβ)
+    return share / (1 - share) * n_ranks * alpha_s * beta
+    # END SOLUTION
+answer = bucket_bytes
+""",
 }
+SECRETS = {"00.ring_bytes": ("2 * (n_ranks - 1)", "steps * chunk"),
+           "00.bucket_size": ("1 - share", "S / (S + nαβ)")}
 
 
 def test_the_catalogue_of_notebook_00():
@@ -37,7 +50,7 @@ def test_solution_passes(exercise_id, capsys):
 @pytest.mark.parametrize("exercise_id", sorted(SOLUTIONS))
 def test_stub_is_not_done(exercise_id, capsys):
     assert_stub_is_not_done(exercise_id, SOLUTIONS[exercise_id], capsys,
-                            secrets=("2 * (n_ranks - 1)", "steps * chunk"))  # fmt: skip
+                            secrets=SECRETS[exercise_id])  # fmt: skip
 
 
 def whole_message(numel, n_ranks, bytes_per_element=4):
@@ -89,3 +102,95 @@ def test_answers_that_are_not_numbers_or_raise_are_reported():
         ex.verify("00.ring_bytes", lambda numel, p, e=4: numel / 0)
     with pytest.raises(ex.ExerciseFailed, match="pass the function itself"):
         ex.verify("00.ring_bytes", 42)
+
+
+# --------------------------------------------------------------------------- 00.bucket_size
+
+
+def right_bucket(a, b, n, s=0.8):
+    return s / (1 - s) * n * a * b
+
+
+@pytest.mark.parametrize(
+    ("wrong", "says"),
+    [
+        (lambda a, b, n, s=0.8: s / (1 - s) * a * b, "ONE point-to-point message"),
+        (lambda a, b, n, s=0.8: 2 * (n - 1) * s / (1 - s) * a * b, "whole message"),
+        (lambda a, b, n, s=0.8: 2 * right_bucket(a, b, n, s), "gloo's 4\\(n−1\\) messages"),
+        (lambda a, b, n, s=0.8: a * b, "Hockney"),
+        (lambda a, b, n, s=0.8: n * a * b, "half of the limit whatever share"),
+        (lambda a, b, n, s=0.8: s * n * a * b, "share enters the wrong way"),
+        (lambda a, b, n, s=0.8: (1 - s) / s * n * a * b, "upside down"),
+        (lambda a, b, n, s=0.8: 8 * right_bucket(a, b, n, s), "bits"),
+        (lambda a, b, n, s=0.8: right_bucket(a, b, n, s) / 4, "float32 elements"),
+        (lambda a, b, n, s=0.8: right_bucket(a, b, n, s) / 1e9, "GB"),
+        (lambda a, b, n, s=0.8: right_bucket(a, b, n, s) * 1e6, "not µs"),
+        (lambda a, b, n, s=0.8: 2.06e6, "write the all-reduce's time"),  # this machine's, fixed
+    ],
+    ids=["one-message", "whole-per-step", "gloo-4", "hockney", "half", "share-times",
+         "share-inverted", "bits", "elements", "GB", "alpha-us", "hard-coded"],
+)
+def test_each_usual_bucket_mistake_is_named(wrong, says):
+    with pytest.raises(ex.ExerciseFailed, match=says) as failed:
+        ex.verify("00.bucket_size", wrong)
+    said = str(failed.value)
+    a, b, n, s = next(c for c in first_job.BUCKET_CASES if f"({c[0]:g}, {c[1]:g}, {c[2]}," in said)
+    right = first_job.reference_bucket_bytes(a, b, n, s)
+    assert f"{right:,.6g}" not in said  # the diagnosis, never the target
+
+
+def test_a_bucket_rounded_to_whole_elements_passes():
+    assert "share of its bandwidth limit" in ex.verify(
+        "00.bucket_size", lambda a, b, n, s=0.8: 4 * n * math.ceil(right_bucket(a, b, n, s) / (4 * n)))
+
+
+def test_a_bucket_that_is_not_a_number_is_reported():
+    with pytest.raises(ex.ExerciseFailed, match="return a number of bytes"):
+        ex.verify("00.bucket_size", lambda a, b, n, s=0.8: None)
+
+
+def _times(median_s, n=15, spread=0.02):
+    return [median_s * (1 + spread * ((i % 5) - 2) / 2) for i in range(n)]
+
+
+@pytest.mark.parametrize(
+    ("quarter_s", "chosen_s", "says"),
+    [
+        # the large message: 8 MiB in 10 ms; the plan 1 MiB, its pace at 80%: 1.5625 ms
+        (1.2e-3, 1.4e-3, "the plan held"),  # the quarter's pace at 80%: 0.39 ms
+        (1.2e-3, 3.0e-3, "falls short"),
+        (0.3e-3, 1.4e-3, "so does a quarter of it"),
+    ],
+)
+def test_the_bucket_verdict_is_chosen_by_the_measurements(quarter_s, chosen_s, says):
+    sizes = [2**18, 2**20, 2**23]
+    text = first_job.judge_bucket_plan(sizes, [_times(quarter_s), _times(chosen_s), _times(10e-3)], 0.8)
+    assert says in text.splitlines()[-1]
+    from labkit import verdict
+
+    assert verdict.contradictions(text) == []
+
+
+def test_noisy_bucket_times_say_so_and_do_not_fail_anyone():
+    sizes = [2**18, 2**20, 2**23]
+    noisy = [1e-3, 4e-3, 1.5e-3, 3e-3, 0.8e-3, 2.5e-3, 1.2e-3, 3.5e-3]
+    text = first_job.judge_bucket_plan(sizes, [noisy, noisy, _times(10e-3, 8)], 0.8)
+    assert "too noisy to tell" in text.splitlines()[-1]
+
+
+ENDINGS = ("the plan held", "falls short", "so does a quarter of it", "too noisy to tell",
+           "whether a quarter of it falls short is too noisy")
+
+
+@pytest.mark.slow
+def test_a_planned_bucket_runs_for_real_on_two_ranks(capsys):
+    text = first_job.run_bucket_plan(2**18, 2, 0.8, rounds=5)
+    lines = text.splitlines()
+    assert "ran on 2 ranks over gloo: 5 rounds of all-reduces of 64 KiB, 256 KiB, 2 MiB" in lines[0]
+    assert any(e in lines[-1] for e in ENDINGS)
+    assert sum(line.startswith("verdict: ") for line in lines) == 2
+
+
+def test_a_plan_no_all_reduce_can_have_runs_nothing():
+    assert "nothing run" in first_job.run_bucket_plan(0.0, 2, 0.8)
+    assert "nothing run" in first_job.run_bucket_plan(float("nan"), 2, 0.8)

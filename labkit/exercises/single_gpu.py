@@ -3,7 +3,13 @@
 * ``01.param_count``  ``count_params(cfg) -> int``: a GPT's parameters from its config alone;
 * ``01.timed``        ``timed(fn, device) -> float``: the device time of one call, checked on a
   simulated asynchronous device (a virtual clock; nothing sleeps, nothing needs a GPU);
-* ``01.adam_bytes``   ``adamw_state_bytes(n_params) -> int``: bytes of fp32 AdamW model states.
+* ``01.adam_bytes``   ``adamw_state_bytes(n_params) -> int``: bytes of fp32 AdamW model states;
+* ``01.batch_plan``   ``plan_batch(peaks, budget) -> int``: a decision from measurements, the
+  largest micro-batch whose step peak fits ``budget`` bytes, from the peaks measured at two or
+  more batch sizes. Checked on sets of peaks where each usual mistake (scaling the whole peak
+  with the batch, a measured peak taken for the fixed part, rounding up, a measured batch)
+  gives a batch of its own; the notebook then runs the plan for real with
+  :func:`run_batch_plan`, the planned batch and one sequence more, and says whether it held.
 
 Each registers with :func:`labkit.exercises.exercise`; importing this module does nothing else.
 """
@@ -350,3 +356,147 @@ def _verify_adam_bytes(adamw_state_bytes: Any) -> str:
         "adamw_state_bytes(n) = 16·n bytes (fp32 weights, gradients, exp_avg, exp_avg_sq) "
         f"for {len(ADAM_BYTES_CASES)} sizes up to {max(ADAM_BYTES_CASES):,} parameters"
     )
+
+
+# --------------------------------------------------------------------------- 01.batch_plan
+
+
+def reference_plan_batch(peaks: dict[int, int], budget: int) -> int:
+    """What later cells use while the learner's answer is not done or wrong: the line through
+    the measured peaks (least squares), then the largest batch whose predicted peak fits."""
+    fixed, per_seq = _peak_line(peaks)
+    if per_seq <= 0:
+        raise ValueError(f"peaks={peaks!r}: the peak does not grow with the batch")
+    # a hair of slack: an exact fit of the budget must not fall to rounding of the line's floats
+    return max(0, math.floor((budget - fixed) / per_seq + 1e-9))
+
+
+def _peak_line(peaks: dict[int, int]) -> tuple[float, float]:
+    """(bytes that do not grow with the batch, bytes per sequence): least squares through the
+    measured (batch, peak) points."""
+    bs, ps = list(peaks), [float(v) for v in peaks.values()]
+    mb, mp = sum(bs) / len(bs), sum(ps) / len(ps)
+    per_seq = (sum((b - mb) * (p - mp) for b, p in zip(bs, ps, strict=True))
+               / sum((b - mb) ** 2 for b in bs))  # fmt: skip
+    return mp - per_seq * mb, per_seq
+
+
+def _line(fixed: float, per_seq: float, batches: tuple[int, ...]) -> dict[int, int]:
+    return {b: int(fixed + per_seq * b) for b in batches}
+
+
+# (measured peaks by batch, budget, what the case stands for). Built so that each usual
+# mistake gives a batch of its own: a large fixed part (parameters and AdamW's moments of a
+# bigger model), three measured points, a budget nothing fits. No budget is met exactly by a
+# whole batch: a least-squares line in floats may land a hair below it, and floor a batch
+# lower, through no fault of the plan.
+BATCH_PLAN_CASES = (
+    (_line(10_110_984, 4_869_120, (16, 32)), 3 * 88_016_904,
+     "the lab preset's step on a CPU (peaks measured at 16 and 32 sequences)"),
+    (_line(200_000_000, 1_000_000, (4, 8)), 300_500_000,
+     "a step whose parameters and optimizer state outweigh its activations"),
+    (_line(50_000_000, 3_000_000, (2, 4, 8)), 50_000_000 + 3_000_000 * 10 + 900_000,
+     "three measured points"),
+    (_line(60_000_000, 2_500_000, (2, 6)), 60_000_000 + 2_500_000 * 7 + 1_250_000,
+     "a budget that falls between two batch sizes"),
+    (_line(100_000_000, 10_000_000, (1, 2)), 105_000_000,
+     "a budget that not even one sequence fits"),
+)
+
+
+def _plan_diagnosis(peaks: dict[int, int], budget: int, got: int) -> str:
+    """Name the usual mistake that gives exactly ``got``, or say what the batch does."""
+    fixed, per_seq = _peak_line(peaks)
+    right = reference_plan_batch(peaks, budget)
+    exact = (budget - fixed) / per_seq
+    small, large = min(peaks), max(peaks)
+    if right == 0 and got >= 1:
+        return ("not even one sequence fits: the part of the peak that does not grow with the "
+                "batch already takes most of the budget, and one sequence more goes over it; "
+                "return 0 when no batch fits")  # fmt: skip
+    if got < 0:
+        return "a batch cannot be negative: when no batch fits, return 0"
+    proportional = {math.floor(budget * b / peaks[b]) for b in peaks}
+    if got in proportional:
+        return ("that scales the whole measured peak with the batch, as if every byte of it "
+                "belonged to the sequences: part of the peak (the parameters, AdamW's moments) "
+                "stays the same whatever the batch, so each extra sequence costs less than "
+                "the peak divided by the batch")  # fmt: skip
+    as_fixed = {math.floor((budget - peaks[b]) / per_seq) for b in peaks}
+    if got in as_fixed:
+        return ("that treats a measured peak itself as the part that does not grow, and adds "
+                "sequences on top of it: that peak already holds its own sequences")
+    if got == right + 1 and got in (math.ceil(exact), round(exact)):
+        return (f"rounded up: the predicted peak of {got} sequences is over the budget; the "
+                "largest batch that fits is the last whole one below the exact point")
+    if got in peaks and got < right:
+        return ("that is one of the measured batch sizes; the plan must predict the batches "
+                "between and beyond them too")
+    if got == right - 1:
+        return (f"a batch of {got + 1} fits too (its predicted peak is at most the budget, "
+                "which a batch may fill exactly): the largest one that fits is asked for")
+    if got > right:
+        over = fixed + per_seq * got - budget
+        return (f"the peak predicted for {got} sequences exceeds the budget by {over:,.0f} B: "
+                "predict each batch's peak from the measured ones, then keep the largest "
+                "batch that fits")
+    return (f"batches larger than {got} fit too: predict each batch's peak from the measured "
+            f"ones (from {small} to {large} sequences here), then keep the largest that fits")
+
+
+@exercise(
+    "01.batch_plan",
+    "Plan the largest batch that fits a memory budget, from measured step peaks",
+    hints=(
+        "the peak of a training step has a part that grows with the batch (what each sequence "
+        "keeps: activations, logits and their gradients, token ids) and a part that does not "
+        "(parameters, AdamW's moments); two measured peaks are enough to tell the two apart",
+        "the measured points lie on a straight line in the batch: its slope is what one more "
+        "sequence costs, and where it meets batch 0 is the part that does not grow. With more "
+        "than two points, fit the line through all of them",
+        "then ask, for each batch size, whether its predicted peak is at most the budget; the "
+        "answer is the last whole batch that passes, which can be 0",
+        "recipe: find the bytes per extra sequence from the differences between the measured "
+        "peaks; subtract that many bytes per sequence from a measured peak to get the part "
+        "that does not grow; take what the budget leaves after that part, divide it by the "
+        "bytes per sequence, and round down to a whole batch, never below zero",
+    ),
+    reference=reference_plan_batch,
+)
+def _verify_batch_plan(plan_batch: Any) -> str:
+    fn = _require_callable(plan_batch, "plan_batch(peaks: dict[int, int], budget: int) -> int")
+    for peaks, budget, what in BATCH_PLAN_CASES:
+        shown = f"{_name(fn)}({peaks}, {budget:,})"
+        got = _require_int(call(fn, dict(peaks), budget), shown)
+        if got != reference_plan_batch(peaks, budget):
+            raise ExerciseFailed(f"for {what}, {shown} returned a batch of {got}: "
+                                 f"{_plan_diagnosis(peaks, budget, got)}")  # fmt: skip
+    return (f"{_name(fn)} picks the largest batch under the budget on {len(BATCH_PLAN_CASES)} "
+            "sets of measured peaks (a large fixed part, three points, nothing that fits); "
+            "below, your plan runs for real")
+
+
+def run_batch_plan(batch: int, budget: int, measure: Callable[[int], int]) -> str:
+    """Run the planned ``batch`` and one sequence more for real (``measure(b)``: the measured
+    peak bytes of one training step at batch b) and return what happened, chosen by the
+    measured peaks against ``budget``: the plan held, its batch did not fit, or a larger one
+    fits too. Prints the measurements."""
+    tried = [b for b in (batch, batch + 1) if b >= 1]
+    got = {b: measure(b) for b in tried}
+    for b, peak in got.items():
+        side = "fits" if peak <= budget else "over"
+        print(f"measured: batch {b:>4}: peak {peak:>14,} B, {side} the budget of {budget:,} B "
+              f"by {abs(budget - peak):,} B")  # fmt: skip
+    if batch < 0:
+        return f"the plan is a batch of {batch}, which cannot run"
+    if batch >= 1 and got[batch] > budget:
+        return (f"the plan did not hold: a batch of {batch} does not fit (measured). Either the "
+                "plan went past the line through the measured peaks, or the step does not grow "
+                "on a straight line here (its peak can fall at another moment of the step for "
+                "other batch sizes)")  # fmt: skip
+    if got[batch + 1] <= budget:
+        return (f"the plan left room: a batch of {batch + 1} fits too (measured). A plan that "
+                "scales the whole peak with the batch, or counts bytes that are not alive at "
+                "the peak, asks for less than fits")  # fmt: skip
+    return (f"the plan held: a batch of {batch} fits and {batch + 1} does not (measured)"
+            if batch else "the plan held: not even one sequence fits (measured)")

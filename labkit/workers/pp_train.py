@@ -19,7 +19,7 @@ Config (all optional):
     save_grads    write each schedule's gradients to the job directory (default false)
 
 Result per rank: bounds, and one entry per (schedule, m) in ``runs`` with the loss, median
-step time, measured bubble (this rank, and the mean over ranks) next to the formulas, and the
+step time (and every timed step's, ``steps_s``), measured bubble (this rank, and the mean over ranks) next to the formulas, and the
 stage's activation memory measured and predicted. Rank 0 also returns ``events``: every
 rank's F/B events of the last timed step of each run, keyed "schedule/m", for
 ``timeline.plot_timeline``.
@@ -148,6 +148,7 @@ def main(ctx: dist.Context) -> dict[str, Any]:
                     "m": m,
                     "loss": loss,
                     "step_s": statistics.median(steps_s),
+                    "steps_s": steps_s,  # every timed step, for a verdict with spread
                     "bubble": statistics.median(bubbles),
                     "bubble_mean": statistics.median(mean_bubbles),
                     "bubble_formula": formulas.bubble_fraction(p, m),
