@@ -366,3 +366,19 @@ def test_cuda_snapshot_timeline_rises_in_forward_and_is_saved_for_memory_viz(tmp
         assert tl.categories.at("parameter", tl.phase("forward").start_s) == job.param_bytes
     ax = plot_memory_timeline(tl)
     assert "Device memory" in ax.get_title()
+
+
+def test_the_recordings_memory_columns_give_each_phases_net_bytes(recorded):
+    """key_averages' CPU Mem column (profile_memory=True) per phase: the batch the data phase
+    allocates and the gradients the optimizer phase frees, to the byte."""
+    from labkit.profiling import PHASES, net_bytes
+
+    job, tl = recorded
+    assert tl.recorded_steps == 2 and tl.averages is not None
+    net = net_bytes(tl.averages, PHASES, steps=tl.recorded_steps)
+    assert net["data"] == job.x.numel() * job.x.element_size()  # xb = x * 1
+    assert net["optimizer"] == -job.param_bytes  # zero_grad(set_to_none=True) frees the grads
+    assert net["forward"] > 0 > net["backward"]
+    assert net_bytes(tl.averages, ["no such range"], steps=2) == {}
+    with pytest.raises(ValueError, match="steps=0"):
+        net_bytes(tl.averages, PHASES, steps=0)

@@ -3,7 +3,8 @@
 One short module each, measurement apart from display:
 
     phases           phase(name): a record_function range and an NVTX range with one name
-    capture          profile_steps (a schedule, tables, one trace per active window) and
+    capture          profile_steps (a schedule, tables, one trace per active window),
+                     counted_flops and net_bytes (the tables' FLOP and memory columns) and
                      profiler_overhead (the cost of looking, measured)
     attribution      attribute_step: a step's time by kind of operator (matmul, attention,
                      optimizer, ...), from the profiler's self times
@@ -15,7 +16,8 @@ One short module each, measurement apart from display:
     plot             plot_trace: a per-thread (per-stream) timeline drawn from the trace files
     memory_timeline  memory over time: the profiler's categories (CPU), the allocator's
                      history snapshot (CUDA), drawn with the phases shaded
-    hta              Holistic Trace Analysis on a job's traces, and what it could not do
+    hta              Holistic Trace Analysis on a job's traces, and what it could not do;
+                     its TraceDiff (before/after) and CUDA kernel launch statistics
     nsight           nsys / ncu commands, runs and CSV readers; a kernel on the roofline
     bottlenecks      planted slow-downs (data loading, launch overhead, host syncs), measured
 
@@ -26,16 +28,21 @@ from __future__ import annotations
 
 from labkit.profiling.attribution import Attribution, attribute_step, kind_of
 from labkit.profiling.capture import (
+    MEMORY_COLUMNS,
     MODES,
     Overhead,
     ProfiledRun,
+    counted_flops,
     judge_prediction,
+    net_bytes,
     profile_steps,
     profiler_overhead,
     quiet_kineto,
 )
-from labkit.profiling.hta import HtaReport, hta_report
+from labkit.profiling.hta import HtaReport, LaunchStats, TraceDiffResult, hta_report
+from labkit.profiling.hta import launch_stats as hta_launch_stats
 from labkit.profiling.hta import side_by_side as hta_side_by_side
+from labkit.profiling.hta import trace_diff as hta_trace_diff
 from labkit.profiling.memory_timeline import (
     MemoryTimeline,
     forward_rise,
@@ -54,6 +61,7 @@ from labkit.profiling.nsight import (
     plot_kernel_summary,
     profile_nsys,
     run_ncu,
+    step_snippet,
 )
 from labkit.profiling.overlap import (
     GpuSplit,
@@ -73,11 +81,13 @@ from labkit.profiling.trace import Span, Trace, TraceError, load_trace, load_tra
 
 __all__ = [
     "COMMUNICATION",
+    "MEMORY_COLUMNS",
     "MODES",
     "PHASES",
     "Attribution",
     "GpuSplit",
     "HtaReport",
+    "LaunchStats",
     "MemoryTimeline",
     "NcuCommand",
     "NotRun",
@@ -89,21 +99,26 @@ __all__ = [
     "Span",
     "Straggler",
     "Trace",
+    "TraceDiffResult",
     "TraceError",
     "attribute_step",
     "compute_and_comm",
+    "counted_flops",
     "find_straggler",
     "forward_rise",
     "gpu_split",
     "gpu_work",
     "hidden_fraction",
+    "hta_launch_stats",
     "hta_report",
     "hta_side_by_side",
+    "hta_trace_diff",
     "judge_prediction",
     "kind_of",
     "linear_snippet",
     "load_trace",
     "load_traces",
+    "net_bytes",
     "nvtx_backend",
     "phase",
     "place_on_roofline",
@@ -118,6 +133,7 @@ __all__ = [
     "rank_times",
     "record_memory_timeline",
     "run_ncu",
+    "step_snippet",
     "timeline_from_snapshot",
     "timeline_from_trace_events",
     "trace_files",

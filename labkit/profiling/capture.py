@@ -94,8 +94,15 @@ def profile_steps(
     record_shapes: bool = True,
     profile_memory: bool = False,
     with_stack: bool = False,
+    with_flops: bool = False,
 ) -> ProfiledRun:
     """Run ``(wait + warmup + active) × repeat`` steps under the profiler; export each window.
+
+    ``with_flops`` has the profiler count each operator's FLOPs from its input shapes
+    (``key_averages()``'s ``flops``), with torch's formulas for a few operators only:
+    ``aten::mm``, ``addmm``, ``bmm``, ``baddbmm``, ``conv2d``, ``mul`` and ``add`` (torch 2.13,
+    ``torch/csrc/profiler/util.cpp``, "List of supported operators"); a fused attention
+    operator (``scaled_dot_product_attention``) counts none. See :func:`counted_flops`.
 
     Raises:
         ValueError: a schedule that would record nothing (active < 1, repeat < 1), before
@@ -119,16 +126,49 @@ def profile_steps(
     sched = schedule(wait=wait, warmup=warmup, active=active, repeat=repeat)
     settings = {"wait": wait, "warmup": warmup, "active": active, "repeat": repeat,
                 "record_shapes": record_shapes, "profile_memory": profile_memory,
-                "with_stack": with_stack}  # fmt: skip
+                "with_stack": with_stack, "with_flops": with_flops}  # fmt: skip
     with profile(activities=activities(device), schedule=sched, on_trace_ready=export,
                  record_shapes=record_shapes, profile_memory=profile_memory,
-                 with_stack=with_stack) as prof:  # fmt: skip
+                 with_stack=with_stack, with_flops=with_flops) as prof:  # fmt: skip
         for i in range(n):
             step(i)
             prof.step()
     if len(written) != repeat or not all(p.exists() for p in written):
         raise RuntimeError(f"expected {repeat} trace(s) in {trace_dir}, found {len(written)}")
     return ProfiledRun(prof, written, n, settings)
+
+
+def counted_flops(averages: Any, steps: int) -> dict[str, float]:
+    """FLOPs per step by operator, as the profiler counted them (``with_flops=True``).
+
+    ``averages`` is ``prof.key_averages()`` over ``steps`` recorded steps; operators the
+    profiler has no formula for are left out (they are not zero-FLOP operators: the profiler
+    does not know). Raises ValueError when nothing was counted: the profile ran without
+    ``with_flops``."""
+    _count("steps", steps, 1)
+    counted = {e.key: e.flops / steps for e in averages if getattr(e, "flops", 0)}
+    if not counted:
+        raise ValueError("no operator carries a FLOP count: profile with with_flops=True "
+                         "(profile_steps(..., with_flops=True))")  # fmt: skip
+    return counted
+
+
+MEMORY_COLUMNS = {"cpu": "cpu_memory_usage", "cuda": "device_memory_usage"}
+"""``key_averages()``'s memory column per device type (``profile_memory=True``): bytes
+allocated minus bytes freed while the operator or range ran, its children included (the
+``self_`` columns leave the children out; torch 2.13, ``torch/autograd/profiler.py``: each
+memory record inside an event's interval adds its signed size)."""
+
+
+def net_bytes(averages: Any, names: Sequence[str], steps: int,
+              device: torch.device | str = "cpu") -> dict[str, float]:  # fmt: skip
+    """Net bytes allocated per step inside each named range or operator (allocations minus
+    frees, children included), from ``key_averages()`` of a ``profile_memory=True`` recording
+    of ``steps`` steps; a name that was not recorded is left out."""
+    _count("steps", steps, 1)
+    column = MEMORY_COLUMNS["cuda" if torch.device(device).type == "cuda" else "cpu"]
+    rows = {e.key: e for e in averages}
+    return {n: getattr(rows[n], column) / steps for n in names if n in rows}
 
 
 # --- the cost of looking --------------------------------------------------------------------

@@ -262,3 +262,187 @@ def side_by_side(report: HtaReport, traces: Sequence[Trace]) -> str:
 
 def _pct(value: float) -> str:
     return "n/a" if math.isnan(value) else f"{value:.2f}%"
+
+
+# --- before and after: HTA's TraceDiff ---------------------------------------------------------
+
+
+@dataclass
+class TraceDiffResult:
+    """HTA's ``TraceDiff.compare_traces`` on two runs' traces, per recorded step; or why not.
+
+    ``table`` (a DataFrame indexed by operator or kernel name) holds, for each side, the calls
+    per step and the microseconds per step (HTA's counts and total durations over every
+    recorded step it read, divided by that side's number of steps), and their differences."""
+
+    labels: tuple[str, str]
+    steps: tuple[int, int] = (0, 0)
+    table: Any = None
+    failure: str = ""
+
+    def per_step(self, name: str) -> tuple[float, float]:
+        """Calls of ``name`` per step: (control, test); 0 where a side has none."""
+        if self.table is None:
+            raise ValueError(f"TraceDiff produced nothing: {self.failure}")
+        if name not in self.table.index:
+            return 0.0, 0.0
+        row = self.table.loc[name]
+        a, b = self.labels
+        return float(row[f"{a} calls/step"]), float(row[f"{b} calls/step"])
+
+    def describe(self, top: int = 6) -> str:
+        if self.table is None:
+            return f"HTA TraceDiff: nothing ({self.failure})"
+        a, b = self.labels
+        t = self.table
+        lines = [f"HTA TraceDiff, {a} → {b} (rank 0; {self.steps[0]} and {self.steps[1]} recorded "
+                 "steps; per step):"]  # fmt: skip
+        moved = t[t["Δ calls/step"] != 0].sort_values("Δ calls/step", key=abs, ascending=False)
+        lines.append(f"  {'calls changed':<44}{a:>10}{b:>10}")
+        for name, row in moved.head(top).iterrows():
+            lines.append(f"  {str(name)[:43]:<44}{row[f'{a} calls/step']:>10.1f}"
+                         f"{row[f'{b} calls/step']:>10.1f}")  # fmt: skip
+        slower = t.sort_values("Δ µs/step", key=abs, ascending=False)
+        lines.append(f"  {'time changed most (µs per step)':<44}{a:>10}{b:>10}")
+        for name, row in slower.head(top).iterrows():
+            lines.append(f"  {str(name)[:43]:<44}{row[f'{a} µs/step']:>10.0f}"
+                         f"{row[f'{b} µs/step']:>10.0f}")  # fmt: skip
+        return "\n".join(lines)
+
+
+def trace_diff(control_dir: str | Path, test_dir: str | Path, *,
+               labels: tuple[str, str] = ("before", "after"), rank: int = 0,
+               device: str = "cpu") -> TraceDiffResult:  # fmt: skip
+    """Compare one rank's operators (``device="cpu"``), kernels (``"gpu"``) or both (``"all"``)
+    in two runs' trace folders with HTA's ``TraceDiff`` (HTA 0.5.0, ``hta/trace_diff.py``),
+    over every recorded step of each, with exact times. Never raises for HTA's own failures:
+    the result says what went wrong."""
+    if device not in ("cpu", "gpu", "all"):
+        raise ValueError(f"device={device!r} is not allowed: 'cpu', 'gpu' or 'all'")
+    if len(labels) != 2 or labels[0] == labels[1]:
+        raise ValueError(f"labels={labels!r}: give two different names")
+    for folder in (control_dir, test_dir):
+        if not Path(folder).is_dir():
+            raise FileNotFoundError(f"{folder}: no such folder; give the folder of one run's traces")
+    result = TraceDiffResult(labels=tuple(labels))  # type: ignore[arg-type]
+    try:
+        from hta.trace_diff import DeviceType, LabeledTrace, TraceDiff
+    except ImportError as e:
+        result.failure = f"HTA is not installed ({e}): pip install holistictraceanalysis"
+        return result
+    sink = io.StringIO()
+    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink), \
+            warnings.catch_warnings(), _env(HTA_DISABLE_NS_ROUNDING="1"):
+        warnings.simplefilter("ignore")
+        try:
+            a = LabeledTrace(labels[0], trace_dir=str(control_dir))
+            b = LabeledTrace(labels[1], trace_dir=str(test_dir))
+            steps = (len(a.iterations()), len(b.iterations()))
+            df = TraceDiff.compare_traces(a, b, control_rank=rank, test_rank=rank,
+                                          control_iteration=a.iterations(),
+                                          test_iteration=b.iterations(),
+                                          device_type=getattr(DeviceType, device.upper()))  # fmt: skip
+        except Exception as e:
+            result.failure = _hta_error(e)
+            return result
+    if not all(steps):
+        result.failure = f"a side has no recorded steps (ProfilerStep ranges): {steps}"
+        return result
+    import pandas as pd
+
+    x, y = labels
+    # one row for the steps themselves: HTA keys them by name, ProfilerStep#N, one row per N
+    is_step = df.index.to_series().str.match(r"^ProfilerStep#\d+$")
+    if is_step.any():
+        steps_row = df[is_step].select_dtypes("number").sum().to_frame("ProfilerStep (the steps)").T
+        df = pd.concat([df[~is_step], steps_row])
+    table = pd.DataFrame({
+        f"{x} calls/step": df[f"{x}_counts"] / steps[0],
+        f"{y} calls/step": df[f"{y}_counts"] / steps[1],
+        f"{x} µs/step": df[f"{x}_total_duration"] / steps[0],
+        f"{y} µs/step": df[f"{y}_total_duration"] / steps[1],
+    })
+    table["Δ calls/step"] = table[f"{y} calls/step"] - table[f"{x} calls/step"]
+    table["Δ µs/step"] = table[f"{y} µs/step"] - table[f"{x} µs/step"]
+    result.steps, result.table = steps, table
+    return result
+
+
+# --- launch-bound or not: HTA's CUDA kernel launch statistics ---------------------------------
+
+
+@dataclass
+class LaunchStats:
+    """HTA's ``get_cuda_kernel_launch_stats`` for one rank, summarised; or why it gave nothing.
+
+    Per launch HTA pairs the CPU call (``cudaLaunchKernel``, ``cudaMemcpyAsync``, ...) with the
+    GPU work it queued, by correlation id: ``cpu_duration`` (the call), ``gpu_duration`` (the
+    kernel) and ``launch_delay`` (from the call's end to the kernel's start, clipped at 0)."""
+
+    rank: int
+    table: Any = None
+    failure: str = ""
+
+    @property
+    def launches(self) -> int:
+        return 0 if self.table is None else len(self.table)
+
+    @property
+    def shorter_than_launch(self) -> float:
+        """Share of the launches whose GPU work took less time than the CPU call that queued
+        it: a GPU that finishes kernels faster than the CPU launches them waits for the CPU
+        (the launch-bound signature)."""
+        if not self.launches:
+            return math.nan
+        t = self.table
+        return float((t["gpu_duration"] < t["cpu_duration"]).mean())
+
+    def describe(self) -> str:
+        if not self.launches:
+            return f"HTA kernel launch statistics, rank {self.rank}: nothing ({self.failure})"
+        t = self.table
+        return (f"HTA kernel launch statistics, rank {self.rank}: {self.launches:,} launches; "
+                f"median CPU call {t['cpu_duration'].median():.1f} µs, GPU work "
+                f"{t['gpu_duration'].median():.1f} µs, launch delay "
+                f"{t['launch_delay'].median():.1f} µs; {self.shorter_than_launch:.0%} of the "
+                "launches queued work shorter than the call that queued it (measured)")
+
+
+def launch_stats(trace_dir: str | Path, *, rank: int = 0,
+                 loader: Callable[[str], Any] | None = None) -> LaunchStats:  # fmt: skip
+    """HTA's CUDA kernel launch statistics for ``rank`` of the traces in ``trace_dir``.
+
+    A trace recorded on CPU only holds no CUDA launches: HTA returns an empty table, and the
+    result says so. ``loader`` stands in for ``TraceAnalysis`` in tests."""
+    trace_dir = Path(trace_dir)
+    if not trace_dir.is_dir():
+        raise FileNotFoundError(f"{trace_dir}: no such folder; give the folder of one job's traces")
+    result = LaunchStats(rank)
+    if loader is None:
+        try:
+            from hta.trace_analysis import TraceAnalysis
+        except ImportError as e:
+            result.failure = f"HTA is not installed ({e}): pip install holistictraceanalysis"
+            return result
+
+        def loader(path: str) -> Any:
+            return TraceAnalysis(trace_dir=path, include_last_profiler_step=True)
+
+    sink = io.StringIO()
+    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink), \
+            warnings.catch_warnings(), _env(HTA_DISABLE_NS_ROUNDING="1"):
+        warnings.simplefilter("ignore")
+        try:
+            found = loader(str(trace_dir)).get_cuda_kernel_launch_stats(ranks=[rank],
+                                                                        visualize=False)
+        except Exception as e:
+            result.failure = _hta_error(e)
+            return result
+    table = (found or {}).get(rank)
+    if table is None or table.empty:
+        result.failure = ("an empty table: the traces hold no CUDA launch calls "
+                          "(cudaLaunchKernel, cuda_runtime events) paired with GPU work by "
+                          "correlation id, which a trace recorded on the CPU does not have")  # fmt: skip
+        return result
+    result.table = table
+    return result

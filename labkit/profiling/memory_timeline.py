@@ -148,6 +148,10 @@ class MemoryTimeline:
     snapshot_path: str | None = None
     """The pickled CUDA snapshot, for https://pytorch.org/memory_viz (CUDA only)."""
     notes: tuple[str, ...] = dataclasses.field(default=())
+    averages: Any = dataclasses.field(default=None, compare=False, repr=False)
+    """The recording's ``key_averages()`` (``profile_memory=True``: its memory columns), over
+    ``recorded_steps`` steps; None where the timeline was built from saved events."""
+    recorded_steps: int = 0
 
     def __post_init__(self) -> None:
         if len(self.times_s) != len(self.total_bytes) or not self.times_s:
@@ -629,7 +633,8 @@ def record_memory_timeline(
     elif cuda:
         kw = {"notes": ("no snapshot history on the trace's clock: the total is the profiler's "
                         "[memory] events instead",)}
-    return dataclasses.replace(tl, **kw, categories=cats, categories_note=note)
+    return dataclasses.replace(tl, **kw, categories=cats, categories_note=note,
+                               averages=prof.key_averages(), recorded_steps=steps)
 
 
 # --- drawing ------------------------------------------------------------------------------

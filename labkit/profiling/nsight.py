@@ -443,6 +443,15 @@ class NcuCommand:
     metrics: Sequence[str] = DRAM_BYTES_METRICS
     target_processes: str = "all"
     extra: Sequence[str] = ()
+    section_set: str | None = None
+    """``--set NAME``: a predefined group of sections (``full`` collects every section,
+    ``basic`` the default few; ``ncu --list-sets`` lists them), on top of ``sections``."""
+    nvtx_include: Sequence[str] = ()
+    """``--nvtx --nvtx-include F`` for each F: profile only kernels launched inside the NVTX
+    ranges F names. A push/pop range (``torch.cuda.nvtx.range_push``, labkit's ``phase``) is
+    written with a trailing slash, ``"forward/"``; a start/end range without one (Nsight
+    Compute CLI, "NVTX Filtering", https://docs.nvidia.com/nsight-compute/NsightComputeCli/).
+    ``--launch-skip``/``--launch-count`` then count only the kernels that pass both filters."""
 
     tool = NCU
 
@@ -475,13 +484,24 @@ class NcuCommand:
         object.__setattr__(self, "sections", sections)
         object.__setattr__(self, "metrics", metrics)
         object.__setattr__(self, "extra", _strings("extra", self.extra))
+        object.__setattr__(self, "nvtx_include", _strings("nvtx_include", self.nvtx_include))
+        if self.section_set is not None and (not isinstance(self.section_set, str)
+                                             or not re.fullmatch(r"[\w-]+", self.section_set)):
+            raise ValueError(f"section_set={self.section_set!r} is not allowed: a set's name "
+                             "such as 'full' or 'basic' (ncu --list-sets), or None")  # fmt: skip
 
     def argv(self) -> list[str]:
         name = f"regex:{self.kernel_name}" if self.regex else self.kernel_name
         argv = [NCU, "--kernel-name", name, "--launch-skip", str(self.launch_skip),
                 "--launch-count", str(self.launch_count)]  # fmt: skip
+        if self.section_set is not None:
+            argv += ["--set", self.section_set]
         for s in self.sections:
             argv += ["--section", s]
+        if self.nvtx_include:
+            argv.append("--nvtx")
+            for f in self.nvtx_include:
+                argv += ["--nvtx-include", f]
         if self.metrics:
             argv += ["--metrics", ",".join(self.metrics)]
         argv += ["--target-processes", self.target_processes, "--csv", "--page", "details",
@@ -522,6 +542,28 @@ def linear_snippet(
         f"x, w, b = torch.randn({m}, {k}, **t), torch.randn({n}, {k}, **t), "
         f"torch.randn({n}, **t); [torch.nn.functional.linear(x, w, b) for _ in "
         f"range({repeats})]; {sync}"
+    )
+
+
+def step_snippet(preset: str, dtype: str, *, steps: int = 3, device: str = "cuda") -> str:
+    """Python source for ``python -c``: ``steps`` training steps of the course's GPT at
+    ``preset`` in precision ``dtype``, each phase in ``labkit.profiling.phase`` (an NVTX range
+    on CUDA: ``data``, ``forward``, ``backward``, ``optimizer``), then a device
+    synchronisation. An :class:`NcuCommand` target whose kernels ``nvtx_include`` can select
+    by phase: the step's own kernels, not a stand-alone call's."""
+    if dtype not in config.DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not allowed: one of {config.DTYPES}")
+    config.preset(preset)  # validates the name here, not in the profiled process
+    _count("steps", steps, 1)
+    sync = "torch.cuda.synchronize()" if device.startswith("cuda") else "None"
+    return (
+        "import torch; from labkit import config, data, train; from labkit.model import GPT; "
+        "from labkit.profiling.bottlenecks import annotated_step; "
+        f"c = config.preset({preset!r}); torch.manual_seed(0); "
+        f"m = GPT(c.model).to({device!r}); o = train.make_optimizer(m, c.train); "
+        "s = data.load_splits().train; g = torch.Generator().manual_seed(0); "
+        f"b = lambda: data.get_batch(s, c.train.micro_batch, c.model.seq_len, g, {device!r}); "
+        f"[annotated_step(m, o, b, {dtype!r}) for _ in range({steps})]; {sync}"
     )
 
 
