@@ -117,7 +117,7 @@ def test_solutions_pass_and_stubs_say_not_done_from_their_files(group, tmp_path)
 
 
 def test_checks_are_registered_with_hints_in_steps_and_need_a_process_group(monkeypatch):
-    assert [e.id for e in ex.catalogue("02")] == sorted(exdp.EXERCISES)
+    assert [e.id for e in ex.catalogue("02")] == sorted([*exdp.EXERCISES, "02.choose_strategy"])
     for e in ex.catalogue("02"):
         assert len(e.hints) >= 3 and e.hints[-1].startswith("recipe:")
     monkeypatch.setattr(tdist, "is_initialized", lambda: False)  # as in a notebook kernel
@@ -723,3 +723,198 @@ def test_a_shaped_prediction_names_its_best_and_meets_the_measurement():
                       5: [t * 1.2 for t in STEADY], 1: [t * 1.4 for t in STEADY]})  # fmt: skip
     assert dp_bench.sweep_verdict(swapped).endswith(
         "They disagree: the model predicted 5 buckets best, the measurement found 22 buckets.")
+
+
+# --------------------------------------------------------------------------- 02.choose_strategy
+# A decision checked in the kernel: which strategy to run in a per-rank memory budget.
+
+
+def choice_cell() -> str:
+    """The notebook's choose_strategy cell."""
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    [cell] = [c.source for c in nb.cells
+              if c.cell_type == "code" and "def choose_strategy(" in c.source]  # fmt: skip
+    return cell
+
+
+def choice_answer_cell(source: str) -> str:
+    """The cell's function, ending in ``answer = choose_strategy`` (without its check)."""
+    return source.split("\n\nwith exdp.checking_on(", 1)[0] + "\nanswer = choose_strategy\n"
+
+
+def test_the_notebook_checks_its_choice_on_its_own_measurements_first():
+    cell = choice_cell()
+    assert ("with exdp.checking_on(measured, budget_bytes):" in cell
+            and 'choose_strategy = ex.check("02.choose_strategy", choose_strategy)' in cell)  # fmt: skip
+
+
+def test_choice_solution_passes_and_so_does_the_reference(capsys):
+    assert_check_passes("02.choose_strategy", choice_answer_cell(choice_cell()), capsys)
+
+
+def test_choice_stub_is_not_done(capsys):
+    assert_stub_is_not_done("02.choose_strategy", choice_answer_cell(choice_cell()), capsys,
+                            secrets=["accumulating_bytes", "budget_bytes]", "step_s"])  # fmt: skip
+
+
+CHOOSE = """
+def peak(record):
+    during = record["accumulating_bytes"]
+    return record["after_step_bytes"] if during is None else max(record["after_step_bytes"], during)
+
+def choose_strategy(measured, budget_bytes):
+    fits = [name for name, r in measured.items() if {keep}]
+    {answer}
+"""
+FASTEST = "return min(fits, key=lambda n: measured[n]['step_s']) if fits else None"
+
+CHOICE_MISTAKES = {  # mistake -> (which strategies it keeps, what it returns, the words named)
+    "ignores_memory": ("True", FASTEST, "whatever its memory"),
+    "smallest_memory": ("True", "return min(fits, key=lambda n: peak(measured[n]))",
+                        "the strategy with the least memory"),
+    "predicted": ("r['predicted_bytes'] <= budget_bytes", FASTEST, "predicted_bytes, ZeRO's formula"),
+    "after_step": ("r['after_step_bytes'] <= budget_bytes", FASTEST, "the bytes after a step only"),
+    "times_ranks": ("peak(r) * r['ranks'] <= budget_bytes", FASTEST,
+                    "multiplied the bytes by the number of ranks"),
+    "budget_times_ranks": ("peak(r) <= budget_bytes * r['ranks']", FASTEST,
+                           "multiplied the budget by the number of ranks"),
+    "inverted": ("peak(r) > budget_bytes", FASTEST, "points the wrong way"),
+    "strict": ("peak(r) < budget_bytes", FASTEST, "not strictly less"),
+    "slowest": ("peak(r) <= budget_bytes",
+                "return max(fits, key=lambda n: measured[n]['step_s']) if fits else None",
+                "the slowest of the strategies that fit"),
+    "least_bad_small": ("peak(r) <= budget_bytes",
+                        f"{FASTEST[:-len(' else None')]} else min(measured, "
+                        "key=lambda n: peak(measured[n]))",
+                        "misses the budget by the least"),
+    "least_bad_fast": ("peak(r) <= budget_bytes",
+                       "return min(fits or list(measured), key=lambda n: measured[n]['step_s'])",
+                       "the fastest of the strategies that do not fit"),
+    "returns_the_time": ("peak(r) <= budget_bytes",
+                         "return min(measured[n]['step_s'] for n in fits) if fits else None",
+                         "returned the number"),
+    "returns_the_record": ("peak(r) <= budget_bytes",
+                           "return min((measured[n] for n in fits), key=lambda r: r['step_s'])",
+                           "return its name, the key it has in measured"),
+    "an_unknown_name": ("peak(r) <= budget_bytes", "return 'ZeRO-1'",
+                        "'ZeRO-1', which is not a strategy measured here"),
+    "hard_coded": ("True", "return 'zero1'", "of the 6 cases are wrong"),
+}
+
+
+def choice_from(source: str):
+    namespace: dict = {}
+    exec(compile(textwrap.dedent(source), "<cell>", "exec"), namespace)
+    return namespace["choose_strategy"]
+
+
+@pytest.mark.parametrize("mistake", sorted(CHOICE_MISTAKES))
+def test_choice_mistakes_are_named(mistake):
+    keep, answer, expected = CHOICE_MISTAKES[mistake]
+    fn = choice_from(CHOOSE.replace("{keep}", keep).replace("{answer}", answer))
+    with pytest.raises(ex.ExerciseFailed) as info:
+        ex.verify("02.choose_strategy", fn)
+    message = str(info.value)
+    assert expected in message, message
+    assert_diagnoses_without_code(message)
+    assert not [c for c in ("min(", "max(", "<=", " < ", "measured[") if c in message], message
+
+
+def test_every_usual_wrong_decision_gives_answers_of_its_own_on_the_cases():
+    """The check names a mistake when it gives all of the learner's answers: that needs each
+    mistake to answer differently from the right decision and from every other mistake."""
+    cases = exdp.strategy_cases()
+    right = tuple(exdp.reference_choose_strategy(m, b) for m, b, _ in cases)
+    answers = {name: tuple(fn(m, b) for m, b, _ in cases) for name, fn, _ in exdp.STRATEGY_MISTAKES}
+    assert right not in answers.values()
+    assert len(set(answers.values())) == len(answers), answers
+    assert None in right and len(set(right)) == 4  # nothing fits once; each strategy wins
+    # the cases hold what their descriptions promise
+    assert any(exdp.peak_bytes(m[right[i]]) == b for i, (m, b, _) in enumerate(cases) if right[i])
+
+
+@pytest.mark.parametrize("name", [m[0] for m in exdp.STRATEGY_MISTAKES])
+def test_each_wrong_decision_of_the_table_is_named_by_the_check(name):
+    [(_, fn, why)] = [m for m in exdp.STRATEGY_MISTAKES if m[0] == name]
+    with pytest.raises(ex.ExerciseFailed,
+                       match="All its answers are what one usual mistake gives") as info:
+        ex.verify("02.choose_strategy", lambda measured, budget_bytes: fn(measured, budget_bytes))
+    assert why in str(info.value)
+
+
+def _ladder_ranks() -> list[dict]:
+    """What two ranks of dp_train report, in the fields strategy_measurements reads."""
+    def run(step_s, params, grads, opt, acc, predicted):
+        return {"step_s": step_s, "memory_predicted": {"model_states": predicted},
+                "memory": {"parameters": params, "gradients": grads, "optimizer_state": opt,
+                           "gradients_accumulating": acc}}  # fmt: skip
+
+    return [
+        {"runs": {"ddp": run([9.0, 0.2, 0.1, 0.3], 40, 40, 80, 80, 160),
+                  "zero1": run([9.0, 0.5, 0.4, 0.6], 40, 40, 40, None, 120)}},
+        {"runs": {"ddp": run([9.0, 0.2, 0.1, 0.3], 40, 40, 80, 80, 160),
+                  "zero1": run([9.0, 0.5, 0.4, 0.6], 40, 44, 40, None, 120)}},  # a padded shard
+    ]  # fmt: skip
+
+
+def test_the_measurements_table_takes_the_peak_inputs_from_every_rank():
+    table = exdp.strategy_measurements(_ladder_ranks(), ("ddp", "zero1"))
+    assert table["ddp"] == {"step_s": 0.2, "after_step_bytes": 160, "accumulating_bytes": 200,
+                            "predicted_bytes": 160, "ranks": 2}  # fmt: skip
+    # the first step is warm-up; the largest rank counts; no no_sync: None, not a guess
+    assert table["zero1"] == {"step_s": 0.5, "after_step_bytes": 124, "accumulating_bytes": None,
+                              "predicted_bytes": 120, "ranks": 2}  # fmt: skip
+    assert exdp.peak_bytes(table["ddp"]) == 200 and exdp.peak_bytes(table["zero1"]) == 124
+    formula = exdp.as_predicted(table)
+    assert formula["ddp"]["after_step_bytes"] == 160 and formula["ddp"]["accumulating_bytes"] is None
+    assert table["ddp"]["after_step_bytes"] == 160 and table["ddp"]["accumulating_bytes"] == 200
+    # the formula alone lets DDP run in 160 bytes; its measured peak does not
+    assert exdp.reference_choose_strategy(formula, 160) == "ddp"
+    assert exdp.reference_choose_strategy(table, 160) == "zero1"
+
+
+def test_the_fit_sentence_is_chosen_by_the_numbers():
+    table = exdp.strategy_measurements(_ladder_ranks(), ("ddp", "zero1"))
+    above = exdp.fit_sentence("ddp", table["ddp"], table["ddp"], 160, "sized for")
+    assert above.startswith("measured: ddp (sized for) peaks at") and " above the budget" in above
+    assert "between micro-batches" in above and "the ladder measured the same bytes" in above
+    within = exdp.fit_sentence("zero1", table["zero1"], {**table["zero1"], "after_step_bytes": 120},
+                               200)  # fmt: skip
+    assert " within the budget" in within and "the ladder measured 0.000 MiB" in within
+    assert "same bytes" not in within
+    assert "between micro-batches" not in within
+
+
+def test_the_notebooks_case_is_tried_first_and_only_inside_the_block():
+    cases = exdp.strategy_cases()
+    mine, budget = cases[0][0], cases[0][1]
+    wrong_only_here = {**mine, "zero1": {**mine["zero1"], "step_s": 1.0}}  # a different job
+
+    def hard_coded(measured, budget_bytes):  # right on every case but this one
+        if measured["zero1"]["step_s"] == 1.0:
+            return "zero1"
+        return exdp.reference_choose_strategy(measured, budget_bytes)
+
+    assert "other jobs" in ex.verify("02.choose_strategy", hard_coded)
+    with exdp.checking_on(wrong_only_here, budget), pytest.raises(
+            ex.ExerciseFailed, match=r"^Exercise 02\.choose_strategy .*on this notebook's measurements"):
+        ex.verify("02.choose_strategy", hard_coded)
+    with exdp.checking_on(mine, budget):
+        assert ex.verify("02.choose_strategy", exdp.reference_choose_strategy).startswith(
+            "reference_choose_strategy chose the fastest strategy whose measured peak fits each "
+            "per-rank budget, or None when none does, on this notebook's measurements and 6 other")
+    assert exdp._NOTEBOOK_CASE == []  # nothing left behind
+    with pytest.raises(RuntimeError), exdp.checking_on(mine, budget):
+        raise RuntimeError("a cell that fails")
+    assert exdp._NOTEBOOK_CASE == []
+
+
+def test_the_learners_function_cannot_change_the_cases():
+    def greedy(measured, budget_bytes):
+        for r in measured.values():
+            r["after_step_bytes"] = 0  # a learner who edits the records in place
+        return exdp.reference_choose_strategy(measured, budget_bytes)
+
+    with pytest.raises(ex.ExerciseFailed):
+        ex.verify("02.choose_strategy", greedy)
+    assert exdp.strategy_cases()[0][0]["ddp"]["after_step_bytes"] == 16 * exdp.PSI
