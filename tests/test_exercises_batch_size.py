@@ -94,12 +94,33 @@ def noise_scale(sq_small: list[float], sq_big: list[float], b_small: int, b_big:
     # END SOLUTION
 answer = noise_scale
 """,
+    "05.batch_plan": """
+import math
+from labkit.batching import sweep
+
+def plan_batch(target: int, ranks: int, fits: int, tokens_per_s: dict[int, float],
+               b_noise: float) -> tuple[int, int, bool | None]:
+    \"\"\"(micro-batch per rank, accumulation steps, whether a global batch of target is worth
+    it), decided from the measurements.\"\"\"
+    # BEGIN SOLUTION
+    share = target // ranks  # one rank's sequences per optimiser step
+    usable = [b for b in tokens_per_s if b <= fits and share % b == 0]  # fits, makes the target
+    best = max(tokens_per_s[b] for b in usable)
+    # the same gradient whatever the split: within the sweep's noise of the fastest is as fast,
+    # and of those the fewest passes (each pays the per-pass costs of section 1)
+    micro = max(b for b in usable if tokens_per_s[b] >= sweep.SATURATION * best)
+    resolved = math.isfinite(b_noise) and b_noise > 0
+    worth = target <= b_noise if resolved else None  # 1 + B/B_noise at most 2 (eq. 2.11)
+    return micro, share // micro, worth
+    # END SOLUTION
+answer = plan_batch
+""",
 }
 
 
 def test_the_notebook_05_exercises_are_registered():
     assert [e.id for e in ex.catalogue("05")] == [
-        "05.accumulation", "05.max_batch", "05.noise_scale"]  # fmt: skip
+        "05.accumulation", "05.batch_plan", "05.max_batch", "05.noise_scale"]  # fmt: skip
     assert all(e.reference is not None for e in ex.catalogue("05"))
 
 
@@ -111,7 +132,8 @@ def test_check_passes_on_the_solution_and_on_the_reference(exercise_id, capsys):
 @pytest.mark.parametrize("exercise_id", sorted(SOLUTIONS))
 def test_the_stub_is_not_done_and_gives_nothing_away(exercise_id, capsys):
     assert_stub_is_not_done(exercise_id, SOLUTIONS[exercise_id], capsys,
-                            secrets=("loss / k", "x.split", "fits(", "// 2", "b_big * big"))
+                            secrets=("loss / k", "x.split", "fits(", "// 2", "b_big * big",
+                                     "share % b", "SATURATION *", "target <= b_noise"))
 
 
 @pytest.mark.parametrize("exercise_id", sorted(SOLUTIONS))
@@ -556,3 +578,248 @@ def test_noise_scale_cases_separate_every_mistake_and_are_resolved():
     _, bs, bb, small, big = exbs.NOISE_KNOWN[0]
     assert abs(mean_of_ratios(small, big, bs, bb) / exbs.reference_noise_scale(
         small, big, bs, bb) - 1) > 0.05  # fmt: skip
+
+
+# --------------------------------------------------------------------------- 05.batch_plan
+# Learner-style plans, each with one usual mistake. Each returns (micro, k, worth_it).
+
+
+def _share(target, ranks):
+    return target // ranks
+
+
+def _usable(target, ranks, fits, tps):
+    return [b for b in tps if b <= fits and _share(target, ranks) % b == 0]
+
+
+def _worth(target, b_noise):
+    return target <= b_noise if math.isfinite(b_noise) and b_noise > 0 else None
+
+
+def _right_split(target, ranks, fits, tps):
+    usable = _usable(target, ranks, fits, tps)
+    best = max(tps[b] for b in usable)
+    micro = max(b for b in usable if tps[b] >= 0.9 * best)
+    return micro, _share(target, ranks) // micro
+
+
+def ignores_memory(target, ranks, fits, tps, b_noise):
+    usable = [b for b in tps if _share(target, ranks) % b == 0]  # fits left out
+    best = max(tps[b] for b in usable)
+    micro = max(b for b in usable if tps[b] >= 0.9 * best)
+    return micro, _share(target, ranks) // micro, _worth(target, b_noise)
+
+
+def target_per_rank(target, ranks, fits, tps, b_noise):
+    return (*_right_split(target, 1, fits, tps), _worth(target, b_noise))  # ranks forgotten
+
+
+def largest_that_fits(target, ranks, fits, tps, b_noise):
+    micro = max(_usable(target, ranks, fits, tps))  # memory decides, not the sweep
+    return micro, _share(target, ranks) // micro, _worth(target, b_noise)
+
+
+def fastest_median(target, ranks, fits, tps, b_noise):
+    micro = max(_usable(target, ranks, fits, tps), key=tps.get)  # the noise ignored
+    return micro, _share(target, ranks) // micro, _worth(target, b_noise)
+
+
+def smallest_as_fast(target, ranks, fits, tps, b_noise):  # the saturation point of the sweep
+    usable = _usable(target, ranks, fits, tps)
+    best = max(tps[b] for b in usable)
+    micro = min(b for b in usable if tps[b] >= 0.9 * best)
+    return micro, _share(target, ranks) // micro, _worth(target, b_noise)
+
+
+def least_memory(target, ranks, fits, tps, b_noise):  # "accumulation is free": micro-batch 1
+    micro = min(_usable(target, ranks, fits, tps))
+    return micro, _share(target, ranks) // micro, _worth(target, b_noise)
+
+
+def ignores_divisibility(target, ranks, fits, tps, b_noise):
+    usable = [b for b in tps if b <= fits]  # whether it divides the share left out
+    best = max(tps[b] for b in usable)
+    micro = max(b for b in usable if tps[b] >= 0.9 * best)
+    return micro, math.ceil(_share(target, ranks) / micro), _worth(target, b_noise)
+
+
+def unmeasured_divisor(target, ranks, fits, tps, b_noise):
+    share = _share(target, ranks)
+    micro = max(d for d in range(1, fits + 1) if share % d == 0)
+    return micro, share // micro, _worth(target, b_noise)
+
+
+def worth_per_rank(target, ranks, fits, tps, b_noise):
+    return (*_right_split(target, ranks, fits, tps), _worth(_share(target, ranks), b_noise))
+
+
+def worth_micro(target, ranks, fits, tps, b_noise):
+    micro, k = _right_split(target, ranks, fits, tps)
+    return micro, k, _worth(micro, b_noise)
+
+
+def worth_upside_down(target, ranks, fits, tps, b_noise):
+    worth = _worth(target, b_noise)
+    return (*_right_split(target, ranks, fits, tps), None if worth is None else not worth)
+
+
+def worth_when_unresolved(target, ranks, fits, tps, b_noise):
+    return (*_right_split(target, ranks, fits, tps), target <= b_noise)
+
+
+def worth_never_decided(target, ranks, fits, tps, b_noise):
+    return (*_right_split(target, ranks, fits, tps), None)
+
+
+def written_for_this_machine(target, ranks, fits, tps, b_noise):
+    return 64, 2, False  # the lab's plan, written down
+
+
+@pytest.mark.parametrize(
+    ("wrong", "message"),
+    [
+        (ignores_memory, r"a GPU whose .*you planned 128 × 4.*: a micro-batch of 128 does not "
+                         r"fit: the finder fitted at most 96"),
+        (target_per_rank, r"two ranks.*you planned 24 × 4.*on 2 ranks that makes 192 sequences "
+                          r"per optimiser step, 2 times the target"),
+        (largest_that_fits, r"flat from 16 .*you planned 128 × 1.*measured micro-batch 128 at "
+                            r"50,000 tokens/s, 15% below 16's .*not the fastest here"),
+        (fastest_median, r"flat from 16 .*you planned 16 × 8.*micro-batch 64 also fits.*cannot "
+                         r"tell it from 16.*same gradient.*fewest passes"),
+        (smallest_as_fast, r"you planned 16 × 8.*cannot tell it from 16"),
+        (least_memory, r"a GPU whose .*you planned 8 × 64.*69% below 64's: more accumulation "
+                       r"than needed. Accumulating does not change the gradient"),
+        (ignores_divisibility, r"a fast size that does not divide.*share of 48 sequences is not "
+                               r"a whole number of micro-batches of 32"),
+        (unmeasured_divisor, r"you planned 128 × 1.*not the fastest here"),
+        (lambda *a: (24, 2, None) if a[0] == 48 else exbs.reference_plan_batch(*a),
+         r"a fast size that does not divide.*micro-batch 24 was never measured \(the sweep "
+         r"measured \[4, 8, 16, 32\]\)"),
+        (worth_per_rank, r"two ranks.*you held each rank's share \(48 sequences\) against the "
+                         r"noise scale \(70\).*the global batch of 96"),
+        (worth_micro, r"two ranks.*you held the micro-batch \(24\) against the noise scale"),
+        (worth_upside_down, r"a GPU whose .*needs 1 \+ B/B_noise = 1\.26 times the least tokens"
+                            r".*at most twice"),
+        (worth_when_unresolved, r"not resolved \(nan\).*say None, not False"),
+        (worth_never_decided, r"the noise scale is resolved here \(2e\+03 sequences\).*say True "
+                              r"or False"),
+        (written_for_this_machine, r"a GPU whose .*64 × 2 × 1 rank = 128 sequences per optimiser "
+                                   r"step, not the target 512"),
+        (lambda *a: exbs.reference_plan_batch(*a)[:2], r"return three things.*leave out worth_it"),
+        (lambda *a: (*exbs.reference_plan_batch(*a)[:2], 1), r"worth_it=1 \(int\); return True, "
+                                                              r"False, or None"),
+        (lambda *a: (8.0, 64, True), r"returned float 8\.0; return an int"),
+    ],
+    ids=lambda v: getattr(v, "__name__", "message"),
+)
+def test_batch_plan_names_each_mistake(wrong, message):
+    exbs.forget_here()
+    with pytest.raises(ex.ExerciseFailed, match=message):
+        ex.verify("05.batch_plan", wrong)
+
+
+def test_batch_plan_cases_tell_every_mistake_apart():
+    # Each mistake is wrong on some case, and no two give the same plans on every case.
+    mistakes = [ignores_memory, target_per_rank, largest_that_fits, fastest_median,
+                smallest_as_fast, least_memory, ignores_divisibility, unmeasured_divisor,
+                worth_per_rank, worth_micro, worth_upside_down, worth_when_unresolved,
+                worth_never_decided]  # fmt: skip
+    right = [exbs.reference_plan_batch(*c.args()) for c in exbs.PLAN_CASES]
+    seen = {tuple(right)}
+    for wrong in mistakes:
+        plans = tuple(wrong(*c.args()) for c in exbs.PLAN_CASES)
+        assert plans != tuple(right), wrong.__name__
+        seen.add(plans)
+    assert len(seen) == len(mistakes) + 1
+    # the reference is the notebook's solution, on every case
+    solution = exbs.reference_plan_batch
+    assert all(_right_split(*c.args()[:4]) == solution(*c.args())[:2] for c in exbs.PLAN_CASES)
+
+
+def test_batch_plan_refuses_a_target_no_measured_split_makes():
+    with pytest.raises(ValueError, match="not a multiple of ranks=2"):
+        exbs.reference_plan_batch(33, 2, 8, {1: 1.0}, 4.0)
+    with pytest.raises(ValueError, match="no measured micro-batch in \\[16\\] fits 8"):
+        exbs.reference_plan_batch(32, 1, 8, {16: 1.0}, 4.0)
+
+
+def _here(budget_bytes, *, rounds=5):
+    from labkit.config import TrainConfig
+    from labkit.model import GPT
+
+    torch.manual_seed(0)
+    model = GPT(exbs.REAL_CFG)
+    # made-up speeds, flat from 2 on: the plan is 4 × 2, and 2 × 4 is the split it runs against
+    return exbs.measured_here(target=8, ranks=1, fits=4, tokens_per_s={1: 1e3, 2: 2e3, 4: 2.1e3},
+                              b_noise=3.0, template=model, budget_bytes=budget_bytes,
+                              device="cpu", dtype="float32", train_cfg=TrainConfig(),
+                              rounds=rounds)  # fmt: skip
+
+
+def test_batch_plan_decides_on_the_notebook_measurements_and_runs_the_plan(capsys):
+    here = _here(2**30)
+    try:
+        # right on every other machine, wrong on this notebook's: the check holds it against them
+        with pytest.raises(ex.ExerciseFailed, match=r"this notebook's measurements .*you planned "
+                                                    r"2 × 4.*micro-batch 4 also fits"):
+            ex.verify("05.batch_plan", lambda *a: (2, 4, False) if a[0] == 8
+                      else exbs.reference_plan_batch(*a))  # fmt: skip
+        assert not here.runs  # a wrong plan is not run
+        said = ex.verify("05.batch_plan", exbs.reference_plan_batch)
+        assert "and on this notebook's: 4 × 2 for a global batch of 8, not worth it" in said
+        assert "Run for real: it fits a CPU memory budget of 1,024.00 MiB" in said
+        assert "its step time against 2 × 4: " in said
+        run = here.runs[(4, 2, False)]
+        assert run.fits and run.alternative == (2, 4) and run.peak_bytes > 0
+        assert [len(v) for v in run.seconds.values()] == [5, 5]
+        assert run.outcome() in ("as the sweep said", "gap not repeated", "against the sweep",
+                                 "noisy")  # fmt: skip
+        # the notebook's cell prints the check's run: nothing runs twice
+        assert here.run((4, 2, False)) is run
+        text = str(run)
+        assert "worth it: no (modelled, eq. 2.11" in text and "3.67× the least tokens" in text
+        assert "measured: one step of 4 × 2 under a CPU memory budget" in text
+        assert "verdict: " in text
+    finally:
+        exbs.forget_here()
+    assert capsys.readouterr().out == ""
+
+
+def test_a_plan_over_the_budget_is_reported_as_measured_not_failed():
+    # A budget between the peaks of one pass of 4 and of the accumulated 4 × 2: the finder's
+    # batch for one pass, accumulated, holds the gradients too (the right plan still passes).
+    from labkit.config import TrainConfig
+
+    here = _here(2**30)
+    try:
+        one = trials.measure_step_peak(here.template, 4, seq_len=exbs.REAL_CFG.seq_len,
+                                       train_cfg=TrainConfig())  # fmt: skip
+        two = trials.measure_step_peak(here.template, 4, grad_accum=2,
+                                       seq_len=exbs.REAL_CFG.seq_len, train_cfg=TrainConfig())  # fmt: skip
+        assert two > one
+        here.budget_bytes = (one + two) // 2
+        said = ex.verify("05.batch_plan", exbs.reference_plan_batch)
+        assert "Run for real: it does NOT fit a CPU memory budget" in said
+        run = here.runs[(4, 2, False)]
+        assert not run.fits and run.outcome() == "over"
+        assert "an accumulated step also holds the gradients" in str(run)
+    finally:
+        exbs.forget_here()
+
+
+def test_the_plan_run_reads_its_verdict_against_the_sweep():
+    inputs = exbs.PlanInputs(8, 1, 4, {1: 1e3, 2: 1.5e3, 4: 2.1e3}, 3.0)
+    fast, slow = [0.10] * 5, [0.20] * 5
+
+    def run(plan_s, alt_s):
+        c = exbs.verdict.compare_times(plan_s, alt_s, names=("4 × 2", "2 × 4"))
+        return exbs.PlanRun(inputs, (4, 2, False), (2, 4), True, 1, "a budget",
+                            {"4 × 2": plan_s, "2 × 4": alt_s}, c)  # fmt: skip
+
+    # the sweep says 2 is more than 10% slower than 4
+    assert run(fast, slow).outcome() == "as the sweep said"
+    assert run(slow, fast).outcome() == "against the sweep"
+    assert run(fast, fast).outcome() == "gap not repeated"
+    assert run([0.1, 0.3, 0.1, 0.3, 0.2], [0.3, 0.1, 0.3, 0.1, 0.2]).outcome() == "noisy"
+    assert "a right plan does not fail on noise" in run([0.1, 0.3, 0.1, 0.3, 0.2],
+                                                        [0.3, 0.1, 0.3, 0.1, 0.2]).time_sentence()

@@ -212,7 +212,7 @@ class MemoryDevice(Protocol):
     warmup: Trial | None
     """The CUDA warm-up step :func:`open_trials` ran (None on the CPU)."""
 
-    def __call__(self, batch: int) -> int: ...
+    def __call__(self, batch: int, grad_accum: int = 1) -> int: ...
     def recover(self) -> None: ...
     def session(self) -> contextlib.AbstractContextManager: ...
 
@@ -302,12 +302,13 @@ class BudgetedCPU(_Trials):
                        "optimizer state, batch, activations, gradients, temporaries), counted by "
                        "a TorchDispatchMode until freed; peak over the whole trial")  # fmt: skip
 
-    def __call__(self, batch: int) -> int:
+    def __call__(self, batch: int, grad_accum: int = 1) -> int:
+        """One step of ``grad_accum`` micro-batches of ``batch`` sequences; its peak bytes."""
         self.last_peak_bytes = None
         self._counter = counter = LiveTensorBytes(self.budget_bytes)
         try:
             with counter:
-                self._step(batch)
+                self._step(batch, _positive_int("grad_accum", grad_accum))
         finally:
             self.last_peak_bytes = counter.peak
         return counter.peak
@@ -362,12 +363,13 @@ class CudaOOM(_Trials):
         self.method = ("CUDA allocator: max_memory_allocated over the trial minus the baseline "
                        "memory_allocated before the search")  # fmt: skip
 
-    def __call__(self, batch: int) -> int:
+    def __call__(self, batch: int, grad_accum: int = 1) -> int:
+        """One step of ``grad_accum`` micro-batches of ``batch`` sequences; its peak bytes."""
         base = self.baseline_bytes or torch.cuda.memory_allocated(self.device)
         self.last_peak_bytes = None
         torch.cuda.reset_peak_memory_stats(self.device)
         try:
-            self._step(batch)
+            self._step(batch, _positive_int("grad_accum", grad_accum))
             torch.cuda.synchronize(self.device)
         finally:
             self.last_peak_bytes = torch.cuda.max_memory_allocated(self.device) - base

@@ -11,6 +11,15 @@
 * ``05.noise_scale``: ``noise_scale(sq_small, sq_big, b_small, b_big) -> float``: B_simple from
   paired squared gradient norms (McCandlish et al. 2018, arXiv 1812.06162, appendix A.1), against
   :func:`labkit.batching.noise.estimate_noise_scale`.
+* ``05.batch_plan``: ``plan_batch(target, ranks, fits, tokens_per_s, b_noise) -> (micro, k,
+  worth_it)``: a decision from measurements, how each rank runs a global batch (the measured
+  micro-batches that fit and make the target, the fastest within the sweep's noise, of those
+  the fewest passes) and whether the global batch is worth it (McCandlish et al.'s eq. 2.11:
+  at most twice the least tokens; None where the noise scale is not resolved). Checked on other
+  machines' measurements (:data:`PLAN_CASES`, where each usual mistake gives a plan of its own)
+  and on the notebook's (:func:`measured_here`); then the plan runs for real
+  (:func:`run_plan`): one step under the notebook's memory limit, and its step time against one
+  other split with :func:`labkit.verdict.compare_times`, which never fails a right plan.
 
 Each check runs the learner's code on small, fixed inputs (about a second on a laptop CPU),
 compares it with labkit's tested implementation, and names the usual mistake behind a wrong
@@ -31,10 +40,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from labkit.batching import accumulation, finder, noise
+from labkit import timing, train, verdict
+from labkit.batching import accumulation, finder, noise, sweep, trials
 from labkit.batching.noise import Batch
 from labkit.batching.trials import BudgetedCPU
 from labkit.config import ModelConfig, TrainConfig
+from labkit.data import get_batch
 from labkit.exercises import (
     ExerciseFailed,
     _name,
@@ -43,6 +54,7 @@ from labkit.exercises import (
     call,
     exercise,
     short_repr,
+    time_limit_paused,
 )
 
 # --------------------------------------------------------------------------- references
@@ -749,3 +761,486 @@ def _verify_noise_scale(noise_scale: Any) -> str:
     return (f"noise_scale agrees with labkit.batching.noise.estimate_noise_scale on "
             f"{len(cases)} sets of measurements, among them real gradients of a small GPT "
             f"(B_simple = {reference_noise_scale(small, big, bs, bb):.3g} sequences)")  # fmt: skip
+
+
+# --------------------------------------------------------------------------- 05.batch_plan
+
+FLAT = sweep.SATURATION
+"""Measured tokens/s at or above this fraction of the fastest candidate count as "as fast": the
+sweep's medians move by about 10% between runs on a shared machine (``sweep.SATURATION``)."""
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What a batch plan is decided from: a target global batch and one machine's measurements."""
+
+    target: int
+    """The global batch a recipe asks for: sequences per optimiser step, all ranks together."""
+    ranks: int
+    """Data-parallel ranks, each with its own device (and memory)."""
+    fits: int
+    """The largest micro-batch one rank's memory holds: the finder's, for one pass."""
+    tokens_per_s: dict[int, float]
+    """Measured tokens/s of a training step at each micro-batch size (the sweep's medians)."""
+    b_noise: float
+    """The measured gradient noise scale B_simple in sequences; nan, inf or <= 0 where the
+    measurement did not resolve it."""
+    what: str = "this notebook's measurements"
+
+    def args(self) -> tuple[int, int, int, dict[int, float], float]:
+        """The learner's arguments, in order (a fresh dict of the sweep: the function may
+        change it)."""
+        return self.target, self.ranks, self.fits, dict(self.tokens_per_s), self.b_noise
+
+    def describe(self) -> str:
+        sweep_text = ", ".join(f"{b}: {t:,.0f}" for b, t in sorted(self.tokens_per_s.items()))
+        return (f"target {self.target} sequences per step on {self.ranks} rank"
+                f"{'s' * (self.ranks > 1)}, fits {self.fits}, tokens/s {{{sweep_text}}}, "
+                f"b_noise {self.b_noise:.3g}")  # fmt: skip
+
+
+def _resolved(b_noise: float) -> bool:
+    return isinstance(b_noise, numbers.Real) and math.isfinite(b_noise) and b_noise > 0
+
+
+def _candidates(target: int, ranks: int, fits: int, tokens_per_s: dict[int, float]) -> list[int]:
+    """Measured micro-batches that fit one rank and divide its share of the target."""
+    share = target // ranks
+    return sorted(b for b in tokens_per_s if 1 <= b <= fits and share % b == 0)
+
+
+def reference_plan_batch(target: int, ranks: int, fits: int, tokens_per_s: dict[int, float],
+                         b_noise: float) -> tuple[int, int, bool | None]:  # fmt: skip
+    """(micro-batch, accumulation steps, worth it) for ``target`` sequences per optimiser step.
+
+    Every split of one global batch gives the same gradient, so the split is chosen for speed
+    alone: among the measured micro-batches that fit a rank and divide its share, those within
+    the sweep's noise (:data:`FLAT`) of the fastest are as fast, and of those the one with the
+    fewest accumulation steps (each pass pays the fixed per-pass costs). The target is worth it
+    when it needs at most twice the least tokens to a given loss, 1 + B/B_noise <= 2
+    (McCandlish et al. 2018, eq. 2.11): None where the noise scale is not resolved.
+    """
+    if target % ranks:
+        raise ValueError(f"target={target} is not a multiple of ranks={ranks}: every rank "
+                         f"runs the same number of sequences per step")  # fmt: skip
+    candidates = _candidates(target, ranks, fits, tokens_per_s)
+    if not candidates:
+        raise ValueError(f"no measured micro-batch in {sorted(tokens_per_s)} fits {fits} and "
+                         f"divides each rank's {target // ranks} sequences")  # fmt: skip
+    best = max(tokens_per_s[b] for b in candidates)
+    micro = max(b for b in candidates if tokens_per_s[b] >= FLAT * best)
+    worth = (target <= b_noise) if _resolved(b_noise) else None
+    return micro, target // ranks // micro, worth
+
+
+def _flat_sweep(rates: dict[int, float]) -> dict[int, float]:
+    return {b: float(t) for b, t in rates.items()}
+
+
+PLAN_CASES = (
+    PlanInputs(512, 1, 96, _flat_sweep({8: 40e3, 16: 70e3, 32: 105e3, 64: 130e3, 128: 142e3}),
+               2000.0, "a GPU whose throughput still rises where its memory ends"),
+    PlanInputs(128, 1, 200, _flat_sweep({1: 21e3, 2: 26e3, 4: 48e3, 8: 49e3, 16: 59e3,
+                                         32: 57e3, 64: 58e3, 128: 50e3}),
+               11.2, "a CPU whose throughput is flat from 16 on and falls at 128"),
+    PlanInputs(96, 2, 40, _flat_sweep({3: 30e3, 6: 52e3, 12: 60e3, 24: 63e3, 48: 64e3}),
+               70.0, "two ranks, a sweep of multiples of 3"),
+    PlanInputs(1024, 4, 80, _flat_sweep({16: 100e3, 32: 118e3, 64: 112e3}),
+               100.0, "four ranks whose fastest median is not the largest of the flat ones"),
+    PlanInputs(64, 1, 20, _flat_sweep({1: 20e3, 2: 30e3, 4: 45e3, 8: 50e3, 16: 52e3, 32: 53e3}),
+               math.nan, "a noise scale that was not resolved (nan)"),
+    PlanInputs(48, 1, 40, _flat_sweep({4: 30e3, 8: 40e3, 16: 44e3, 32: 45e3}),
+               -3.5, "a negative noise-scale estimate, and a fast size that does not divide"),
+)  # fmt: skip
+"""Other machines' measurements: each usual mistake gives a plan of its own in at least one
+(tests/test_exercises_batch_size.py holds them apart)."""
+
+
+def _plan_answer(got: Any, shown: str) -> tuple[int, int, bool | None]:
+    """The learner's plan as (micro, k, worth), or a failure naming what came back."""
+    if not isinstance(got, (tuple, list)) or len(got) != 3:
+        n = len(got) if isinstance(got, (tuple, list)) else None
+        more = (" (did you leave out worth_it?)" if n == 2 else "")
+        raise ExerciseFailed(f"{shown} returned {short_repr(got)}; return three things, "
+                             f"(micro_batch, accumulation_steps, worth_it){more}")  # fmt: skip
+    micro = _require_int(got[0], f"{shown}[0] (the micro-batch)")
+    k = _require_int(got[1], f"{shown}[1] (the accumulation steps)")
+    worth = got[2]
+    if worth is not None and not isinstance(worth, bool):
+        raise ExerciseFailed(f"{shown} returned worth_it={short_repr(worth)} "
+                             f"({type(worth).__name__}); return True, False, or None where the "
+                             f"measurements cannot say (bool(...) makes a Python bool)")  # fmt: skip
+    return micro, k, worth
+
+
+def _worth_rule(answers: dict[int, tuple[PlanInputs, tuple[int, int, bool | None]]],
+                rule: Callable[[PlanInputs, tuple[int, int, bool | None]], float]) -> bool:
+    """Whether every worth_it the learner gave on a resolved noise scale is ``rule``'s number
+    held against the noise scale (one case alone cannot tell the share from the micro-batch)."""
+    resolved = [(c, got) for c, got in answers.values() if _resolved(c.b_noise)]
+    return bool(resolved) and all(got[2] == (rule(c, got) <= c.b_noise) for c, got in resolved)
+
+
+def _plan_failure(case: PlanInputs, got: tuple[int, int, bool | None],
+                  answers: dict[int, tuple[PlanInputs, tuple[int, int, bool | None]]]
+                  ) -> str | None:  # fmt: skip
+    """What is wrong with the plan ``got`` for ``case``, naming the usual mistake, or None.
+    ``answers``: the learner's plan on every case, by position (to tell mistakes apart)."""
+    micro, k, worth = got
+    T, n, F, tps, bn = case.target, case.ranks, case.fits, case.tokens_per_s, case.b_noise
+    right_m, right_k, right_w = reference_plan_batch(*case.args())
+    share = T // n
+    at = f"for {case.what} ({case.describe()}) you planned {micro} × {k}, worth_it={worth!r}"
+    if micro < 1 or k < 1:
+        return f"{at}: a micro-batch and a number of accumulation steps are counts, at least 1"
+    if micro * k * n != T:
+        if n > 1 and micro * k == T:
+            return (f"{at}: on {n} ranks that makes {micro * k * n} sequences per optimiser step, "
+                    f"{n} times the target. Each rank runs its own micro-batches and the "
+                    f"all-reduce averages them all: the global batch is micro-batch × "
+                    f"accumulation × ranks, so a rank's share is the target over the ranks")  # fmt: skip
+        if share % micro:
+            return (f"{at}: each rank's share of {share} sequences is not a whole number of "
+                    f"micro-batches of {micro}, so no accumulation count makes the target "
+                    f"exactly ({micro} × {k} × {n} = {micro * k * n})")  # fmt: skip
+        return (f"{at}: {micro} × {k} × {n} rank{'s' * (n > 1)} = {micro * k * n} sequences per "
+                f"optimiser step, not the target {T}")  # fmt: skip
+    if micro > F:
+        return (f"{at}: a micro-batch of {micro} does not fit: the finder fitted at most {F} in "
+                f"one rank's memory. Memory is per rank and per micro-batch: accumulation is "
+                f"how a larger batch gets through it")  # fmt: skip
+    if micro not in tps:
+        return (f"{at}: micro-batch {micro} was never measured (the sweep measured "
+                f"{sorted(tps)}): its speed is a guess. Decide among the measured sizes")  # fmt: skip
+    candidates = _candidates(T, n, F, tps)
+    fastest = max(candidates, key=lambda b: tps[b])
+    if micro > right_m:  # the largest that fits and divides, measured slower beyond the noise
+        return (f"{at}: the sweep measured micro-batch {micro} at {tps[micro]:,.0f} tokens/s, "
+                f"{1 - tps[micro] / tps[fastest]:.0%} below {fastest}'s {tps[fastest]:,.0f}, more "
+                f"than the sweep's noise ({1 - FLAT:.0%}). The largest micro-batch that fits is "
+                f"not the fastest here: the measurements choose, not the memory")  # fmt: skip
+    if micro < right_m:
+        if tps[micro] >= FLAT * tps[fastest]:
+            return (f"{at}: micro-batch {right_m} also fits and divides each rank's share, and "
+                    f"the sweep cannot tell it from {micro} (both within {1 - FLAT:.0%} of the "
+                    f"fastest, {fastest}: a median that high is luck as much as speed). Every "
+                    f"split of one global batch gives the same gradient (section 3), so the "
+                    f"{k} accumulation steps buy nothing over {right_k}, and each pass pays the "
+                    f"fixed per-pass costs of section 1 again: of splits that are as fast, take "
+                    f"the one with the fewest passes")  # fmt: skip
+        return (f"{at}: the sweep measured micro-batch {micro} at {tps[micro]:,.0f} tokens/s, "
+                f"{1 - tps[micro] / tps[fastest]:.0%} below {fastest}'s: more accumulation "
+                f"than needed. Accumulating does not change the gradient (section 3); it only "
+                f"cuts the step into more, slower passes. A larger measured micro-batch that "
+                f"fits and divides each rank's share runs faster")  # fmt: skip
+    if worth is right_w:
+        return None
+    if right_w is None:
+        return (f"{at}: the noise scale was not resolved (b_noise={bn!r}: an estimate of |G|² "
+                f"that was not positive gives no finite, positive scale), so the measurements "
+                f"cannot say whether the target is worth it: say None, not {worth!r}")  # fmt: skip
+    if worth is None:
+        return (f"{at}: the noise scale is resolved here ({bn:.3g} sequences), so the "
+                f"measurements can decide: say True or False")  # fmt: skip
+    if _worth_rule(answers, lambda c, g: g[0]) and worth == (micro <= bn):
+        return (f"{at}: you held the micro-batch ({micro}) against the noise scale ({bn:.3g}). "
+                f"The optimiser steps once on the average of all {k * n} micro-batches of the "
+                f"step: the gradient's noise is that of the global batch of {T}")  # fmt: skip
+    if n > 1 and worth == (share <= bn) and (share <= bn) != (T <= bn):
+        return (f"{at}: you held each rank's share ({share} sequences) against the noise scale "
+                f"({bn:.3g}). The noise scale is about the gradient one optimiser step "
+                f"averages, and with data parallelism that is every rank's micro-batches "
+                f"together: the global batch of {T}")  # fmt: skip
+    return (f"{at}: a global batch of {T} against a noise scale of {bn:.3g} sequences needs "
+            f"1 + B/B_noise = {1 + T / bn:.3g} times the least tokens to reach a given loss "
+            f"(McCandlish et al. 2018, eq. 2.11): {'at most' if right_w else 'more than'} "
+            f"twice, which is where the trade of steps for tokens stops paying (B_crit)")  # fmt: skip
+
+
+# --------------------------------------------------------------------------- the plan, run
+
+
+@dataclass(frozen=True)
+class PlanRun:
+    """A plan run for real: one step under the memory limit, and its step time against one
+    other split of the same global batch, alternated step by step (all measured)."""
+
+    inputs: PlanInputs
+    plan: tuple[int, int, bool | None]
+    alternative: tuple[int, int] | None
+    fits: bool
+    peak_bytes: int | None
+    limit: str
+    seconds: dict[str, list[float]]
+    comparison: verdict.Comparison | None
+
+    @property
+    def name(self) -> str:
+        return f"{self.plan[0]} × {self.plan[1]}"
+
+    def _expected(self) -> str:
+        """What the sweep says of the two micro-batches: "faster" or "as fast"."""
+        assert self.alternative is not None
+        tps = self.inputs.tokens_per_s
+        a, b = tps[self.plan[0]], tps[self.alternative[0]]
+        return "faster" if b < FLAT * a else "as fast"
+
+    def outcome(self) -> str:
+        """The run against the decision: "fits", "over" (did not fit), then the time verdict
+        against what the sweep said ("as the sweep said", "against the sweep", "noisy")."""
+        if not self.fits:
+            return "over"
+        if self.comparison is None:
+            return "fits"
+        c = self.comparison
+        if c.outcome == "noisy":
+            return "noisy"
+        plan_faster = c.outcome == "faster" and c.faster.name == self.name
+        alt_faster = c.outcome == "faster" and not plan_faster
+        if alt_faster:
+            return "against the sweep"
+        if self._expected() == "faster" and c.outcome == "agree":
+            return "gap not repeated"
+        return "as the sweep said"
+
+    def memory_sentence(self) -> str:
+        m, k, _ = self.plan
+        peak = "" if self.peak_bytes is None else f"peak {self.peak_bytes / 2**20:.2f} MiB, "
+        if self.fits:
+            return f"measured: one step of {m} × {k} under {self.limit}: {peak}it fits"
+        return (f"measured: one step of {m} × {k} under {self.limit}: {peak}it does NOT fit. The "
+                f"finder fitted {self.inputs.fits} for one pass; an accumulated step also holds "
+                f"the gradients while micro-batches 2 to {k} run (section 3), so a plan at the "
+                f"edge of memory needs that much room too")  # fmt: skip
+
+    def time_sentence(self) -> str:
+        if self.comparison is None:
+            return "(no other measured micro-batch fits and divides the share: nothing to time against)"
+        alt = f"{self.alternative[0]} × {self.alternative[1]}"
+        said = {"faster": f"the sweep measured {alt.split(' ')[0]} more than {1 - FLAT:.0%} slower",
+                "as fast": f"the sweep measured the two within {1 - FLAT:.0%}"}[self._expected()]
+        return {
+            "as the sweep said": f"as the sweep said ({said})",
+            "gap not repeated": (f"the sweep's gap did not repeat ({said}; now they agree): at "
+                                 f"this size the gap was within what a shared machine moves"),
+            "against the sweep": (f"against the sweep ({said}): {alt} ran faster now. The plan "
+                                  f"followed the measurements it was given; rerun the sweep and "
+                                  f"this cell when the machine is quieter to see which holds"),
+            "noisy": (f"too noisy to hold against the sweep ({said}): rerun, or run it alone; "
+                      f"a right plan does not fail on noise"),
+        }.get(self.outcome(), "")
+
+    def lines(self) -> list[str]:
+        m, k, worth = self.plan
+        i = self.inputs
+        out = [f"plan for a global batch of {i.target} on {i.ranks} rank"
+               f"{'s' * (i.ranks > 1)}: micro-batch {m} × {k} accumulation steps"
+               + (f" per rank (the step below is one rank's share, {m * k} sequences)"
+                  if i.ranks > 1 else ""),
+               _worth_sentence(i, worth), self.memory_sentence()]  # fmt: skip
+        if self.comparison is not None:
+            out.append(f"measured: step time of the plan against {self.alternative[0]} × "
+                       f"{self.alternative[1]}, the same {m * k} sequences, alternated step by "
+                       f"step:")  # fmt: skip
+            out.append(str(self.comparison))
+        out.append(self.time_sentence())
+        return [line for line in out if line]
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+
+def _worth_sentence(i: PlanInputs, worth: bool | None) -> str:
+    if worth is None or not _resolved(i.b_noise):
+        return (f"worth it: cannot tell (the noise scale is not resolved: {i.b_noise!r}); "
+                f"more pairs in section 6 would resolve it")  # fmt: skip
+    times = 1 + i.target / i.b_noise
+    return (f"worth it: {'yes' if worth else 'no'} (modelled, eq. 2.11 with B_crit taken as the "
+            f"measured noise scale of {i.b_noise:.3g} sequences: {times:.2f}× the least tokens to "
+            f"a given loss, {'at most' if times <= 2 else 'more than'} twice)")  # fmt: skip
+
+
+@dataclass
+class Here:
+    """This notebook's measurements for ``05.batch_plan`` and what running a plan needs.
+
+    :func:`measured_here` makes one and remembers it: the check then decides on these
+    measurements too, and runs the plan (:meth:`run`). One per kernel, the last made.
+    """
+
+    inputs: PlanInputs
+    template: nn.Module
+    budget_bytes: int | None
+    device: torch.device
+    dtype: str
+    train_cfg: TrainConfig
+    data: torch.Tensor | None
+    rounds: int
+    runs: dict[tuple[int, int, bool | None], PlanRun] = field(default_factory=dict)
+
+    def run(self, plan: tuple[int, int, bool | None]) -> PlanRun:
+        """Run ``plan`` for real (once: a second call returns the first run)."""
+        key = (int(plan[0]), int(plan[1]), plan[2])
+        if key not in self.runs:
+            self.runs[key] = run_plan(self, key)
+        return self.runs[key]
+
+
+_HERE: Here | None = None
+
+
+def measured_here(*, target: int, ranks: int, fits: int, tokens_per_s: dict[int, float],
+                  b_noise: float, template: nn.Module, budget_bytes: int | None,
+                  device: torch.device | str, dtype: str, train_cfg: TrainConfig,
+                  data: torch.Tensor | None = None, rounds: int = 7) -> Here:  # fmt: skip
+    """Remember this notebook's measurements for ``05.batch_plan``'s check, and how to run a
+    plan here: ``template`` (never modified), the memory limit ``budget_bytes`` (required on the
+    CPU; None on a GPU means the whole card), ``rounds`` timed steps per split."""
+    global _HERE
+    if isinstance(b_noise, numbers.Real):
+        b_noise = float(b_noise)
+    inputs = PlanInputs(target=int(target), ranks=int(ranks), fits=int(fits),
+                        tokens_per_s={int(b): float(t) for b, t in tokens_per_s.items()},
+                        b_noise=b_noise)  # fmt: skip
+    reference_plan_batch(*inputs.args())  # refuses a target no measured split can make
+    _HERE = Here(inputs=inputs, template=template, budget_bytes=budget_bytes,
+                 device=torch.device(device), dtype=dtype, train_cfg=train_cfg, data=data,
+                 rounds=rounds)  # fmt: skip
+    return _HERE
+
+
+def forget_here() -> None:
+    """Forget the measurements :func:`measured_here` remembered (tests)."""
+    global _HERE
+    _HERE = None
+
+
+def _alternative(inputs: PlanInputs, micro: int) -> int | None:
+    """The other split to time the plan against: the largest measured micro-batch that fits
+    and divides (what "as large as fits" would run) when the plan is not it, else the next
+    smaller one (one more halving: more accumulation)."""
+    others = [b for b in _candidates(inputs.target, inputs.ranks, inputs.fits,
+                                     inputs.tokens_per_s) if b != micro]  # fmt: skip
+    return max(others) if others else None  # all others smaller: the next smaller one
+
+
+def run_plan(here: Here, plan: tuple[int, int, bool | None]) -> PlanRun:
+    """One step of ``plan`` under the notebook's memory limit (``labkit.batching.trials``:
+    a CPU budget on live tensor bytes, or the real CUDA allocator), then its step time against
+    one other split of the same share, alternated step by step (``labkit.timing.alternate``,
+    a warm-up round first) and judged with ``labkit.verdict.compare_times``."""
+    i = here.inputs
+    micro, k, _ = plan
+    seq_len = here.template.cfg.seq_len
+    with trials.open_trials(here.template, here.budget_bytes, device=here.device,
+                            seq_len=seq_len, dtype=here.dtype,
+                            train_cfg=here.train_cfg) as device_trials:  # fmt: skip
+        try:
+            peak: int | None = device_trials(micro, grad_accum=k)
+            fits = True
+        except torch.OutOfMemoryError:
+            device_trials.recover()
+            fits, peak = False, device_trials.last_peak_bytes
+        limit = device_trials.limit.split(" (")[0]
+    alt = _alternative(i, micro)
+    share = micro * k
+    seconds: dict[str, list[float]] = {}
+    comparison = None
+    if alt is not None:
+        g = torch.Generator().manual_seed(here.train_cfg.seed)
+        vocab = here.template.cfg.vocab_size
+
+        def batch_of(b: int) -> Batch:
+            if here.data is not None:
+                return get_batch(here.data, b, seq_len, g)
+            shape = (b, seq_len)
+            return (torch.randint(0, vocab, shape, generator=g),
+                    torch.randint(0, vocab, shape, generator=g))  # fmt: skip
+
+        def stepper(b: int) -> Callable[[], float]:
+            work = copy.deepcopy(here.template).to(here.device).train()
+            optimizer = train.make_optimizer(work, here.train_cfg)
+            scaler = train.make_scaler(here.device, here.dtype)
+            batches = [batch_of(b) for _ in range(share // b)]
+
+            def step() -> float:
+                return train.train_step(work, optimizer, batches, device=here.device,
+                                        dtype=here.dtype, scaler=scaler,
+                                        grad_clip=here.train_cfg.grad_clip).seconds  # fmt: skip
+
+            return step
+
+        names = (f"{micro} × {k}", f"{alt} × {share // alt}")
+        seconds = timing.alternate({names[0]: stepper(micro), names[1]: stepper(alt)},
+                                   rounds=here.rounds, warmup=1)  # fmt: skip
+        comparison = verdict.compare_times(seconds[names[0]], seconds[names[1]], names=names)
+    gc.collect()
+    return PlanRun(inputs=i, plan=plan, alternative=None if alt is None else (alt, share // alt),
+                   fits=fits, peak_bytes=peak, limit=limit, seconds=seconds,
+                   comparison=comparison)  # fmt: skip
+
+
+@exercise(
+    "05.batch_plan",
+    "Decide how to run a global batch here: micro-batch, accumulation, and whether it pays",
+    hints=(
+        "every way of splitting one global batch into micro-batches gives the same gradient "
+        "(section 3), so the split is a question of memory and speed only: first rule out what "
+        "cannot run, then let the measured throughput choose. Whether the global batch is "
+        "worth running at all is a question for the noise scale, not for the machine",
+        "memory and the micro-batch belong to one rank; the global batch is every rank's "
+        "micro-batches of every accumulation step together. Only the sizes the sweep measured "
+        "are evidence of speed, and an accumulated step runs at about the throughput of its "
+        "micro-batch",
+        "the sweep's medians move by about a tenth on a shared machine, so sizes that close to "
+        "the fastest are as fast as it; among splits that are as fast, fewer passes pay the "
+        "fixed per-pass costs fewer times. A global batch B needs 1 + B/B_noise times the "
+        "least tokens to a loss (eq. 2.11): worth it up to twice the least; a noise scale that "
+        "is not a positive finite number cannot say",
+        "recipe: divide the target by the ranks for each rank's share; keep the measured "
+        "micro-batches that fit and divide the share exactly; find the fastest of them and "
+        "keep every one within a tenth of its throughput; take the largest of those, and the "
+        "accumulation steps are the share divided by it; the target is worth it when it is no "
+        "larger than the noise scale, and undecided (None) when the noise scale is not a "
+        "positive finite number",
+    ),
+    reference=reference_plan_batch,
+)
+def _verify_batch_plan(plan_batch: Any) -> str:
+    fn = _require_callable(plan_batch, "plan_batch(target, ranks, fits, tokens_per_s, b_noise) "
+                                       "-> (micro_batch, accumulation_steps, worth_it)")  # fmt: skip
+    here = _HERE
+    cases = [*PLAN_CASES, *([here.inputs] if here is not None else [])]
+    answers = {}
+    for i, case in enumerate(cases):
+        shown = f"{_name(fn)}(target={case.target}, ranks={case.ranks}, fits={case.fits}, ...)"
+        answers[i] = (case, _plan_answer(call(fn, *case.args()), shown))
+    for case, got in answers.values():
+        failure = _plan_failure(case, got, answers)
+        if failure:
+            raise ExerciseFailed(failure)
+    plans = [got for _, got in answers.values()]
+    said = (f"{_name(fn)} decides as the measurements say on {len(PLAN_CASES)} other machines' "
+            f"measurements (1 to 4 ranks; throughput rising, flat, and falling at the largest; "
+            f"noise scales resolved and not)")  # fmt: skip
+    if here is None:
+        return said
+    m, k, worth = plans[-1]
+    with time_limit_paused():  # labkit's run, not the learner's code: no check time limit
+        run = here.run((m, k, worth))
+    worth_text = {True: "worth it", False: "not worth it", None: "worth it: cannot tell"}[worth]
+    return (f"{said}, and on this notebook's: {m} × {k} for a global batch of "
+            f"{here.inputs.target}, {worth_text}. Run for real: "
+            f"{'it fits' if run.fits else 'it does NOT fit'} {run.limit}"
+            + (f"; its step time against {run.alternative[0]} × {run.alternative[1]}: "
+               f"{_short(run.comparison)}" if run.comparison is not None else "")
+            + " (details below)")  # fmt: skip
+
+
+def _short(c: verdict.Comparison) -> str:
+    """A verdict in a few words, for the check's one line (the full one prints below it)."""
+    if c.outcome == "faster":
+        return (f"{c.faster.name} faster by {100 * c.difference / c.slower.median:.0f}%")
+    if c.outcome == "agree":
+        return f"they agree within {100 * c.tolerance:g}%"
+    return "too noisy to tell"
