@@ -16,6 +16,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from exercise_cells import assert_check_passes, assert_stub_is_not_done
 
 from labkit import exercises as ex
 from labkit import ids, launch, nbgen
@@ -30,6 +31,8 @@ CHECKS = {"03b": composing, "03c": sequences_experts}
 FILES = {"03b.mesh_groups": "cp_mesh", "03c.ring_merge": "cp_merge",
          "03c.moe_dispatch": "cp_dispatch"}  # fmt: skip
 WRITEFILE = re.compile(r"^%%writefile \{ex_dir\}/(?P<name>\w+)\.py\n")
+IN_KERNEL = {"03b.choose_mesh": "choose_mesh", "03c.sequence_plan": "plan_sequence"}
+"""The decision exercises, checked in the kernel with ex.check: id -> the function's name."""
 
 
 def _writefile_cells(nb) -> dict[str, str]:
@@ -46,6 +49,19 @@ BY_NOTEBOOK = {nb: _writefile_cells(n) for nb, n in SOLUTION_NBS.items()}
 SOLUTIONS = {name: text for files in BY_NOTEBOOK.values() for name, text in files.items()}
 STUBS = {name: text for n in SOLUTION_NBS.values()
          for name, text in _writefile_cells(nbgen.generate(n)).items()}  # fmt: skip
+
+
+def _kernel_cell(exercise_id: str) -> str:
+    """The notebook's solution cell of a decision exercise, its ex.check line replaced by
+    ``answer = <function>`` (exercise_cells' convention)."""
+    name = IN_KERNEL[exercise_id]
+    nb = SOLUTION_NBS[ids.of(exercise_id)]
+    (source,) = [c.source for c in nb.cells if c.cell_type == "code"
+                 and f'ex.check("{exercise_id}", {name})' in c.source]  # fmt: skip
+    return source.replace(f'{name} = ex.check("{exercise_id}", {name})', f"answer = {name}")
+
+
+KERNEL_SOLUTIONS = {eid: _kernel_cell(eid) for eid in IN_KERNEL}
 
 # Wrong answers a learner plausibly writes, each with the diagnosis it must get.
 WRONG_GROUPS = {
@@ -119,7 +135,8 @@ def test_each_notebook_has_one_file_per_exercise_and_the_stubs_are_stubs():
     for nb, files in BY_NOTEBOOK.items():
         mine = sorted(e for e in FILES if ids.of(e) == nb)
         assert sorted(FILES[e] for e in mine) == sorted(files), nb
-        assert [e.id for e in ex.catalogue(nb)] == mine
+        kernel = sorted(e for e in IN_KERNEL if ids.of(e) == nb)
+        assert [e.id for e in ex.catalogue(nb)] == sorted(mine + kernel)
         assert sorted(CHECKS[nb].EXERCISES) == mine  # one module per notebook, no copies
     assert ex.MODULES["03b"] == composing.__name__
     assert ex.MODULES["03c"] == sequences_experts.__name__
@@ -186,3 +203,108 @@ def test_the_rank_checks_pass_the_solutions_and_catch_an_unsorted_or_gathering_d
     assert "real 2 × 2 DeviceMesh" in mesh["message"]
     assert "4-rank ring" in merge["message"]
     assert "every token reached its rank" in dispatch["message"]
+
+
+# --------------------------------------------------------------------------- the decisions
+
+
+@pytest.mark.parametrize("exercise_id", sorted(IN_KERNEL))
+def test_a_decision_passes_on_the_solution_and_its_stub_is_not_done(exercise_id, capsys):
+    assert_check_passes(exercise_id, KERNEL_SOLUTIONS[exercise_id], capsys)
+    secrets = {"03b.choose_mesh": ("sum(m[\"memory\"]", "max(sent"),
+               "03c.sequence_plan": ("seq_len / m", "sent_bytes\"])")}[exercise_id]  # fmt: skip
+    assert_stub_is_not_done(exercise_id, KERNEL_SOLUTIONS[exercise_id], capsys, secrets=secrets)
+
+
+def _rule(keep: str, inner: str, by: str) -> str:
+    """A choose_mesh built from a rule: which state to compare with the budget, which dimension
+    goes inside, and what to minimise among those kept."""
+    return (
+        "def choose_mesh(measured, budget_bytes):\n"
+        "    best = None\n"
+        "    for m in measured.values():\n"
+        "        mem, sent = m['memory'], m['sent']\n"
+        f"        if {keep} > budget_bytes:\n"
+        "            continue\n"
+        f"        inner = {inner}\n"
+        "        outer = next(d for d in m['mesh'] if d != inner)\n"
+        f"        key = {by}\n"
+        "        if best is None or key < best[0]:\n"
+        "            best = (key, {outer: m['mesh'][outer], inner: m['mesh'][inner]})\n"
+        "    return None if best is None else best[1]\n"
+    )
+
+
+STATE, TP_IN = "sum(mem.values())", "'tp' if 'tp' in sent else max(sent, key=sent.get)"
+WRONG_MESHES = {  # the mistake -> words its diagnosis must contain
+    "least memory": (_rule(STATE, TP_IN, "sum(mem.values())"), "the least memory"),
+    "budget ignored": (_rule("0", TP_IN, "sent[outer]"), "does not fit"),
+    "parameters only": (_rule("mem['parameters']", TP_IN, "sent[outer]"),
+                        "its parameters alone"),
+    "busier dimension inside, TP too": (_rule(STATE, "max(sent, key=sent.get)", "sent[outer]"),
+                                        "tensor parallelism is on the outer dimension"),
+    "quieter dimension inside": (_rule(STATE, "min(sent, key=sent.get)", "sent[inner]"),
+                                 "The last dimension is the inner one"),
+    "bytes over both dimensions": (_rule(STATE, TP_IN, "sum(sent.values())"),
+                                   "over both dimensions together"),
+    "a layout when none fits": (_rule(STATE, TP_IN, "sent[outer]").replace(
+        "return None if best is None", "return {'dp': 2, 'tp': 2} if best is None"),
+        "return None"),
+    "the composition's name": ("def choose_mesh(measured, budget_bytes):\n    return 'hsdp'\n",
+                               "return the mesh to build"),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(WRONG_MESHES))
+def test_a_wrong_layout_choice_is_named(mistake):
+    source, says = WRONG_MESHES[mistake]
+    namespace: dict = {}
+    exec(source, namespace)
+    with pytest.raises(ex.ExerciseFailed, match=re.escape(says)) as info:
+        ex.verify("03b.choose_mesh", namespace["choose_mesh"])
+    # the message never gives the mesh to choose
+    assert "recipe" not in str(info.value)
+
+
+def _plan(keep: str, by: str, none: str = "'cp'") -> str:
+    return (
+        "def plan_sequence(seq_len, budget_bytes, measured):\n"
+        f"    fits = [k for k, m in measured.items() if {keep} <= budget_bytes]\n"
+        f"    return min(fits, key=lambda k: measured[k][{by!r}]) if fits else {none}\n"
+    )
+
+
+LINEAR = "m['saved_bytes'] * seq_len / m['seq_len']"
+WRONG_PLANS = {
+    "not grown with the length": (_plan("m['saved_bytes']", "sent_bytes"), "measured at 128 tokens"),
+    "grown with its square": (_plan(f"{LINEAR} * seq_len / m['seq_len']", "sent_bytes"),
+                              "square of the length"),
+    "least memory": (_plan(LINEAR, "saved_bytes"), "saves less memory"),
+    "budget ignored": (_plan("0", "sent_bytes"), "does not fit"),
+    "no context parallelism": (_plan(LINEAR, "sent_bytes", none="'tp'"), "more ranks"),
+    "context parallelism always": ("def plan_sequence(seq_len, budget_bytes, measured):\n"
+                                   "    return 'cp'\n", "adds ranks only when"),
+    "None when nothing fits": (_plan(LINEAR, "sent_bytes", none="None"), "return one of"),
+}
+
+
+@pytest.mark.parametrize("mistake", sorted(WRONG_PLANS))
+def test_a_wrong_sequence_plan_is_named(mistake):
+    source, says = WRONG_PLANS[mistake]
+    namespace: dict = {}
+    exec(source, namespace)
+    with pytest.raises(ex.ExerciseFailed, match=re.escape(says)):
+        ex.verify("03c.sequence_plan", namespace["plan_sequence"])
+
+
+def test_the_decisions_cases_give_every_answer_and_the_notebooks_own_case_is_among_them():
+    answers = {composing.reference_choose_mesh(m, b) is None for m, b, _ in composing._mesh_cases()}
+    meshes = {tuple(composing.reference_choose_mesh(m, b) or ()) for m, b, _ in composing._mesh_cases()}
+    assert answers == {True, False} and {("replicate", "shard"), ("dp", "tp")} <= meshes
+    plans = [sequences_experts.reference_plan_sequence(s, b, m)
+             for m, s, b, _ in sequences_experts._sequence_cases()]  # fmt: skip
+    assert set(plans) == set(sequences_experts.SEQ_ANSWERS)
+    # notebook 03c's lab scenario (256 tokens, 42 MiB) is a case, and its answer is neither the
+    # least-memory layout nor the one the unscaled measurement would give
+    lab = [c for c in sequences_experts._sequence_cases() if c[1] == 256 and c[2] == 42 * 2**20]
+    assert [sequences_experts.reference_plan_sequence(s, b, m) for m, s, b, _ in lab] == ["sp_keep_gathered"]

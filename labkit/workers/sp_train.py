@@ -20,7 +20,8 @@ ours, the module's own counter (message bytes per kind, re-gathers and boundary 
 
 Config (all optional): model (ModelConfig fields; default seq_len 32, 2 layers, 4 heads,
 d_model 64), batch_size (4), steps (3), seed (0), lr (3e-3), weight_decay (0.1), grad_clip
-(1.0; null for none), parts (all three), save (true: write the files above).
+(1.0; null for none), parts (all three), save (true: write the files above), train (true;
+false: measure only, no AdamW steps and no parameter files: what notebook 03c's plan runs).
 
 Result per rank: rank, world_size, device ("cpu" or "cuda"), and per part ("tp", "ours",
 "ours_keep_gathered", "dtensor"): saved_bytes (measured), collectives (CommDebugMode, by
@@ -116,7 +117,8 @@ def main(ctx: dist.Context) -> dict[str, Any]:
                        weight_decay=float(conf.get("weight_decay", 0.1)),
                        grad_clip=conf.get("grad_clip", 1.0), seed=seed)  # fmt: skip
     parts = list(conf.get("parts", ["tp", "ours", "dtensor"]))
-    save = bool(conf.get("save", True)) and ctx.job_dir is not None
+    train = bool(conf.get("train", True))
+    save = bool(conf.get("save", True)) and train and ctx.job_dir is not None
     batches = data.fixed_batches(cfg.seq_len, B, steps, seed)
     n, r = ctx.world_size, ctx.rank
     result: dict[str, Any] = {"rank": r, "world_size": n, "device": ctx.device.type}
@@ -143,7 +145,7 @@ def main(ctx: dist.Context) -> dict[str, Any]:
                 sequence.sync_sequence_parallel_grads(model, counter=counter)
 
             out = _measure(model, batches[0], ctx, sync, counter)
-            if regather:
+            if regather and train:
                 run = _train(model, batches, tcfg, ctx, sync)
                 out["losses"] = run["losses"]
                 state = tensor.full_state(model)
@@ -165,12 +167,13 @@ def main(ctx: dist.Context) -> dict[str, Any]:
             sequence.replicate_partial_grads(model)
 
         out = _measure(model, batches[0], ctx, sync_dtensor)
-        run = _train(model, batches, tcfg, ctx, sync_dtensor, foreach=False)
-        out["losses"] = run["losses"]
-        state = tensor.full_state(model)
-        if save and r == 0:
-            torch.save({"params": state, "first_grads": run["first_grads"]},
-                       ctx.job_dir / "sp_dtensor_params.pt")  # fmt: skip
+        if train:
+            run = _train(model, batches, tcfg, ctx, sync_dtensor, foreach=False)
+            out["losses"] = run["losses"]
+            state = tensor.full_state(model)
+            if save and r == 0:
+                torch.save({"params": state, "first_grads": run["first_grads"]},
+                           ctx.job_dir / "sp_dtensor_params.pt")  # fmt: skip
         result["dtensor"] = out
         out["part_s"] = time.perf_counter() - t0
         ctx.print0(_line("TP+SP DTensor", out))
