@@ -324,20 +324,30 @@ def _entry(e: dict[str, Any]) -> str:
     return f"#{e.get('collective_seq_id')} {name} {sizes} ({e.get('state')})"
 
 
-def flight_recorder_summary(folder: str | os.PathLike, nproc: int, last: int = 3) -> list[str]:
+def flight_recorder_summary(folder: str | os.PathLike, nproc: int, last: int = 3,
+                            *, brief: bool = False) -> list[str]:  # fmt: skip
     """What the dumps in ``folder`` say, in lines: each rank's last ``last`` collectives, then
     the first collective number at which the ranks disagree (another op or size, or a rank that
-    never issued it), or the ranks that left no dump."""
+    never issued it), or the ranks that left no dump. ``brief``: where every rank left a dump
+    and they disagree, only the line that says where (it names each rank's entry there); a rank
+    without a dump in one short line."""
     dumps = read_dumps(folder)
     lines = []
     for r in range(nproc):
-        if r not in dumps:
+        if r not in dumps and brief:
+            lines.append(f"rank {r}: no dump (it never raised: stuck elsewhere, or killed first)")
+        elif r not in dumps:
             lines.append(f"rank {r}: no dump (it never raised: stuck outside a collective, or "
                          "killed first): the recorder cannot say what it was doing")  # fmt: skip
         else:
             lines.append(f"rank {r}: " + "; ".join(_entry(e) for e in dumps[r][-last:]))
     if len(dumps) < 2:
         return lines
+    if brief and len(dumps) == nproc:
+        found = [line for line in flight_recorder_summary(folder, nproc, last)[nproc:]
+                 if line.startswith("first disagreement")]  # fmt: skip
+        if found:
+            return found
     by_seq = {r: {e.get("collective_seq_id"): e for e in es} for r, es in dumps.items()}
     for seq in sorted({s for d in by_seq.values() for s in d}):
         what = {r: (d[seq].get("profiling_name"), d[seq].get("input_sizes")) if seq in d else None
@@ -349,4 +359,24 @@ def flight_recorder_summary(folder: str | os.PathLike, nproc: int, last: int = 3
             break
     else:
         lines.append("the ranks' recorded collectives agree")
+    return lines
+
+
+def nccl_report(o: Outcome, last: int = 3, width: int = 400) -> list[str]:
+    """One NCCL trial, for a notebook: what ended it, the launcher's report, each rank's last
+    ``last`` collective lines from ``NCCL_DEBUG=INFO`` (``NCCL_DEBUG_SUBSYS=COLL``), and what
+    the flight-recorder dumps and torch's analyzer say. Lines longer than ``width`` are cut."""
+    lines = [f"--- {o.trial.label} over NCCL: ended by {o.ended_by}"]
+    lines += ["    " + line[:width] for line in report_lines(o)]
+    n = 2 if o.result is None else o.result.nproc
+    for r in range(n):
+        logs = "" if o.result is None else o.result.log(r) + o.result.log(r, "stderr")
+        said = [s for s in logs.splitlines()
+                if "NCCL INFO" in s and ("AllReduce" in s or "AllGather" in s)]  # fmt: skip
+        lines.append(f"  rank {r}: NCCL_DEBUG=INFO's last collective lines:")
+        lines += ["    " + s[:width] for s in said[-last:]] or ["    (none)"]
+    if "fr_dir" in o.extra:
+        lines.append("  flight recorder:")
+        lines += ["    " + line for line in flight_recorder_summary(o.extra["fr_dir"], nproc=n)]
+        lines += ["    " + line for line in read_flight_recorder(o.extra["fr_dir"]).splitlines()]
     return lines

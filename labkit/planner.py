@@ -545,8 +545,13 @@ class Prediction:
         """Executed FLOP/s per GPU (recomputation included, as Megatron-LM reports it)."""
         return self.hardware_flops / (n_gpus * self.step_s)
 
-    def line(self) -> str:
+    def line(self, *, compact: bool = False) -> str:
+        """One row of ``Plan.table``. ``compact`` leaves out the fit and the label, for a table
+        of fitting layouts under a header that already says "modelled"."""
         gb = self.memory["total"] / 1e9
+        if compact:
+            return (f"{self.layout.name:<16} {self.layout.variant:<32} {gb:6.1f} GB "
+                    f"{self.step_s:8.3g} s {self.predicted_mfu:6.1%}")  # fmt: skip
         fit = {True: "fits", False: "does not fit", None: "memory not checked"}[self.fits]
         return (
             f"{self.layout.name:<22} {self.layout.variant:<30} {gb:8.1f} GB ({fit:<12}) "
@@ -799,11 +804,40 @@ class Plan:
                 return i
         return None
 
-    def table(self, top: int = 8) -> str:
+    def table(self, top: int = 8, *, compact: bool = False) -> str:
+        """The ``top`` layouts of ``best_per_shape()``, one row each. ``compact``: narrower rows
+        without the fit (every row fits) and the per-row label (say "modelled" around it)."""
         rows = self.best_per_shape()[:top]
-        lines = [f"{'rank':>4}  {'layout':<22} {'best variant':<30} {'memory per GPU':<26}"
-                 f"{'time per step':>15}  {'MFU':>9}"]  # fmt: skip
-        lines += [f"{i:>4}  {p.line()}" for i, p in enumerate(rows, 1)]
+        if compact:
+            lines = [f"{'rank':>4}  {'layout':<16} {'best variant':<32} {'memory':>9} "
+                     f"{'step':>10} {'MFU':>6}"]  # fmt: skip
+        else:
+            lines = [f"{'rank':>4}  {'layout':<22} {'best variant':<30} {'memory per GPU':<26}"
+                     f"{'time per step':>15}  {'MFU':>9}"]  # fmt: skip
+        lines += [f"{i:>4}  {p.line(compact=compact)}" for i, p in enumerate(rows, 1)]
+        return "\n".join(lines)
+
+    def bytes_table(self, *, fsdp: bool = True) -> str:
+        """Bytes one rank sends per step in each dimension (MiB; counts, modelled, not timed), and
+        the modelled step, for the fastest variant of each layout. ``fsdp`` adds the data-parallel
+        bytes of the same layout under ZeRO-3 with one micro-batch per step (no accumulation),
+        for layouts with DP and no PP ("-" otherwise)."""
+        dims = ("dp", "tp", "pp", "cp")
+        lines = [f"{'layout':<10}" + "".join(f"{k.upper() + ' MiB':>9}" for k in dims)
+                 + (f"{'DP MiB FSDP':>13}" if fsdp else "") + f"{'step':>12}"]  # fmt: skip
+        for p in self.best_per_shape():
+            lay = p.layout
+            row = f"{lay.name:<10}" + "".join(f"{p.bytes_per_rank[k] / 2**20:>9.2f}" for k in dims)
+            if fsdp:
+                cell = "-"
+                if lay.dp > 1 and lay.pp == 1:
+                    f3 = predict(self.model, self.cluster, self.workload,
+                                 Layout(lay.dp, lay.tp, 1, lay.cp, zero=3,
+                                        micro_batch=self.workload.global_batch // lay.dp),
+                                 self.search)  # fmt: skip
+                    cell = f"{f3.bytes_per_rank['dp'] / 2**20:.2f}"
+                row += f"{cell:>13}"
+            lines.append(row + f"{p.step_s * 1e3:>9.1f} ms")
         return "\n".join(lines)
 
 
@@ -855,6 +889,20 @@ def sensitivity(model: ModelSpec, cluster: Cluster, workload: Workload, search: 
     return rows
 
 
+def sensitivity_summary(rows: Sequence[dict[str, Any]]) -> str:
+    """One sentence on ``sensitivity()``'s rows: whether the first choice moves with the
+    assumptions, and in how many settings the published layout ranks first or does not fit."""
+    firsts = {r["first"] for r in rows}
+    ranks = [r["published_rank"] for r in rows]
+    text = ("the first choice stays the same in every setting" if len(firsts) == 1 else
+            f"the first choice changes with the assumptions ({len(firsts)} different layouts)")  # fmt: skip
+    text += "; the published layout ranks " + (
+        f"first in {ranks.count(1)} of {len(rows)} settings" if 1 in ranks else "first in none")
+    if None in ranks:
+        text += f" and does not fit in {ranks.count(None)}"
+    return text
+
+
 # ----------------------------------------------------------------------------------------------
 # Published configurations to hold the planner against.
 
@@ -872,6 +920,34 @@ class Published:
     shape: dict[str, int]
     reported: str
     """What the paper measured on it (published, not modelled here)."""
+
+    @property
+    def shape_name(self) -> str:
+        """The published layout as the planner names it (``DP64×TP8×PP16``)."""
+        return "×".join(f"{k.upper()}{v}" for k, v in self.shape.items() if v > 1)
+
+    def report(self, plan: Plan, top: int = 3) -> str:
+        """What ``plan`` (this case planned) says, for a notebook: the case, the ``top`` layouts
+        (compact), and where the published layout ranks with its executed TFLOP/s and MFU
+        (modelled) beside what the paper measured. The full citation is ``self.citation``."""
+        c, w = self.cluster, self.workload
+        lines = [f"{self.name}: {self.model.params / 1e9:.1f}B parameters, {c.gpus_per_node} GPUs "
+                 f"per node ({c.intra_node.name} inside, {c.inter_node.name} between), global "
+                 f"batch {w.global_batch:,} × {self.model.seq_len:,} tokens; "
+                 f"{len(plan.predictions)} valid layouts and variants, "
+                 f"{len(plan.ranked(fitting_only=True))} fit (modelled):"]  # fmt: skip
+        lines += ["  " + line for line in plan.table(top, compact=True).splitlines()]
+        rank = plan.rank_of(**self.shape)
+        source = self.citation.split(', "')[0]
+        lines.append(f"  published {self.shape_name} ({source}): {self.reported}")
+        if rank is None:
+            lines.append("  the planner finds no variant of the published layout that fits")
+        else:
+            pub = plan.best_per_shape()[rank - 1]
+            lines.append(f"  planner: rank {rank} of {len(plan.best_per_shape())}, "
+                         f"{pub.flops_per_gpu_s(c.n_gpus) / 1e12:.0f} TFLOP/s executed per GPU, "
+                         f"MFU {pub.predicted_mfu:.0%} (modelled at the assumed {w.mfu:.0%})")  # fmt: skip
+        return "\n".join(lines)
 
 
 def published_cases(mfu: float = 0.5) -> list[Published]:
@@ -977,5 +1053,6 @@ __all__: Sequence[str] = (
     "predict",
     "published_cases",
     "sensitivity",
+    "sensitivity_summary",
     "this_machine",
 )  # fmt: skip

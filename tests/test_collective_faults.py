@@ -307,3 +307,41 @@ def test_each_bug_is_reported_by_kind_and_rank_and_leaves_no_process(home):
     assert "likely hung: rank 1 (not in a collective)" in hang.message
     assert hang.detect_s >= pg_timeout_s * 0.9  # it took the timeout to notice
     assert desync.detect_s >= pg_timeout_s * 0.9 and desync_detail.detect_s is not None
+
+
+def test_brief_flight_recorder_summary_keeps_only_where_the_ranks_part(tmp_path):
+    _dump(tmp_path / "rank_0", [_fr(1, "all_reduce", 8), _fr(2, "all_reduce", 8)])
+    _dump(tmp_path / "rank_1", [_fr(1, "all_reduce", 8), _fr(2, "all_gather", 1)])
+    assert cd.flight_recorder_summary(tmp_path, 2, brief=True) == [
+        "first disagreement at collective #2: rank 0: #2 all_reduce [8] (scheduled), "
+        "rank 1: #2 all_gather [1] (scheduled)"]
+    # agreeing dumps: brief changes nothing (each rank's entries stay)
+    _dump(tmp_path / "rank_1", [_fr(1, "all_reduce", 8), _fr(2, "all_reduce", 8)])
+    assert cd.flight_recorder_summary(tmp_path, 2, brief=True) == cd.flight_recorder_summary(tmp_path, 2)
+    # a rank without a dump: said in one short line, the other rank's last entry kept
+    (tmp_path / "rank_1").unlink()
+    assert cd.flight_recorder_summary(tmp_path, 2, last=1, brief=True) == [
+        "rank 0: #2 all_reduce [8] (scheduled)",
+        "rank 1: no dump (it never raised: stuck elsewhere, or killed first)"]
+
+
+def test_nccl_report_shows_each_ranks_last_collective_lines(tmp_path):
+    class Result:
+        nproc = 2
+
+        def log(self, r, stream="stdout"):
+            if stream == "stderr":
+                return ""
+            return "\n".join(f"host:{r}:{r} [{r}] NCCL INFO AllReduce: opCount {i} count 1024"
+                             for i in range(5)) + "\nother line"  # fmt: skip
+
+    class Err(Exception):
+        pass
+
+    o = cd.Outcome(cd.Trial("desync"), Err(f"{cd.WORKER} failed on rank 0: timed out"), Result(),
+                   None, 1.0, {"fr_dir": str(tmp_path)})  # fmt: skip
+    lines = cd.nccl_report(o, last=2)
+    assert lines[0].startswith("--- desync, DETAIL off over NCCL: ended by")
+    at = lines.index("  rank 1: NCCL_DEBUG=INFO's last collective lines:")
+    assert [x.split("opCount ")[1] for x in lines[at + 1:at + 3]] == ["3 count 1024", "4 count 1024"]
+    assert any("no dump" in x for x in lines) and any("no flight-recorder dump" in x for x in lines)

@@ -348,3 +348,51 @@ def test_layout_validates_its_fields():
         planner.Layout(dp=1, tp=1, pp=1, recompute="some")
     with pytest.raises(ValueError, match="tp=0"):
         planner.Layout(dp=1, tp=0, pp=1)
+
+
+# --- what notebook 03d prints (format only) -----------------------------------------------------
+
+
+def test_compact_table_keeps_each_fitting_layouts_numbers_and_drops_the_per_row_label():
+    model, cluster, workload = gpt_case()
+    plan = planner.plan(model, cluster, workload)
+    rows = plan.table(3, compact=True).splitlines()
+    assert len(rows) == 4 and "[modelled]" not in "\n".join(rows) and "fits" not in rows[1]
+    best = plan.best_per_shape()[0]
+    assert best.layout.name in rows[1] and best.layout.variant in rows[1]
+    assert f"{best.memory['total'] / 1e9:.1f} GB" in rows[1]
+    assert f"{best.predicted_mfu:.1%}" in rows[1]
+    assert plan.table(3) != plan.table(3, compact=True)  # the default is unchanged
+
+
+def test_bytes_table_lists_every_layout_with_fsdp_only_where_there_is_dp_and_no_pp():
+    plan = planner.plan(*machine(global_batch=16))
+    rows = {line.split()[0]: line.split() for line in plan.bytes_table().splitlines()[1:]}
+    assert set(rows) == {p.layout.name for p in plan.best_per_shape()}
+    dp4 = next(p for p in plan.best_per_shape() if p.layout.name == "DP4")
+    assert rows["DP4"][1] == f"{dp4.bytes_per_rank['dp'] / 2**20:.2f}"
+    # FSDP (ZeRO-3, one micro-batch per step) sends more than the all-reduce: the gathers
+    assert float(rows["DP4"][5]) > float(rows["DP4"][1])
+    assert rows["PP4"][5] == "-" and rows["TP4"][5] == "-"
+    assert "FSDP" not in plan.bytes_table(fsdp=False)
+
+
+def test_published_report_names_the_rank_and_the_measured_figures():
+    case = planner.published_cases(mfu=0.5)[1]  # Megatron 145.6B: ranked first at the reserve
+    plan = planner.plan(case.model, case.cluster, case.workload, case.search)
+    text = case.report(plan, top=2)
+    assert case.shape_name == "DP24×TP8×PP8" and f"published {case.shape_name}" in text
+    assert case.reported in text and "Narayanan et al. 2021" in text
+    assert f"rank {plan.rank_of(**case.shape)} of {len(plan.best_per_shape())}" in text
+    assert len(text.splitlines()) == 1 + 3 + 2  # header, table of 2 (and its header), 2 lines
+
+
+def test_sensitivity_summary_counts_what_the_rows_say():
+    rows = [{"first": "A", "published_rank": 1}, {"first": "B", "published_rank": None},
+            {"first": "A", "published_rank": 3}]  # fmt: skip
+    assert planner.sensitivity_summary(rows) == (
+        "the first choice changes with the assumptions (2 different layouts); the published "
+        "layout ranks first in 1 of 3 settings and does not fit in 1")
+    same = [{"first": "A", "published_rank": 2}] * 2
+    assert planner.sensitivity_summary(same) == (
+        "the first choice stays the same in every setting; the published layout ranks first in none")
