@@ -14,6 +14,8 @@ from pathlib import Path
 
 import nbformat
 import pytest
+import torch
+from test_exercises import code_like  # the rule the last hints obey: words, not code
 
 from labkit import exercises as ex
 from labkit import launch, nbgen
@@ -180,7 +182,7 @@ WRONG_COLUMNS = [
      + lin.bias[r * lin.out_features // n:(r + 1) * lin.out_features // n],
      "no gradient reached linear.weight"),
     (lambda x, lin, r, n: x @ lin.weight[r * lin.in_features // n:(r + 1) * lin.in_features // n].T,
-     "out_features / world_size = 12 output features"),
+     "its share of the output features, 12 here (out_features divided by world_size)"),
     (lambda x, lin, r, n: x @ lin.weight[:, r * lin.out_features // n:(r + 1) * lin.out_features // n].T,
      "raised RuntimeError"),
     (lambda x, lin, r, n: x @ lin.weight[:, r * lin.out_features // n:(r + 1) * lin.out_features // n].T,
@@ -195,6 +197,8 @@ def test_wrong_column_parallel_answers_are_diagnosed(wrong, diagnosis, launches)
         ex.verify("03.column_parallel", wrong)
     assert diagnosis in str(info.value) and "Likely: " in str(info.value)
     assert launches == []
+    said = str(info.value).rsplit("Likely: ", 1)[-1]
+    assert code_like(said) == [], said  # what is wrong, in words
 
 
 def test_a_slice_of_the_wrong_dimension_of_a_square_layer_is_named():
@@ -253,28 +257,37 @@ QUARTER = "h // world_size * rank : h // world_size * (rank + 1)"  # of the 12 i
 # Mistakes the kernel catches before any launch: (planted file, what the message must say).
 WRONG_SHARDS = [
     (_variant(FC_COPY, FC_COPY.replace("[units]", "[:, units]")),
-     "Likely: a slice does not fit its layer: column-parallel fc keeps this rank's hidden units, "
-     "which are fc's output features: dimension 0 (rows)"),
+     "Likely: a slice does not fit its layer: the slice copied into fc does not have the shape "
+     "of fc's weight: was it cut along fc's input features, which every rank keeps whole, "
+     "instead of its output features, the hidden units?"),
     (_variant(LAYERS, LAYERS + f"        self.fc.weight = nn.Parameter(mlp.fc.weight[:, {QUARTER}].detach().clone())\n")
      .replace(FC_COPY, "            pass"),
-     "fc.weight has shape (48, 6), expected (24, 12) = (4h/n, h) with n = 2: column-parallel fc"),
+     "fc.weight has shape (48, 6), expected (24, 12), (4h/n, h) for 2 ranks: column-parallel fc "
+     "holds the wrong features: its first dimension holds 48, not this rank's 24 hidden units "
+     "(fc's output features); its second dimension holds 6 of fc's 12 input features, which "
+     "every rank keeps whole"),
     (_variant(PROJ_COPY, PROJ_COPY.replace("[:, units]", "[units]")),
-     "Likely: a slice does not fit its layer: row-parallel proj keeps the same hidden units, "
-     "which are proj's input features: dimension 1 (columns)"),
+     "Likely: a slice does not fit its layer: the slice copied into proj does not have the shape "
+     "of proj's weight: was it cut along proj's output features, which every rank computes in "
+     "full, instead of its input features, the hidden units?"),
     (_variant(LAYERS, LAYERS + f"        self.proj.weight = nn.Parameter(mlp.proj.weight[{QUARTER}].detach().clone())\n")
      .replace(PROJ_COPY, "            pass"),
-     "proj.weight has shape (6, 48), expected (12, 24) = (h, 4h/n) with n = 2: row-parallel proj"),
+     "proj.weight has shape (6, 48), expected (12, 24), (h, 4h/n) for 2 ranks: row-parallel proj "
+     "holds the wrong features: its first dimension holds 6 of proj's 12 output features, which "
+     "every rank computes in full (a partial sum of each); its second dimension holds 48, not "
+     "this rank's 24 hidden units (proj's input features)"),
     (_variant(FC_BIAS, "            self.fc.bias = nn.Parameter(mlp.fc.bias.clone())"),
      "fc.bias has shape (48,), expected (24,)"),
     (_variant(PROJ_BIAS, "            self.proj.bias = nn.Parameter(mlp.proj.bias[units].clone())"),
      "rank=1, world_size=2): Likely: proj.bias has shape (0,), expected (12,): proj's bias"),
     (_variant(UNITS, "        units = slice((rank + 1) % world_size * k, ((rank + 1) % world_size + 1) * k)\n"),
-     "fc.weight holds rank 1's slice, not rank 0's"),
+     "fc.weight holds rank 1's slice, not rank 0's: its hidden units start at another rank's"),
     (_variant(FC_COPY, "            pass"), "fc.weight holds other values than rank 0's slice"),
     (_variant(LAYERS, LAYERS + "        self.mlp = mlp\n"),
      "your module holds 1824 parameters, its shards 612: keep only this rank's slices"),
     (_variant(UNITS, "        units = slice(dist.get_rank() * k, (dist.get_rank() + 1) * k)\n"),
-     "use the rank and world_size arguments, not torch.distributed's"),
+     "Likely: the rank or the world size came from the process group, not from the rank and "
+     "world_size arguments"),
     (SOLUTIONS["mp_fg"].replace("self.fc", "self.w1"), "your module has no fc.weight"),
     (_variant(LAYERS, LAYERS + "        self.proj.weight.requires_grad_(False)\n"),
      "proj.weight does not require a gradient"),
@@ -288,6 +301,8 @@ def test_wrong_shards_are_named_in_the_kernel_without_launching(text, message, t
         exmp.verify_file("03.f_and_g", path)
     assert message in str(info.value)
     assert launches == []
+    said = str(info.value).split("Likely: ", 1)[-1]  # the diagnosis, after the learner's own line
+    assert code_like(said) == [], said  # what is wrong and where, never the fix's code
 
 
 def test_a_shard_that_is_not_a_parameter_is_named(tmp_path):
@@ -297,7 +312,8 @@ def test_a_shard_that_is_not_a_parameter_is_named(tmp_path):
     weight = module.fc.weight.detach()
     del module.fc.weight
     module.fc.register_buffer("weight", weight)  # right values, but no gradient would be kept
-    assert "fc.weight is not a parameter of your module" in exmp.shard_diagnosis(module, mlp, 0, 2)
+    said = exmp.shard_diagnosis(module, mlp, 0, 2)
+    assert "fc.weight is not a parameter of your module" in said and code_like(said) == []
 
 
 def test_a_file_with_f_and_g_done_and_the_module_a_stub_is_not_done(tmp_path, launches):
@@ -319,6 +335,60 @@ def test_the_reference_shards_are_the_slices_the_solution_takes(tmp_path):
             assert shards["fc.weight"].equal(mlp.fc.weight[r * k : (r + 1) * k])
             assert shards["proj.weight"].equal(mlp.proj.weight[:, r * k : (r + 1) * k])
             assert exmp.shard_diagnosis(sol.TensorParallelMLP(mlp, r, n), mlp, r, n) is None
+
+
+def _rank_results(rank: int = 0, n: int = 2):
+    """What a right rank reports (its output, every rank's dL/dx, its shards' gradients), the
+    unsplit MLP's, and that MLP after its backward: what ``tp_mlp_diagnosis`` compares."""
+    import copy
+
+    import torch.nn.functional as F
+
+    mlp, x, grad_out = exmp.tp_mlp_case()
+    whole = copy.deepcopy(mlp)
+    ref = exmp._tp_forward_backward(whole, x, grad_out)
+    k = whole.fc.out_features // n
+    units = slice(rank * k, (rank + 1) * k)
+    grads = {"fc.weight": whole.fc.weight.grad[units], "fc.bias": whole.fc.bias.grad[units],
+             "proj.weight": whole.proj.weight.grad[:, units], "proj.bias": whole.proj.bias.grad}  # fmt: skip
+    got = {"out": ref["out"], "x_grads": [ref["x_grad"]] * n, "grads": grads}
+    with torch.no_grad():
+        hidden = F.gelu(F.linear(x, mlp.fc.weight[units], mlp.fc.bias[units]), approximate="tanh")
+        partial = F.linear(hidden, mlp.proj.weight[:, units])
+        exact = F.linear(F.gelu(mlp.fc(x)), mlp.proj.weight, mlp.proj.bias)
+    return got, ref, whole, x, {"partial": partial, "exact": exact, "bias": mlp.proj.bias.detach()}
+
+
+def test_the_modules_forward_mistakes_are_diagnosed_without_handing_over_code():
+    """Each mistake only the ranks can show, planted in a right rank's results: the message
+    says what is wrong and where, in words (review N02-8: no F.linear(...), no Leave.apply)."""
+    got, ref, whole, x, parts = _rank_results()
+    assert exmp.tp_mlp_diagnosis(got, ref, whole, x, 0, 2) is None
+    bias, partial = parts["bias"], parts["partial"]
+    planted = {
+        "the output is off by (world_size − 1) × proj.bias, here 1 × proj.bias: the bias is "
+        "added on every rank before g sums the ranks' outputs, so the sum counts it 2 times":
+            {"out": ref["out"] + bias},
+        "the output is this rank's partial sum, not the whole MLP's: g is missing":
+            {"out": partial + bias},
+        "the output is the MLP's with exact GELU: labkit.model.MLP uses GELU's tanh approximation":
+            {"out": parts["exact"]},
+        "the output differs from the unsplit MLP's, and not as a bias counted on every rank":
+            {"out": 2 * ref["out"]},
+        "x received no gradient on some rank": {"x_grads": [ref["x_grad"], None]},
+        "the input gradients differ across ranks: each holds only its own part of dL/dx, the part "
+        "its slice of fc produced, so f is missing":
+            {"x_grads": [ref["x_grad"], 2 * ref["x_grad"]]},
+        "fc.weight received no gradient: the output was not computed from your module's own "
+        "fc.weight": {"grads": {**got["grads"], "fc.weight": None}},
+        "proj.bias.grad differs from the matching slice": {"grads": {**got["grads"],
+                                                                     "proj.bias": 2 * bias}},
+    }  # fmt: skip
+    for message, change in planted.items():
+        said = exmp.tp_mlp_diagnosis({**got, **change}, ref, whole, x, 0, 2)
+        assert said is not None and said.startswith(message), (message, said)
+        assert code_like(said) == [], said
+        assert "F.linear" not in said and ".apply" not in said and "self." not in said
 
 
 # --------------------------------------------------------------------------- inside real ranks
@@ -410,8 +480,8 @@ def test_solutions_pass_inside_the_ranks(ranks):
         ("mp_fg_g_backward_reduces", "failed", "2× too large: g's backward must return the gradient"),
         ("mp_fg_g_forward_identity", "failed", "g's forward must all-reduce"),
         ("mp_tp_bias_every_rank", "failed",
-         "your TensorParallelMLP: Likely: the output is off by (world_size − 1) × proj.bias = 1 × "
-         "proj.bias: every rank added proj's bias before g"),
+         "your TensorParallelMLP: Likely: the output is off by (world_size − 1) × proj.bias, here "
+         "1 × proj.bias: the bias is added on every rank before g sums the ranks' outputs"),
         ("mp_tp_no_g", "failed", "the output is this rank's partial sum, not the whole MLP's: g is missing"),
         ("mp_tp_no_f", "failed", "the input gradients differ across ranks: each holds only its own part "
          "of dL/dx, the part its slice of fc produced, so f is missing"),
@@ -424,3 +494,6 @@ def test_solutions_pass_inside_the_ranks(ranks):
 def test_mistakes_are_reported_by_every_rank_without_crashing_the_job(ranks, key, status, message):
     for rank in ranks[key]:
         assert rank["status"] == status and message in rank["message"], rank
+        if key.startswith(("mp_fg_", "mp_tp_")):  # a diagnosis in words, never the fix's code
+            said = rank["message"].split("Likely: ", 1)[-1]
+            assert code_like(said) == [] and "F.linear(" not in said, said

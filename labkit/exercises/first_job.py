@@ -87,7 +87,11 @@ def _ring_diagnosis(numel: int, p: int, e: int, got: float) -> str:
         "the all-gather passes the summed chunks around the ring: again p − 1 steps of one "
         "chunk each. On 2 ranks the total is exactly S, so a measurement on 2 ranks cannot tell "
         "S from the right formula: the check asks about 1, 3, 4 and 8 ranks too",
-        "recipe: return 2 * (n_ranks - 1) / n_ranks * numel * bytes_per_element",
+        "recipe: work out the message's size in bytes from numel and bytes_per_element; cut "
+        "it into as many equal chunks as there are ranks; count the steps of the two phases "
+        "(each phase has one step fewer than there are ranks), in each of which this rank sends "
+        "one chunk; multiply the steps by the chunk's bytes and return that (on one rank, "
+        "nothing is sent)",
     ),
     reference=reference_ring_bytes_sent,
 )

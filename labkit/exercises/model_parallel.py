@@ -397,9 +397,10 @@ def check_order(fn: Any) -> str:
         "which wait longest for their first backward), a steady phase alternating one forward "
         "and one backward, and a cool-down of the backwards left; the last stage needs no "
         "warm-up",
-        "recipe: warm-up = min(p − 1 − stage, m) forwards; then, while forwards remain, one "
-        "forward followed by one backward; then the remaining backwards, oldest micro-batch "
-        "first",
+        "recipe: begin with the warm-up, forwards only: one for each stage after this one, but "
+        "never more than m; then, as long as micro-batches are left to run forward, run the "
+        "next one's forward and then the backward of the oldest micro-batch still waiting for "
+        "its backward; last, run the backwards still owed, oldest first",
     ),
 )
 def _verify_one_f_one_b(answer: Any) -> str:
@@ -558,12 +559,35 @@ TP_WORLD_SIZES = (2, 3, 4)  # every rank of each, in the kernel
 TP_TOL = 1e-5
 SHARDS = ("fc.weight", "fc.bias", "proj.weight", "proj.bias")
 
-FC_SPLIT = ("column-parallel fc keeps this rank's hidden units, which are fc's output features: "
-            "dimension 0 (rows) of nn.Linear's (out_features, in_features) weight, and the same "
-            "entries of its bias; every rank keeps all the input features")  # fmt: skip
-PROJ_SPLIT = ("row-parallel proj keeps the same hidden units, which are proj's input features: "
-              "dimension 1 (columns) of its (out_features, in_features) weight; its output "
-              "features, and its bias, stay whole")  # fmt: skip
+# What a slice that does not fit its layer most likely got wrong: a diagnosis (which features
+# were cut), never the indexing that fixes it (review N02-8).
+FC_MISFIT = ("the slice copied into fc does not have the shape of fc's weight: was it cut along "
+             "fc's input features, which every rank keeps whole, instead of its output "
+             "features, the hidden units?")  # fmt: skip
+PROJ_MISFIT = ("the slice copied into proj does not have the shape of proj's weight: was it cut "
+               "along proj's output features, which every rank computes in full, instead of its "
+               "input features, the hidden units?")  # fmt: skip
+
+
+def _weight_shape_diagnosis(layer: str, got: tuple[int, ...], h: int, k: int) -> str:
+    """Which of a sharded weight's two dimensions holds the wrong features, and what they are.
+
+    fc (column-parallel) keeps k of its output features (the hidden units) and all h inputs;
+    proj (row-parallel) keeps all h outputs and k of its input features (the same units)."""
+    if len(got) != 2:
+        return "a Linear layer's weight has two dimensions"
+    out_dim, in_dim = got
+    if layer == "fc":
+        parts = ([f"its first dimension holds {out_dim}, not this rank's {k} hidden units (fc's "
+                  "output features)"] * (out_dim != k)
+                 + [f"its second dimension holds {in_dim} of fc's {h} input features, which "
+                    "every rank keeps whole"] * (in_dim != h))  # fmt: skip
+        return "column-parallel fc holds the wrong features: " + "; ".join(parts)
+    parts = ([f"its first dimension holds {out_dim} of proj's {h} output features, which every "
+              "rank computes in full (a partial sum of each)"] * (out_dim != h)
+             + [f"its second dimension holds {in_dim}, not this rank's {k} hidden units (proj's "
+                "input features)"] * (in_dim != k))  # fmt: skip
+    return "row-parallel proj holds the wrong features: " + "; ".join(parts)
 
 
 def tp_mlp_case(device: Any = "cpu") -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
@@ -616,27 +640,26 @@ def shard_diagnosis(module: torch.nn.Module, mlp: torch.nn.Module, rank: int, n:
         t = got[name]
         if not isinstance(t, torch.Tensor):
             layer = name.split(".")[0]
-            return (f"your module has no {name}: keep this rank's shard of mlp.{layer} as "
-                    f"self.{layer}, an nn.Linear (labkit.model.MLP's names), so its weight and "
-                    "bias are self.fc.weight, self.fc.bias, self.proj.weight, self.proj.bias")  # fmt: skip
+            return (f"your module has no {name}: the check looks for this rank's shard of "
+                    f"mlp.{layer} in a Linear layer your module keeps under the name {layer}, "
+                    "as labkit.model.MLP names it")  # fmt: skip
         if id(t) not in params:
-            return (f"{name} is not a parameter of your module: make it an nn.Parameter (an "
-                    "nn.Linear's own are), or autograd keeps no gradient for it and an "
-                    "optimizer never sees it")  # fmt: skip
+            return (f"{name} is not a parameter of your module (a plain tensor, or a buffer?): "
+                    "autograd keeps no gradient for it, and an optimizer never sees it")  # fmt: skip
         if not t.requires_grad:
-            return (f"{name} does not require a gradient: a shard is trained like the weight it "
-                    "came from; leave requires_grad on (copy into it under torch.no_grad(), "
-                    "which does not turn it off)")  # fmt: skip
+            return (f"{name} does not require a gradient, so it would never be trained: a "
+                    "shard is trained like the weight it came from")  # fmt: skip
     shape = {name: tuple(t.shape) for name, t in got.items()}
     if shape["fc.weight"] != (k, h):
-        return (f"fc.weight has shape {shape['fc.weight']}, expected ({k}, {h}) = (4h/n, h) "
-                f"with n = {n}: {FC_SPLIT}")  # fmt: skip
+        return (f"fc.weight has shape {shape['fc.weight']}, expected ({k}, {h}), (4h/n, h) for "
+                f"{n} ranks: {_weight_shape_diagnosis('fc', shape['fc.weight'], h, k)}")  # fmt: skip
     if shape["fc.bias"] != (k,):
-        return (f"fc.bias has shape {shape['fc.bias']}, expected ({k},): it has one entry per "
-                "output feature of fc, so it is sliced like fc.weight's rows")  # fmt: skip
+        return (f"fc.bias has shape {shape['fc.bias']}, expected ({k},): fc's bias has one "
+                f"entry per output feature, and this rank keeps only its {k} hidden units'")  # fmt: skip
     if shape["proj.weight"] != (h, k):
-        return (f"proj.weight has shape {shape['proj.weight']}, expected ({h}, {k}) = (h, 4h/n) "
-                f"with n = {n}: {PROJ_SPLIT}")  # fmt: skip
+        return (f"proj.weight has shape {shape['proj.weight']}, expected ({h}, {k}), (h, 4h/n) "
+                f"for {n} ranks: "
+                f"{_weight_shape_diagnosis('proj', shape['proj.weight'], h, k)}")  # fmt: skip
     if shape["proj.bias"] != (h,):
         return (f"proj.bias has shape {shape['proj.bias']}, expected ({h},): proj's bias "
                 "belongs to the full output every rank holds after g, so it is not split")  # fmt: skip
@@ -646,10 +669,11 @@ def shard_diagnosis(module: torch.nn.Module, mlp: torch.nn.Module, rank: int, n:
         for other in range(n):
             if other != rank and torch.equal(got[name].detach().cpu(),
                                               reference_shards(mlp, other, n)[name].detach().cpu()):  # fmt: skip
-                return (f"{name} holds rank {other}'s slice, not rank {rank}'s: this rank's "
-                        f"hidden units are rank × 4h/n to (rank + 1) × 4h/n")  # fmt: skip
-        return (f"{name} holds other values than rank {rank}'s slice of mlp's {name}: copy "
-                "the trained weights, do not initialise new ones")  # fmt: skip
+                return (f"{name} holds rank {other}'s slice, not rank {rank}'s: its hidden "
+                        "units start at another rank's")  # fmt: skip
+        return (f"{name} holds other values than rank {rank}'s slice of mlp's {name}: not "
+                "mlp's trained weights (a freshly initialised layer's?), or not the same "
+                "hidden units")  # fmt: skip
     held = sum(p.numel() for p in module.parameters())
     shards = sum(t.numel() for t in got.values())
     if held != shards:
@@ -685,12 +709,13 @@ def _build(cls: Any, mlp: torch.nn.Module, rank: int, n: int) -> torch.nn.Module
         if line and " (at " not in text:  # labkit's learner_frame skips paths with /labkit/ in
             text += f" (at your line: {line})"  # them, and the workspace is ~/.cache/labkit/...
         if cause is not None and "process group" in str(cause):
-            text += (". Likely: use the rank and world_size arguments, not torch.distributed's: "
-                     "the check builds every rank's shards here, outside any process group")  # fmt: skip
+            text += (". Likely: the rank or the world size came from the process group, not "
+                     "from the rank and world_size arguments: the check builds every rank's "
+                     "shards here, outside any process group")  # fmt: skip
         elif isinstance(cause, RuntimeError) and "size" in str(cause):
             fc, proj = "fc" in line, "proj" in line
-            split = FC_SPLIT if fc and not proj else PROJ_SPLIT if proj and not fc else (
-                f"{FC_SPLIT}; {PROJ_SPLIT}")  # fmt: skip
+            split = FC_MISFIT if fc and not proj else PROJ_MISFIT if proj and not fc else (
+                f"{FC_MISFIT} Or {PROJ_MISFIT[0].lower() + PROJ_MISFIT[1:]}")  # fmt: skip
             text += f". Likely: a slice does not fit its layer: {split}"
         raise ExerciseFailed(text) from cause
     if not isinstance(module, torch.nn.Module):
@@ -753,28 +778,26 @@ def tp_mlp_diagnosis(
     bias = mlp.proj.bias.detach()
     if not close(got["out"], ref["out"]):
         if close(got["out"], ref["out"] + (n - 1) * bias):
-            return (f"the output is off by (world_size − 1) × proj.bias = {n - 1} × proj.bias: "
-                    f"every rank added proj's bias before g summed the ranks' outputs, so it "
-                    f"was counted {n} times. Apply proj's weight alone (F.linear(hidden, "
-                    "self.proj.weight)), pass that through g (Leave), and add the bias once, "
-                    "after it")  # fmt: skip
+            return (f"the output is off by (world_size − 1) × proj.bias, here {n - 1} × "
+                    f"proj.bias: the bias is added on every rank before g sums the ranks' "
+                    f"outputs, so the sum counts it {n} times")  # fmt: skip
         if close(got["out"], partial + bias) or close(got["out"], partial):
-            return ("the output is this rank's partial sum, not the whole MLP's: g is missing. "
-                    "Pass proj's output (before the bias) through Leave.apply, which sums the "
-                    "ranks' partial outputs")  # fmt: skip
+            return ("the output is this rank's partial sum, not the whole MLP's: g is missing, "
+                    "so nothing summed the ranks' partial outputs after proj")  # fmt: skip
         if close(got["out"], exact):
-            return ("the output is the MLP's with exact GELU: labkit.model.MLP uses the tanh "
-                    "approximation, F.gelu(..., approximate=\"tanh\")")  # fmt: skip
-        return ("the output differs from the unsplit MLP's: the forward is f, this rank's fc, "
-                "GELU (approximate=\"tanh\"), this rank's proj, g, then proj's bias")  # fmt: skip
+            return ("the output is the MLP's with exact GELU: labkit.model.MLP uses GELU's tanh "
+                    "approximation")  # fmt: skip
+        return ("the output differs from the unsplit MLP's, and not as a bias counted on every "
+                "rank, a missing g or the exact GELU would make it: compare each step of your "
+                "forward with labkit.model.MLP's")  # fmt: skip
     x_grads = got["x_grads"]
     if any(g is None for g in x_grads):
         return ("x received no gradient on some rank: the forward must compute the output from "
                 "x (through f), not from a detached copy")  # fmt: skip
     if not all(close(g, x_grads[0]) for g in x_grads) or not close(x_grads[rank], ref["x_grad"]):
         return ("the input gradients differ across ranks: each holds only its own part of "
-                "dL/dx, the part its slice of fc produced, so f is missing. Begin the forward "
-                "with x = Enter.apply(x), whose backward sums those parts on every rank")  # fmt: skip
+                "dL/dx, the part its slice of fc produced, so f is missing: nothing on the way "
+                "in sums those parts in the backward pass")  # fmt: skip
     for name in SHARDS:
         layer, kind = name.split(".")
         want = getattr(getattr(mlp, layer), kind).grad
@@ -784,8 +807,8 @@ def tp_mlp_diagnosis(
             want = want[:, rank * want.shape[1] // n : (rank + 1) * want.shape[1] // n]
         g = got["grads"][name]
         if g is None:
-            return (f"{name} received no gradient: the forward must use the module's own "
-                    "parameters (self.fc, self.proj), not copies or mlp's")  # fmt: skip
+            return (f"{name} received no gradient: the output was not computed from your "
+                    f"module's own {name} (a detached copy of it, or mlp's?)")  # fmt: skip
         if not close(g, want):
             return f"{name}.grad differs from the matching slice of the unsplit MLP's gradient"
     return None
@@ -854,13 +877,15 @@ def _probe_backward(cls: Any, role: str) -> None:
         "proj's bias belongs to the whole output, which exists only after g has summed the "
         "ranks' partial outputs: a bias added on every rank before g is counted world_size "
         "times. Keep it whole, and add it once, after g",
-        "recipe: Enter (f): forward returns x.view_as(x), backward all-reduces a clone of grad; "
-        "Leave (g): forward all-reduces a clone of x, backward returns grad. "
-        "TensorParallelMLP: self.fc = nn.Linear(h, k) holding mlp.fc.weight[units] and "
-        "mlp.fc.bias[units], self.proj = nn.Linear(k, h) holding mlp.proj.weight[:, units] and "
-        "all of mlp.proj.bias (copy them under torch.no_grad()); forward: "
-        'Leave.apply(F.linear(F.gelu(self.fc(Enter.apply(x)), approximate="tanh"), '
-        "self.proj.weight)) + self.proj.bias",
+        "recipe: f's forward hands its input on unchanged and its backward sums the incoming "
+        "gradient over the ranks; g's forward sums its input over the ranks and its backward "
+        "hands the gradient on unchanged (the all-reduce works in place: give it a copy). In "
+        "__init__, make fc a Linear layer from h inputs to this rank's k hidden units and proj "
+        "one from those k units back to h; copy into them, without autograd recording the "
+        "copies, fc's rows and bias entries for this rank's units, proj's columns for the same "
+        "units, and proj's whole bias. In forward: f on the input, this rank's fc, GELU with "
+        "the tanh approximation, proj's weight without its bias, g, and last proj's bias, "
+        "added once",
     ),
 )
 def _verify_f_and_g(answer: Any) -> str:
@@ -911,15 +936,15 @@ def column_diagnosis(
                 return (f"the output has all {out_f} features; a rank keeps only its {per} "
                         "(and the matching part of the bias)")  # fmt: skip
             return (f"shape {tuple(got.shape)}, expected {tuple(want.shape)}: a rank computes "
-                    f"out_features / world_size = {per} output features for every input "
-                    "row")  # fmt: skip
+                    f"its share of the output features, {per} here (out_features divided by "
+                    "world_size), for every input row")  # fmt: skip
         got = got.detach()
         if _close(got, want):
             return None
         for other in range(n):
             o = slice(other * per, (other + 1) * per)
             if other != rank and _close(got, full[..., o]):
-                return f"that is rank {other}'s slice: start at row rank × out_features/n"
+                return f"that is rank {other}'s slice: its rows start at another rank's"
         if lin.bias is not None and _close(got, want - lin.bias[cols]):
             return "the bias is missing: add this rank's slice of linear.bias"
         if in_f == out_f:  # square: a slice of the wrong dimension still has the right shape
@@ -937,7 +962,7 @@ def _column_grad_problem(
     """The shard must stay on autograd's graph, so the gradient reaches this rank's rows."""
     if not got.requires_grad:
         return ("the output is cut off from autograd (no gradient would reach linear.weight): "
-                "slice the parameters, without .detach(), .data or torch.no_grad()")  # fmt: skip
+                "it was computed from a detached copy of the weight, or with autograd off")  # fmt: skip
     lin.zero_grad(set_to_none=True)
     got.sum().backward()
     if lin.weight.grad is None:
@@ -995,8 +1020,11 @@ def _rank_column_parallel(ctx: Any, fn: Callable) -> str:
         "every input feature; which dimension of nn.Linear's weight indexes output features?",
         "nn.Linear stores weight as (out_features, in_features), so output features are rows; "
         "the bias has one entry per output feature and is split the same way",
-        "recipe: k = out_features // world_size; take rows rank·k to (rank + 1)·k of the weight "
-        "and of the bias, and return x @ Wᵀ + b with them",
+        "recipe: divide the output features evenly by world_size for this rank's share; take "
+        "that many consecutive rows of the layer's weight, starting at this rank's number times "
+        "the share, and the same entries of its bias where it has one; apply the linear map to "
+        "x with those rows and bias entries alone, staying on autograd's graph, and return the "
+        "result",
     ),
 )
 def _verify_column_parallel(answer: Any) -> str:
@@ -1094,7 +1122,8 @@ def _m_diagnosis(steps_s: dict[int, float], p: int, candidates: tuple[int, ...],
         "two measured m give two equations for T and c; with more, fit by least squares "
         "(every measured m weighs in, and one noisy step moves the fit less). Then predict the "
         "candidates that were not measured too, and keep the fastest",
-        "recipe: for each measured m, write its step as (m+p−1)/m times T plus (m+p−1) times c; "
+        "recipe: for each measured m, write its step as hint 2's model, T times a factor that "
+        "depends on m and p alone plus c times another such factor; "
         "solve for T and c by least squares over the measured steps (two unknowns: the 2×2 "
         "normal equations); predict each candidate's step with them; return the candidate "
         "with the smallest predicted step",

@@ -80,8 +80,9 @@ def _diagnosis(preds: Any, cap: float, usable: float, got: Any) -> str:
         "planner's own p.fits was computed with the memory share it was planned with, not "
         "yours",
         "if nothing fits, there is no layout to run: return None rather than the least bad one",
-        "recipe: fits = [p for p in predictions if p.memory['total'] <= usable_memory * "
-        "memory_bytes]; return min(fits, key=lambda p: p.step_s) if fits else None",
+        "recipe: work out the bytes a layout may fill from memory_bytes and usable_memory; "
+        "keep the predictions whose memory per GPU is at most that; if none is kept, return "
+        "None; otherwise return the kept prediction with the shortest predicted step",
     ),
     reference=reference_choose_layout,
 )

@@ -83,13 +83,17 @@ def _waste_diagnosis(tau: float, delta: float, m: float, r: float, got: float) -
         "saving more often costs more saves; saving less often loses more work when a failure "
         "strikes. Write each as a share of the time and find the interval where their sum is "
         "least; then add what a restart costs per failure",
-        "a save every τ seconds that stops training for δ costs δ/τ of the time. A failure "
-        "every M seconds on average strikes, on average, half-way through an interval: it loses "
-        "τ/2 of work, and the restart r on top, so failures cost (τ/2 + r)/M",
-        "d/dτ [δ/τ + τ/(2M)] = −δ/τ² + 1/(2M) = 0 gives Young's τ = √(2δM); the restart "
-        "does not move the optimum (it does not depend on τ) but it adds to the waste",
-        "recipe: tau = math.sqrt(2 * blocking_s * mtbf_s); waste = blocking_s / tau + "
-        "(tau / 2 + restart_s) / mtbf_s; return tau, waste",
+        "a save every τ seconds that stops training for δ: which share of the time goes to "
+        "saving? A failure, every M seconds on average, strikes on average half-way through an "
+        "interval: how much work does it lose, and what does the restart r add to that? What "
+        "one failure costs, divided by M, is the share of the time failures take",
+        "the restart's share does not depend on τ, so it cannot move the best interval; it only "
+        "adds to the waste. The best τ (Young's interval) is where the derivative, with respect "
+        "to τ, of the other two shares together is zero",
+        "recipe: write the shares of the time lost to saves and to lost work as one function of "
+        "τ; set its derivative with respect to τ to zero and solve for the positive τ; the "
+        "waste is the three shares (saves, lost work, restarts) added up at that τ; return the "
+        "interval in seconds and the waste as a fraction of the time",
     ),
     reference=reference_checkpoint_plan,
 )

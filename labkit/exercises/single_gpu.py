@@ -135,8 +135,12 @@ def _param_count_diagnosis(cfg: ModelConfig, kinds: dict[str, int], got: int) ->
         "adds nothing. print(GPT(cfg)) lists every layer",
         "inside one block of width h: four h×h attention projections, an MLP from h to 4h and "
         "back, a bias on every Linear, and two LayerNorms with a gain and a bias each",
-        "recipe: V·h + s·h + L·(12h² + 13h) + 2h, with V = vocab_size, s = seq_len, "
-        "L = n_layer, h = d_model",
+        "recipe: add up, from the config alone: the token table (vocab_size rows of d_model) "
+        "and the position table (seq_len rows of d_model); for each of the n_layer blocks, the "
+        "entries of its four attention matrices and its two MLP matrices (rows times columns "
+        "each), one bias entry per output feature of each of those six Linear layers, and a "
+        "gain and a bias of d_model entries for each of its two LayerNorms; then the final "
+        "LayerNorm's gain and bias; nothing for the output head, which is the token table",
     ),
 )
 def _verify_param_count(count_params: Any) -> str:
@@ -245,8 +249,10 @@ TIMED_EARLIER_S = 0.020  # work already queued when timed() is called (from earl
         "be true before you read the clock at the end, and at the start?",
         "labkit.timing.synchronize(device) waits until the device has finished everything "
         "queued so far, including work earlier cells left running",
-        "recipe: synchronize, read time.perf_counter(), call fn(), synchronize again, read the "
-        "clock, return the difference in seconds",
+        "recipe: first make the device finish everything already queued, then read a clock "
+        "that counts seconds; call fn once; make the device finish the work fn queued, then "
+        "read the same clock again; return the time that passed between the two readings, in "
+        "seconds",
     ),
 )
 def _verify_timed(timed: Any) -> str:
@@ -330,7 +336,9 @@ messages diagnose without stating the answer (the bits-for-bytes mistake is caug
         "what does backward leave beside each parameter, and which state does AdamW keep per "
         "parameter (the algorithm box of torch.optim.AdamW's documentation lists it)? How "
         "many bytes is one fp32 number?",
-        "recipe: 4 (weight) + 4 (gradient) + 4 + 4 (the two moments) = 16 bytes per parameter",
+        "recipe: list the fp32 tensors that live beside each parameter through training (the "
+        "weight, its gradient, and each moment AdamW keeps); count them, multiply the count by "
+        "the bytes of one fp32 number, and that by n_params; return a whole number",
     ),
     reference=reference_adamw_state_bytes,
 )
