@@ -289,7 +289,6 @@ RECIPE_IS_CODE = {
     "05.noise_scale": "the recipe is the estimator's formula (g2_i = (b_big·big_i − ...))",
     "06.annotate": "the recipe has code (`with phase(name):`, set_to_none=True)",
     "06.hidden_fraction": "the recipe is code (hidden = sum(max(0, min(e1, e2) - ...)))",
-    "07.diagnose": "the recipe starts with code (e = run.evidence(); f = e.facts())",
 }
 
 
