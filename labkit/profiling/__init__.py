@@ -10,7 +10,8 @@ One short module each, measurement apart from display:
                      optimizer, ...), from the profiler's self times
     trace            load_trace / load_traces: exported Chrome traces, refused when truncated,
                      missing or not a trace
-    overlap          compute vs communication per rank (hidden, exposed), find_straggler;
+    overlap          compute vs communication per rank (hidden, exposed), find_straggler,
+                     diagnose (a rank's longest phase and what took its time);
                      on a GPU, kernels counted in the step that launched them (gpu_work) and
                      the GPU's time split by kind of kernel (gpu_split)
     plot             plot_trace: a per-thread (per-stream) timeline drawn from the trace files

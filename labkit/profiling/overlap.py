@@ -6,6 +6,7 @@
     times[0].hidden_fraction      # share of rank 0's communication that ran under compute
     find_straggler(times)         # Straggler(rank=1, ...) or None
     find_straggler(times, per_step=[rank_steps(t) for t in traces])  # slow step after step
+    diagnose(traces[0]).cause     # "waiting for another rank": its longest phase sat in a collective
 
 Definitions (per rank, over the recorded steps, seconds per step):
 
@@ -451,3 +452,78 @@ def find_straggler(times: Sequence[RankTimes], threshold: float = 0.3, *,
     if slower < most * n:
         return None
     return Straggler(slow.rank, slow.own_s, typical, waited, slower, n)
+
+
+# --- what the longest phase spent its time on ------------------------------------------------
+
+CAUSES: tuple[str, ...] = ("loading", "waiting for another rank", "compute")
+"""What :func:`diagnose` can say took a phase's time."""
+
+WAITING_SHARE = 0.5
+"""A phase is waiting for another rank when exposed communication fills more than this share
+of it: more of the phase went to sitting in a collective than to anything else the training
+thread did."""
+
+
+def phase_window(trace: Trace, name: str) -> list[Interval]:
+    """The time the training thread spent inside the range ``name`` in the recorded steps."""
+    return union(_clip(trace.spans(cat="user_annotation", name=name, tid=trace.main_tid),
+                       trace.window_us))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """The longest phase of a rank's step and what took its time (see :func:`diagnose`)."""
+
+    rank: int | None
+    phase: str
+    cause: str
+    seconds: dict[str, float]  # median per step of each phase
+    busy_share: float  # share of the phase the training thread computed
+    waiting_share: float  # share of the phase in exposed communication
+
+    def describe(self) -> str:
+        times = ", ".join(f"{n} {s * 1e3:.1f}" for n, s in self.seconds.items())
+        who = f"rank {self.rank}" if self.rank is not None else "one process"
+        return (f"{who}: longest phase {self.phase!r} ({times} ms, medians per step); "
+                f"inside it the training thread computed {self.busy_share:.0%} of the time and "
+                f"sat in a collective with nothing to compute {self.waiting_share:.0%}: "
+                f"{self.cause} (measured)")
+
+
+def diagnose(trace: Trace, phases: Sequence[str] | None = None) -> Diagnosis:
+    """The phase with the largest median time per step, and what took its time.
+
+    Inside that phase's ranges (:func:`phase_window`) it measures the training thread's compute
+    and the exposed communication (communication minus that compute, :func:`compute_and_comm`):
+    where exposed communication fills more than :data:`WAITING_SHARE` of the phase, the rank
+    was "waiting for another rank" (on a CPU rank, gloo's work item includes the wait for the
+    others); otherwise the phase's time is the rank's own, "loading" in the data phase and
+    "compute" in the others. A collective elsewhere in the step, or one hidden under compute,
+    does not make a phase a wait; nor does an idle training thread outside any collective (a
+    sleep, a file read, Python with no operators), which stays the phase's own work.
+
+    On a GPU trace the phases are CPU ranges while compute and communication are kernels,
+    which run behind the CPU: the rule is made for CPU ranks (gloo), where both are threads.
+    """
+    from labkit.profiling.phases import PHASES  # phases imports torch: only when asked
+
+    names = list(PHASES if phases is None else phases)
+    per_step = trace.phase_seconds(names)
+    seconds = {n: statistics.median(v) if v else 0.0 for n, v in per_step.items()}
+    if not any(seconds.values()):
+        raise TraceError(f"{trace.path}: none of the phases {names} was recorded on the "
+                         "training thread: annotate the step with phase(name)")  # fmt: skip
+    worst = max(names, key=seconds.__getitem__)
+    window = phase_window(trace, worst)
+    total = length(window)
+    compute, comm = compute_and_comm(trace)
+    busy = length(intersect(compute, window))
+    waiting = length(intersect(subtract(comm, compute), window))
+    if total and waiting > WAITING_SHARE * total:
+        cause = CAUSES[1]
+    else:
+        cause = CAUSES[0] if worst == "data" else CAUSES[2]
+    return Diagnosis(rank=trace.rank, phase=worst, cause=cause, seconds=seconds,
+                     busy_share=busy / total if total else 0.0,
+                     waiting_share=waiting / total if total else 0.0)  # fmt: skip
