@@ -279,7 +279,7 @@ def _record(run: CapstoneRun, passed: bool, said: str) -> None:
         "syncs in forward, the optimizer phase's operators, the host-to-device copies, the "
         "vocabulary's size, NCCL's environment",
         "recipe: read the run's evidence once (its facts and rank 0's operators per phase). "
-        "For each id of capstone.FIXES, in order: compute the one number its "where" names in this job (a "
+        "For each id of capstone.FIXES, in order: compute the one number its 'where' names in this job (a "
         "share of the step, a count per step, one rank against the other, an overlap of two "
         "sets); compute what a healthy job shows for it (section 2's prediction, the other "
         "rank, or the rule the notebook that teaches it gives); name the fault only where the "
