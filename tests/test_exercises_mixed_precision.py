@@ -63,12 +63,41 @@ def bytes_per_param(recipe):
     # END SOLUTION
 answer = bytes_per_param
 """,
+    "04.choose_recipe": """
+from labkit import recipes
+
+bytes_per_param = recipes.predicted_bytes_per_param  # exercise 3's, in the notebook
+
+
+def choose_recipe(situation):
+    # BEGIN SOLUTION
+    def need(name):
+        recipe = situation.candidates[name]
+        return (bytes_per_param(recipe) * situation.n_params
+                + situation.activation_bytes[name])
+
+    def runs_here(recipe):
+        dtype = recipe.compute_dtype
+        supported = dtype == "float32" or dtype in situation.autocast_dtypes
+        return supported and (dtype != "float16" or recipe.loss_scaler)
+
+    fits = [name for name, recipe in situation.candidates.items()
+            if runs_here(recipe) and need(name) <= situation.budget_bytes]
+    fp32_weights = [name for name in fits if situation.candidates[name].steps_fp32_weights]
+    pool = fp32_weights or fits  # 16-bit weights only when nothing else fits
+    if not pool:
+        return None
+    return min(pool, key=lambda name: (situation.step_s[situation.candidates[name].compute_dtype],
+                                       need(name)))
+    # END SOLUTION
+answer = choose_recipe
+""",
 }
 
 
 def test_the_notebook_04_exercises_are_registered():
     assert [e.id for e in ex.catalogue("04")] == [
-        "04.bytes_per_param", "04.loss_scaling", "04.underflow"]  # fmt: skip
+        "04.bytes_per_param", "04.choose_recipe", "04.loss_scaling", "04.underflow"]  # fmt: skip
     assert all(e.reference is not None for e in ex.catalogue("04"))
 
 
@@ -91,6 +120,8 @@ def test_hints_go_from_the_idea_to_the_recipe(exercise_id):
     # the first hint is conceptual: no code, no numbers that are the answer
     assert "(" not in first.replace("(the chain rule is linear)", "") and "==" not in first
     assert not any(s in first for s in ("16 bytes", "2**-25", "isfinite", ".to("))
+    # the last hint guides in words: steps, never code (issue 30 item 5)
+    assert not any(t in hints[-1] for t in ("=", "()", "[", ".to(", "lambda")), hints[-1]
 
 
 # --------------------------------------------------------------------------- 04.loss_scaling
@@ -443,3 +474,126 @@ def test_bytes_per_param_cases_cover_every_recipe_and_the_stated_ones():
         assert exmp._measured(r).bytes_per_param == right(r)
     assert math.isclose(exmp._measured(exmp.STATED_RECIPES[-1]).per_param()[
         "autocast copies per matmul weight"], 2.0)  # fmt: skip
+
+
+# --------------------------------------------------------------------------- 04.choose_recipe
+# Learner-style plans, each with one usual mistake; the check must name it.
+
+
+def _need(s, name, master=1, activations=True):
+    r = s.candidates[name]
+    states = recipes.predicted_bytes_per_param(r) + (master - 1) * recipes.predicted_breakdown(r)["master"]
+    return states * s.n_params + (s.activation_bytes[name] if activations else 0)
+
+
+def _runs(s, r, scaler=True, support=True):
+    d = r.compute_dtype
+    ok = d == "float32" or d in s.autocast_dtypes or not support
+    return ok and (not scaler or d != "float16" or r.loss_scaler)
+
+
+def plan(s, *, scaler=True, master=1, activations=True, memory=True, safe_first=True,
+         pure_last=True, key="fast", least_bad=False, support=True, missing_time=None):  # fmt: skip
+    usable = [n for n, r in s.candidates.items() if _runs(s, r, scaler, support)]
+    fits = [n for n in usable if not memory or _need(s, n, master, activations) <= s.budget_bytes]
+    if least_bad and not fits:
+        fits = usable
+    safe = [n for n in fits if s.candidates[n].steps_fp32_weights]
+    pool = safe if safe_first else fits
+    if not pool and pure_last:
+        pool = fits
+    if not pool:
+        return None
+
+    def step(n):
+        d = s.candidates[n].compute_dtype
+        return s.step_s[d] if missing_time is None else s.step_s.get(d, missing_time)
+
+    def order(n):
+        return {"fast": (step(n), _need(s, n, master, activations)),
+                "slow": (-step(n), _need(s, n, master, activations)),
+                "small": (_need(s, n, master, activations), step(n))}[key]  # fmt: skip
+
+    return min(pool, key=order)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"scaler": False}, r"V100-class.*expected 'amp_fp16', got 'amp_fp16_no_scaler': an fp16 "
+                            r"recipe without a loss scaler was chosen"),
+        ({"master": 0}, r"1B parameters, 20 GB left.*expected 'pure_bf16', got 'bf16_master': the "
+                        r"fp32 master copy was left out"),
+        ({"master": 2}, r"2B parameters, 39 GB.*got 'pure_bf16': the fp32 master copy was counted "
+                        r"twice"),
+        ({"activations": False}, r"got 'amp_bf16': the activations were left out"),
+        ({"memory": False}, r"7B parameters, 80 GB.*expected 'pure_bf16', got 'bf16_master': that "
+                            r"picks by speed alone"),
+        ({"key": "small"}, r"slower than fp32's.*expected 'fp32_adamw', got 'bf16_master': that "
+                           r"picks the recipe that needs the least memory"),
+        ({"key": "slow"}, r"got 'amp_fp16': that picks the slowest"),
+        ({"safe_first": False}, r"got 'pure_bf16': a pure 16-bit recipe was chosen while one that "
+                                r"steps fp32 weights fits"),
+        ({"pure_last": False}, r"7B parameters, 80 GB.*expected 'pure_bf16', got None: when only "
+                               r"a pure 16-bit recipe fits, take it"),
+        ({"least_bad": True}, r"70B parameters.*expected None, got 'bf16_master': when no recipe "
+                              r"fits, return None instead of the least bad one"),
+        ({"support": False}, r"V100-class.*KeyError.*This device does not run bfloat16"),
+        ({"support": False, "missing_time": 0.0},
+         r"V100-class.*got 'bf16_master'.*computes in bfloat16, and this device does not"),
+    ],
+)
+def test_choose_recipe_names_each_mistake(options, message):
+    with pytest.raises(ex.ExerciseFailed, match=message):
+        ex.verify("04.choose_recipe", lambda s: plan(s, **options))
+
+
+def test_choose_recipe_refuses_a_hard_coded_answer_and_a_wrong_type():
+    for fixed in ("bf16_master", "fp32_adamw", None):
+        with pytest.raises(ex.ExerciseFailed, match=r"expected .*, got "):
+            ex.verify("04.choose_recipe", lambda s, fixed=fixed: fixed)
+    with pytest.raises(ex.ExerciseFailed, match=r"return the name of one of situation\.candidates"):
+        ex.verify("04.choose_recipe", lambda s: 3)
+    # the Recipe itself is as good as its name
+    assert "chooses as the plan does" in ex.verify(
+        "04.choose_recipe", lambda s: None if plan(s) is None else s.candidates[plan(s)])
+
+
+def test_choose_recipe_accepts_any_recipe_the_measurements_cannot_tell_apart():
+    # equal step and fp32 weights: amp_bf16 is as right as bf16_master where both fit
+    def prefer_amp(s):
+        best = plan(s)
+        if best is not None and "amp_bf16" in exmp._acceptable(s):
+            return "amp_bf16"
+        return best
+
+    assert "chooses as the plan does" in ex.verify("04.choose_recipe", prefer_amp)
+
+
+def test_each_plan_mistake_is_wrong_somewhere_and_told_apart():
+    seen = {}
+    for mistake, said in exmp._PLAN_MISTAKES:
+        chosen = tuple(exmp._plan(c, **mistake) for c in exmp.PLAN_CASES)
+        assert any(g not in exmp._acceptable(c) for g, c in zip(chosen, exmp.PLAN_CASES,
+                                                                  strict=True)), said  # fmt: skip
+        assert chosen not in seen, (said, seen.get(chosen))
+        seen[chosen] = said
+
+
+def test_choose_recipe_tries_the_notebooks_situation_first():
+    base = exmp.PLAN_CASES[-1]
+    here = recipes.Situation(what="this test's device", n_params=base.n_params,
+                             budget_bytes=base.budget_bytes, autocast_dtypes=("bfloat16",),
+                             step_s={"float32": 1.0, "bfloat16": 2.0},
+                             activation_bytes=base.activation_bytes,
+                             candidates=base.candidates)  # fmt: skip
+
+    def right_elsewhere(s):  # hard-codes the constructed cases' answers, wrong on "here"
+        return "bf16_master" if s is here else plan(s)
+
+    assert "chooses as the plan does" in ex.verify("04.choose_recipe", right_elsewhere)
+    with exmp.checking_on(here), pytest.raises(ex.ExerciseFailed,
+                                               match=r"in this test's device, expected 'fp32_adamw'"):  # fmt: skip
+        ex.verify("04.choose_recipe", right_elsewhere)
+    with exmp.checking_on(here):
+        assert "this notebook's measurements and 7 other" in ex.verify("04.choose_recipe", plan)
