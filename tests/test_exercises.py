@@ -278,18 +278,9 @@ def code_like(text: str, reference=None) -> list[str]:
     return found
 
 
-# Last hints that other modules' owners are rewriting (issue 30 item 5): they hand over code
-# today. Strict: the day one is fixed, its XPASS fails here, and its line must go.
-RECIPE_IS_CODE = {
-    "02.allreduce_grads": "the recipe is the hook's code (dist.all_reduce(p.grad, async_op=True))",
-    "02.bucketed_ddp": "the recipe is the bucket code (buffer[off:off + p.numel()].copy_(...))",
-    "02.zero1_step": "the recipe is code (shard = -(-numel // world_size), self.inner.step())",
-    "05.accumulation": "the recipe is the loop's code ((loss / k).backward())",
-    "05.max_batch": "the recipe is the search's code (b = min(start, max_batch), mid = ...)",
-    "05.noise_scale": "the recipe is the estimator's formula (g2_i = (b_big·big_i − ...))",
-    "06.annotate": "the recipe has code (`with phase(name):`, set_to_none=True)",
-    "06.hidden_fraction": "the recipe is code (hidden = sum(max(0, min(e1, e2) - ...)))",
-}
+# Last hints known to hand over code, each marked xfail (strict: the day one is fixed, its XPASS
+# fails here and its line must go). None today: every recipe guides in words (issue 30 item 5).
+RECIPE_IS_CODE: dict[str, str] = {}
 
 
 def _recipe_cases() -> list:

@@ -281,8 +281,11 @@ def _accumulation_failure(fn: Callable[..., Any], k: int, with_zeros: bool) -> t
         "do not step an optimizer: the caller does both, once per k micro-batches",
         "each micro-batch's loss is a mean over its own B/k sequences; the whole batch's mean "
         "loss is 1/k times the sum of the k of them. Scale each loss before its backward",
-        "recipe: micro = B // k; for each pair xi, yi of x.split(micro) and y.split(micro): "
-        "_, loss = model(xi, yi); (loss / k).backward()",
+        "recipe: a micro-batch holds B divided by k sequences, a whole number; split x and y "
+        "along their first dimension into pieces of that many sequences and walk the two lists "
+        "of pieces side by side; for each pair, run the model on it and keep the loss it "
+        "returns, divide that loss by k, and run backward on the quotient. Nothing else: no "
+        "zeroing of the gradients, no optimizer step",
     ),
     reference=reference_accumulate,
 )
@@ -544,12 +547,18 @@ def _verify_real(fn: Callable[..., Any]) -> tuple[_RealCase, _Recorded]:
         "the middle of the two until they are adjacent",
         "catch only torch.OutOfMemoryError: any other error is a bug in the training step and "
         "must reach the caller. In that except branch call recover() before the next trial",
-        "recipe: a helper fits(b) that returns True after trial(b), or calls recover() and "
-        "returns False on torch.OutOfMemoryError. b = min(start, max_batch). If fits(b): lo = b, "
-        "then while lo < max_batch: b = min(2 * lo, max_batch); if fits(b): lo = b, else hi = b "
-        "and stop (return lo if it reached max_batch). Else: hi = b, then halve b = hi // 2 "
-        "until fits(b) gives lo = b (ValueError when hi is 1). Finally while hi - lo > 1: "
-        "mid = (lo + hi) // 2, and set lo or hi to mid. Return lo",
+        "recipe: write a small helper that runs one trial at a batch and says whether it "
+        "fitted: true when the trial returns; when the trial raises OutOfMemoryError, and only "
+        "that error, it calls recover and says false. Begin at the smaller of start and "
+        "max_batch. If that fits, it is the largest fit so far: double it, capped at "
+        "max_batch, while each batch tried fits and max_batch is not yet reached; the first "
+        "batch that fails is the smallest failure, and if every batch up to max_batch fitted, "
+        "return max_batch. If the first batch fails instead, it is the smallest failure: halve "
+        "it (whole-number division) until a batch fits, which is then the largest fit, and "
+        "raise ValueError when the failure you would halve is already 1. Then, while the "
+        "largest fit and the smallest failure are more than one apart, try the batch halfway "
+        "between them (rounded down) and move whichever of the two it proves; return the "
+        "largest fit",
     ),
     reference=reference_largest_batch,
 )
@@ -726,8 +735,15 @@ def noise_mistakes(small: Sequence[float], big: Sequence[float], bs: int,
         "one pair's estimates are noisy and can even be negative, and a ratio of noisy numbers "
         "is biased: average the |G|² estimates and the tr(Σ) estimates over all pairs first, "
         "then divide once. Return a Python float",
-        "recipe: for each pair, g2_i = (b_big·big_i − b_small·small_i) / (b_big − b_small) and "
-        "tr_i = (small_i − big_i) / (1/b_small − 1/b_big); return mean(tr_i) / mean(g2_i)",
+        "recipe: take the measurements pair by pair, the small batch's squared norm with the "
+        "big batch's of the same index, and write eq. A.1 once for each of the two sizes. To "
+        "eliminate the noise and keep the signal |G|², multiply each squared norm by its own "
+        "batch size, take the small batch's product from the big batch's, and divide by the "
+        "big size less the small size. To eliminate the signal and keep the noise, the trace "
+        "of Σ, take the big batch's squared norm from the small batch's and divide by the "
+        "reciprocal of the small size less the reciprocal of the big size. Average the signal "
+        "estimates over all pairs, average the noise estimates over all pairs, and return the "
+        "noise average divided by the signal average, as a Python float",
     ),
     reference=reference_noise_scale,
 )

@@ -759,12 +759,16 @@ def _frozen_untouched(model: nn.Module) -> str | None:
         "the hook holds backward up: keep the handles until finish_gradient_sync()",
         "three traps: parameters with requires_grad=False get no gradient (and a hook on them "
         "is an error); ranks seeded differently train different models unless they start "
-        "from rank 0's parameters and buffers (dist.broadcast(t.data, src=0)); and whatever "
-        "list of handles a step fills must be empty when the next step begins",
-        "recipe: in __init__ broadcast every parameter and buffer from rank 0, keep a list of "
-        "handles, and hook each trainable p with a function that appends (p, "
-        "dist.all_reduce(p.grad, async_op=True)); in finish_gradient_sync() wait on each "
-        "handle, divide p.grad by world_size, and empty the list for the next step",
+        "from rank 0's parameters and buffers (a dist.broadcast of each one's data, with "
+        "rank 0 as the source); and whatever list of handles a step fills must be empty when "
+        "the next step begins",
+        "recipe: in __init__, broadcast the data of every parameter and every buffer from rank "
+        "0, start an empty list of handles, and register on each trainable parameter (skip the "
+        "frozen ones) a hook that starts the all-reduce of that parameter's gradient without "
+        "waiting for it and appends the parameter together with the handle the call returns. "
+        "In finish_gradient_sync, go through the list: wait on each handle, then divide that "
+        "parameter's gradient by world_size, since the all-reduce left the sum over the ranks, "
+        "not their mean; last, empty the list, so that the next step starts a new one",
     ),
     reference=OverlapDDP,
 )
@@ -858,16 +862,24 @@ def _greedy_bucket_bytes(params: Any, cap: float) -> list[int]:
         "and each parameter an offset in it. The last bucket is usually smaller than the cap, "
         "and it must be made and sent too",
         "a hook copies p.grad into its slot and counts the bucket's ready gradients; when all "
-        "of them are in, dist.all_reduce(buffer, async_op=True) and keep the handle. The "
-        "all-reduce averages the buffer, not p.grad: after waiting, the slices must go back "
-        "into each p.grad",
-        "recipe: __init__: broadcast parameters and buffers from rank 0; group reversed "
-        "trainable parameters greedily (append the open group after the loop too); per bucket "
-        "a torch.zeros buffer, offsets, a count of ready gradients and a handle; hook each p: "
-        "buffer[off:off + p.numel()].copy_(p.grad.reshape(-1)), count += 1, when count == "
-        "len(params) start the all-reduce. finish_gradient_sync(): for each bucket wait, "
-        "divide the buffer by world_size, copy each slice back into p.grad (view_as(p)), reset "
-        "the count and the handle",
+        "of them are in, it starts an asynchronous all-reduce of the bucket's buffer (as "
+        "exercise 1 did for one gradient) and keeps the handle. The all-reduce sums the "
+        "buffer, not p.grad: after waiting, and dividing by world_size, the slices must go "
+        "back into each p.grad",
+        "recipe: in __init__, broadcast parameters and buffers from rank 0; walk the trainable "
+        "parameters in reverse and group them greedily, opening a new group when the next "
+        "parameter's bytes would take the open one past the cap (a parameter larger than the "
+        "cap still gets a group of its own), and after the loop keep the open group too, "
+        "however small. For each bucket make a flat buffer of zeros with as many elements as "
+        "its parameters hold together (their dtype, their device), note each parameter's "
+        "offset in it, and keep a count of ready gradients and a place for the handle. Hook "
+        "each trainable parameter: copy its gradient, flattened, into its slice of the "
+        "bucket's buffer (from its offset, as many elements as it has), add one to the count, "
+        "and when the count reaches the number of parameters in the bucket, start the "
+        "buffer's all-reduce without waiting and keep the handle. In finish_gradient_sync, "
+        "for each bucket in turn: wait on its handle, divide the buffer by world_size, copy "
+        "each parameter's slice back into its gradient, in the parameter's shape, then set "
+        "the count back to zero and forget the handle",
     ),
     reference=BucketedDDP,
 )
@@ -1062,13 +1074,18 @@ class _Update:
         "ranks of that piece of inp (the whole padded buffer); dist.all_gather_single(out, "
         "inp) is the reverse. Order matters: gather what was updated. self.flat is a copy of "
         "the parameters, not a view of them: what lands in it must be copied back",
-        "recipe: shard = -(-numel // world_size); rank r owns [r·shard, (r+1)·shard). step(): "
-        "flatten every p.grad into a zero buffer like self.flat (zeros stand in for a grad "
-        "that is None: here every trainable parameter gets one; labkit.parallel.zero1 also "
-        "skips such a parameter's update, as torch's optimizers skip grad None); "
-        "reduce-scatter it into a shard-sized tensor; set self.shard.grad = that / world_size; "
-        "self.inner.step(); all-gather self.shard into self.flat; copy each parameter's slice of "
-        "self.flat back into it (p.copy_(... .view_as(p)))",
+        "recipe: in shard_bounds, the shard length is numel divided by world_size and rounded "
+        "up, in whole-number arithmetic (no floats); rank r's slice starts r shard lengths in "
+        "and stops one shard length later. In step: make a buffer of zeros shaped like the "
+        "flat buffer the class keeps in flat, and copy every trainable parameter's gradient, "
+        "flattened, into that parameter's slice of it, in parameter order (zeros stand in for "
+        "a gradient that is None: here every trainable parameter gets one; "
+        "labkit.parallel.zero1 also skips such a parameter's update, as torch's optimizers "
+        "skip a parameter whose gradient is None); reduce-scatter that buffer into a new "
+        "tensor one shard long; divide it by world_size and make the quotient the gradient of "
+        "the shard; step the inner optimizer; all-gather the updated shard into the flat "
+        "buffer; last, copy each parameter's slice of the flat buffer back into the "
+        "parameter, in its shape",
     ),
     reference=ZeRO1Optimizer,
 )

@@ -212,15 +212,17 @@ def _annotate_failure(steps: list[Span], spans: list[Span]) -> str | None:
         "the names 'data', 'forward', 'backward', 'optimizer'. The step runs in precision "
         "`dtype` the way train.train_step does: autocast around the forward pass and the loss, "
         "and nothing else",
-        "the model returns (logits, loss); train.autocast(x.device, dtype) is the course's "
-        "autocast (float32: off), entered around the model call inside the forward range; "
-        "backward is loss.backward(), outside it; the optimizer part is optimizer.step() and "
-        "then optimizer.zero_grad(set_to_none=True). Return the loss",
-        "recipe: in words (the code is yours), four `with phase(name):` blocks one after the "
-        "other; 'data' takes the batch from next_batch(); 'forward' enters "
-        "train.autocast(x.device, dtype) in the same `with` statement and keeps the model's "
-        "loss; 'backward' backpropagates that loss; 'optimizer' steps and then clears the "
-        "gradients with set_to_none=True; after the last block, return the loss",
+        "the model returns (logits, loss); the course's autocast is train.autocast, given the "
+        "batch's device and dtype (with float32 it is off), entered around the model call "
+        "only, inside the forward range; backward is the loss's own backward method, outside "
+        "the autocast; the optimizer part calls the optimizer's step, then its zero_grad with "
+        "set_to_none=True, so that the gradients are gone, not zeros. Return the loss",
+        "recipe: in words (the code is yours): four phase ranges one after the other, each a "
+        "with block on phase and the phase's name; 'data' takes the batch from next_batch; "
+        "'forward' enters the course's autocast, for the batch's device and dtype, in the same "
+        "with statement as its range, and keeps the loss the model returns; 'backward' "
+        "backpropagates that loss; 'optimizer' steps and then clears the gradients, setting "
+        "them to None; after the last block, return the loss",
     ),
     reference=reference_annotated_step,
 )
@@ -305,11 +307,17 @@ def _hidden_hint(got: float, want: float, compute: Intervals, comm: Intervals) -
         "at once on two threads. Time covered twice must count once, so first merge each list "
         "into sorted, non-overlapping intervals",
         "merge: sort by start; extend the last merged interval while the next one starts before "
-        "it ends. Then the overlap of two merged lists is the sum over pairs of "
-        "max(0, min(end1, end2) - max(start1, start2)). With no communication, return 0.0",
-        "recipe: m_comp, m_comm = merge(compute), merge(comm); total = sum(e - s for s, e in "
-        "m_comm); hidden = sum(max(0, min(e1, e2) - max(s1, s2)) for s1, e1 in m_comp for s2, e2 "
-        "in m_comm); return hidden / total if total else 0.0",
+        "it ends. Then the overlap of two merged lists is a sum over every pair of intervals, "
+        "one from each list, of the time the two share: from the later of their starts to the "
+        "earlier of their ends, or nothing when that is negative. With no communication, "
+        "return 0.0",
+        "recipe: merge the compute intervals and, separately, the communication intervals "
+        "(sort by start, then grow the last merged interval or open a new one); the "
+        "communication total is the sum of the merged communication intervals' lengths; the "
+        "hidden time is the sum, over every pair of one merged compute interval and one merged "
+        "communication interval, of the time the two share (later start to earlier end, "
+        "nothing if negative); return the hidden time divided by the total, and 0.0 when the "
+        "total is zero",
     ),
     reference=overlap.hidden_fraction,
 )
