@@ -28,8 +28,8 @@ NOTEBOOKS = {"03b": ROOT / "solutions" / "03b_composing_parallelism.ipynb",
              "03c": ROOT / "solutions" / "03c_long_sequences_and_experts.ipynb"}  # fmt: skip
 CHECKS = {"03b": composing, "03c": sequences_experts}
 """Notebook -> the module that registers its exercises (``labkit.exercises.MODULES``)."""
-FILES = {"03b.mesh_groups": "cp_mesh", "03c.ring_merge": "cp_merge",
-         "03c.moe_dispatch": "cp_dispatch"}  # fmt: skip
+FILES = {"03b.mesh_groups": "mesh_groups", "03c.ring_merge": "cp_merge",
+         "03c.moe_dispatch": "moe_dispatch"}  # fmt: skip
 WRITEFILE = re.compile(r"^%%writefile \{ex_dir\}/(?P<name>\w+)\.py\n")
 IN_KERNEL = {"03b.choose_mesh": "choose_mesh", "03c.sequence_plan": "plan_sequence"}
 """The decision exercises, checked in the kernel with ex.check: id -> the function's name."""
@@ -96,7 +96,7 @@ WRONG_MERGES = {
         "    return torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b, lse\n"
     ),
 }
-UNSORTED_DISPATCH = SOLUTIONS["cp_dispatch"].replace("x[order]", "x")
+UNSORTED_DISPATCH = SOLUTIONS["moe_dispatch"].replace("x[order]", "x")
 GATHER_DISPATCH = (
     "import torch\nimport torch.distributed as dist\n"
     "def dispatch(x, dest, group=None):\n"
@@ -167,7 +167,7 @@ def test_check_on_the_stub_says_not_done_without_launching(exercise_id, tmp_path
 
 @pytest.mark.parametrize("mistake", sorted(WRONG_GROUPS))
 def test_a_wrong_mesh_layout_is_named_in_the_kernel(mistake, tmp_path, launches):
-    path = write(tmp_path, "cp_mesh_wrong", WRONG_GROUPS[mistake])
+    path = write(tmp_path, "mesh_groups_wrong", WRONG_GROUPS[mistake])
     with pytest.raises(ex.ExerciseFailed, match=mistake):
         composing.verify_file("03b.mesh_groups", path)
     assert launches == []

@@ -250,6 +250,7 @@ def test_dispatch_report_chooses_its_verdicts_from_the_numbers():
     r = expert.dispatch_report(ok, 100.0, 8)
     assert r.consistent and r.matches_routing and r.sent == [128, 256] and r.extra == [40, 40]
     assert "equals the routing's prediction" in r.text and "gloo's message header" in r.text
+    assert r.mean_over_even == (128 + 256) / 2 / 100.0 and "1.92× on average" in r.text
     bad = [_moe_rank(0, [3, 1], [3, 9], 128, 120, 128 + 5000),
            _moe_rank(1, [2, 5], [1, 5], 256, 256, None)]
     r = expert.dispatch_report(bad, 100.0, 8)

@@ -527,6 +527,7 @@ class DispatchReport:
     extra: list[int | None]  # bytes written to sockets beyond that (measured), None if unseen
     consistent: bool  # every receiver counted what its senders said they sent
     matches_routing: bool  # counted == the prediction from the routing, on every rank
+    mean_over_even: float = float("nan")  # mean counted bytes over ranks / the even-router prediction
 
 
 def dispatch_report(ranks: list[dict[str, Any]], even_sent: float, n_experts: int) -> DispatchReport:
@@ -555,9 +556,10 @@ def dispatch_report(ranks: list[dict[str, Any]], even_sent: float, n_experts: in
                      f"{w_txt:>18} | {x_txt:>17}")
     matches = all(r["counted"]["dispatch"]["sent_bytes"] == r["predicted_routed_sent"]["dispatch"]
                   for r in ranks)
+    mean_over_even = sum(sent) / len(sent) / even_sent
     lines += ["", f"→ counted {'equals' if matches else 'DIFFERS from'} the routing's prediction on "
               f"every rank; counted is {min(sent) / even_sent:.2f}× to {max(sent) / even_sent:.2f}× "
-              "the even-router prediction"]
+              f"the even-router prediction, {mean_over_even:.2f}× on average over the ranks"]
     if None in extra:
         lines.append("→ measured: N/A (this backend moves the bytes without socket writes the "
                      "process can see)")
@@ -579,4 +581,4 @@ def dispatch_report(ranks: list[dict[str, Any]], even_sent: float, n_experts: in
                  f"per rank (predicted, even router: {4 * even_sent:,.0f}); plus the count exchange, "
                  f"{n_experts} int64 = {ranks[0]['counted']['counts']['message_bytes']} B per rank, "
                  "once per forward")
-    return DispatchReport("\n".join(lines), sent, extra, consistent, matches)
+    return DispatchReport("\n".join(lines), sent, extra, consistent, matches, mean_over_even)

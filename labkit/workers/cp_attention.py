@@ -278,6 +278,7 @@ def _torch_cp(ctx: dist.Context, c: dict[str, Any], qkv64) -> dict[str, Any]:
             "rotate_method": rotate,
             "dtype": str(dt).removeprefix("torch."),
             "max_abs_err": (full.double().cpu() - truth).abs().max().item(),
+            "error": None,  # the same keys on both paths
         }
     except Exception as e:
         return {"ran": False, "rotate_method": rotate, "error": f"{type(e).__name__}: {e}"}
