@@ -50,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -88,6 +89,7 @@ DEFAULTS: dict[str, Any] = {
     "profile_steps": 2, "eval_batches": 4, "seed": 0, "lr": 1e-3, "model": {},
 }  # fmt: skip
 ENV_SHOWN = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
+SHORT_TMP = 60  # characters of TMPDIR that leave room for multiprocessing's socket names
 
 
 class PhaseClock:
@@ -240,6 +242,15 @@ def main(ctx: dist.Context) -> dict[str, Any]:
     epochs: list[list[int]] = []
     pin = on_gpu and bool(cfg["pin_memory"])
     workers = int(cfg["loader_workers"])  # the sampler stays in this process: epochs recorded
+    if workers and len(tempfile.gettempdir()) > SHORT_TMP:
+        # Workers hand batches back through a Unix socket that Python's multiprocessing makes
+        # under TMPDIR, which the launcher points into the job's folder: past 107 characters
+        # the socket cannot bind ("AF_UNIX path too long", seen in CI) and no batch arrives.
+        # One short folder per user, reused by every such job (ranks end with os._exit, so a
+        # folder per job would outlive it).
+        short = Path("/tmp") / f"labkit-{os.getuid()}"
+        short.mkdir(mode=0o700, exist_ok=True)
+        os.environ["TMPDIR"] = tempfile.tempdir = str(short)
     loader = DataLoader(dataset, batch_size=share, sampler=Recording(inner, epochs),
                         drop_last=True, pin_memory=pin, num_workers=workers,
                         persistent_workers=workers > 0)  # fmt: skip
