@@ -11,6 +11,8 @@
     labkit record-profile  profile notebook 06's training step on a GPU, for learners without one
     labkit recordings  build the key GPU figures that ship from a GPU run's benchmark results
                        (build FILES --out DIR), or show what ships (show)
+    labkit public-traces  fetch real multi-GPU profiler traces (Holistic Trace Analysis's
+                       test data, MIT) for notebook 06 and the tests (fetch [--all], where)
     labkit exam        a mock exam drawn from every quiz bank, scored by sub-topic (--history)
     labkit capstone    new [--level L]: a job code for notebook 07's slow job (and the
                        instructor's key file); reveal --job CODE (or --seed N --level L): its
@@ -136,6 +138,7 @@ DELEGATED: dict[str, tuple[str, str]] = {
     "record-trace": ("labkit.record", "record notebook 01's run on a GPU"),
     "record-profile": ("labkit.recordings.profiles", "profile notebook 06's step on a GPU"),
     "recordings": ("labkit.recordings.build", "key GPU figures recorded on real hardware"),
+    "public-traces": ("labkit.recordings.public", "real multi-GPU traces, fetched and checked"),
     "exam": ("labkit.exam", "a mock exam from every quiz bank"),
     "launch": ("labkit.launch", "run a worker, alone or as one node of several"),
     "timings": ("labkit.timings", "time every notebook, per section, with peak memory"),

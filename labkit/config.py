@@ -318,8 +318,11 @@ ENVIRONMENT: dict[str, str] = {
     "LABKIT_CHROMIUM": "the browser the browser test drives",
     "LABKIT_ARTIFACTS": "where the browser test leaves its screenshots",
     "LABKIT_TEST_WORKERS": "how many pytest processes ./course test runs side by side (default 2)",
-    "LABKIT_GPU_TRACES": "a folder of real GPU profiler traces (HTA's tests/data) the tests "
-                         "check the trace analysis against (default ../shared/gpu-traces)",
+    "LABKIT_GPU_TRACES": "a folder of real GPU profiler traces laid out as HTA's tests/data: "
+                         "notebook 06 and the tests read them (else ../shared/gpu-traces, "
+                         "else `python -m labkit public-traces fetch`'s download)",
+    "LABKIT_OFFLINE": "1: labkit never reaches the network (notebook 06 downloads no public "
+                      "traces; the test suite sets it)",
     "LABKIT_JOB_DIR": "set by the launcher for each job (internal)",
     "LABKIT_AGENT_PID": "set by the launcher for each job (internal)",
     "LABKIT_TEST_SESSION": "set by the test suite (internal)",

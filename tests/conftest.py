@@ -1,6 +1,7 @@
 """Test-session set-up shared by every test file.
 
 * Notebooks and jobs run at smoke size unless the caller chose another.
+* Nothing reaches the network (``LABKIT_OFFLINE=1``).
 * The launcher's job registry lives in a throw-away folder, so tests never touch a
   learner's real registry.
 * At the end, any torchrun agent or worker started by this session and still alive is a
@@ -19,6 +20,9 @@ import psutil
 import pytest
 
 os.environ.setdefault("LABKIT_SIZE", "smoke")
+# No test reaches the network: notebook 06 would otherwise try to download public GPU traces
+# (labkit.recordings.public); a copy named by LABKIT_GPU_TRACES is still read.
+os.environ.setdefault("LABKIT_OFFLINE", "1")
 if "LABKIT_CAPSTONE_JOB" not in os.environ:  # notebook 07: the same job every run, this tier's
     from labkit import capstone  # (a loader, a straggler and a sampler fault)
 

@@ -7,9 +7,11 @@ NCCL job (``nccl_parser_config``), a one-rank trace whose CPU runs ahead of its 
 (``ns_resolution_trace``), and a trace in the 2021 profiler's schema (``trace_file_list``).
 
 They are not part of this repository: its rules keep third-party files out of its commits.
-Point ``LABKIT_GPU_TRACES`` at a folder laid out as HTA's ``tests/data`` (or place it at
-``../shared/gpu-traces`` beside the checkout); without it every test here is skipped, and the
-same code paths are held to synthetic GPU traces in ``test_profiling_gpu_trace.py``.
+``python -m labkit public-traces fetch --all`` downloads them (checked against the sizes and
+SHA-256 in ``labkit.recordings.public``); point ``LABKIT_GPU_TRACES`` at the folder it names,
+or at a folder laid out as HTA's ``tests/data``, or place one at ``../shared/gpu-traces``
+beside the checkout. Without a copy every test here is skipped, and the same code paths are
+held to synthetic GPU traces in ``test_profiling_gpu_trace.py``.
 
 On every rank, labkit and HTA must agree to 0.01% (idle time: to 0.01% of the span) on the overlap of communication with
 compute, the compute time per step and the idle time, when both read every recorded step and
@@ -31,9 +33,12 @@ import pytest
 
 from labkit.profiling import TraceError, hta_report, load_trace, load_traces, rank_times
 from labkit.profiling.overlap import gpu_split
+from labkit.profiling.summary import summarize_job
+from labkit.recordings import public
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDER = Path(os.environ.get("LABKIT_GPU_TRACES") or ROOT.parent / "shared" / "gpu-traces")
+FOLDER = public.data_root() or Path(os.environ.get("LABKIT_GPU_TRACES")
+                                    or ROOT.parent / "shared" / "gpu-traces")
 
 JOBS = {  # job -> its ranks' files, as HTA's tests/data lays them out
     "128-rank NCCL job": ["trace_filter/sampled_rank-0.json.gz",
@@ -132,3 +137,25 @@ def test_the_2021_schema_is_read_and_a_stepless_trace_refused_for_its_reason():
         rank_times(t)
     whole = rank_times(t, whole_trace=True)
     assert whole.steps == 1 and whole.compute_s > 0
+
+
+def test_every_file_here_is_one_the_fetch_brings():
+    wanted = {f for files in JOBS.values() for f in files}
+    wanted |= {"trace_file_list/inference_rank_1.json.gz",
+               "negative_queue_length_values_check/rank0.json.gz"}
+    fetched = {f.path for job in public.JOBS.values() for f in job.files}
+    assert wanted <= fetched, wanted - fetched
+
+
+def test_notebook_06s_real_job_two_of_128_ranks_both_waiting():
+    """The job notebook 06 shows a CPU learner: neither sampled rank is the straggler, both
+    wait in exposed communication, and the one the others wait for is among the 126 missing."""
+    job = summarize_job(load_traces(FOLDER / public.MULTI_RANK))
+    assert [t.rank for t in job.times] == [0, 1] and job.world_size == 128
+    assert job.straggler is None
+    verdict = job.straggler_verdict()
+    assert "2 of the job's 128 ranks" in verdict and "other 126" in verdict
+    assert "The larger loss is idle time" in job.where_time_goes()
+    for ops, kernels in zip(job.collectives, job.comm_kernels, strict=True):
+        # an older NCCL runs every collective through one generic kernel: one per call
+        assert sum(ops.values()) == sum(k.calls_per_step for k in kernels) == 5

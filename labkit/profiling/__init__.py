@@ -14,6 +14,8 @@ One short module each, measurement apart from display:
                      diagnose (a rank's longest phase and what took its time);
                      on a GPU, kernels counted in the step that launched them (gpu_work) and
                      the GPU's time split by kind of kernel (gpu_split)
+    summary          summarize_job: a multi-rank job's traces in tables (per rank, the
+                     collectives and their kernels) and the straggler question, answered
     plot             plot_trace: a per-thread (per-stream) timeline drawn from the trace files
     memory_timeline  memory over time: the profiler's categories (CPU), the allocator's
                      history snapshot (CUDA), drawn with the phases shaded
@@ -78,6 +80,7 @@ from labkit.profiling.overlap import (
 )
 from labkit.profiling.phases import COMMUNICATION, PHASES, nvtx_backend, phase
 from labkit.profiling.plot import plot_trace
+from labkit.profiling.summary import JobSummary, summarize_job
 from labkit.profiling.trace import Span, Trace, TraceError, load_trace, load_traces, trace_files
 
 __all__ = [
@@ -88,6 +91,7 @@ __all__ = [
     "Attribution",
     "GpuSplit",
     "HtaReport",
+    "JobSummary",
     "LaunchStats",
     "MemoryTimeline",
     "NcuCommand",
@@ -135,6 +139,7 @@ __all__ = [
     "record_memory_timeline",
     "run_ncu",
     "step_snippet",
+    "summarize_job",
     "timeline_from_snapshot",
     "timeline_from_trace_events",
     "trace_files",

@@ -31,8 +31,10 @@ Format: one JSON object per file, UTF-8, in ``labkit/recordings/`` (``shipped()`
 apart from a guess. Seconds are the only measured unit; tokens/s and MFU are derived from the
 median step time in one place (``Figure.tokens_per_s``, ``Figure.mfu``), the way the
 benchmarks and notebook 01 derive them. Display (``labkit.recordings.show``) is kept apart
-from this format and from collection (``labkit.recordings.build``). Nothing here runs at
-import.
+from this format and from collection (``labkit.recordings.build``). Profiler traces of the
+course's step on a GPU are ``labkit.recordings.profiles``; traces of other people's real
+multi-GPU jobs, public and not recorded by this course, are fetched on request and checked by
+``labkit.recordings.public``. Nothing here runs at import.
 """
 
 from __future__ import annotations
