@@ -39,11 +39,87 @@ def test_conda_and_pip_routes_pin_the_same_packages_and_versions():
     assert pins_from_environment_yml() == pip_pins
 
 
+def pins_from_lock() -> dict[str, str]:
+    pins = {}
+    for line in (ROOT / "requirements.lock").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, version = line.split("==")
+            pins[name] = version
+    return pins
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_the_lock_holds_every_direct_pin_at_its_version():
+    lock = pins_from_lock()
+    for name, version in pins_from_requirements().items():
+        assert lock.get(_normal(name)) == version, (
+            f"requirements.txt pins {name}=={version}, requirements.lock has "
+            f"{lock.get(_normal(name))}: run python scripts/lock_requirements.py")
+
+
+def test_the_lock_agrees_with_the_conda_route():
+    lock = pins_from_lock()
+    for name, version in pins_from_environment_yml().items():
+        assert lock.get(_normal(name)) == version, f"environment.yml: {name}=={version}"
+
+
+def test_the_lock_is_exact_and_portable():
+    text = (ROOT / "requirements.lock").read_text()
+    lines = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
+    names = [line.split("==")[0] for line in lines]
+    assert names == sorted(set(names)), "requirements.lock: names out of order or twice"
+    for line in lines:
+        assert re.fullmatch(r"[a-z0-9-]+==[0-9][0-9A-Za-z.]*", line), line  # no +cpu, no ranges
+
+
+def test_course_installs_with_the_lock_as_constraints():
+    course = (ROOT / "course").read_text()
+    assert re.search(r"pip install -q -r \"\$reqs\" -c \"\$lock\"", course)
+    assert "lock=requirements.lock" in course
+    assert "requirements.lock" in re.search(r"want=\$\((.*)\)", course)[1]  # a new lock reinstalls
+
+
+def test_the_course_environment_holds_the_locked_versions():
+    """In the environment ./course made (CI's), every locked package is at its locked version."""
+    from importlib import metadata
+
+    if Path(sys.prefix).resolve() != (ROOT / ".venv").resolve():
+        pytest.skip(f"not the course's environment ({sys.prefix}): the lock binds ./course's only")
+    wrong = []
+    for name, version in pins_from_lock().items():
+        try:
+            installed = metadata.version(name).split("+")[0]
+        except metadata.PackageNotFoundError:
+            continue  # a package this Python's resolution does not need (a backport, say)
+        if installed != version:
+            wrong.append(f"{name} {installed} (locked {version})")
+    assert not wrong, "installed versions differ from requirements.lock: " + ", ".join(wrong)
+
+
+def test_hta_is_an_optional_extra_named_by_its_pin_when_missing(monkeypatch, tmp_path):
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from 3.11")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not any(d.startswith("holistictraceanalysis") for d in project["dependencies"])
+    assert project["optional-dependencies"]["traces"] == ["holistictraceanalysis>=0.5"]
+    from labkit.profiling import hta
+
+    pin = f"holistictraceanalysis=={pins_from_requirements()['holistictraceanalysis']}"
+    assert pin in hta.HTA_MISSING
+    monkeypatch.setitem(sys.modules, "hta.trace_analysis", None)  # import fails as if absent
+    report = hta.hta_report(tmp_path)
+    assert not report.available and pin in report.describe()
+
+
 def test_tested_pins_satisfy_the_package_ranges():
     tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from 3.11")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     pins = pins_from_requirements()
-    ranges = project["dependencies"] + project["optional-dependencies"]["test"]
+    ranges = project["dependencies"] + [d for extra in project["optional-dependencies"].values()
+                                        for d in extra]  # fmt: skip
     for spec in map(Requirement, ranges):
         name = spec.name.lower()
         assert name in pins, f"{name} is a dependency in pyproject.toml but not pinned"

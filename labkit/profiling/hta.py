@@ -53,6 +53,12 @@ ANALYSES: dict[str, str] = {
 RANKED = {"idle_time"}
 """Analyses that read rank 0 unless told which ranks to read (a folder may not hold rank 0)."""
 
+HTA_MISSING = ("Holistic Trace Analysis is not installed ({error}). It is an optional part of "
+               "labkit: `pip install holistictraceanalysis==0.5.0` (the tested version), or "
+               "`pip install -e '.[traces]'` in the course's folder; `./course setup` installs it. "
+               "labkit's own figures above do not need it.")  # fmt: skip
+"""What every HTA analysis says when HTA cannot be imported (pyproject's ``traces`` extra)."""
+
 
 @dataclass
 class HtaReport:
@@ -169,8 +175,7 @@ def hta_report(trace_dir: str | Path, *, analyses: dict[str, str] = ANALYSES,
             from hta.trace_analysis import TraceAnalysis
         except ImportError as e:
             report.available = False
-            report.failures["import"] = (f"HTA is not installed ({e}): pip install "
-                                         "holistictraceanalysis")  # fmt: skip
+            report.failures["import"] = HTA_MISSING.format(error=e)
             return report
 
         def loader(path: str) -> Any:
@@ -328,7 +333,7 @@ def trace_diff(control_dir: str | Path, test_dir: str | Path, *,
     try:
         from hta.trace_diff import DeviceType, LabeledTrace, TraceDiff
     except ImportError as e:
-        result.failure = f"HTA is not installed ({e}): pip install holistictraceanalysis"
+        result.failure = HTA_MISSING.format(error=e)
         return result
     sink = io.StringIO()
     with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink), \
@@ -422,7 +427,7 @@ def launch_stats(trace_dir: str | Path, *, rank: int = 0,
         try:
             from hta.trace_analysis import TraceAnalysis
         except ImportError as e:
-            result.failure = f"HTA is not installed ({e}): pip install holistictraceanalysis"
+            result.failure = HTA_MISSING.format(error=e)
             return result
 
         def loader(path: str) -> Any:
