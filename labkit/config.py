@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import json
 import math
 import numbers
 import os
@@ -229,8 +230,23 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> RunConfig:
-        return cls(model=ModelConfig(**d["model"]), train=TrainConfig(**d["train"]))
+    def from_dict(cls, d: Mapping[str, Any]) -> RunConfig:
+        """The config :meth:`to_dict` wrote: ``{"model": {...}, "train": {...}}``, each a dict of
+        that section's fields (a field left out keeps its default). A missing or unknown
+        section or field is refused with the known ones and an example (ValueError)."""
+        sections = {"model": ModelConfig, "train": TrainConfig}
+        if not isinstance(d, Mapping):
+            raise ValueError(f"RunConfig.from_dict: {_shown(d)} is not a dict: give "
+                             f"{{'model': {{...}}, 'train': {{...}}}}, {_FROM_DICT_EXAMPLE}")
+        missing = [name for name in sections if name not in d]
+        unknown = [name for name in d if name not in sections]
+        if missing or unknown:
+            what = [f"no {' or '.join(map(repr, missing))} section"] if missing else []
+            what += [f"unknown section {', '.join(map(repr, unknown))}"] if unknown else []
+            raise ValueError(f"RunConfig.from_dict: the dict has {' and '.join(what)}: give "
+                             f"exactly the sections 'model' and 'train', {_FROM_DICT_EXAMPLE}")
+        parts = {name: _section(name, section, d[name]) for name, section in sections.items()}
+        return cls(**parts)
 
     def replace(self, **changes: object) -> RunConfig:
         """Copy with fields changed; names are looked up in ``model`` then ``train``.
@@ -252,6 +268,71 @@ class RunConfig:
             model=dataclasses.replace(self.model, **m),
             train=dataclasses.replace(self.train, **t),
         )
+
+
+_FROM_DICT_EXAMPLE = ("each a dict of its fields (a field left out keeps its default), "
+                      "e.g. {'model': {'n_layer': 2}, 'train': {'steps': 10}}, or "
+                      "preset('smoke').to_dict() for every field")
+
+
+def _section(name: str, cls: type, fields: object) -> Any:
+    """``cls(**fields)`` for the section ``name`` of :meth:`RunConfig.from_dict`; a value that
+    is not a dict, or a field the dataclass does not have, is refused naming the known ones."""
+    known = [f.name for f in dataclasses.fields(cls)]
+    if not isinstance(fields, Mapping):
+        what = "None" if fields is None else f"{_shown(fields)}, {_article(type(fields).__name__)}"
+        raise ValueError(f"RunConfig.from_dict: {name!r} is {what}: give a dict of "
+                         f"{cls.__name__}'s fields, e.g. {{}} for its defaults; its fields: "
+                         f"{', '.join(known)}")  # fmt: skip
+    for key in fields:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.5)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"RunConfig.from_dict: {name} has unknown field {_shown(key)}{hint}; "
+                             f"{cls.__name__}'s fields: {', '.join(known)}")  # fmt: skip
+    return cls(**fields)
+
+
+def _shown(value: object, width: int = 60) -> str:
+    """``repr(value)``, cut to ``width`` characters: a message names a value, never floods."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's 4300-digit limit has no repr
+        return f"{_article(type(value).__name__)} too long to show"
+    return text if len(text) <= width else f"{text[:width - 5]}…{text[-4:]}"
+
+
+def parse_json_object(text: str, option: str) -> dict[str, Any]:
+    """A command-line option's value (``--config``) read as a JSON object; anything else is a
+    ValueError that says the option takes JSON, with an example built from what was typed."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        example = _as_json_example(text)
+        quotes = " (JSON strings and keys take double quotes)" if "'" in text else ""
+        raise ValueError(
+            f"{option} {_shown(text)} is not JSON: {option} takes a JSON object{quotes}, in "
+            f"single quotes for the shell, e.g. {option} '{example}'"
+        ) from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{option} {_shown(text)} is JSON but not an object: give the fields in "
+                         f"braces, e.g. {option} '{{\"numel\": 4}}'")  # fmt: skip
+    return value
+
+
+def _as_json_example(text: str) -> str:
+    """``numel=4,name=x`` written as the JSON object it probably meant; a fixed example when
+    ``text`` is not in that form."""
+    pairs = [part.split("=", 1) for part in text.split(",") if part.strip()]
+    if not pairs or any(len(p) != 2 or not p[0].strip().isidentifier() for p in pairs):
+        return '{"numel": 4}'
+    obj: dict[str, Any] = {}
+    for key, raw in pairs:
+        try:
+            obj[key.strip()] = json.loads(raw)
+        except ValueError:
+            obj[key.strip()] = raw.strip()  # not a JSON value: a string
+    return json.dumps(obj)
 
 
 # Every preset warms the learning rate up and then decays it along a cosine to a tenth of its

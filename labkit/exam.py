@@ -61,9 +61,22 @@ https://preporato.com/certifications/nvidia/generative-ai-llm-professional/artic
 unofficial); the course takes the upper end."""
 
 
+MAX_MINUTES = 24 * 60.0
+"""The longest time limit an exam takes: a day. A longer one is a typo (``--minutes 1e9``), and
+an infinite one has no clock to show (``--minutes inf``); untimed is ``minutes=None`` (``--minutes
+0``). At :data:`MINUTES_PER_QUESTION` it paces exams of up to 720 questions."""
+
+
+def _allowed_minutes(minutes: object) -> bool:
+    """A time limit :func:`draw` takes: a number of minutes in (0, :data:`MAX_MINUTES`]."""
+    return (isinstance(minutes, (int, float)) and not isinstance(minutes, bool)
+            and math.isfinite(minutes) and 0 < minutes <= MAX_MINUTES)  # fmt: skip
+
+
 def default_minutes(n: int) -> float:
-    """The time limit of an ``n``-question exam at :data:`MINUTES_PER_QUESTION`."""
-    return MINUTES_PER_QUESTION * n
+    """The time limit of an ``n``-question exam at :data:`MINUTES_PER_QUESTION` (at most
+    :data:`MAX_MINUTES`)."""
+    return min(MINUTES_PER_QUESTION * n, MAX_MINUTES)
 
 class ExamError(ValueError):
     """An exam that cannot be drawn, answered or saved as asked; the message says why and what
@@ -151,9 +164,9 @@ def draw(
     elif isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ExamError(f"seed={seed!r} is not allowed: a whole number >= 0, or None for a "
                         "fresh one")  # fmt: skip
-    if minutes is not None and not (isinstance(minutes, (int, float)) and minutes > 0):
-        raise ExamError(f"minutes={minutes!r} is not allowed: a positive number, or None for "
-                        "no time limit")  # fmt: skip
+    if minutes is not None and not _allowed_minutes(minutes):
+        raise ExamError(f"minutes={minutes!r} is not allowed: a positive number of minutes up "
+                        f"to {MAX_MINUTES:g} (a day), or None for no time limit")  # fmt: skip
     by_topic = pool(notebooks)
     available = {t: len(qs) for t, qs in by_topic.items()}
     if weights is None:
@@ -418,15 +431,34 @@ def run_in_terminal(exam: Exam, ask: Callable[[str], str] | None = None,
     return result
 
 
+def _minutes_option(text: str | None) -> float | None:
+    """``--minutes`` as :func:`draw` takes it: None for 0 (untimed) or when absent; a value
+    outside 0..MAX_MINUTES, or not a number, is refused naming the option as typed."""
+    if text is None:
+        return None
+    try:
+        minutes = float(text)
+    except ValueError:
+        minutes = math.nan
+    if minutes == 0:
+        return None  # --minutes 0: untimed
+    if not _allowed_minutes(minutes):
+        raise ExamError(f"--minutes {text} is not allowed: give a time limit in minutes from "
+                        f"more than 0 up to {MAX_MINUTES:g} (a day), or 0 for no time "
+                        "limit")  # fmt: skip
+    return minutes
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m labkit exam``: take a mock exam in the terminal, or show the history."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="labkit exam", description=__doc__.splitlines()[0])
     parser.add_argument("-n", type=int, default=30, help="number of questions (default 30)")
-    parser.add_argument("--minutes", type=float, default=None,
-                        help=f"time limit (default {MINUTES_PER_QUESTION:g} per question, "
-                             "near the real exam's pace; 0 for none)")  # fmt: skip
+    parser.add_argument("--minutes", default=None,  # read by _minutes_option, named as typed
+                        help=f"time limit in minutes, up to {MAX_MINUTES:g} (default "
+                             f"{MINUTES_PER_QUESTION:g} per question, near the real exam's "
+                             "pace; 0 for none)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=None, help="repeat a draw (default: fresh)")
     parser.add_argument("--history", action="store_true", help="show earlier attempts and stop")
     args = parser.parse_args(argv)
@@ -437,11 +469,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(note)
             print(progress_text(attempts), end="")
             return 0
-        minutes = args.minutes
-        if minutes is None and isinstance(args.n, int) and args.n >= 1:
+        minutes = _minutes_option(args.minutes)
+        if args.minutes is None and isinstance(args.n, int) and args.n >= 1:
             minutes = default_minutes(args.n)
-        elif minutes == 0:
-            minutes = None  # --minutes 0: untimed
         exam = draw(args.n, seed=args.seed, minutes=minutes)
         try:
             result = run_in_terminal(exam)

@@ -55,6 +55,7 @@ import psutil
 import torch
 
 from labkit import diagnosis, dist, procs
+from labkit.config import parse_json_object
 
 # Re-exported: part of launch's API.
 from labkit.diagnosis import diagnose_hang as diagnose_hang
@@ -1388,7 +1389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", metavar="FILE", help="also write this node's results to FILE")
     args = p.parse_args(argv)
     try:
-        config = json.loads(args.config)
+        config = parse_json_object(args.config, "--config")  # says it takes JSON, with an example
         nodes = None
         if args.nodes or args.endpoint:
             if not (args.nodes and args.endpoint):

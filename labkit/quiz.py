@@ -216,8 +216,18 @@ def plain(text: str) -> str:
 def load_file(path: str | Path) -> Bank:
     """Read and validate the bank at ``path``."""
     path = Path(path)
+    data = path.read_bytes()
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise QuizBankError(
+            f"{path}: not UTF-8: byte {err.start} (0x{data[err.start]:02x}, line {line}) is not "
+            "part of a UTF-8 character; quiz files must be UTF-8: save the file as UTF-8 in your "
+            "editor (or convert it, e.g. iconv -f latin1 -t utf-8)"
+        ) from None
+    try:
+        raw = json.loads(text)
     except json.JSONDecodeError as err:
         raise QuizBankError(f"{path}: not valid JSON: {err}") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("questions"), list):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import threading
@@ -260,12 +261,31 @@ def run_notebook(path: Path, size: str, out_dir: Path | None = None, *,
 
 
 def find_notebooks(solutions: Path, only: Sequence[str] | None = None) -> list[Path]:
-    """The notebooks in ``solutions`` (``NN_*.ipynb``), or those whose number is in ``only``."""
+    """The notebooks in ``solutions`` (``NN_*.ipynb``), or those whose id is in ``only``; an id
+    in ``only`` that names no notebook is a ValueError listing the ids there are."""
     if not Path(solutions).is_dir():
         raise FileNotFoundError(f"solutions folder {str(solutions)!r} does not exist; run from "
                                 "the repository root or pass --solutions")  # fmt: skip
     found = sorted(Path(solutions).glob(ids.NOTEBOOK_GLOB))
+    known = [ids.notebook_id(p) for p in found]
+    unknown = [nb for nb in only or () if nb not in known]
+    if unknown:
+        raise ValueError(_unknown_notebooks(unknown, known, Path(solutions)))
     return [p for p in found if only is None or ids.notebook_id(p) in only]
+
+
+def _unknown_notebooks(unknown: Sequence[str], known: Sequence[str], solutions: Path) -> str:
+    """What ``--only`` names that is no notebook, with the ids there are; "1" gets "write 01"."""
+    fixes = []
+    for nb in unknown:  # an id is two digits and an optional lower-case letter: "03b"
+        match = re.fullmatch(r"(\d{1,2})([a-zA-Z]?)", nb.strip())
+        guess = f"{int(match[1]):02d}{match[2].lower()}" if match else None
+        if guess in known and guess != nb:
+            fixes.append(f"write {guess} for {nb}")
+    hint = f" ({'; '.join(fixes)})" if fixes else ""
+    listed = ", ".join(known) if known else "none"
+    return (f"--only {' '.join(unknown)}: no such notebook in {solutions}{hint}; the notebooks "
+            f"are {listed}")
 
 
 def run_many(notebooks: Sequence[Path], sizes: Sequence[str], *, rounds: int = 1,
@@ -416,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rounds {args.rounds}: give 1 or more")
     try:
         notebooks = find_notebooks(args.solutions, args.only)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:
         parser.error(str(e))
     if not notebooks:
         parser.error(f"--only {args.only}: no such notebook in {args.solutions}")

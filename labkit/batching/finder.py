@@ -17,7 +17,9 @@ running steps until one fails with an out-of-memory error. This finder adds what
    budget, and :class:`BudgetedCPU` enforces it on the *measured* live bytes of every tensor
    the trial step allocates, raising :class:`BudgetExceeded` (an ``torch.OutOfMemoryError``)
    mid-step, as an allocator would. That is a budget the caller chose, not a device limit,
-   and the result says so.
+   and the result says so; a budget beyond the memory the host (or the card) has free is
+   capped at 90% of that, with a warning (:func:`capped_budget`), since the trials allocate
+   real memory up to it and the OOM killer would end the process without a word.
 
 Where a trial runs and how its memory is measured (the devices, :class:`LiveTensorBytes`) is
 :mod:`labkit.batching.trials`; this module predicts, searches and reports.
@@ -30,11 +32,15 @@ from __future__ import annotations
 
 import html
 import math
+import re
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
+import psutil
 import torch
 from torch import nn
 
@@ -65,12 +71,15 @@ __all__ = [  # the finder's API; the trials' names are re-exported for finder.X 
     "BudgetExceeded",
     "BudgetedCPU",
     "CudaOOM",
+    "HostMemoryError",
     "LiveTensorBytes",
     "MaxBatchResult",
     "MemoryLeakError",
     "SearchOutcome",
     "Trial",
+    "capped_budget",
     "find_max_batch",
+    "host_memory_available",
     "predict_max_batch",
     "predict_max_batch_tensorwise",
     "search_max_batch",
@@ -95,6 +104,21 @@ peaks (dropout off); this affine model is the one the search starts from."""
 # ----------------------------------------------------------------------------------------------
 # Input validation: errors name the argument, the value and what is allowed (the shared checks
 # are in labkit.batching.trials).
+
+MAX_BATCH = 2**24
+"""The largest ``max_batch`` :func:`find_max_batch` takes. Far more sequences than any device the
+course runs on holds: the smoke GPT needs about 0.8 MiB a sequence at seq_len 64 (18 fit in
+16 MiB with its 1.8 MiB of model states), so an H200's 141 GB holds about 0.2 M of them, and
+about 11 M at seq_len 1. A larger one is a typo (``10**9``), and a start near it would ask the
+allocator for the token ids alone, 16 bytes a token, before any budget is checked."""
+
+
+def _max_batch(value: object) -> int:
+    batch = _positive_int("max_batch", value)
+    if batch > MAX_BATCH:
+        raise ValueError(f"max_batch={batch} is not allowed: give 1..{MAX_BATCH} (2**24, more "
+                         f"sequences than any GPU holds; the default is 4096)")  # fmt: skip
+    return batch
 
 
 # ----------------------------------------------------------------------------------------------
@@ -287,6 +311,157 @@ def search_max_batch(
 
 
 # ----------------------------------------------------------------------------------------------
+# The memory that is really there. A CPU budget is enforced on counted tensor bytes, but the
+# trials allocate real memory up to it: a budget beyond the host's memory does not stop a trial
+# before the kernel's OOM killer does, and that ends the process (a notebook's kernel) with no
+# message. So the finder caps the budget at what the host (or the card) has free, and says so.
+
+HEADROOM = 0.9
+"""The share of the free memory a capped budget takes: the rest is for what the count leaves out
+(scratch memory inside a kernel, the interpreter) and for the other processes on the machine."""
+
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+class HostMemoryError(MemoryError):
+    """The host's allocator refused a trial's memory: the budget asked for more than this
+    machine could give at that moment. The message names the batch, the bytes and the fix."""
+
+
+def host_memory_available() -> tuple[int, str]:
+    """Bytes this process can still take on the host, and where that was read: the kernel's
+    MemAvailable (``psutil.virtual_memory().available``), or, where it is lower, the room left
+    under the memory limit of this process's cgroup or one above it (a container, a SLURM job:
+    where the OOM killer acts first)."""
+    available, source = int(psutil.virtual_memory().available), "MemAvailable"
+    for folder in _cgroup_folders():
+        room = _cgroup_room(folder)
+        if room is not None and room < available:
+            available, source = room, f"the memory limit of cgroup {folder}"
+    return available, source
+
+
+def _cgroup_folders() -> list[Path]:
+    """This process's memory cgroup folders (cgroup v2 and v1), innermost first, with every
+    ancestor up to the mount: a limit on any of them holds."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return []
+    folders = []
+    for line in lines:
+        if line.count(":") < 2:
+            continue
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: one hierarchy, mounted at the root or under unified/
+            root = next((r for r in (_CGROUP_ROOT, _CGROUP_ROOT / "unified")
+                         if (r / "cgroup.controllers").exists()), None)  # fmt: skip
+        else:
+            root = _CGROUP_ROOT / "memory" if "memory" in controllers.split(",") else None
+        if root is None:
+            continue
+        folder = root / path.lstrip("/")
+        while folder != root and root in folder.parents:
+            folders.append(folder)
+            folder = folder.parent
+        folders.append(root)
+    return [f for f in folders if f.is_dir()]
+
+
+def _cgroup_room(folder: Path) -> int | None:
+    """Bytes left under ``folder``'s memory limit (v2 memory.max, v1 memory.limit_in_bytes),
+    counting its reclaimable page cache (inactive_file) as room; None without a limit."""
+    v2 = (folder / "memory.max").exists()
+    names = (("memory.max", "memory.current", "inactive_file") if v2 else
+             ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))  # fmt: skip
+    try:
+        limit_text = (folder / names[0]).read_text().strip()
+        if limit_text == "max" or int(limit_text) >= 2**60:  # v1 writes "no limit" as ~2**63
+            return None
+        usage = int((folder / names[1]).read_text())
+        stat = (folder / "memory.stat").read_text().split()
+    except (OSError, ValueError):
+        return None
+    cache = dict(zip(stat[::2], stat[1::2], strict=False)).get(names[2], "0")
+    return max(0, int(limit_text) - usage + int(cache))
+
+
+def _size(n: float) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1 (MiB at least)."""
+    for unit, name in ((2**40, "TiB"), (2**30, "GiB")):
+        if n >= unit:
+            return f"{n / unit:,.2f} {name}"
+    return _mib(n)
+
+
+def capped_budget(budget_bytes: float | None, device: torch.device, *,
+                  stacklevel: int = 2) -> int | None:  # fmt: skip
+    """``budget_bytes`` checked, or :data:`HEADROOM` of what ``device`` has free where it asks
+    for more, with a warning naming both numbers. CPU: the host's available memory
+    (:func:`host_memory_available`); CUDA: ``torch.cuda.mem_get_info``'s free bytes plus what
+    this process's caching allocator already holds. None (the whole card on CUDA) and a budget
+    beyond the card (refused by :class:`CudaOOM`, naming the card) are returned as given."""
+    if budget_bytes is None:
+        return None
+    budget = _budget(budget_bytes)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        if budget > total:
+            return budget
+        have, where = free + torch.cuda.memory_reserved(device), f"{device} has free"
+    elif device.type == "cpu":
+        have, source = host_memory_available()
+        where = f"available ({source}) on this host"
+    else:
+        return budget
+    cap = int(HEADROOM * have)
+    if budget <= cap:
+        return budget
+    warnings.warn(
+        f"budget_bytes={budget} ({_size(budget)}) is more than the {_size(have)} {where}: trials "
+        f"would run out of real memory before the budget (on the CPU the OOM killer ends the "
+        f"process without a message), so the budget is capped at {_size(cap)}, "
+        f"{HEADROOM:.0%} of it; give budget_bytes <= {cap}, or free memory first",
+        UserWarning, stacklevel=stacklevel,
+    )  # fmt: skip
+    return cap
+
+
+_ALLOCATOR_REFUSAL = re.compile(r"can't allocate memory: you tried to allocate (\d+) bytes")
+"""What torch's CPU allocator raises (a RuntimeError, c10's DefaultCPUAllocator) when the host
+refuses an allocation; CUDA's is a torch.OutOfMemoryError, which the search handles."""
+
+
+class _HostRefusals:
+    """The trial device, with the host allocator's refusal (a RuntimeError) turned into a
+    :class:`HostMemoryError` that names the batch, the bytes and the fix; the search's view of
+    the device (``last_peak_bytes``) is the device's own."""
+
+    def __init__(self, trials: Callable[[int], int]) -> None:
+        self.trials = trials
+
+    @property
+    def last_peak_bytes(self) -> int | None:
+        return getattr(self.trials, "last_peak_bytes", None)
+
+    def __call__(self, batch: int) -> int:
+        try:
+            return self.trials(batch)
+        except RuntimeError as e:
+            refused = _ALLOCATOR_REFUSAL.search(str(e))
+            if refused is None or isinstance(e, torch.OutOfMemoryError):
+                raise  # an OOM is the search's to handle; any other error is a bug to read
+            traceback.clear_frames(e.__traceback__)  # the failed step's tensors go now
+        have, source = host_memory_available()
+        raise HostMemoryError(
+            f"the trial at micro-batch {batch} asked this host for "
+            f"{_size(int(refused[1]))} and was refused (DefaultCPUAllocator: can't allocate "
+            f"memory): the host has less memory free than the budget lets a trial take "
+            f"({_size(have)} available, {source}); give a smaller budget_bytes or max_batch"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
 # 3. The finder: the prediction, then the search on a memory device from labkit.batching.trials.
 
 
@@ -365,7 +540,7 @@ def find_max_batch(
     """
     device = train.resolve_device(str(device))
     dtype = _dtype(dtype)
-    max_batch = _positive_int("max_batch", max_batch)
+    max_batch = _max_batch(max_batch)
     if start is not None:
         start = _positive_int("start", start)
     if isinstance(model, ModelConfig):
@@ -376,6 +551,8 @@ def find_max_batch(
     cfg = _model_cfg(model)
     seq_len = _seq_len(cfg, seq_len)
     train_cfg = train_cfg if train_cfg is not None else TrainConfig()
+    asked = budget_bytes
+    budget_bytes = capped_budget(budget_bytes, device, stacklevel=3)  # the caller's line
 
     with open_trials(model, budget_bytes, device=device, seq_len=seq_len, dtype=dtype,
                      train_cfg=train_cfg) as trials:  # fmt: skip
@@ -387,13 +564,16 @@ def find_max_batch(
             mask = (4 if dtype == "float32" else 2) if device.type == "cpu" else 1
             prediction = _prediction(cfg, max(room, 1), seq_len, dtype, "flash", mask)
         first = start or max(1, prediction.batch if prediction is not None else 1)
-        outcome = search_max_batch(trials, start=first, max_batch=max_batch,
+        outcome = search_max_batch(_HostRefusals(trials), start=first, max_batch=max_batch,
                                    recover=trials.recover, limit=trials.limit)  # fmt: skip
         baseline = getattr(trials, "baseline_bytes", None)
+    limit = trials.limit
+    if budget_bytes is not None and budget_bytes < _budget(asked):
+        limit += f"; capped from the {_size(asked)} asked, more than the device has free"
     return MaxBatchResult(
         predicted=prediction.batch if prediction is not None else None,
         found=outcome.found, budget_bytes=trials.budget_bytes, kind=trials.kind,
-        limit=trials.limit, method=trials.method, device=str(trials.device), dtype=dtype,
+        limit=limit, method=trials.method, device=str(trials.device), dtype=dtype,
         seq_len=seq_len, max_batch=max_batch, capped=outcome.capped,
         trials=tuple(warmup) + outcome.trials, prediction=prediction, baseline_bytes=baseline,
     )  # fmt: skip

@@ -37,6 +37,7 @@ https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html).
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -252,16 +253,35 @@ class SeedError(ValueError):
     """A seed the capstone cannot use; the message says what a seed looks like."""
 
 
+SEED_DIGITS = len(str(2**31 - 1))
+"""Digits in the largest seed: a longer string of digits is refused before ``int()`` reads it
+(Python refuses more than 4300 digits with its own error, and a message must not echo them)."""
+
+
 def parse_seed(seed: int | str) -> int:
     """A seed as an int: a whole number 0..2**31-1, given as an int or its decimal digits."""
     if isinstance(seed, bool):
         raise SeedError(f"seed={seed!r} is not allowed: a whole number from 0 to {2**31 - 1}")
-    if isinstance(seed, str) and seed.strip().isdecimal():
+    if isinstance(seed, str) and seed.strip().isdecimal() and len(seed.strip()) <= SEED_DIGITS:
         seed = int(seed.strip())
     if not isinstance(seed, int) or not 0 <= seed < 2**31:
-        raise SeedError(f"seed={seed!r} is not allowed: a whole number from 0 to {2**31 - 1} "
-                        "(your instructor's, or python -m labkit capstone new for a fresh one)")
+        raise SeedError(f"seed={shown_seed(seed)} is not allowed: a whole number from 0 to "
+                        f"{2**31 - 1} (your instructor's, or python -m labkit capstone new for a "
+                        "fresh one)")  # fmt: skip
     return seed
+
+
+def shown_seed(value: object) -> str:
+    """A seed as a message names it: its repr, or its start and length when that is long (a
+    5000-digit int has no repr: Python's 4300-digit limit)."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        digits = math.floor(value.bit_length() * math.log10(2)) + 1  # within one of the count
+        return f"an int of about {digits} digits"
+    text = value.strip() if isinstance(value, str) else value
+    if isinstance(text, str) and len(text) > 2 * SEED_DIGITS:
+        unit = "digits" if text.isdecimal() else "characters"
+        return f"{text[:SEED_DIGITS]!r}… ({len(text)} {unit})"
+    return repr(value)
 
 
 def available(tier: str) -> tuple[Fault, ...]:

@@ -167,24 +167,32 @@ class Code:
         return tuple(f for i, f in enumerate(BY_ID) if self._mask >> i & 1)
 
 
+def _shown_code(text: str) -> str:
+    """A job code as a message names it: whole, or its start and length when far too long."""
+    text = text.strip()
+    return repr(text) if len(text) <= 60 else f"{text[:40]!r}… ({len(text)} characters)"
+
+
 def read_code(text: object, tier: str | None = None) -> Code:
     """``text`` as a job code; a typo, another course version's code, or (with ``tier``) a code
     for another tier is refused with what to do."""
-    from labkit.capstone.faults import BY_ID, LEVELS, available
+    from labkit.capstone.faults import BY_ID, LEVELS, SEED_DIGITS, available, shown_seed
 
     fresh = "or leave the job code empty for a fresh job of your own"
-    if isinstance(text, int) and not isinstance(text, bool):
-        text = str(text)
+    if isinstance(text, int) and not isinstance(text, bool) and text.bit_length() <= 64:
+        text = str(text)  # a seed typed as a number: named as one below
     if not isinstance(text, str):
-        raise CapstoneKeyError(f"job code {text!r} is not allowed: a text like 'cpu-1234-d22vgd54' "
-                               f"(your instructor's, {fresh})")  # fmt: skip
+        raise CapstoneKeyError(f"job code {shown_seed(text)} is not allowed: a text like "
+                               f"'cpu-1234-d22vgd54' (your instructor's, {fresh})")  # fmt: skip
     parts = text.strip().rsplit("-", 2)
-    bad = (f"job code {text!r} is not one this labkit ({VERSION}) made: check it for a typo, "
+    shown = _shown_code(text)
+    bad = (f"job code {shown} is not one this labkit ({VERSION}) made: check it for a typo, "
            f"ask your instructor for a code of this course version, {fresh}")
-    if len(parts) != 3 or not parts[1].isdecimal():
+    # a seed past SEED_DIGITS is no seed a code was made with (and int() refuses 4300 digits)
+    if len(parts) != 3 or not parts[1].isdecimal() or len(parts[1]) > SEED_DIGITS:
         if text.strip().isdecimal():
             raise CapstoneKeyError(
-                f"{text!r} is a seed, not a job code: a seed alone plants nothing any more. "
+                f"{shown} is a seed, not a job code: a seed alone plants nothing any more. "
                 "Your instructor's `python -m labkit capstone new --seed N` prints the job "
                 f"code for it ('cpu-N-…'), {fresh}")  # fmt: skip
         raise CapstoneKeyError(bad)
