@@ -86,9 +86,16 @@ rank was stuck."""
 def write_json_atomic(path: Path, obj: Any) -> None:
     """Write JSON so a concurrent reader sees the old file or the new one, never half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(obj, allow_nan=True)  # before the file exists: a bad object leaves none
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, allow_nan=True))
-    os.replace(tmp, path)  # atomic on POSIX
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)  # atomic on POSIX
+    except BaseException:
+        # A full disk fails the write after the file was created: never leave it behind.
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def read_json(path: Path) -> dict | None:

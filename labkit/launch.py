@@ -15,9 +15,11 @@ worker module (see ``labkit.dist``) and supervises it from the calling thread:
 - a hang raises ``JobTimeout`` naming the rank that fell behind, from per-rank heartbeats
   (torchrun's own report names the *victim*, the rank whose collective timed out first);
 - on error, timeout or interrupt the whole process tree is ended, SIGTERM then SIGKILL;
-- a kernel killed outright (Jupyter restart) still takes its job down: the agent and the
-  workers carry a parent-death signal, and a registry of job PIDs lets the next ``run`` (or
-  ``cleanup()``) end whatever survived.
+- a kernel killed outright (Jupyter restart) still takes its job down: torchrun runs under a
+  small supervisor (``labkit._spawn --supervise``) that gets a parent-death signal, keeps every
+  process of the job as its descendant (a child subreaper) and SIGKILLs whatever is left after
+  a few seconds, however the ranks' children treat SIGTERM; a registry of job PIDs lets the
+  next ``run`` (or ``cleanup()``) end anything that still escaped.
 
 Why a subprocess and not ``mp.spawn`` or an in-process launcher: functions defined in a
 notebook cannot be pickled into spawned workers (pytorch #20375), fork breaks once the kernel
@@ -46,7 +48,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,7 +63,7 @@ from labkit.config import parse_json_object
 from labkit.diagnosis import diagnose_hang as diagnose_hang
 from labkit.diagnosis import rank_log_path as rank_log_path
 from labkit.diagnosis import traceback_excerpt as traceback_excerpt
-from labkit.nodes import Nodes, rank_range
+from labkit.nodes import Nodes, endpoint_problem, rank_range
 from labkit.procs import cleanup as cleanup
 from labkit.procs import labkit_home as labkit_home
 
@@ -71,6 +73,10 @@ TREE_SCAN_S = 1.0  # how often to record the agent's descendants (a /proc walk)
 # workers after SIGTERM before SIGKILL (default 30 s). Matters when our process is gone and the
 # agent got its parent-death SIGTERM.
 AGENT_SHUTDOWN_S = 3
+# How long labkit's supervisor around torchrun (labkit._spawn --supervise) lets the agent shut
+# down in order once our process is gone, before it SIGKILLs everything under it: the agent's
+# own grace for the ranks, plus time for the agent to exit.
+SUPERVISOR_GRACE_S = AGENT_SHUTDOWN_S + 2
 RANK_PREFIX = "[rank${rank}] "  # torchrun substitutes ${rank}
 _RANK_LINE = re.compile(r"^\[rank(\d+)\] ?")
 # torchrun's agent (c10d's socket.cpp) when it cannot get a local port for its rendezvous.
@@ -94,7 +100,9 @@ class JobResult:
         log_dir: the job directory: job.json, rank{r}.json, agent.log, torchrun/ (per-rank logs).
         status: "ok", "failed", "timeout" or "interrupted".
         returncode: torchrun's exit status (negative: killed by that signal).
-        agent_pid, worker_pids: the processes the job ran (all ended by now).
+        agent_pid, worker_pids: the processes the job ran, all ended by now (``agent_pid`` is
+            labkit's supervisor around torchrun's agent, see labkit/_spawn.py; ``worker_pids``
+            every process under it: the agent, the ranks and what they started).
         nodes: the multi-node layout it ran under (None: this machine alone). Then ``nproc``
             counts this node's ranks, ``world_size`` the whole job's, and ``ranks`` holds
             results only for this node's ranks (``local_ranks``); other nodes keep theirs.
@@ -346,12 +354,11 @@ class Job:
         """
         pids = {r: b["pid"] for r, b in self.heartbeats.items() if isinstance(b.get("pid"), int)}
         if len(pids) < self.nproc and self.agent_pid is not None:
-            with contextlib.suppress(psutil.Error):
-                for child in psutil.Process(self.agent_pid).children():
-                    with contextlib.suppress(psutil.Error, KeyError, ValueError):
-                        rank = int(child.environ()["RANK"])
-                        pids.setdefault(rank, child.pid)
-                        self.saw_rank(rank)
+            for child in _ranks_under(self.agent_pid):
+                with contextlib.suppress(psutil.Error, KeyError, ValueError):
+                    rank = int(child.environ()["RANK"])
+                    pids.setdefault(rank, child.pid)
+                    self.saw_rank(rank)
         return pids
 
     def progress(self) -> tuple[int | None, int | None]:
@@ -361,6 +368,21 @@ class Job:
         if len(steps) < self.nproc or any(s is None for s in steps):
             return None, (max(totals) if totals else None)
         return min(steps), (max(totals) if totals else None)  # type: ignore[type-var]
+
+
+def _ranks_under(agent_pid: int) -> list[psutil.Process]:
+    """The rank processes of the job whose ``agent_pid`` we started: torchrun's children.
+
+    ``agent_pid`` is labkit's supervisor (``labkit._spawn --supervise``) with torchrun as its
+    child; where the supervisor cannot run (not Linux) it execs into torchrun itself. Only
+    torchrun's direct children are ranks: a rank's own child inherits RANK too.
+    """
+    with contextlib.suppress(psutil.Error):
+        top = psutil.Process(agent_pid)
+        if "labkit._spawn" not in top.cmdline()[:3]:  # torchrun itself
+            return top.children()
+        return [rank for agent in top.children() for rank in agent.children()]
+    return []
 
 
 class ProgressLines:
@@ -532,11 +554,22 @@ def _check_inputs(
             raise ValueError(f"{name}={value!r}: need a finite number of seconds > 0, e.g. 120")
     if tail_lines is not None and (not isinstance(tail_lines, int) or tail_lines < 0):
         raise ValueError(f"tail_lines={tail_lines!r}: need an integer >= 0, or None for all")
-    if env is not None and not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in dict(env).items()
+    if env is not None and not (
+        isinstance(env, Mapping)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
     ):
-        raise ValueError("env must map str to str (environment variables are strings)")
+        raise ValueError(
+            f"env={_short(env)}: env takes a dict of str to str, each extra environment "
+            "variable's name to its value, e.g. env={'OMP_NUM_THREADS': '1'} (values are "
+            "strings too: '1', not 1)"
+        )
     return config_json
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters: an error message quotes it, not dumps it."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 # --- the launcher -------------------------------------------------------------------------------
@@ -596,8 +629,9 @@ def run(
 
     Raises:
         ValueError: bad arguments or a bad ``$LABKIT_KEEP_RUNS``; nothing was started.
-        LaunchError: the machine cannot run it now (no free port, a full disk); nothing was
-            started, or what was is ended.
+        LaunchError: the machine cannot run it now (no free port, a full disk, a rendezvous
+            endpoint whose port another program holds or whose host cannot be reached);
+            nothing was started, or what was is ended.
         JobFailed: a rank raised or died; names the rank, the exception and the logs.
         JobTimeout: out of time; names the rank(s) that fell behind.
         KeyboardInterrupt: re-raised after every process of the job has been ended.
@@ -623,6 +657,8 @@ def run(
         if line and stream:
             print(line)
     _check_free_port()
+    if nodes is not None and (problem := endpoint_problem(nodes)) is not None:
+        raise LaunchError(problem)
 
     for ended in cleanup(supervised=_SUPERVISED):
         print(
@@ -908,6 +944,14 @@ class _Echo:
             self.write(text)
 
 
+def _supervised(command: list[str]) -> list[str]:
+    """``command`` under labkit's supervisor (labkit/_spawn.py): it gets SIGTERM when this
+    process dies (a Jupyter kernel restart included), and nothing it started, down to a rank's
+    child that ignores SIGTERM, outlives it by more than ``SUPERVISOR_GRACE_S`` and a second."""
+    return [sys.executable, "-m", "labkit._spawn", "SIGTERM", str(os.getpid()),
+            f"--supervise={SUPERVISOR_GRACE_S}", "--", *command]  # fmt: skip
+
+
 class _Supervisor:
     """Starts torchrun, pumps its output, watches heartbeats and ends the process tree."""
 
@@ -925,6 +969,8 @@ class _Supervisor:
         self.proc: subprocess.Popen | None = None
         self.agent: psutil.Process | None = None
         self.workers: dict[int, psutil.Process] = {}  # pid -> process (create time checked)
+        # torchrun's agent itself, under labkit's supervisor (self.agent); not a worker
+        self.torchrun: dict[int, psutil.Process] = {}
         self.status = "running"
         self.timeout_reason = ""
         self.returncode: int | None = None
@@ -971,8 +1017,7 @@ class _Supervisor:
             "-m",
             job.module,
         ]
-        # The exec wrapper arms the agent's parent-death signal (see labkit/_spawn.py).
-        return [sys.executable, "-m", "labkit._spawn", "SIGTERM", str(os.getpid()), "--", *torchrun]
+        return _supervised(torchrun)
 
     def _env(self) -> dict[str, str]:
         job = self.job
@@ -1191,13 +1236,17 @@ class _Supervisor:
         if self.agent is None:
             return
         with contextlib.suppress(psutil.Error):
-            new = [p for p in self.agent.children(recursive=True) if p.pid not in self.workers]
+            new = [p for p in self.agent.children(recursive=True)
+                   if p.pid not in self.workers and p.pid not in self.torchrun]  # fmt: skip
+            for p in new:
+                with contextlib.suppress(psutil.Error):
+                    agent = p.ppid() == self.agent.pid and "torch.distributed.run" in p.cmdline()
+                    (self.torchrun if agent else self.workers)[p.pid] = p
             if new:
-                self.workers.update({p.pid: p for p in new})
                 self._save_record()
 
     def _save_record(self) -> None:
-        tree = [self.agent, *self.workers.values()] if self.agent else []
+        tree = [self.agent, *self.torchrun.values(), *self.workers.values()] if self.agent else []
         dist.write_json_atomic(
             procs.registry_dir() / f"{self.job.job_id}.json",
             {
@@ -1221,7 +1270,7 @@ class _Supervisor:
         if self.proc is not None:
             if self.proc.poll() is None:
                 self._scan_tree()
-            known = [p for p in [self.agent, *self.workers.values()] if p]
+            known = [p for p in [self.agent, *self.torchrun.values(), *self.workers.values()] if p]
             ended = procs.end_tree(known + procs.carrying(dist.JOB_DIR_ENV, str(self.job.job_dir)))
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=5)  # reap the agent: no zombie left in the kernel
@@ -1494,13 +1543,12 @@ def rehearse_nodes(
     config_json = json.dumps(config or {})
     others = []
     for k in range(1, nodes):
-        cmd = [
-            sys.executable, "-m", "labkit._spawn", "SIGTERM", str(os.getpid()), "--",
+        cmd = _supervised([
             sys.executable, "-m", "labkit", "launch", module, f"--nproc={nproc}",
             f"--nodes={nodes}", f"--endpoint={layout.endpoint}", f"--rdzv-id={layout.rdzv_id}",
             f"--config={config_json}", f"--timeout={timeout_s}", f"--device={device}",
             f"--json={out_dir / f'agent{k}.json'}",
-        ]  # fmt: skip
+        ])  # fmt: skip
         env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": slices[k]} if device == "cuda" else {})}
         log = open(out_dir / f"agent{k}.log", "w")  # noqa: SIM115 (closed below)
         others.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,

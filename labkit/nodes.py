@@ -29,9 +29,14 @@ prints one) and give the same to every node.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import ipaddress
 import re
+import socket
 from dataclasses import dataclass
+
+import psutil
 
 _ID = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 _HOST = re.compile(r"[A-Za-z0-9_.\-:]{1,253}")
@@ -171,3 +176,145 @@ class Nodes:
 def rank_range(node_rank: int, nproc: int) -> range:
     """The global ranks torchrun gives node ``node_rank`` when every node runs ``nproc``."""
     return range(node_rank * nproc, (node_rank + 1) * nproc)
+
+
+# --- can this machine use the endpoint? (asked before torchrun starts) -------------------------
+
+CONNECT_TIMEOUT_S = 5.0
+"""How long the probe waits for the endpoint's machine to answer at all. torchrun itself would
+retry for over a minute and then print a raw connection error."""
+
+_FREE_PORT_HINT = (
+    "`python -c \"import socket; s = socket.socket(); s.bind(('', 0)); "
+    "print(s.getsockname()[1])\"` prints a free one"
+)
+
+
+def endpoint_problem(nodes: Nodes, connect_timeout_s: float = CONNECT_TIMEOUT_S) -> str | None:
+    """Why this machine cannot use ``nodes.endpoint`` as a rendezvous, worded for the learner
+    with the fix; None when a quick look finds nothing wrong.
+
+    torchrun alone reports these late and raw: a host name that does not resolve, or a machine
+    that does not answer, after about 80 s of retries; a port on this machine held by another
+    program after a minute, blaming the other nodes or a firewall (its agent connects to that
+    program as if it were the rendezvous, and waits for an answer that never comes).
+    """
+    host, port = nodes.host, nodes.port
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        return (
+            f"the rendezvous endpoint {nodes.endpoint!r} names host {host!r}, which does not "
+            f"resolve to an address ({getattr(e, 'strerror', None) or e}). Check the spelling; "
+            "give the endpoint machine's name as the other nodes know it (`hostname -f` on "
+            "it), or its address (`hostname -I`)"
+        )
+    if is_this_machine(host, [info[4][0] for info in infos]):
+        return _local_port_problem(nodes)
+    return _reach_problem(nodes, infos, connect_timeout_s)
+
+
+def is_this_machine(host: str, addresses: list[str]) -> bool:
+    """Whether ``host`` (resolved to ``addresses``) is this machine: a loopback address, this
+    machine's host name, or an address one of its network interfaces has. torch's own test
+    (``_matches_machine_hostname`` in its rendezvous utils) looks at names and loopback only."""
+    if host in ("localhost", socket.gethostname()):
+        return True
+    mine: set[str] = set()
+    with contextlib.suppress(OSError, psutil.Error):
+        for addrs in psutil.net_if_addrs().values():
+            mine.update(a.address.split("%")[0] for a in addrs)
+    for address in addresses:
+        with contextlib.suppress(ValueError):
+            if ipaddress.ip_address(address.split("%")[0]).is_loopback:
+                return True
+        if address.split("%")[0] in mine:
+            return True
+    return False
+
+
+def _local_port_problem(nodes: Nodes) -> str | None:
+    """The endpoint is this machine, so an agent here hosts the rendezvous on its port (the
+    first agent of a c10d job; node 0 of a static one): is the port free for it?"""
+    if nodes.static and nodes.node_rank != 0:
+        return None  # node 0 hosts it; this node only connects
+    port = nodes.port
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            # As the rendezvous store does: a port whose last connection is in TIME_WAIT is free.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("", port))
+        return None
+    except PermissionError:
+        return (
+            f"the rendezvous endpoint {nodes.endpoint!r} is this machine, and its port {port} "
+            "is below 1024: only root may listen there. Pick a port from 1024 to 65535 for "
+            f"every node ({_FREE_PORT_HINT})"
+        )
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            return None  # not ours to judge: torchrun will say
+    holder = port_holder(port)
+    if not nodes.static and holder is not None and _is_torchrun_agent(holder):
+        # Another agent on this machine hosts the rendezvous already (a rehearsal of several
+        # nodes on one machine): ours connects to it.
+        return None
+    who = _describe(holder) if holder else (
+        f"a program of another user (as root, `ss -ltnp 'sport = :{port}'` names it)"
+    )  # fmt: skip
+    return (
+        f"the rendezvous port {port} of endpoint {nodes.endpoint!r} is already taken on this "
+        f"machine, by {who}: torchrun's agent must host the rendezvous there, and would wait a "
+        "minute for that program to answer, then blame the other nodes. Stop that program, or "
+        f"pick another port and give the same endpoint to every node ({_FREE_PORT_HINT})"
+    )
+
+
+def port_holder(port: int) -> psutil.Process | None:
+    """The process listening on TCP ``port`` here; None if none or it cannot be told (another
+    user's sockets show no process)."""
+    with contextlib.suppress(psutil.Error, OSError):
+        for conn in psutil.net_connections(kind="tcp"):
+            listens = conn.status == psutil.CONN_LISTEN and conn.laddr
+            if listens and conn.laddr.port == port and conn.pid is not None:
+                return psutil.Process(conn.pid)
+    return None
+
+
+def _is_torchrun_agent(p: psutil.Process) -> bool:
+    with contextlib.suppress(psutil.Error):
+        cmd = p.cmdline()
+        return "torch.distributed.run" in cmd or any(a.endswith("torchrun") for a in cmd[:2])
+    return False
+
+
+def _describe(p: psutil.Process) -> str:
+    with contextlib.suppress(psutil.Error):
+        cmd = " ".join(p.cmdline()) or p.name()
+        return f"process {p.pid} (`{cmd[:100]}{'…' if len(cmd) > 100 else ''}`)"
+    return f"process {p.pid}"
+
+
+def _reach_problem(nodes: Nodes, infos: list, timeout_s: float) -> str | None:
+    """The endpoint is another machine: does it answer at all? "Connection refused" counts as
+    an answer (the machine is up; its agent may simply not have started yet)."""
+    failure = ""
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as s:
+            s.settimeout(timeout_s)
+            try:
+                s.connect(address)
+                return None
+            except ConnectionRefusedError:
+                return None
+            except TimeoutError:
+                failure = f"no answer within {timeout_s:g} s"
+            except OSError as e:
+                failure = e.strerror or str(e)
+    return (
+        f"the rendezvous endpoint {nodes.endpoint!r} cannot be reached from this machine "
+        f"(host {nodes.host!r}: {failure}): torchrun would retry for over a minute, then fail. "
+        "Check that the endpoint names the first node by a name or address the other nodes "
+        "can reach (not 127.0.0.1 or localhost, unless every node is this machine), that the "
+        "machine is up, and that no firewall blocks the port between the nodes"
+    )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import stat
 import time
@@ -153,10 +154,12 @@ def cleanup(supervised: Collection[str] | None = None) -> list[dict[str, Any]]:
     process launched but no longer supervises (its ending was cut short) is ended too;
     without it, every job whose launcher lives is left alone.
 
-    Returns one dict per job with processes ended: {"job_id", "module", "pids"}.
+    Returns one dict per job with processes ended: {"job_id", "module", "pids"}. Temporary
+    files of records whose writer died mid-write (``remove_stale_tmp``) are deleted too.
     """
     me = record(psutil.Process())
     report = []
+    remove_stale_tmp(registry_dir())
     for path in sorted(registry_dir().glob("*.json")):
         rec = dist.read_json(path)
         if rec is None:
@@ -176,6 +179,39 @@ def cleanup(supervised: Collection[str] | None = None) -> list[dict[str, Any]]:
         if pids:
             report.append({"job_id": rec.get("job_id"), "module": rec.get("module"), "pids": pids})
     return report
+
+
+# ``dist.write_json_atomic`` writes ``.<name>.<pid>.tmp`` next to the file, then renames it.
+_TMP_NAME = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)\.tmp")
+
+
+def remove_stale_tmp(folder: Path) -> list[Path]:
+    """Delete the temporary files in ``folder`` that ``dist.write_json_atomic`` left behind
+    (a writer killed between writing and renaming: a kernel restart, a full disk before the
+    writer removed its own); return them.
+
+    A file is stale when the process named in it is gone, or started after the file was last
+    written (its PID was reused). A live writer's file is never touched.
+    """
+    removed = []
+    with contextlib.suppress(OSError):
+        for path in folder.iterdir():
+            m = _TMP_NAME.fullmatch(path.name)
+            if not m:
+                continue
+            try:
+                written = path.lstat().st_mtime
+                try:
+                    writer = psutil.Process(int(m["pid"]))
+                    stale = not alive(writer) or writer.create_time() > written + 0.01
+                except psutil.NoSuchProcess:
+                    stale = True
+                if stale:
+                    path.unlink()
+                    removed.append(path)
+            except (OSError, psutil.Error):
+                continue  # vanished meanwhile, or not ours to delete
+    return removed
 
 
 # --- old job directories ---------------------------------------------------------------------

@@ -132,7 +132,7 @@ def no_spawn(home, monkeypatch):
         ({"module": "labkit.workers.allreduce", "config": [1]}, "config must be a dict"),
         ({"module": "labkit.workers.allreduce", "timeout_s": 0}, "timeout_s=0"),
         ({"module": "labkit.workers.allreduce", "device": "tpu"}, "device='tpu'"),
-        ({"module": "labkit.workers.allreduce", "env": {"X": 1}}, "env must map str to str"),
+        ({"module": "labkit.workers.allreduce", "env": {"X": 1}}, "env takes a dict of str to str"),
         ({"module": "labkit.workers.allreduce", "timeout_s": True}, "timeout_s=True"),
         ({"module": "labkit.workers.allreduce", "timeout_s": float("inf")}, "timeout_s=inf"),
         ({"module": "labkit.workers.allreduce", "pg_timeout_s": float("nan")}, "pg_timeout_s=nan"),
