@@ -27,27 +27,39 @@ Layout under ``root``::
         __0_0.distcp ...    DCP's data, one file per rank that wrote some
         rank0.pt rank1.pt   per-rank state: step, extra, RNG
         manifest.json       written last: step, world size, the model's parameter names,
-                            shapes and dtypes, bytes, seconds
+                            shapes and dtypes, every other file's bytes, seconds
     .tmp-step000000014/     a checkpoint being written (or one whose writer died)
+    .replaced-step000000012/  the old step 12 while a save replaces it (a restart that went
+                            back past it); removed once the new one is in place
 
 Atomic: every rank writes into the temporary folder; after a barrier (every rank done), rank 0
 writes the manifest and renames the folder to its final name, one ``rename``, which POSIX
 makes atomic. A reader therefore sees a whole checkpoint or none, and a job killed at any
-moment leaves at worst a ``.tmp-`` folder that is never loaded. All ranks must see the same
-``root``: on several machines, a shared file system.
+moment leaves at worst a ``.tmp-`` folder that is never loaded. Replacing a step renames the
+old folder aside first and removes it only after the new one is in place, so a crash between
+the two leaves the old one, which the next ``load_latest`` or ``save`` puts back. All ranks
+must see the same ``root``: on several machines, a shared file system.
+
+Damage is named, never loaded and never fatal while an older checkpoint is whole: a checkpoint
+whose files are cut short (the manifest records their sizes), whose manifest holds odd fields,
+or that torch cannot read is skipped with a ``CheckpointWarning`` for the previous complete one.
+A save that fails (a full disk) raises one ``CheckpointError`` on every rank, removes its
+temporary folder and leaves the previous checkpoints as they were.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import os
 import re
+import shlex
 import shutil
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,8 +73,12 @@ from labkit import formulas
 MANIFEST = "manifest.json"
 MAX_LINES = 8  # differences named in a CheckpointMismatch; the rest are counted
 FORMAT = 1  # bumped when the layout changes; another format is a mismatch, not a crash
+MAX_STEP = 10**9 - 1  # the largest step a folder name holds: "step" + 9 digits
 _FINAL = re.compile(r"^step(\d{9})$")
 _TMP_PREFIX = ".tmp-"
+_ASIDE_PREFIX = ".replaced-"  # an existing step's folder while a save replaces it
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+_NEARLY_FULL_BYTES = 1 << 20  # less free than this after a failed write: the disk is full
 
 METADATA_BYTES_PER_TENSOR = 300
 """Modelled: DCP's ``.metadata`` holds, per tensor, its name, shape, dtype and where its bytes
@@ -70,13 +86,20 @@ are; pickled, about 270 B a tensor for labkit's GPT under torch 2.13 (38,621 B f
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint could not be completed: raised on every rank, and nothing was published."""
+    """A checkpoint could not be saved (nothing was published, its temporary folder is gone) or
+    none of the complete ones could be loaded (each damaged one is named). Raised on every rank;
+    an ``Exception``, unlike torch's ``CheckpointException``."""
 
 
 class CheckpointMismatch(ValueError):
     """A complete checkpoint that this job cannot load: another model shape, world size,
     optimizer or format. Raised before torch reads any tensor; the message names what differs
     and the way out."""
+
+
+class CheckpointWarning(UserWarning):
+    """A damaged checkpoint was skipped for an older complete one; the message names the folder
+    and the damage."""
 
 
 # --- what a checkpoint is made of --------------------------------------------------------------
@@ -227,6 +250,18 @@ def tmp_dir(root: Path | str, step: int) -> Path:
     return Path(root) / f"{_TMP_PREFIX}step{step:09d}"
 
 
+def _check_step(step: Any) -> int:
+    """``step`` as an int, or a ValueError: a checkpoint's step is a whole number that its
+    folder's name (``step`` + 9 digits) holds, so that ``load_latest`` finds it again."""
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise ValueError(
+            f"step={step!r}: a checkpoint's step must be a whole number from 0 to "
+            f"{MAX_STEP:,} (its folder is named step + 9 digits, which is how load_latest finds "
+            "it again). Pass the number of optimizer steps done so far (step + 1 in a loop over range(steps))"
+        )
+    return step
+
+
 def read_manifest(folder: Path) -> dict[str, Any] | None:
     try:
         obj = json.loads((Path(folder) / MANIFEST).read_text())
@@ -235,42 +270,147 @@ def read_manifest(folder: Path) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
-def scan(root: Path | str) -> tuple[list[tuple[int, Path, dict]], list[str]]:
-    """(complete checkpoints as (step, folder, manifest), oldest first; why each other folder
-    under ``root`` is not one). Complete: a final name, a manifest that parses and names the
-    same step, DCP's index and a file for each rank."""
-    root = Path(root)
-    good, skipped = [], []
+def _is_count(x: Any, least: int = 0) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= least
+
+
+def _is_signature(x: Any) -> bool:
+    return isinstance(x, list) and all(
+        isinstance(e, list) and len(e) == 3 and isinstance(e[0], str) and isinstance(e[2], str)
+        and isinstance(e[1], list) and all(_is_count(d) for d in e[1])
+        for e in x
+    )  # fmt: skip
+
+
+def _is_sizes(x: Any) -> bool:
+    return isinstance(x, dict) and all(isinstance(k, str) and _is_count(v) for k, v in x.items())
+
+
+def _is_step(x: Any) -> bool:
+    return _is_count(x) and x <= MAX_STEP
+
+
+# field: (accepts it, what it must be, required). "files" came later: older manifests lack it.
+_FIELDS: dict[str, tuple[Callable[[Any], bool], str, bool]] = {
+    "step": (_is_step, f"a whole number from 0 to {MAX_STEP:,}", True),
+    "world_size": (lambda v: _is_count(v, 1), "a whole number >= 1", True),
+    "optimizer": (lambda v: isinstance(v, str), "a name such as 'adamw'", True),
+    "signature": (_is_signature, "a list of [name, shape, dtype]", True),
+    "files": (_is_sizes, "a map of file name to bytes", False),
+}
+
+
+def _manifest_problem(manifest: dict[str, Any]) -> str | None:
+    """Why ``manifest`` cannot be trusted (a field missing or of the wrong type), or None.
+    A manifest of another format is left to ``mismatches``, which names the format."""
+    fmt = manifest.get("format")
+    if not _is_count(fmt):
+        return f"{MANIFEST} field 'format' is {_shown(fmt)}, expected a whole number"
+    if fmt != FORMAT:
+        return None
+    for key, (ok, expected, required) in _FIELDS.items():
+        if key not in manifest:
+            if required:
+                return f"{MANIFEST} field {key!r} is missing"
+        elif not ok(manifest[key]):
+            return f"{MANIFEST} field {key!r} is {_shown(manifest[key])}, expected {expected}"
+    return None
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def _sizes_problem(folder: Path, sizes: dict[str, int]) -> str | None:
+    """Which file of a published checkpoint differs from the size its manifest recorded."""
+    for name, recorded in sizes.items():
+        try:
+            actual = (folder / name).stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if actual < recorded:
+            return f"{name} is truncated: {actual:,} of {recorded:,} bytes"
+        if actual != recorded:
+            return f"{name} has {actual:,} bytes, its manifest recorded {recorded:,}"
+    return None
+
+
+def _examine(folder: Path, step: int) -> tuple[str, Any]:
+    """("complete", manifest), ("partial", why) for a folder its writer never finished, or
+    ("damaged", why) for a published one that cannot be trusted."""
+    manifest = read_manifest(folder)
+    if manifest is None:
+        return "partial", "torn manifest" if (folder / MANIFEST).exists() else "no manifest"
+    problem = _manifest_problem(manifest)
+    if problem:
+        return "damaged", problem
+    if manifest.get("format") == FORMAT and manifest["step"] != step:
+        return "damaged", (f"{MANIFEST} field 'step' is {manifest['step']}, but the folder is "
+                           f"named for step {step}")  # fmt: skip
+    world = manifest.get("world_size")
+    missing = [f"rank{r}.pt" for r in range(world if _is_count(world) else 0)
+               if not (folder / f"rank{r}.pt").exists()]  # fmt: skip
+    if not (folder / ".metadata").exists():
+        missing.insert(0, ".metadata")
+    if missing:
+        return "partial", f"missing {', '.join(missing)}"
+    if isinstance(manifest.get("files"), dict):
+        problem = _sizes_problem(folder, manifest["files"])
+        if problem:
+            return "damaged", problem
+    return "complete", manifest
+
+
+@dataclass
+class _Survey:
+    """What ``root`` holds: complete checkpoints (step, folder, manifest), oldest first; a line
+    for each folder that is not one (partial: its writer never finished); (folder, why) for
+    each published one that is damaged."""
+
+    complete: list[tuple[int, Path, dict]] = field(default_factory=list)
+    partial: list[str] = field(default_factory=list)
+    damaged: list[tuple[Path, str]] = field(default_factory=list)
+
+
+def _survey(root: Path) -> _Survey:
+    out = _Survey()
     if not root.is_dir():
-        return good, skipped
+        return out
     for d in sorted(root.iterdir()):
         if not d.is_dir():
             continue
         if d.name.startswith(_TMP_PREFIX):
-            skipped.append(f"{d.name}: partial (its writer never finished: no rename)")
+            out.partial.append(f"{d.name}: partial (its writer never finished: no rename)")
             continue
-        m = _FINAL.match(d.name)
+        aside = d.name.startswith(_ASIDE_PREFIX)
+        m = _FINAL.match(d.name.removeprefix(_ASIDE_PREFIX))
         if not m:
             continue
-        manifest = read_manifest(d)
-        if manifest is None:
-            why = "torn manifest" if (d / MANIFEST).exists() else "no manifest"
-            skipped.append(f"{d.name}: partial ({why})")
+        if aside and (root / m.group(0)).is_dir():
+            out.partial.append(f"{d.name}: the old {m.group(0)}, replaced by a save that was "
+                               "interrupted before removing it (the next save removes it)")  # fmt: skip
             continue
-        if manifest.get("step") != int(m.group(1)):
-            skipped.append(f"{d.name}: its manifest says step {manifest.get('step')!r}")
-            continue
-        world = manifest.get("world_size")
-        missing = [f"rank{r}.pt" for r in range(world if isinstance(world, int) else 0)
-                   if not (d / f"rank{r}.pt").exists()]  # fmt: skip
-        if not (d / ".metadata").exists():
-            missing.insert(0, ".metadata")
-        if missing:
-            skipped.append(f"{d.name}: partial (missing {', '.join(missing)})")
-            continue
-        good.append((manifest["step"], d, manifest))
-    good.sort(key=lambda t: t[0])
-    return good, skipped
+        kind, what = _examine(d, int(m.group(1)))
+        if kind == "partial":
+            out.partial.append(f"{d.name}: partial ({what})")
+        elif kind == "damaged":
+            out.damaged.append((d, what))
+        else:
+            out.complete.append((int(m.group(1)), d, what))
+    out.complete.sort(key=lambda t: t[0])
+    return out
+
+
+def scan(root: Path | str) -> tuple[list[tuple[int, Path, dict]], list[str]]:
+    """(complete checkpoints as (step, folder, manifest), oldest first; why each other folder
+    under ``root`` is not one). Complete: a final name, a manifest whose fields are well formed
+    and name the same step, DCP's index, a file for each rank, and each file of the size the
+    manifest recorded. A step's old folder left by an interrupted replace counts as that step
+    while the step's own folder is missing."""
+    found = _survey(Path(root))
+    return found.complete, found.partial + [f"{d.name}: damaged ({why})" for d, why in found.damaged]
 
 
 def mismatches(manifest: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -280,12 +420,15 @@ def mismatches(manifest: dict[str, Any], model: nn.Module, optimizer: torch.opti
     if manifest.get("format") != FORMAT:
         out.append(f"checkpoint format {manifest.get('format')!r}, this labkit reads {FORMAT}")
         return out
-    if manifest.get("world_size") != world_size:
-        out.append(f"saved by {manifest.get('world_size')} ranks, this job has {world_size}")
-    if manifest.get("optimizer") != optimizer_kind(optimizer):
-        out.append(f"saved with optimizer {manifest.get('optimizer')}, this job uses "
+    problem = _manifest_problem(manifest)
+    if problem:
+        return [problem]
+    if manifest["world_size"] != world_size:
+        out.append(f"saved by {manifest['world_size']} ranks, this job has {world_size}")
+    if manifest["optimizer"] != optimizer_kind(optimizer):
+        out.append(f"saved with optimizer {manifest['optimizer']}, this job uses "
                    f"{optimizer_kind(optimizer)}")  # fmt: skip
-    saved = {name: (tuple(shape), dtype) for name, shape, dtype in manifest.get("signature", [])}
+    saved = {name: (tuple(shape), dtype) for name, shape, dtype in manifest["signature"]}
     mine = {name: (tuple(shape), dtype) for name, shape, dtype in signature(model)}
     for name in [n for n in saved if n in mine]:
         (s_shape, s_dtype), (m_shape, m_dtype) = saved[name], mine[name]
@@ -314,9 +457,10 @@ class Saved:
     bytes: int  # measured: the folder's files
     seconds: float  # measured on rank 0: from entering save to the rename
     predicted: dict[str, Any] = field(default_factory=dict)  # predict_bytes of this model
-    write_bytes_per_s: float | None = None  # measured by write_bandwidth in root
+    write_bytes_per_s: float | None = None  # measured by write_bandwidth in root; None: see notes
     predicted_s: float | None = None  # predicted bytes / that bandwidth: disk time only
     pruned: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what was not measured, and why
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -342,11 +486,6 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def _barrier() -> None:
-    if tdist.is_available() and tdist.is_initialized():
-        tdist.barrier()
-
-
 def _from_rank0(obj: Any) -> Any:
     """Rank 0's ``obj`` on every rank (a pickled broadcast; the object itself without a group)."""
     if not (tdist.is_available() and tdist.is_initialized()):
@@ -354,6 +493,17 @@ def _from_rank0(obj: Any) -> Any:
     box = [obj]
     tdist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _from_all(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order, on every rank: how the ranks agree that a step worked
+    everywhere (also a barrier). A failure on one rank alone would otherwise leave the others
+    waiting in the next collective until its timeout."""
+    if not (tdist.is_available() and tdist.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * tdist.get_world_size()
+    tdist.all_gather_object(out, obj)
+    return out
 
 
 def _fsync_dir(path: Path) -> None:
@@ -378,18 +528,167 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+_DCP_FALLBACK_LOGS = ("Global metadata is not found", "Rank local metadata is not found")
+
+
+def _not_a_metadata_fallback(record: Any) -> bool:
+    return not str(record.msg).startswith(_DCP_FALLBACK_LOGS)
+
+
 @contextlib.contextmanager
-def _quiet() -> Any:
+def _quiet() -> Iterator[None]:
     """DCP warns that it "assumes the intent is to save in a single process" even when told
-    so (``no_dist=True``): a process without a process group is that, on purpose."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
-        yield
+    so (``no_dist=True``): a process without a process group is that, on purpose. Its loader
+    also logs two tracebacks on the root logger when it cannot read ``.metadata``
+    (``state_dict_loader.py``, ``local_step``); labkit names that damage itself."""
+    import logging
+
+    root_log = logging.getLogger()
+    root_log.addFilter(_not_a_metadata_fallback)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+            yield
+    finally:
+        root_log.removeFilter(_not_a_metadata_fallback)
 
 
 def _say(log: Callable[[str], None] | None, text: str) -> None:
     if log is not None and _world()[0] == 0:
         log(f"labkit.checkpoint: {text}")
+
+
+def _first_line(exc: BaseException) -> str:
+    """``Type: first sentence`` of an error, for a one-line message. torch's C++ checks start
+    "[enforce fail at inline_container.cc:672] . unexpected pos ...", and its weights-only
+    loader follows its first sentence with advice that does not apply here."""
+    text = str(exc).strip().splitlines()
+    line = re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", text[0]) if text else ""
+    line = line.split(". ")[0]
+    line = line if len(line) <= 160 else line[:157] + "..."
+    return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and what it was raised from or during: inside ``torch.save``'s zip writer an
+    ENOSPC from ``write`` becomes "unexpected pos ... vs ..." with the OSError as its context."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    return any(isinstance(e, OSError) and e.errno in _DISK_FULL for e in _causes(exc))
+
+
+def _free_bytes(path: Path) -> int | None:
+    for p in (path, *path.parents):
+        with contextlib.suppress(OSError):
+            return shutil.disk_usage(p).free
+    return None
+
+
+# --- saving: three steps, each agreed by every rank --------------------------------------------
+
+
+class _NotingFileSystem:
+    """torch's local file system for DCP's writer, noting every OSError a write raises. DCP
+    passes a rank's failure to the others as a pickled copy without its cause, and inside
+    ``torch.save`` an ENOSPC turns into "unexpected pos": this keeps the ENOSPC on its rank."""
+
+    def __init__(self) -> None:
+        from torch.distributed.checkpoint.filesystem import FileSystem
+
+        self._fs = FileSystem()
+        self.errors: list[OSError] = []
+
+    def __getattr__(self, name: str) -> Any:  # everything else as torch's own
+        return getattr(self._fs, name)
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        try:
+            with self._fs.create_stream(path, mode) as stream:
+                write = stream.write
+
+                def noted_write(data: Any) -> Any:
+                    try:
+                        return write(data)
+                    except OSError as e:
+                        self.errors.append(e)
+                        raise
+
+                stream.write = noted_write
+                yield stream
+        except OSError as e:  # fsync and close meet a full disk too
+            self.errors.append(e)
+            raise
+
+
+def _fault(rank: int, exc: BaseException, also: list[OSError] | None = None) -> dict[str, Any]:
+    """What went wrong on this rank, as plain data every rank can be sent."""
+    full = _is_disk_full(exc) or any(_is_disk_full(e) for e in also or [])
+    return {"rank": rank, "error": _first_line(exc), "full": full}
+
+
+def _save_failed(root: Path, tmp: Path, step: int, faults: list[dict[str, Any]]) -> str:
+    """The one message every rank raises when checkpoint ``step`` could not be written."""
+    many = _world()[1] > 1  # name the ranks only where there are several
+    ranks = sorted({f["rank"] for f in faults})
+    who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}, " if many else ""
+    free = _free_bytes(root)
+    full = any(f["full"] for f in faults) or (free is not None and free < _NEARLY_FULL_BYTES)
+    complete = _survey(root).complete
+    kept = (f"the newest complete checkpoint, {complete[-1][1]}, is untouched" if complete
+            else "there is no earlier complete checkpoint")  # fmt: skip
+    done = f"Nothing was published and its temporary folder was removed; {kept}."
+    if full:
+        room = f"{free / 2**20:.1f} MiB free" if free is not None else "free space unknown"
+        return (f"no space left on the disk holding {root}: checkpoint step {step} could not be "
+                f"written ({who}{room}). {done} Free space on that disk (other files there, or "
+                "hold fewer checkpoints with keep=1), or save to a folder on a disk with room.")  # fmt: skip
+    errors = "; ".join((f"rank {f['rank']}: " if many else "") + f["error"] for f in faults)
+    fix = next((f["fix"] for f in faults if f.get("fix")),
+               "Check that the folder is writable and its disk healthy, then save again.")  # fmt: skip
+    return f"checkpoint step {step} could not be written to {tmp} ({errors}). {done} {fix}"
+
+
+def _write_own(path: Path, own: dict[str, Any]) -> None:
+    """This rank's file: step, extra, RNG states, on disk before the manifest names it."""
+    with open(path, "wb") as f:
+        torch.save(own, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _recover(root: Path) -> list[str]:
+    """Finish what a save interrupted while replacing a step left (rank 0): put the old folder
+    back where the new one never arrived, remove it where the new one did. One line each."""
+    notes = []
+    for aside in sorted(root.glob(f"{_ASIDE_PREFIX}step*")):
+        final = root / aside.name.removeprefix(_ASIDE_PREFIX)
+        if not (aside.is_dir() and _FINAL.match(final.name)):
+            continue
+        if final.is_dir():
+            shutil.rmtree(aside, ignore_errors=True)
+            notes.append(f"removed {aside.name}: the old {final.name}, replaced by a save that "
+                         "was interrupted before removing it")  # fmt: skip
+        elif _put_back(aside, final):
+            notes.append(f"put {final.name} back from {aside.name}: a save was interrupted "
+                         "while replacing it")  # fmt: skip
+    return notes
+
+
+def _put_back(aside: Path, final: Path) -> bool:
+    try:
+        os.rename(aside, final)
+    except OSError:  # a read-only folder: scan still finds the old step in its aside name
+        return False
+    _fsync_dir(final.parent)
+    return True
 
 
 def save(
@@ -404,38 +703,64 @@ def save(
 ) -> Saved:
     """Write checkpoint ``step`` under ``root``, atomically; keep the newest ``keep``.
 
-    Every rank of the job must call it (DCP's save is collective). ``extra``: this rank's
-    picklable values to get back from ``load_latest`` (the data position). Returns what was
-    written, the same on every rank.
+    Every rank of the job must call it (DCP's save is collective). ``step``: a whole number
+    from 0 to ``MAX_STEP``. ``extra``: this rank's picklable values to get back from
+    ``load_latest`` (the data position). Returns what was written, the same on every rank.
+    Raises ``CheckpointError`` on every rank if any rank could not write its share (a full
+    disk is named as such); then nothing is published, the temporary folder is removed and the
+    previous checkpoints are untouched.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    step = _check_step(step)
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep={keep!r}: keep at least the newest checkpoint (an integer >= 1)")
     root = Path(root)
     rank, world = _world()
     started = time.perf_counter()
     tmp, final = tmp_dir(root, step), final_dir(root, step)
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(f"{_TMP_PREFIX}*"):  # a crashed writer's leftovers
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
-    _barrier()  # the folder exists for everyone
 
+    # 1. Rank 0 makes the temporary folder; every rank learns whether it could.
+    faults: list[dict[str, Any]] = []
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            for note in _recover(root):
+                _say(log, note)
+            for stale in root.glob(f"{_TMP_PREFIX}*"):  # a crashed writer's leftovers
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+        except OSError as e:
+            faults.append(_fault(rank, e))
+    _raise_if_failed(root, tmp, step, faults)
+
+    # 2. Every rank writes its share and its own file; every rank learns whether all could.
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    with _quiet():
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp),
-                 no_dist=not tdist.is_initialized())  # fmt: skip
+    fs = _NotingFileSystem()
+    writer = dcp.FileSystemWriter(str(tmp))
+    writer.fs = fs  # type: ignore[assignment]  # torch's FileSystem, noting write errors
+    faults = []
     own = {"step": step, "rank": rank, "world_size": world, "extra": extra or {},
            "rng": _rng_state()}  # fmt: skip
-    with open(tmp / f"rank{rank}.pt", "wb") as f:
-        torch.save(own, f)
-        f.flush()
-        os.fsync(f.fileno())
-    _barrier()  # every rank's share is on disk
+    try:
+        with _quiet():
+            dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer,
+                     no_dist=not tdist.is_initialized())  # fmt: skip
+        _write_own(tmp / f"rank{rank}.pt", own)
+    except CheckpointException as e:  # DCP's collective failure: every rank has it
+        mine = e.failures.get(rank)
+        if mine is not None:
+            faults.append(_fault(rank, mine[0], fs.errors))
+    except OSError as e:  # this rank's own file: a full disk
+        faults.append(_fault(rank, e))
+    except Exception as e:  # this rank's own file: an extra that does not pickle
+        faults.append({**_fault(rank, e), "fix": "Pass an extra of plain values (numbers, "
+                       f"strings, lists, dicts, tensors): it is pickled into rank{rank}.pt."})  # fmt: skip
+    _raise_if_failed(root, tmp, step, faults)
 
+    # 3. Rank 0 publishes: manifest, rename, prune.
     info: Saved | str | None = None
     if rank == 0:
         # Every rank wrote under "the same" root; on several machines that holds only on a
@@ -447,20 +772,39 @@ def save(
                     "machines the root must be on a file system every node sees (a shared "
                     "one), not each node's own disk; nothing was published")  # fmt: skip
         else:
-            info = _publish(root, tmp, final, step, model, optimizer, world, started, keep)
+            try:
+                info = _publish(root, tmp, final, step, model, optimizer, world, started, keep)
+            except OSError as e:  # writing the manifest on a full disk
+                info = _save_failed(root, tmp, step, [_fault(rank, e)])
+                shutil.rmtree(tmp, ignore_errors=True)
     info = _from_rank0(info)  # also the barrier that makes the checkpoint visible to all
     if isinstance(info, str):
         raise CheckpointError(info)
     assert info is not None
     _say(log, f"saved step {step} to {info.path}: {info.bytes / 1e6:.2f} MB in "
               f"{info.seconds:.3f} s (measured)")  # fmt: skip
+    for note in info.notes:
+        _say(log, note)
     return info
+
+
+def _raise_if_failed(root: Path, tmp: Path, step: int, faults: list[dict[str, Any]]) -> None:
+    """Gather every rank's faults (a barrier); if any, rank 0 removes the temporary folder and
+    every rank raises the same ``CheckpointError``."""
+    everyone = [f for per_rank in _from_all(faults) for f in per_rank]
+    if not everyone:
+        return
+    message = _save_failed(root, tmp, step, everyone)  # before the folder goes: its free space
+    if _world()[0] == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    raise CheckpointError(message)
 
 
 def _publish(root: Path, tmp: Path, final: Path, step: int, model: nn.Module,
              optimizer: torch.optim.Optimizer, world: int, started: float, keep: int) -> Saved:  # fmt: skip
     """Rank 0, once every rank has written: manifest, rename, prune."""
-    nbytes = sum(p.stat().st_size for p in tmp.iterdir() if p.is_file())
+    sizes = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+    nbytes = sum(sizes.values())
     seconds = time.perf_counter() - started
     manifest = {
         "format": FORMAT,
@@ -468,6 +812,7 @@ def _publish(root: Path, tmp: Path, final: Path, step: int, model: nn.Module,
         "world_size": world,
         "optimizer": optimizer_kind(optimizer),
         "signature": signature(model),
+        "files": sizes,  # what load_latest checks: a file cut short is damage, found early
         "bytes": nbytes,
         "seconds": seconds,
         "time": time.time(),
@@ -477,14 +822,9 @@ def _publish(root: Path, tmp: Path, final: Path, step: int, model: nn.Module,
         json.dump(manifest, f)
         f.flush()
         os.fsync(f.fileno())
-    if final.exists():  # the same step saved before (a restart went back past it)
-        old = root / f"{_TMP_PREFIX}old-{final.name}"
-        os.rename(final, old)
-        shutil.rmtree(old, ignore_errors=True)
-    _rename(tmp, final)
-    _fsync_dir(root)  # the rename itself survives a power cut
+    _install(root, tmp, final)
     seconds = time.perf_counter() - started
-    complete, _ = scan(root)
+    complete = _survey(root).complete
     pruned = []
     for _, folder, _ in complete[:-keep]:
         shutil.rmtree(folder, ignore_errors=True)
@@ -500,17 +840,63 @@ def _publish(root: Path, tmp: Path, final: Path, step: int, model: nn.Module,
         optimizer=counts["optimizer"],
         state_dtype=counts["state_dtype"],
     )
-    key = str(root.resolve())
-    if key not in _BANDWIDTH:
-        _BANDWIDTH[key] = write_bandwidth(root, max(1 << 20, min(predicted["bytes"], 64 << 20)))
-    bw = _BANDWIDTH[key]
+    bw, note = _write_speed(root, max(1 << 20, min(predicted["bytes"], 64 << 20)))
     return Saved(path=str(final), step=step, bytes=nbytes, seconds=seconds, predicted=predicted,
-                 write_bytes_per_s=bw, predicted_s=predicted["bytes"] / bw, pruned=pruned)  # fmt: skip
+                 write_bytes_per_s=bw, predicted_s=predicted["bytes"] / bw if bw else None,
+                 pruned=pruned, notes=[note] if note else [])  # fmt: skip
+
+
+def _install(root: Path, tmp: Path, final: Path) -> None:
+    """Put the finished ``tmp`` at ``final``. Where ``final`` exists (a restart went back past
+    that step), the old one is renamed aside first and removed only after the new one is in
+    place: at every moment one complete copy of the step is on disk under a name that
+    ``_recover`` and ``scan`` know."""
+    aside = final.with_name(_ASIDE_PREFIX + final.name)
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)  # an older leftover; final is the newer copy
+        os.rename(final, aside)
+    try:
+        _rename(tmp, final)
+    except OSError:
+        if aside.exists():
+            _put_back(aside, final)
+        raise
+    _fsync_dir(root)  # the rename itself survives a power cut
+    if aside.exists():
+        _discard(aside)
 
 
 def _rename(tmp: Path, final: Path) -> None:
     """The commit point: before it no checkpoint exists, after it a complete one does."""
     os.rename(tmp, final)
+
+
+def _discard(aside: Path) -> None:
+    """Remove a step's old copy, once its new one is in place."""
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _write_speed(root: Path, nbytes: int) -> tuple[float | None, str | None]:
+    """(bytes/s of this disk, None), measured once per root; or (None, why not). Never fails a
+    save: the checkpoint is published before this runs. A disk with too little room is not
+    probed at all (filling a shared disk to the brim, even for a moment, fails others' writes)."""
+    key = str(root.resolve())
+    if key in _BANDWIDTH:
+        return _BANDWIDTH[key], None
+    free = _free_bytes(root)
+    if free is not None and free < 2 * nbytes:
+        return None, (f"write speed not measured: {free / 2**20:.1f} MiB free on the disk holding "
+                      f"{root}, too little for a {nbytes / 2**20:.0f} MiB probe (the checkpoint "
+                      "itself is saved)")  # fmt: skip
+    try:
+        _BANDWIDTH[key] = write_bandwidth(root, nbytes)
+    except OSError as e:
+        return None, (f"write speed not measured: the probe could not write in {root} "
+                      f"({e.strerror or e}); the checkpoint itself is saved")  # fmt: skip
+    return _BANDWIDTH[key], None
+
+
+# --- loading: the newest checkpoint that reads whole ---------------------------------------------
 
 
 def load_latest(
@@ -524,55 +910,168 @@ def load_latest(
     """Load the newest complete checkpoint under ``root`` into ``model`` and ``optimizer``.
 
     Every rank must call it. Returns None when there is none (partial ones are skipped, and
-    the log says so). Raises ``CheckpointMismatch``, on every rank and before any tensor is
-    read, when the newest complete one was saved from another model shape, world size or
-    optimizer. ``restore_rng``: put back this rank's random-number generators as they were.
+    the log says so). A damaged one (a file cut short or unreadable, a manifest with odd
+    fields) is skipped with a ``CheckpointWarning`` for the previous complete one; if every
+    complete one is damaged, ``CheckpointError`` names each and the fix. Raises
+    ``CheckpointMismatch``, on every rank and before any tensor is read, when the checkpoint
+    to load was saved from another model shape, world size or optimizer. ``restore_rng``: put
+    back this rank's random-number generators as they were.
     """
+    root = Path(root)
+    rank, _ = _world()
+    started = time.perf_counter()
+    plan: dict[str, Any] = {}
+    if rank == 0:  # one rank chooses, so every rank tries the same checkpoints in one order
+        plan = _plan_load(root, model, optimizer, log)
+    plan = _from_rank0(plan)
+    damaged: list[tuple[str, str]] = list(plan["damaged"])
+    read_some = False  # torch wrote part of a damaged checkpoint into the model
+    for choice in plan["candidates"]:  # newest first
+        if "error" in choice:
+            raise CheckpointMismatch(choice["error"])
+        folder = Path(choice["path"])
+        own, why, touched = _load_one(folder, choice["step"], model, optimizer)
+        read_some |= touched
+        if own is None:
+            _warn_damaged(folder, why)
+            damaged.append((str(folder), why))
+            continue
+        if restore_rng:
+            _set_rng_state(own["rng"])
+        _say(log, f"resumed from {folder} (step {choice['step']})")
+        return Loaded(path=str(folder), step=int(choice["step"]), extra=own["extra"],
+                      manifest=choice["manifest"], seconds=time.perf_counter() - started)  # fmt: skip
+    if damaged:
+        raise CheckpointError(_all_damaged(root, damaged, read_some))
+    _say(log, f"no complete checkpoint in {root}: starting from scratch")
+    return None
+
+
+def _plan_load(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+               log: Callable[[str], None] | None) -> dict[str, Any]:  # fmt: skip
+    """Rank 0: the complete checkpoints to try, newest first, up to the first that does not
+    fit this job (it carries the error); the damaged ones the scan found, each warned about."""
+    if root.is_dir():
+        for note in _recover(root):
+            _say(log, note)
+    found = _survey(root)
+    for line in found.partial:
+        _say(log, f"skipped {root / line}")
+    for folder, why in found.damaged:
+        _warn_damaged(folder, why, stacklevel=4)
+    _, world = _world()
+    candidates = []
+    for step, folder, manifest in reversed(found.complete):
+        candidates.append({"step": step, "path": str(folder), "manifest": manifest})
+        problems = mismatches(manifest, model, optimizer, world)
+        if problems:
+            shown = problems[:MAX_LINES] + (
+                [f"... and {len(problems) - MAX_LINES} more"] if len(problems) > MAX_LINES else []
+            )
+            candidates[-1]["error"] = (
+                f"checkpoint {folder} does not fit this job:\n"
+                + "".join(f"  {p}\n" for p in shown)
+                + "Point the job at another checkpoint folder, or delete this one "
+                f"(rm -r {shlex.quote(str(folder))}) to start from scratch."
+            )
+            break
+    return {"candidates": candidates, "damaged": [(str(f), why) for f, why in found.damaged]}
+
+
+def _load_one(folder: Path, step: int, model: nn.Module,
+              optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any] | None, str, bool]:  # fmt: skip
+    """Read checkpoint ``folder`` into ``model`` and ``optimizer`` on every rank: (this rank's
+    own state, "", True), or (None, why it is damaged, whether torch wrote part of it into the
+    model). The ranks agree: one rank's unreadable file fails the checkpoint for all."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    root = Path(root)
-    rank, world = _world()
-    started = time.perf_counter()
-    choice: dict[str, Any] = {}
-    if rank == 0:  # one rank chooses, so every rank loads the same checkpoint
-        complete, skipped = scan(root)
-        for line in skipped:
-            _say(log, f"skipped {root / line}")
-        if complete:
-            step, folder, manifest = complete[-1]
-            problems = mismatches(manifest, model, optimizer, world)
-            choice = {"step": step, "path": str(folder), "manifest": manifest}
-            if problems:
-                shown = problems[:MAX_LINES] + (
-                    [f"... and {len(problems) - MAX_LINES} more"]
-                    if len(problems) > MAX_LINES
-                    else []
-                )
-                choice["error"] = (
-                    f"checkpoint {folder} does not fit this job:\n"
-                    + "".join(f"  {p}\n" for p in shown)
-                    + "Point the job at another checkpoint folder, or delete this one "
-                    f"(rm -r {folder}) to start from scratch."
-                )
-    choice = _from_rank0(choice)
-    if "error" in choice:
-        raise CheckpointMismatch(choice["error"])
-    if not choice:
-        _say(log, f"no complete checkpoint in {root}: starting from scratch")
-        return None
-    folder = Path(choice["path"])
+    rank, _ = _world()
+    own, why = _read_own(folder, rank, step)
+    problems = [p for p in _from_all(why) if p]  # read before any tensor is touched
+    if problems:
+        return None, "; ".join(problems), False
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    with _quiet():
-        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder),
-                 no_dist=not tdist.is_initialized())  # fmt: skip
+    try:
+        with _quiet():
+            dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder),
+                     no_dist=not tdist.is_initialized())  # fmt: skip
+    except CheckpointException as e:  # collective: every rank has it
+        return None, _unreadable(folder, e), True
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    own = torch.load(folder / f"rank{rank}.pt", weights_only=False)
-    if restore_rng:
-        _set_rng_state(own["rng"])
-    _say(log, f"resumed from {folder} (step {choice['step']})")
-    return Loaded(path=str(folder), step=int(choice["step"]), extra=own["extra"],
-                  manifest=choice["manifest"], seconds=time.perf_counter() - started)  # fmt: skip
+    return own, "", True
+
+
+def _read_own(folder: Path, rank: int, step: int) -> tuple[dict[str, Any] | None, str | None]:
+    """This rank's file of checkpoint ``folder``, or why it cannot be used."""
+    name = f"rank{rank}.pt"
+    try:
+        own = torch.load(folder / name, weights_only=False)
+    except MemoryError:
+        raise
+    except Exception as e:  # a pickle cut short or overwritten: damage
+        return None, f"{name} cannot be read ({_first_line(e)})"
+    if not (isinstance(own, dict) and {"step", "extra", "rng"} <= own.keys()):
+        return None, f"{name} holds no labkit rank state"
+    if own["step"] != step:
+        return None, f"{name} is from step {own['step']!r}, not {step}"
+    return own, None
+
+
+def _unreadable(folder: Path, e: BaseException) -> str:
+    """Why torch could not read ``folder``'s data, naming the file where it can be told."""
+    failures = getattr(e, "failures", {})
+    for _, (exc, _) in failures.items():
+        if not isinstance(exc, Exception) or isinstance(exc, MemoryError | torch.OutOfMemoryError):
+            raise exc  # not damage: an interrupt, or too little memory to load it
+    errors = "; ".join(f"rank {r}: {_first_line(exc)}" for r, (exc, _) in sorted(failures.items()))
+    culprit = _truncated_share(folder)
+    if culprit:
+        return f"{culprit} (torch: {errors})"
+    names = sorted(shares(folder)) or ["its data files"]
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return f"torch could not read {shown}: {errors}"
+
+
+def _truncated_share(folder: Path) -> str | None:
+    """The first ``.distcp`` file shorter than DCP's index says it is, or None."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    ends: dict[str, int] = {}  # file -> where its last tensor ends
+    try:
+        index = FileSystemReader(str(folder)).read_metadata()
+        for info in (index.storage_data or {}).values():
+            end = info.offset + info.length
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), end)
+    except Exception as e:  # the index itself is damaged
+        return f".metadata cannot be read ({_first_line(e)})"
+    for name, end in sorted(ends.items()):
+        try:
+            size = (folder / name).stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if size < end:
+            return f"{name} is truncated: {size:,} bytes, its tensors reach byte {end:,}"
+    return None
+
+
+def _warn_damaged(folder: Path | str, why: str, stacklevel: int = 3) -> None:
+    """Rank 0 warns; ``stacklevel`` counts the frames up to load_latest's caller (1: here)."""
+    if _world()[0] == 0:
+        warnings.warn(f"checkpoint {folder} is damaged and was skipped: {why}. Trying the "
+                      "previous complete checkpoint; delete this one once you have looked at it "
+                      f"(rm -r {shlex.quote(str(folder))}).", CheckpointWarning, stacklevel=stacklevel)  # fmt: skip
+
+
+def _all_damaged(root: Path, damaged: list[tuple[str, str]], read_some: bool) -> str:
+    folders = [folder for folder, _ in sorted(damaged, reverse=True)]  # newest first
+    lines = "".join(f"  {folder}: {why}\n" for folder, why in sorted(damaged, reverse=True))
+    touched = (" torch had read part of one into the model and optimizer: build them afresh "
+               "before training." if read_some else "")  # fmt: skip
+    return (f"no checkpoint under {root} can be loaded; every complete one is damaged:\n{lines}"
+            f"Nothing was loaded.{touched} Restore an intact copy into {root}, or delete the "
+            f"damaged ones to start from scratch (rm -r {' '.join(map(shlex.quote, folders))}).")
 
 
 # --- resharding on load, and asynchronous saves --------------------------------------------------
@@ -596,10 +1095,11 @@ def load_resharded(folder: Path | str, model: nn.Module, optimizer: torch.optim.
     What does not reshard is labkit's per-rank file (``rank{r}.pt``: step, data position, random
     state), so this loads none of it and restores no RNG: a job resumed on another number of
     ranks must re-derive those (a global data position, generators seeded from (seed, step,
-    rank)). The model's shape and the optimizer must still match (``CheckpointMismatch``).
-    Returns the manifest, the files read and the seconds it took (measured).
+    rank)). The model's shape and the optimizer must still match (``CheckpointMismatch``); a
+    damaged checkpoint raises ``CheckpointError``, naming the damage. Returns the manifest, the files read and the seconds it took (measured).
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     folder = Path(folder)
@@ -608,6 +1108,13 @@ def load_resharded(folder: Path | str, model: nn.Module, optimizer: torch.optim.
     if manifest is None or not (folder / ".metadata").exists():
         raise CheckpointMismatch(f"{folder} is not a complete checkpoint (no manifest or no "
                                  "DCP index): load only folders that scan() lists")  # fmt: skip
+    damage = _manifest_problem(manifest)
+    if damage is None and isinstance(manifest.get("files"), dict):
+        damage = _sizes_problem(folder, manifest["files"])
+    if damage:
+        raise CheckpointError(f"checkpoint {folder} is damaged: {damage}. Load another one "
+                              "(scan() lists the complete ones), or delete this one "
+                              f"(rm -r {shlex.quote(str(folder))}).")  # fmt: skip
     _, world = _world()
     problems = [p for p in mismatches(manifest, model, optimizer, world)
                 if not p.startswith("saved by ")]  # the world size is what may differ  # fmt: skip
@@ -615,9 +1122,14 @@ def load_resharded(folder: Path | str, model: nn.Module, optimizer: torch.optim.
         raise CheckpointMismatch(f"checkpoint {folder} does not fit this job:\n"
                                  + "".join(f"  {p}\n" for p in problems[:MAX_LINES]))  # fmt: skip
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    with _quiet():
-        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder),
-                 no_dist=not tdist.is_initialized())  # fmt: skip
+    try:
+        with _quiet():
+            dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder),
+                     no_dist=not tdist.is_initialized())  # fmt: skip
+    except CheckpointException as e:  # a BaseException: never let it reach a notebook
+        raise CheckpointError(f"checkpoint {folder} is damaged: {_unreadable(folder, e)}. The "
+                              "model and optimizer may hold part of it: build them afresh, and "
+                              "load another checkpoint (scan() lists the complete ones).") from None
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     seconds = time.perf_counter() - started
     _say(log, f"loaded {folder} (saved by {manifest.get('world_size')} ranks) into {world} "

@@ -1,6 +1,7 @@
 """labkit.checkpoint in one process: sizes predicted and measured, round trips, mismatches,
 partial checkpoints, pruning and the atomic rename. The 2-rank job that checkpoints, loses a
-rank and resumes is in test_resilient_train.py."""
+rank and resumes is in test_resilient_train.py; damaged checkpoints, a full disk and a crash
+while a step is replaced are in test_checkpoint_faults.py."""
 
 from __future__ import annotations
 
