@@ -36,7 +36,8 @@ class Bucket:
     buffer: torch.Tensor  # (sum of numel,) flat gradients, in the order of ``params``
     offsets: list[int]
     ready: set[int] = field(default_factory=set)  # id() of parameters whose grad is copied
-    work: object | None = None  # handle of the in-flight all-reduce
+    work: object | None = None  # handle of this step's all-reduce; None until it starts
+    done: object | None = None  # the previous step's handle, kept on purpose (after_backward)
 
 
 def make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[Bucket]:
@@ -136,5 +137,14 @@ class BucketedDP(NaiveDP):
                     p.grad = g.clone()
                 else:
                     p.grad.copy_(g)
-            bucket.work = None
+            # Keep the finished handle one step rather than drop it (issue 31's SIGABRT). A
+            # Work started in backward captures the thread's state (``tls_`` of gloo's
+            # AsyncWork, torch 2.13 ProcessGroupGloo.hpp), which then holds a Python object
+            # (the contextvars copy _engine_run_backward stashes, torch/autograd/graph.py).
+            # gloo's worker thread lets go of the Work just after wait() returns; when ours
+            # was gone first, the worker freed that object and needed the GIL, and at
+            # interpreter exit CPython ends such a thread inside a C++ destructor:
+            # "terminate called without an active exception". Now the training thread
+            # releases it, at the next step or when the strategy is collected.
+            bucket.done, bucket.work = bucket.work, None
             bucket.ready.clear()
