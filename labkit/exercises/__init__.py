@@ -15,6 +15,10 @@ A learner finishes an exercise, then runs its check::
 - ``✗`` and a diagnosis for a wrong answer (what was expected, what came back, the usual mistake
   behind that value, never the code), and again the reference.
 
+The learner's code runs in the kernel under a time limit (:func:`time_limit`); a
+``sys.exit`` in it fails the check instead of ending the cell, and a process it started and
+left running is named and stopped (:class:`Leftovers`).
+
 Hints come in steps (:func:`hint`): the first is conceptual, each call gives one more, the last
 is the recipe. A stub's own message carries no hint at all, so nothing is given away by
 running a cell.
@@ -346,26 +350,85 @@ def check(exercise_id: str, answer: Any) -> Any:
     wrong answer, so "Run All" reaches the end of the notebook; :func:`verify` raises.
     """
     __tracebackhide__ = True
-    limit = get(exercise_id).time_limit_s
-    try:
-        with time_limit(limit):
-            outcome: str | ExerciseError = verify(exercise_id, answer)
-    except ExerciseError as err:
-        outcome = err
-    except TimeLimitReached as stop:
-        outcome = _timed_out(get(exercise_id), stop)
-    passed = report(exercise_id, outcome)
     ex = get(exercise_id)
+    outcome, _, note = _run_in_kernel(ex, lambda: (verify(exercise_id, answer), ""))
+    passed = _report_with(exercise_id, outcome, note)
     if ex.withheld:
         return answer if passed else None
     return None if ex.reference is None else answer if passed else ex.reference
 
 
-def _timed_out(ex: Exercise, stop: TimeLimitReached) -> ExerciseFailed:
+def _run_in_kernel(
+    ex: Exercise, run: Callable[[], tuple[str, str]]
+) -> tuple[str | ExerciseError, str, str]:
+    """Run a check's ``run()`` (it returns what was verified and where) in the kernel, as the
+    learner's code must be run there: under the exercise's time limit, with the processes
+    it starts watched. Returns (the outcome for :func:`report`, where, a note on the processes
+    the learner's code left running, which are stopped: "" if none).
+
+    A ``SystemExit`` (``sys.exit(1)`` in the learner's code), a ``KeyboardInterrupt`` the
+    code raised itself, or another ``BaseException`` of the learner's becomes a failed check:
+    the kernel goes on. A real interrupt (■, the SIGINT the kernel gets) still interrupts.
+    """
+    __tracebackhide__ = True
+    watch = _KernelWatch()
+    where = ""
+    try:
+        with time_limit(ex.time_limit_s), watch.interrupts():
+            outcome, where = run()
+    except ExerciseError as err:
+        outcome = err
+    except TimeLimitReached as stop:
+        return _timed_out(ex, stop, watch.stop_leftovers()), "", ""
+    except KeyboardInterrupt as err:
+        # A real interrupt (■) went through our handler, or was held back by labkit code
+        # (launch's cleanup) and raised there; the learner's own `raise` is in its code.
+        if watch.interrupted or not _raised_in_learners_code(err):
+            note = watch.stop_leftovers().note()
+            if note:
+                print(note)
+            raise
+        outcome = _exited(err, "raised KeyboardInterrupt itself")
+    except Exception:  # a check's own error (a bad argument to it): the caller's to see
+        raise
+    except BaseException as err:  # SystemExit and kin, from the learner's code: reported
+        outcome = _exited(err)
+    return outcome, where, watch.stop_leftovers().note()
+
+
+def _raised_in_learners_code(err: BaseException) -> bool:
+    frames = traceback.extract_tb(err.__traceback__)
+    return bool(frames) and _is_learners(frames[-1].filename)
+
+
+def _report_with(exercise_id: str, outcome: str | ExerciseError, note: str, where: str = "") -> bool:
+    """:func:`report`, then ``note`` (printed even when ``LABKIT_EXPECT_SOLVED`` makes the
+    report raise: the processes it names were stopped either way)."""
+    try:
+        return report(exercise_id, outcome, where=where)
+    finally:
+        if note:
+            print(note)
+
+
+def _exited(err: BaseException, did: str = "") -> ExerciseFailed:
+    """A failed check for a learner's code that tried to leave instead of returning."""
+    if isinstance(err, SystemExit):
+        code = "" if err.code is None else repr(err.code)
+        did = f"called sys.exit({code})"
+    did = did or f"raised {type(err).__name__}{': ' + str(err) if str(err) else ''}"
+    return ExerciseFailed(
+        f"your code {did}{learner_frame(err)}: a function must return its answer (or raise an "
+        "error), not exit the process or interrupt it. The check caught it, and the kernel "
+        "goes on."
+    )
+
+
+def _timed_out(ex: Exercise, stop: TimeLimitReached, left: Leftovers) -> ExerciseFailed:
     return ExerciseFailed(
         f"your code did not finish within {ex.time_limit_s:g} s, the check's time limit, so "
         f"the check stopped it{learner_frame(stop, ' while it ran')}. A loop whose condition "
-        "never changes? (Nothing else needs stopping: the notebook can go on.)"
+        f"never changes? {left.after_stop()}"
     )
 
 
@@ -389,17 +452,11 @@ def check_in_workers(exercise_id: str, path: str | Path, **options: Any) -> None
     verify_file = getattr(module, "verify_file", None)
     if verify_file is None:
         raise ValueError(f"exercise_id={exercise_id!r} is checked in the kernel: use ex.check")
-    try:
-        # The kernel imports the learner's file (to spot a stub) before the job starts: a
-        # top-level loop there would hang the cell. The job's own time is its timeout_s.
-        with time_limit(ex.time_limit_s):
-            message, where = verify_file(exercise_id, path, **options)
-    except ExerciseError as err:
-        report(exercise_id, err)
-    except TimeLimitReached as stop:
-        report(exercise_id, _timed_out(ex, stop))
-    else:
-        report(exercise_id, message, where=where)
+    # The kernel imports the learner's file (to spot a stub) before the job starts: a
+    # top-level loop there would hang the cell, a top-level sys.exit end it. The job's own
+    # time is its timeout_s.
+    outcome, where, note = _run_in_kernel(ex, lambda: verify_file(exercise_id, path, **options))
+    _report_with(exercise_id, outcome, note, where)
 
 
 def workspace(notebook: str) -> Path:
@@ -431,6 +488,16 @@ def explain_job_error(err: Exception, reports: dict[int, str]) -> str:
     telling = {r: m for r, m in reports.items() if not diagnosis.is_echo(m)}
     died = isinstance(err, launch.JobFailed) and err.kind in ("died", "left early")
     stuck = isinstance(err, launch.JobTimeout) and any("(torch)" not in w for w in err.where.values())
+    # Ranks whose collectives went apart (one called a collective another never did) wait
+    # until the process group's timeout and fail with echoes, or with gloo's complaint about
+    # a message of another size: their ledgers name the call. Any other error is its own.
+    own_error = (isinstance(err, launch.JobFailed) and err.kind == "raised"
+                 and not _COMMUNICATION.search(f"{err.exc_type} {err.exc_message}"))  # fmt: skip
+    apart = None
+    if isinstance(err, launch.JobError) and not (died or stuck or own_error):
+        apart = ranks_apart(err.result, reports)
+    if apart is not None:
+        return f"{apart} {logs}".strip()
     if telling and not died and not stuck:
         rank = min(telling)
         then = ""
@@ -465,6 +532,92 @@ def explain_job_error(err: Exception, reports: dict[int, str]) -> str:
         on = f"on rank {err.rank}" if err.rank is not None else "before any rank ran"
         return f"the check job failed {on}: {_sentence(what + frame)} {logs}"
     return f"{err}"
+
+
+_COMMUNICATION = re.compile(r"gloo|NCCL|c10d|ProcessGroup|DistBackendError|DistNetworkError")
+"""An error raised by the collectives' machinery, not by the check's or the learner's code."""
+
+SAME_ORDER = ("Every rank must call the same collectives in the same order: a collective in a "
+              "branch only some ranks take (under if rank == 0:, say) leaves the others "
+              "waiting, or gloo pairs it with a different call of theirs.")
+"""The rule a check whose ranks' collectives went apart ends with."""
+
+
+def ranks_apart(result: Any, reports: dict[int, str]) -> str | None:
+    """What a check job's ranks' ledgers of collectives (:func:`collective_ledger`) say when
+    they differ, as one message; None when they agree or none was kept.
+
+    ``result``: the job's ``launch.JobResult``; ``reports``: the ranks' own reports of what
+    went wrong ({rank: message}). Where the ranks parted at a collective the learner's code
+    called, that is the cause, and it comes alone (a rank's report of values that a mismatched
+    collective gave is a consequence). Where they parted at the check's own collective, a
+    rank's report of a mistake comes first: its check stopped there and never called it.
+    """
+    from labkit import diagnosis  # lazy: importing exercises stays cheap
+
+    apart = diagnosis.collectives_apart(diagnosis.read_ledgers(result.log_dir, result.local_ranks))
+    if apart is None:
+        return None
+    telling = {r: m for r, m in reports.items() if not diagnosis.is_echo(m)}
+    own = "the check's own"
+    if apart.instead is None and apart.other_end is None:  # the other rank never got there
+        return _never_reached(apart, diagnosis.read_stacks(result.log_dir, result.local_ranks))
+    if telling and not apart.yours:
+        first = min(telling)
+        return (f"{_sentence(telling[first])} Then rank {apart.rank} waited in "
+                f"{diagnosis.describe_call(apart.call, own)}, which rank {apart.other} never "
+                f"called. {SAME_ORDER}")  # fmt: skip
+    return f"the ranks' collectives went apart: {_sentence(apart.describe(own))} {SAME_ORDER}"
+
+
+def _never_reached(apart: Any, stacks: dict[int, str]) -> str:
+    """A rank waited in a collective another rank was still on its way to when the wait
+    timed out: where that rank was (its stack, dumped when the wait failed) is the cause."""
+    from labkit import diagnosis
+
+    call = diagnosis.describe_call(apart.call, "the check's own")
+    where = stacks.get(apart.other)
+    said = f"rank {apart.other} was at {where}" if where else (
+        f"rank {apart.other} was still running code that calls none")  # fmt: skip
+    loop = " A loop whose condition never changes?" if where and "(torch)" not in where else ""
+    return (f"the check did not finish: rank {apart.rank} waited in {call}, which rank "
+            f"{apart.other} never reached: {said}.{loop}")  # fmt: skip
+
+
+def collective_ledger(ctx: Any) -> contextlib.AbstractContextManager[Any]:
+    """In a check job's rank (``ctx``: its ``labkit.dist.Context``): record the collectives the
+    rank calls in the job folder while the block runs, for :func:`ranks_apart`. When one of
+    them fails waiting, the other ranks are asked for their stacks first (their code may be
+    in a loop that never reaches the collective)."""
+    if ctx.job_dir is None:  # run without the launcher: nobody reads a ledger
+        return contextlib.nullcontext()
+    from labkit import diagnosis
+
+    path = diagnosis.ledger_path(ctx.job_dir, ctx.rank)
+    return diagnosis.CollectiveLedger(path, on_echo=lambda: _ask_peers_where(ctx)).recording()
+
+
+def _ask_peers_where(ctx: Any) -> None:
+    """Have this machine's other ranks of the job dump their stacks (``dist.STACK_SIGNAL``)
+    to the job folder, as the launcher does for a job that timed out."""
+    import psutil
+
+    from labkit import dist
+
+    for rank, beat in dist.read_heartbeats(ctx.job_dir, range(ctx.world_size)).items():
+        pid = beat.get("pid")
+        if rank == ctx.rank or not isinstance(pid, int):
+            continue
+        # only a sibling under the same torchrun agent: never a recycled PID of another program
+        with contextlib.suppress(psutil.Error, OSError):
+            if psutil.Process(pid).ppid() == os.getppid():
+                os.kill(pid, dist.STACK_SIGNAL)
+    time.sleep(STACK_WAIT_S)
+
+
+STACK_WAIT_S = 0.3
+"""How long a rank whose collective failed gives the others' stack dumps (faulthandler writes
+them from the signal handler, at once) before it raises and the job ends them."""
 
 
 def _last_code_frame(tb: str) -> str:
@@ -549,6 +702,158 @@ def time_limit_paused() -> Iterator[None]:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, max(remaining, 0.001), interval)
+
+
+# --------------------------------------------------------------------------- what code leaves
+
+GRACE_S = 2.0
+"""How long a process the learner's code left gets to end after SIGTERM, before SIGKILL."""
+SETTLE_S = 0.25
+"""How long a new child process gets to end by itself before it counts as left running (a
+data loader's workers shut down as its iterator goes)."""
+_INFRASTRUCTURE = ("multiprocessing.resource_tracker", "multiprocessing.forkserver",
+                   "_inductor/compile_worker", "_inductor.compile_worker")  # fmt: skip
+"""Processes a library starts once per kernel and keeps on purpose (torch.compile's pool of
+compile workers, multiprocessing's helpers): started during a check, they are not the
+learner's to stop."""
+
+
+@dataclass
+class Leftovers:
+    """The processes the learner's code started in the kernel and left running, as a check
+    found and stopped them, and those that would not stop: {pid: command line} each."""
+
+    stopped: dict[int, str]
+    unstoppable: dict[int, str]
+
+    def note(self) -> str:
+        """The line a check that ended by itself adds: "" when nothing was left running."""
+        if not (self.stopped or self.unstoppable):
+            return ""
+        text = "  Your code left " + self._named(" running, which the check stopped") + (
+            ". A function must wait for the processes it starts (or stop them) before it "
+            "returns: they go on running in the kernel otherwise.")  # fmt: skip
+        return text + self._unstoppable()
+
+    def after_stop(self) -> str:
+        """The sentence a check stopped at its time limit ends with: whether anything else
+        needs stopping (only when all is stopped is it said that nothing does)."""
+        if not (self.stopped or self.unstoppable):
+            return "(Nothing else needs stopping: the notebook can go on.)"
+        named = self._named(", which the check stopped too")
+        if not self.unstoppable:
+            return f"It had started {named}. Nothing else needs stopping: the notebook can go on."
+        return f"It had started {named}.{self._unstoppable()}"
+
+    def _named(self, stopped: str) -> str:
+        """"2 processes <stopped>: pid 1 (`a`), pid 2 (`b`)", and those that would not stop."""
+        parts = []
+        for which, how in ((self.stopped, stopped), (self.unstoppable, " that would not stop")):
+            if which:
+                listed = ", ".join(f"pid {pid} (`{command}`)" for pid, command in which.items())
+                parts.append(f"{len(which)} process{'es' * (len(which) > 1)}{how}: {listed}")
+        return "; and ".join(parts)
+
+    def _unstoppable(self) -> str:
+        if not self.unstoppable:
+            return ""
+        pids = " ".join(map(str, self.unstoppable))
+        return (f" Stop {'them' if len(self.unstoppable) > 1 else 'it'} from a terminal "
+                f"(kill -9 {pids}) or restart the kernel.")  # fmt: skip
+
+
+class _KernelWatch:
+    """What a check needs to know of the kernel around the learner's code: the child
+    processes it had before (so that the new ones can be named and stopped after) and
+    whether a SIGINT (■) arrived while the code ran."""
+
+    def __init__(self) -> None:
+        self.before = {_key(p) for p in _children()}
+        self.interrupted = False
+
+    @contextlib.contextmanager
+    def interrupts(self) -> Iterator[None]:
+        """Note a real SIGINT, then let the kernel's own handler raise KeyboardInterrupt: a
+        KeyboardInterrupt without one is the learner's code's own doing. Signals reach only
+        the main thread; elsewhere nothing is noted."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = signal.getsignal(signal.SIGINT)
+
+        def interrupted(signum: int, frame: Any) -> None:
+            self.interrupted = True
+            if callable(previous):
+                previous(signum, frame)
+            elif previous != signal.SIG_IGN:
+                raise KeyboardInterrupt
+
+        signal.signal(signal.SIGINT, interrupted)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def stop_leftovers(self) -> Leftovers:
+        """Stop the child processes (and theirs) that appeared since: SIGTERM, then SIGKILL
+        after :data:`GRACE_S`. Those still there after that are named as unstoppable."""
+        import psutil
+
+        from labkit import procs  # lazy: importing exercises stays cheap
+
+        new = [p for p in _children() if _key(p) not in self.before and not _infrastructure(p)]
+        if new:
+            _, new = psutil.wait_procs(new, timeout=SETTLE_S)  # those that end by themselves
+            new = [p for p in new if procs.alive(p)]
+        if not new:
+            return Leftovers({}, {})
+        named = {p.pid: _command(p) for p in new}  # before they go
+        procs.end_tree(new, grace_s=GRACE_S)
+        left = {p.pid for p in new if procs.alive(p)}
+        for p in new:  # reap this process's own children: no zombies left behind
+            with contextlib.suppress(psutil.Error):
+                if p.pid not in left:
+                    p.wait(timeout=0)
+        return Leftovers({pid: c for pid, c in named.items() if pid not in left},
+                         {pid: c for pid, c in named.items() if pid in left})  # fmt: skip
+
+
+def _children() -> list[Any]:
+    """This process's live descendants (psutil processes)."""
+    import psutil
+
+    from labkit import procs
+
+    with contextlib.suppress(psutil.Error):
+        return [p for p in psutil.Process().children(recursive=True) if procs.alive(p)]
+    return []
+
+
+def _key(p: Any) -> tuple[int, float]:
+    """A process by PID and start time: a PID reused by a later process is another one."""
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        return p.pid, p.create_time()
+    return p.pid, 0.0
+
+
+def _cmdline(p: Any) -> str:
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        return " ".join(p.cmdline()) or p.name()
+    return "?"
+
+
+def _command(p: Any) -> str:
+    """A process's command line, shortened to 80 characters for a message."""
+    command = _cmdline(p)
+    return command if len(command) <= 80 else command[:79] + "…"
+
+
+def _infrastructure(p: Any) -> bool:
+    return any(marker in _cmdline(p) for marker in _INFRASTRUCTURE)
 
 
 # --------------------------------------------------------------------------- helpers for checks

@@ -95,6 +95,7 @@ from labkit.exercises import (
     incomplete,
     is_stub,
     learner_frame,
+    ranks_apart,
     short_repr,
     time_limit_paused,
     verify,
@@ -117,6 +118,12 @@ RTOL, ATOL = 1e-5, 1e-7
 STEPS = 2  # two steps: a list of handles that is never cleared shows in the second
 ROWS_PER_RANK = 2  # sequences in each rank's slice of the global batch
 BUCKET_CAP_MB = 0.02  # ~20 kB: several buckets in CheckLM, and a small last one
+PG_TIMEOUT_S = 15.0
+"""The check job's process-group timeout: how long a rank waits in a collective another rank
+never calls before it fails (gloo's default is 30 minutes). A check's collectives move a few
+kB between ranks that started together, and the longest gap between two of them (a first use
+of a module, on a busy 2-core machine) is a few seconds: 15 s leaves room for that and still
+names the mismatch (:func:`labkit.exercises.ranks_apart`) in about 25 s from the launch."""
 LR, WEIGHT_DECAY = 1e-2, 0.1  # SGD in the DDP checks, torch's AdamW in ZeRO-1's (and its reference)
 
 
@@ -1722,19 +1729,30 @@ def verify_file(
         raise incomplete(exercise_id)
     config = {"exercises": [exercise_id], "module": path.stem, "module_dir": str(path.parent)}
     try:
-        # A rank stuck in a collective that another rank never called fails in 30 s, not 60.
+        # A rank stuck in a collective that another rank never called fails after
+        # PG_TIMEOUT_S, not after gloo's 30 minutes.
         with time_limit_paused():  # the job has its own limit, and ends its processes
             res = launch.run(WORKER, nproc=nproc, device=device, config=config,
-                             timeout_s=timeout_s, stream=False, pg_timeout_s=30)  # fmt: skip
+                             timeout_s=timeout_s, stream=False, pg_timeout_s=PG_TIMEOUT_S)  # fmt: skip
     except (launch.JobTimeout, launch.JobFailed) as err:
-        reports = {
-            r: without_failed_prefix(exercise_id, x["message"])
-            for r, res in enumerate(err.result.ranks)
-            for x in res.get("results", [])
-            if x.get("id") == exercise_id and x.get("status") != "ok"
-        }
+        reports = _reports(exercise_id, err.result.ranks)
         raise _failed(exercise_id, explain_job_error(err, reports)) from None
+    reports = _reports(exercise_id, res.ranks)
+    if any(diagnosis.is_echo(m) for m in reports.values()):  # a rank saw its peer go or time out
+        apart = ranks_apart(res, reports)
+        if apart is not None:
+            raise _failed(exercise_id, apart)
     return summarize(exercise_id, res.ranks), f"checked in {nproc} worker processes"
+
+
+def _reports(exercise_id: str, ranks: Sequence[dict[str, Any]]) -> dict[int, str]:
+    """{rank: its report} for the ranks whose check of ``exercise_id`` did not pass."""
+    return {
+        r: without_failed_prefix(exercise_id, x["message"])
+        for r, res in enumerate(ranks)
+        for x in res.get("results", [])
+        if x.get("id") == exercise_id and x.get("status") != "ok"
+    }
 
 
 def _failed(exercise_id: str, message: str) -> ExerciseError:

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from labkit import dist
+from labkit.exercises import collective_ledger
 
 
 @dist.entrypoint
@@ -36,7 +37,7 @@ def main(ctx: dist.Context) -> dict[str, Any]:
             f"{sorted(data_parallel.EXERCISES)}) and 'module_dir' (the folder of the file)"
         )
     # Not marked as a collective: the learner's code runs here, and may never reach one.
-    with ctx.phase("check", collective=False):
+    with ctx.phase("check", collective=False), collective_ledger(ctx):
         results = data_parallel.run_checks(ids, cfg.get("module", "dp_exercises"), cfg["module_dir"])
     for r in results:
         ctx.print0(f"{r['id']}: {r['status']}")

@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 
+from labkit.diagnosis import is_echo
 from labkit.exercises import (
     ExerciseFailed,
     ExerciseIncomplete,
@@ -68,6 +69,7 @@ from labkit.exercises import (
     get,
     incomplete,
     learner_frame,
+    ranks_apart,
     short_repr,
     time_limit_paused,
     verify,
@@ -77,7 +79,8 @@ WORKER = "labkit.exercises.mp_worker"
 NPROC = 2  # ranks the worker-run checks use
 DEVICE = "cpu"  # gloo ranks: every machine has them, and the checks are about correctness
 LAUNCH_TIMEOUT_S = 90.0  # start-up takes seconds; only a hung rank gets near it
-PG_TIMEOUT_S = 30.0  # a learner's unmatched collective fails after this, not after 30 minutes
+PG_TIMEOUT_S = 15.0  # a learner's unmatched collective fails after this, not after 30 minutes
+# (the checks' collectives move kB between ranks started together: see data_parallel's)
 
 EXERCISES: dict[str, tuple[str, ...]] = {
     "03.one_f_one_b": ("one_f_one_b",),
@@ -221,13 +224,22 @@ def run_in_workers(exercise_id: str, objs: Sequence[Any], nproc: int = NPROC) ->
                              timeout_s=LAUNCH_TIMEOUT_S, pg_timeout_s=PG_TIMEOUT_S,
                              stream=False)  # fmt: skip
     except (launch.JobFailed, launch.JobTimeout) as err:
-        reports = {
-            r: f"on rank {r} of {nproc}: {res['cases'][0]['message']}"
-            for r, res in enumerate(err.result.ranks)
-            if res.get("cases") and res["cases"][0].get("status") == "failed"
-        }
-        raise ExerciseFailed(explain_job_error(err, reports)) from None
+        raise ExerciseFailed(explain_job_error(err, _reports(err.result.ranks, nproc))) from None
+    reports = _reports(job.ranks, nproc)
+    if any(is_echo(m) for m in reports.values()):  # a rank saw its peer go, or timed out
+        apart = ranks_apart(job, reports)
+        if apart is not None:
+            raise ExerciseFailed(apart)
     return raise_for_results(exercise_id, [r["cases"][0] for r in job.ranks])
+
+
+def _reports(ranks: Sequence[dict[str, Any]], nproc: int) -> dict[int, str]:
+    """{rank: its report} for the ranks whose check failed."""
+    return {
+        r: f"on rank {r} of {nproc}: {res['cases'][0]['message']}"
+        for r, res in enumerate(ranks)
+        if res.get("cases") and res["cases"][0].get("status") == "failed"
+    }
 
 
 def raise_for_results(exercise_id: str, per_rank: Sequence[dict[str, Any]]) -> str:

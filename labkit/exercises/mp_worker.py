@@ -27,7 +27,7 @@ import importlib
 from typing import Any
 
 from labkit import dist, ids
-from labkit.exercises import MODULES, model_parallel
+from labkit.exercises import MODULES, collective_ledger, model_parallel
 
 
 @dist.entrypoint
@@ -38,17 +38,18 @@ def main(ctx: dist.Context) -> dict[str, Any]:
             f"config cases={cases!r}: need a list of exercise specs (see the docstring)"
         )
     results = []
-    for i, spec in enumerate(cases):
-        try:
-            objs = model_parallel.resolve(spec)
-        except Exception as err:  # the learner's file does not import: report, do not crash
-            res = {"exercise": spec.get("exercise"), "status": "failed",
-                   "message": f"importing {spec.get('path')} raised {type(err).__name__}: {err}"}  # fmt: skip
-        else:
-            checks = importlib.import_module(MODULES[ids.of(spec["exercise"])])
-            res = checks.rank_check(spec["exercise"], objs, ctx)
-        results.append(res)
-        ctx.heartbeat(step=i + 1, total=len(cases))
+    with collective_ledger(ctx):  # which rank called which collective, for a check that hangs
+        for i, spec in enumerate(cases):
+            try:
+                objs = model_parallel.resolve(spec)
+            except Exception as err:  # the learner's file does not import: report, do not crash
+                res = {"exercise": spec.get("exercise"), "status": "failed",
+                       "message": f"importing {spec.get('path')} raised {type(err).__name__}: {err}"}  # fmt: skip
+            else:
+                checks = importlib.import_module(MODULES[ids.of(spec["exercise"])])
+                res = checks.rank_check(spec["exercise"], objs, ctx)
+            results.append(res)
+            ctx.heartbeat(step=i + 1, total=len(cases))
     return {"rank": ctx.rank, "cases": results}
 
 
