@@ -28,7 +28,7 @@ NOTEBOOKS = {"03b": ROOT / "solutions" / "03b_composing_parallelism.ipynb",
              "03c": ROOT / "solutions" / "03c_long_sequences_and_experts.ipynb"}  # fmt: skip
 CHECKS = {"03b": composing, "03c": sequences_experts}
 """Notebook -> the module that registers its exercises (``labkit.exercises.MODULES``)."""
-FILES = {"03b.mesh_groups": "mesh_groups", "03c.ring_merge": "cp_merge",
+FILES = {"03b.mesh_groups": "mesh_groups", "03c.ring_loop": "ring_loop",
          "03c.moe_dispatch": "moe_dispatch"}  # fmt: skip
 WRITEFILE = re.compile(r"^%%writefile \{ex_dir\}/(?P<name>\w+)\.py\n")
 IN_KERNEL = {"03b.choose_mesh": "choose_mesh", "03c.sequence_plan": "plan_sequence"}
@@ -79,21 +79,6 @@ WRONG_GROUPS = {
         "def groups_of(shape, rank):\n"
         "    a, b = list(shape)\n"
         "    return {a: mesh.group_ranks(shape, b, rank), b: mesh.group_ranks(shape, a, rank)}\n"
-    ),
-}
-WRONG_MERGES = {
-    "you averaged": "def merge(out_a, lse_a, out_b, lse_b):\n    return (out_a + out_b) / 2, lse_a\n",
-    "the larger of the two": (
-        "import torch\n"
-        "def merge(out_a, lse_a, out_b, lse_b):\n"
-        "    lse = torch.maximum(lse_a, lse_b)\n"
-        "    return torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b, lse\n"
-    ),
-    "NaN": (
-        "import torch\n"
-        "def merge(out_a, lse_a, out_b, lse_b):\n"
-        "    lse = torch.logaddexp(lse_a, lse_b)\n"
-        "    return torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b, lse\n"
     ),
 }
 UNSORTED_DISPATCH = SOLUTIONS["moe_dispatch"].replace("x[order]", "x")
@@ -173,12 +158,7 @@ def test_a_wrong_mesh_layout_is_named_in_the_kernel(mistake, tmp_path, launches)
     assert launches == []
 
 
-@pytest.mark.parametrize("mistake", sorted(WRONG_MERGES))
-def test_a_wrong_merge_is_named_in_the_kernel(mistake, tmp_path, launches):
-    path = write(tmp_path, "cp_merge_wrong", WRONG_MERGES[mistake])
-    with pytest.raises(ex.ExerciseFailed, match=mistake):
-        sequences_experts.verify_file("03c.ring_merge", path)
-    assert launches == []
+# Wrong ring loops and what their diagnoses say: tests/test_exercises_sequences.py.
 
 
 @pytest.mark.slow
@@ -199,9 +179,9 @@ def test_the_rank_checks_pass_the_solutions_and_catch_an_unsorted_or_gathering_d
     # an unsorted send hands some rank another rank's tokens (which, depends on the draw)
     unsorted = [res["cases"][3] for res in job.ranks if res["cases"][3]["status"] != "ok"]
     assert unsorted and all("not sorted by destination" in c["message"] for c in unsorted)
-    mesh, dispatch, merge = job.ranks[0]["cases"][:3]  # sorted(FILES)
+    mesh, dispatch, ring = job.ranks[0]["cases"][:3]  # sorted(FILES)
     assert "real 2 × 2 DeviceMesh" in mesh["message"]
-    assert "4-rank ring" in merge["message"]
+    assert "real 4-rank ring" in ring["message"]
     assert "every token reached its rank" in dispatch["message"]
 
 

@@ -13,7 +13,9 @@ disjoint key sets combine exactly with the online softmax (Milakov & Gimelshein 
 1805.02867; FlashAttention, Dao et al. 2022, arXiv 2205.14135): keep, per query, the output
 normalised over the keys seen so far and the log-sum-exp (lse) of their scaled scores;
 ``merge`` folds in the next block. No rank ever holds more than a (T/n) x (T/n) block of
-scores, and no rank holds the whole sequence's q, k or v.
+scores, and no rank holds the whole sequence's q, k or v. ``ring_attention_blocks`` is one
+rank's loop, readable on its own, on a ring simulated in one process (``LocalRing``) or a
+real one (``P2PRing``); ``_ring_forward`` is the same loop with each hop overlapped.
 
 Causal masking with contiguous shards: a block from a later rank (j > r) holds only future
 keys and is skipped; the diagonal block (j = r) is masked (key position <= query position);
@@ -164,23 +166,63 @@ def ring_local(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The ring algorithm for n ranks simulated in one process: the same steps, no network.
 
-    ``q``, ``k``, ``v``: one (B, H, Tl, D) shard per rank. At step s rank r holds the block of
-    rank (r - s) mod n; it attends to it (or skips it) and merges. Returns each rank's output
-    and lse.
+    ``q``, ``k``, ``v``: one (B, H, Tl, D) shard per rank. Each rank runs
+    :func:`ring_attention_blocks` on a :class:`LocalRing`. Returns each rank's output and lse.
     """
-    n = len(q)
     outs, lses = [], []
-    for r in range(n):
-        acc: tuple[torch.Tensor, torch.Tensor] | None = None
-        for s in range(n):
-            j = (r - s) % n
-            part = _attend(q[r], k[j], v[j], block_kind(r, j, causal=causal))
-            if part is not None:
-                acc = part if acc is None else merge(*acc, *part)
-        assert acc is not None  # the diagonal block is never skipped
-        outs.append(acc[0])
-        lses.append(acc[1])
+    for r in range(len(q)):
+        out, lse = ring_attention_blocks(q[r], k[r], v[r], LocalRing(r, k, v), causal=causal)
+        outs.append(out)
+        lses.append(lse)
     return outs, lses
+
+
+class LocalRing:
+    """One rank's view of a ring whose n ranks live in this process (a simulation, no network).
+
+    ``k_blocks[j]``, ``v_blocks[j]``: rank j's shard. ``pass_on`` stands for the hop: it
+    returns what rank - 1 would send, the block that rank held, and counts the hops.
+    """
+
+    def __init__(self, rank: int, k_blocks: list[torch.Tensor], v_blocks: list[torch.Tensor]):
+        self.rank, self.size = rank, len(k_blocks)
+        self.k_blocks, self.v_blocks = k_blocks, v_blocks
+        self.hops = 0
+
+    def pass_on(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Send the block held (``k``, ``v``) to rank + 1; return the one rank - 1 sends."""
+        self.hops += 1
+        j = (self.rank - self.hops) % self.size  # after h hops the block of rank r - h is here
+        return self.k_blocks[j], self.v_blocks[j]
+
+
+def ring_attention_blocks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Any, *, causal: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank's ring loop: its queries against every K/V block as the blocks come round.
+
+    ``q``, ``k``, ``v``: this rank's shard (B, H, Tl, D); ``ring``: ``rank``, ``size`` and
+    ``pass_on(k, v)``, which sends the block held to rank + 1 and returns the one rank - 1
+    sent (:class:`LocalRing` in one process, :class:`P2PRing` across processes). Blocks
+    travel from rank r - 1 to rank r, so at step s rank r holds the block of rank
+    (r - s) mod n (Liu et al. 2023, arXiv 2310.01889, section 3). Each block's partial
+    attention is merged into the running (output, lse) by the online softmax (Milakov &
+    Gimelshein 2018, arXiv 1805.02867; FlashAttention, Dao et al. 2022, arXiv 2205.14135).
+    Causal: a block from a later rank holds only future keys and is not computed at all.
+    Returns (out (B, H, Tl, D), lse (B, H, Tl)), float32. :func:`_ring_forward` is the same
+    loop with the next hop started before the compute, so that it can overlap.
+    """
+    n, r = ring.size, ring.rank
+    acc: tuple[torch.Tensor, torch.Tensor] | None = None
+    for s in range(n):
+        j = (r - s) % n  # whose block is in hand: this rank's own first, then r - 1, r - 2, ...
+        part = _attend(q, k, v, block_kind(r, j, causal=causal))  # None: every key in the future
+        if part is not None:
+            acc = part if acc is None else merge(*acc, *part)
+        if s < n - 1:  # n - 1 hops; a skipped block is passed on all the same: rank r + 1 needs it
+            k, v = ring.pass_on(k, v)
+    assert acc is not None  # the diagonal block is never skipped
+    return acc
 
 
 def _attend(
@@ -251,6 +293,21 @@ class _Ring:
     def wait(works: list[Any]) -> None:
         for w in works:
             w.wait()
+
+
+class P2PRing:
+    """The ring across processes, as :func:`ring_attention_blocks` uses it: ``pass_on`` sends
+    the block held to rank + 1 and waits for rank - 1's (one ``isend``/``irecv`` pair, no
+    overlap: :func:`_ring_forward` overlaps). ``counter`` counts the bytes sent."""
+
+    def __init__(self, group: Any = None, counter: P2PCounter | None = None) -> None:
+        self._ring = _Ring(group, counter, "forward")
+        self.rank, self.size = self._ring.rank, self._ring.n
+
+    def pass_on(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        kv, works = self._ring.start(torch.stack([k, v]))  # (2, B, H, Tl, D): one message
+        self._ring.wait(works)
+        return kv[0], kv[1]
 
 
 def _ring_forward(
