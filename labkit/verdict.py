@@ -226,6 +226,76 @@ def share(
     return Share(part, whole, part_name, whole_name, fmt, if_over)
 
 
+@dataclass(frozen=True)
+class Ranking:
+    """A predicted order (fastest first) held against repeated measurements of each entry."""
+
+    predicted: tuple[str, ...]
+    summaries: tuple[Summary, ...]  # in predicted order
+    pairs: tuple[Comparison, ...]  # every pair (earlier, later) of the predicted order
+
+    @property
+    def measured(self) -> tuple[str, ...]:
+        """The names ordered by measured median, fastest first."""
+        return tuple(s.name for s in sorted(self.summaries, key=lambda s: s.median))
+
+    @property
+    def swapped(self) -> list[tuple[str, str]]:
+        """(predicted faster, measured faster) for each pair measured apart in the other order."""
+        return [(c.a.name, c.b.name) for c in self.pairs
+                if c.outcome == "faster" and c.faster is c.b]
+
+    @property
+    def unresolved(self) -> list[Comparison]:
+        """The pairs the measurements cannot order: within the tolerance, or too noisy."""
+        return [c for c in self.pairs if c.outcome != "faster"]
+
+    @property
+    def sentence(self) -> str:
+        order = " < ".join(self.predicted)
+        if self.swapped:
+            which = "; ".join(f"{b} measured faster than {a}" for a, b in self.swapped)
+            return (f"{PREFIX}the measured ranking differs from the predicted one ({order}): "
+                    f"{which}, their medians' intervals apart")
+        if not self.unresolved:
+            return (f"{PREFIX}the measured ranking is the predicted one, {order}: every pair "
+                    "apart beyond its spread")
+        which = "; ".join(f"{c.a.name} and {c.b.name} "
+                          + ("within " + f"{100 * c.tolerance:g}%" if c.outcome == "agree"
+                             else "too noisy to order") for c in self.unresolved)
+        return (f"{PREFIX}no pair is measured against the predicted ranking ({order}), but not "
+                f"every pair is told apart: {which}")
+
+    def __str__(self) -> str:
+        width = max(len(s.name) for s in self.summaries)
+        return "\n".join([*(s.line(width) for s in self.summaries), self.sentence])
+
+
+def compare_ranking(
+    predicted: Sequence[str],
+    measured: dict[str, Sequence[float]],
+    *,
+    tolerance: float = DEFAULT_TOLERANCE,
+    min_runs: int = MIN_RUNS,
+) -> Ranking:
+    """Hold a predicted order (names, fastest first) against repeated timings of each name.
+
+    Every pair is compared by ``compare_times``' rule: a pair counts as ordered only when its
+    medians' intervals are apart; "swapped" when they are apart the other way round.
+    """
+    names = list(predicted)
+    if len(names) < 2 or len(set(names)) != len(names):
+        raise ValueError(f"predicted={predicted!r}: need two or more distinct names")
+    missing = [n for n in names if n not in measured]
+    if missing:
+        raise ValueError(f"no measurements for {missing}: time every predicted entry")
+    summaries = tuple(summarize(measured[n], n) for n in names)
+    pairs = tuple(compare_times(measured[a], measured[b], names=(a, b), tolerance=tolerance,
+                                min_runs=min_runs)
+                  for i, a in enumerate(names) for b in names[i + 1:])
+    return Ranking(tuple(names), summaries, pairs)
+
+
 # --- reading verdicts back: does a printed sentence agree with the numbers printed with it? ---
 
 _NUM = r"-?\d+(?:\.\d+)?"

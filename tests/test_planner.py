@@ -396,3 +396,41 @@ def test_sensitivity_summary_counts_what_the_rows_say():
     same = [{"first": "A", "published_rank": 2}] * 2
     assert planner.sensitivity_summary(same) == (
         "the first choice stays the same in every setting; the published layout ranks first in none")
+
+
+# --- the planner's ranking held against timed layouts (notebook 03d, section 4) -------------------
+
+
+def test_compare_ranking_says_same_order_only_when_every_pair_is_apart():
+    from labkit import verdict
+
+    fast, mid, slow = ([v + d for d in (0.0, 0.001, -0.001, 0.002, -0.002)] for v in (1.0, 1.5, 2.0))
+    same = verdict.compare_ranking(["DP4", "DP2×PP2", "PP4"], {"DP4": fast, "DP2×PP2": mid, "PP4": slow})
+    assert same.measured == ("DP4", "DP2×PP2", "PP4") and not same.swapped and not same.unresolved
+    assert same.sentence.startswith("verdict: the measured ranking is the predicted one")
+    swapped = verdict.compare_ranking(["DP4", "DP2×PP2", "PP4"],
+                                      {"DP4": mid, "DP2×PP2": fast, "PP4": slow})  # fmt: skip
+    assert swapped.swapped == [("DP4", "DP2×PP2")]
+    assert "DP2×PP2 measured faster than DP4" in swapped.sentence
+    assert "is the predicted one" not in swapped.sentence
+    text = str(swapped)  # the summaries first, then the sentence, which nothing contradicts
+    assert text.splitlines()[0].startswith("DP4      median 1.5")
+    assert verdict.contradictions(text) == []
+
+
+def test_compare_ranking_does_not_order_what_the_spread_cannot():
+    from labkit import verdict
+
+    noisy_a, noisy_b = [1.0, 1.4, 0.8, 1.3, 0.9], [1.1, 0.7, 1.5, 1.0, 1.2]
+    close = [1.0, 1.001, 0.999, 1.0, 1.0]
+    r = verdict.compare_ranking(["A", "B", "C"], {"A": noisy_a, "B": noisy_b, "C": close})
+    assert not r.swapped and len(r.unresolved) == 3
+    assert "not every pair is told apart" in r.sentence and "too noisy to order" in r.sentence
+    agree = verdict.compare_ranking(["A", "B"], {"A": close, "B": [v * 1.01 for v in close]})
+    assert "A and B within 10%" in agree.sentence
+    too_few = verdict.compare_ranking(["A", "B"], {"A": [1.0, 1.0], "B": [2.0, 2.0]})
+    assert too_few.unresolved and "is the predicted one" not in too_few.sentence
+    with pytest.raises(ValueError, match="no measurements"):
+        verdict.compare_ranking(["A", "B"], {"A": close})
+    with pytest.raises(ValueError, match="two or more distinct"):
+        verdict.compare_ranking(["A", "A"], {"A": close})

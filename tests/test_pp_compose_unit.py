@@ -12,7 +12,7 @@ from __future__ import annotations
 import matplotlib
 import pytest
 
-from labkit import formulas
+from labkit import formulas, planner
 from labkit.config import ModelConfig
 from labkit.parallel import pipeline, schedules, timeline
 
@@ -215,3 +215,76 @@ def test_plot_timeline_draws_split_backwards():
     ev = schedules.simulate_actions({0: [("F", 0, 0), ("I", 0, 0), ("W", 0, 0)]}, t_w=1.0)
     ax = timeline.plot_timeline(ev, unit="forward")
     assert len(ax.patches) == 3
+
+
+# --- the order a rank ran, read from its events, and its replay ---------------------------------
+
+
+def one_f_one_b(p: int, m: int) -> dict[int, list[tuple[str, int, int]]]:
+    return {s: [(k, s, j) for k, j in schedules.schedule_order("1f1b", p, m, s)] for s in range(p)}
+
+
+def test_order_from_events_sorts_each_rank_by_start_time():
+    events = [  # as gathered: rank 1's before rank 0's, one of rank 0's out of place
+        {"rank": 1, "stage": 1, "mb": 0, "kind": "F", "start_s": 1.0, "end_s": 2.0},
+        {"rank": 0, "stage": 0, "mb": 1, "kind": "F", "start_s": 1.0, "end_s": 2.0},
+        {"rank": 0, "stage": 0, "mb": 0, "kind": "F", "start_s": 0.0, "end_s": 1.0},
+        {"rank": 1, "stage": 1, "mb": 0, "kind": "B", "start_s": 2.0, "end_s": 4.0},
+    ]
+    got = schedules.order_from_events(events)
+    assert got == {0: [("F", 0, 0), ("F", 0, 1)], 1: [("F", 1, 0), ("B", 1, 0)]}
+    with pytest.raises(ValueError, match="empty"):
+        schedules.order_from_events([])
+    with pytest.raises(ValueError, match="'X'"):
+        schedules.order_from_events([{**events[0], "kind": "X"}])
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (3, 3)])
+def test_replayed_1f1b_order_lands_on_the_formula_at_any_op_times(p, m):
+    for op_s in ({"F": 1.0, "B": 2.0}, {"F": 6.8e-3, "B": 18.9e-3}, {"F": 1.0, "B": 1.0}):
+        _, overhead = schedules.replay_overhead(one_f_one_b(p, m), op_s)
+        assert overhead == pytest.approx((p - 1) / m)
+
+
+def test_a_permuted_order_of_the_same_actions_gives_another_bubble():
+    # What makes the notebook's check able to fail: stage 0 running its backwards newest first
+    # waits for the last stage's last backward, and the replay shows it.
+    good = one_f_one_b(2, 4)
+    forwards = [a for a in good[0] if a[0] == "F"]
+    backwards = [a for a in good[0] if a[0] == "B"]
+    bad = {0: forwards + backwards[::-1], 1: good[1]}
+    assert sorted(bad[0]) == sorted(good[0])  # the same actions
+    op_s = {"F": 6.8e-3, "B": 18.9e-3}
+    _, ok = schedules.replay_overhead(good, op_s)
+    _, off = schedules.replay_overhead(bad, op_s)
+    assert ok == pytest.approx(0.25) and off > ok + 0.2
+
+
+def test_replay_overhead_needs_forward_and_backward_times():
+    with pytest.raises(ValueError, match="need the time of F"):
+        schedules.replay_overhead(one_f_one_b(2, 2), {"F": 1.0})
+    split = {0: [("F", 0, 0), ("I", 0, 0), ("W", 0, 0)]}
+    _, overhead = schedules.replay_overhead(split, {"F": 1.0, "I": 1.0, "W": 1.0})
+    assert overhead == 0.0  # one rank, nothing to wait for
+
+
+# --- the planner's data × pipeline layouts, checked before launch -------------------------------
+
+
+def test_layouts_are_checked_before_launch():
+    from labkit.workers import pp_compose
+
+    assert pp_compose.validate_layouts(CFG, 4, [[1, 4], [2, 2], [4, 1]], 8, 1) == [
+        (1, 4), (2, 2), (4, 1)]  # fmt: skip
+    assert [pp_compose.layout_name(pp, dp) for pp, dp in ((1, 4), (2, 2), (4, 1), (1, 1))] == [
+        "DP4", "DP2×PP2", "PP4", "one rank"]  # fmt: skip
+    for pp, dp in ((1, 4), (2, 2), (4, 1)):  # the names notebook 03d looks the planner's rows up by
+        assert pp_compose.layout_name(pp, dp) == planner.Layout(dp=dp, tp=1, pp=pp).name
+    with pytest.raises(ValueError, match="mesh must cover every rank"):
+        pp_compose.validate_layouts(CFG, 4, [[2, 1]], 8, 1)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        pp_compose.validate_layouts(CFG, 4, [[1, 4]], 6, 2)
+    with pytest.raises(ValueError, match="twice"):
+        pp_compose.validate_layouts(CFG, 4, [[1, 4], [1, 4]], 8, 1)
+    with pytest.raises(ValueError, match="micro_batch=0"):
+        pp_compose.validate_layouts(CFG, 4, [[1, 4]], 8, 0)

@@ -336,3 +336,43 @@ def order_from_torch(pipeline_order: dict[int, list[Any]]) -> dict[int, list[Sta
         ]
         for r, acts in pipeline_order.items()
     }
+
+
+def order_from_events(events: list[dict[str, Any]]) -> dict[int, list[StageAction]]:
+    """The action list each rank actually ran, read from its timed events.
+
+    ``events`` are {rank, stage, mb, kind, start_s, ...} dicts, one per F, B, I or W a rank
+    executed (what ``labkit.workers.pp_compose`` records by wrapping the stage's methods). A
+    rank runs one action at a time, so its actions sorted by start time are the order it ran
+    them in: what the schedule did, not what a formula or a plan says it should do. Returns
+    {rank: [(kind, stage, micro-batch), ...]}, the form ``simulate_actions`` replays.
+    """
+    out: dict[int, list[StageAction]] = {}
+    for e in sorted(events, key=lambda e: (int(e["rank"]), float(e["start_s"]))):
+        if e["kind"] not in ("F", "B", "I", "W"):
+            raise ValueError(f"event kind {e['kind']!r}: expected F, B, I or W")
+        out.setdefault(int(e["rank"]), []).append((str(e["kind"]), int(e["stage"]), int(e["mb"])))
+    if not out:
+        raise ValueError("events is empty: record at least one action")
+    return out
+
+
+def replay_overhead(
+    orders: dict[int, list[StageAction]] | list[list[StageAction]],
+    op_s: dict[str, float],
+) -> tuple[list[dict[str, Any]], float]:
+    """Replay ``orders`` on an ideal clock with the op times ``op_s`` ({"F", "B"} or {"F", "I",
+    "W"}, seconds); return the events and the bubble overhead, idle / busy averaged over ranks
+    (idle: the whole step's span minus the rank's busy time, as ``timeline.bubble_from_events``
+    counts it). For a correct 1F1B order this is (p−1)/m at any F and B times; another order of
+    the same actions can give another value: the replay tests the order, not the formula.
+    """
+    t_b = op_s.get("B", op_s.get("I"))
+    if "F" not in op_s or t_b is None:
+        raise ValueError(f"op_s={op_s!r}: need the time of F and of B (or I and W)")
+    events = simulate_actions(orders, t_f=op_s["F"], t_b=t_b, t_w=op_s.get("W"))
+    start = min(e["start_s"] for e in events)
+    span = max(e["end_s"] for e in events) - start
+    ranks = sorted({e["rank"] for e in events})
+    busy = {r: sum(e["end_s"] - e["start_s"] for e in events if e["rank"] == r) for r in ranks}
+    return events, sum((span - busy[r]) / busy[r] for r in ranks) / len(ranks)

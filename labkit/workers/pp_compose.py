@@ -2,6 +2,7 @@
 
     labkit.launch.run("labkit.workers.pp_compose", nproc=4, config={"part": "dp_pp"})
     labkit.launch.run("labkit.workers.pp_compose", nproc=2, config={"part": "schedules"})
+    labkit.launch.run("labkit.workers.pp_compose", nproc=4, config={"part": "layouts"})
 
 part="dp_pp" (pp × dp ranks, default 2 × 2). A mesh ("pp", "dp"): rank = stage·dp + replica,
 so ranks {0, 2} are one pipeline and {1, 3} the other. Each pipeline runs its half of the
@@ -24,9 +25,24 @@ and ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``, ``ScheduleZB
 weights) each rank runs is timestamped by wrapping the stage's own methods, so the bubble is
 measured whichever schedule drives it. Loss and gradients are compared with one process.
 
+The order each rank ran its actions in is read from those events
+(``schedules.order_from_events``) for every schedule, 1F1B included: ``recorded`` holds it,
+with whether every timed step ran the same order; ``orders`` holds torch's plan
+(``pipeline_order``) of the multi-stage schedules to hold it against.
+
+part="layouts" (world_size ranks, default 4). The data × pipeline layouts of the planner
+(``labkit.planner``, tensor and context parallelism left out) timed one after another in one
+job, as the planner models them: a ("pp", "dp") mesh, each replica's rows cut into micro-batches
+of ``micro_batch`` rows run by our 1F1B (one stage: plain gradient accumulation), one flat
+all-reduce of the gradients over "dp" after the last backward (ZeRO-0, not overlapped), AdamW.
+Every layout starts from the same weights and steps on the same batch, so their losses agree
+step by step (the first with one process's). Each step is timed from a common start to the
+end of the slowest rank's optimizer step.
+
 Config (all optional): part, model (ModelConfig fields), batch_size (global, default 8),
 microbatches (m, default 4), seed, warmup/repeats (untimed and timed steps, default 1/3),
-pp and dp (dp_pp), schedules (list of names from ``schedules.TORCH_SCHEDULES``).
+pp and dp (dp_pp), schedules (list of names from ``schedules.TORCH_SCHEDULES``),
+layouts ([[pp, dp], ...], default [[1, n], [2, n/2]]) and micro_batch (rows, default 1).
 """
 
 from __future__ import annotations
@@ -49,7 +65,7 @@ from labkit.timing import synchronize
 from labkit.train import make_optimizer
 from labkit.workers.pp_train import DEFAULT_MODEL, build_model, make_batch
 
-PARTS = ("dp_pp", "schedules")
+PARTS = ("dp_pp", "schedules", "layouts")
 
 
 def reference(cfg: ModelConfig, x: torch.Tensor, y: torch.Tensor, seed: int) -> dict[str, Any]:
@@ -227,6 +243,7 @@ def _schedules(ctx: dist.Context, cfg: ModelConfig, conf: dict[str, Any]) -> dic
     model = build_model(cfg, seed)
     out: dict[str, Any] = {}
     orders: dict[str, Any] = {}
+    recorded: dict[str, Any] = {}
     total, done = len(names) * (warmup + repeats), 0
     t0 = [0.0]  # the step's common start, set before each step
 
@@ -258,6 +275,7 @@ def _schedules(ctx: dist.Context, cfg: ModelConfig, conf: dict[str, Any]) -> dic
             )
         holds_first, holds_last = 0 in mine, n_stages - 1 in mine
         bubbles, steps_s, loss = [], [], float("nan")
+        ran: list[Any] = []  # the order every rank ran its actions in, per timed step
         for i in range(warmup + repeats):
             for mod in mods:
                 mod.zero_grad(set_to_none=True)
@@ -282,6 +300,7 @@ def _schedules(ctx: dist.Context, cfg: ModelConfig, conf: dict[str, Any]) -> dic
             ctx.heartbeat(step=done, total=total)
             if i < warmup:
                 continue
+            ran.append(schedules.order_from_events(events))
             per_rank = bubble_from_events(events)
             bubbles.append(statistics.fmean(r["idle_s"] / r["busy_s"] for r in per_rank.values()))
             steps_s.append(per_rank[0]["step_s"])
@@ -305,13 +324,106 @@ def _schedules(ctx: dist.Context, cfg: ModelConfig, conf: dict[str, Any]) -> dic
             "op_s": durations,  # median seconds per F, B, I, W on this rank
             "events": events,  # the last timed step, every rank
         }
+        # What ran, read from the wrappers' events (every schedule, 1F1B included), and, for
+        # the multi-stage schedules, what torch planned (``pipeline_order``) to hold it against.
+        recorded[name] = {"order": ran[-1], "same_every_step": all(o == ran[-1] for o in ran)}
         if v > 1:
             orders[name] = schedules.order_from_torch(sched.pipeline_order)
         ctx.print0(
             f"{name:>16} (v={v}): loss {loss:.4f}, measured idle/busy {out[name]['overhead']:.2f}"
         )
     return {"rank": ctx.rank, "p": p, "m": m, "reference_loss": ref["loss"], "runs": out,
-            "orders": orders if ctx.rank == 0 else None}  # fmt: skip
+            "orders": orders if ctx.rank == 0 else None,
+            "recorded": recorded if ctx.rank == 0 else None}  # fmt: skip
+
+
+# --- part 3: the planner's data × pipeline layouts, timed ------------------------------------
+
+
+def layout_name(pp: int, dp: int) -> str:
+    """The planner's name of a data × pipeline layout (``planner.Layout.name``): "DP2×PP2"."""
+    parts = [f"{k}{d}" for k, d in (("DP", dp), ("PP", pp)) if d > 1]
+    return "×".join(parts) if parts else "one rank"
+
+
+def validate_layouts(cfg: ModelConfig, world_size: int, layouts: list[Any], batch_size: int,
+                     micro_batch: int) -> list[tuple[int, int]]:  # fmt: skip
+    """[(pp, dp), ...] checked (each covers the world, its replicas' rows cut into micro-batches
+    of ``micro_batch`` rows); ValueError naming the fix otherwise. Call it before launch."""
+    if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
+        raise ValueError(f"micro_batch={micro_batch!r}: need a positive integer")
+    out = []
+    for lay in layouts:
+        pp, dp = (int(v) for v in lay)
+        if batch_size % (dp * micro_batch):
+            raise ValueError(f"layout pp={pp}, dp={dp}: batch_size={batch_size} does not split "
+                             f"into {dp} replicas of micro-batches of {micro_batch} rows: use a "
+                             f"multiple of {dp * micro_batch}")  # fmt: skip
+        pipeline.validate_dp_pp(cfg, world_size, pp, dp, batch_size,
+                                batch_size // (dp * micro_batch))  # fmt: skip
+        out.append((pp, dp))
+    if len(set(out)) != len(out):
+        raise ValueError(f"layouts={layouts!r} names a layout twice")
+    return out
+
+
+def _layouts(ctx: dist.Context, cfg: ModelConfig, conf: dict[str, Any]) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    n = ctx.world_size
+    B, b, seed = (int(conf.get("batch_size", 8)), int(conf.get("micro_batch", 1)),
+                  int(conf.get("seed", 0)))  # fmt: skip
+    default = [[1, n], [2, n // 2]] if n % 2 == 0 else [[1, n]]
+    layouts = validate_layouts(cfg, n, conf.get("layouts", default), B, b)  # again, on the rank
+    warmup, repeats = int(conf.get("warmup", 1)), int(conf.get("repeats", 3))
+    x, y = make_batch(cfg, B, seed)
+    ref_loss = reference(cfg, x, y, seed)["loss"]
+    model = build_model(cfg, seed)
+    out: dict[str, Any] = {}
+    total, done = len(layouts) * (warmup + repeats), 0
+    for pp, dp in layouts:
+        name = layout_name(pp, dp)
+        mesh = init_device_mesh(ctx.device.type, (pp, dp), mesh_dim_names=("pp", "dp"))
+        dp_group, dp_rank = mesh.get_group("dp"), mesh.get_local_rank("dp")
+        xr, yr = x.chunk(dp)[dp_rank], y.chunk(dp)[dp_rank]
+        m = xr.shape[0] // b
+        pipe = pipeline.Pipeline(model, pipeline.partition(cfg, pp), rank=ctx.rank,
+                                 device=ctx.device, group=mesh)  # fmt: skip
+        stage = pipe.stage
+        opt = make_optimizer(stage, TrainConfig())
+        losses, steps_s = [], []
+        for i in range(warmup + repeats):
+            t0 = common_t0()
+            with ctx.phase(f"{name} step"):
+                loss = pipe.step("1f1b", xr, yr, m)
+                if dp > 1:  # one flat all-reduce of the stage's gradients, after its last backward
+                    grads = [p.grad for p in stage.parameters()]
+                    flat = torch.cat([g.reshape(-1) for g in grads])
+                    tdist.all_reduce(flat, group=dp_group)
+                    flat /= dp
+                    off = 0
+                    for g in grads:
+                        g.copy_(flat[off : off + g.numel()].view_as(g))
+                        off += g.numel()
+                opt.step()
+                synchronize(ctx.device)
+                took = time.perf_counter() - t0
+            dev = dist.collective_device()
+            took_t = torch.tensor([took], dtype=torch.float64, device=dev)
+            loss_t = torch.tensor([loss], dtype=torch.float64, device=dev)
+            tdist.all_reduce(took_t, op=tdist.ReduceOp.MAX)  # the step ends with its slowest rank
+            tdist.all_reduce(loss_t, group=dp_group)  # the whole batch's loss: mean of replicas
+            losses.append(float(loss_t.item()) / dp)
+            if i >= warmup:
+                steps_s.append(float(took_t.item()))
+            done += 1
+            ctx.heartbeat(step=done, total=total)
+        out[name] = {"pp": pp, "dp": dp, "micro_batch": b, "microbatches": m,
+                     "losses": losses, "step_s_samples": steps_s,
+                     "step_s": statistics.median(steps_s) if steps_s else float("nan")}  # fmt: skip
+        ctx.print0(f"{name:>10}: {m} micro-batches of {b} per replica, median step "
+                   f"{1e3 * out[name]['step_s']:.1f} ms")  # fmt: skip
+    return {"rank": ctx.rank, "reference_loss": ref_loss, "warmup": warmup, "layouts": out}
 
 
 @dist.entrypoint
@@ -324,7 +436,8 @@ def main(ctx: dist.Context) -> dict[str, Any]:
     dist.require_gpu_backend(ctx.backend, ctx.device.type, "pipeline stages exchange "
                              "activations with send/recv")  # fmt: skip
     torch.manual_seed(0)
-    return _dp_pp(ctx, cfg, conf) if part == "dp_pp" else _schedules(ctx, cfg, conf)
+    run = {"dp_pp": _dp_pp, "schedules": _schedules, "layouts": _layouts}[part]
+    return run(ctx, cfg, conf)
 
 
 if __name__ == "__main__":
