@@ -146,7 +146,7 @@ def _stress_script():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not LINUX, reason="the supervisor needs Linux (prctl)")
-@pytest.mark.parametrize("mode", ["now", "graceful"])
+@pytest.mark.parametrize("mode", ["now", "graceful", "now"], ids=["now", "graceful", "now-again"])
 def test_a_kernel_restart_during_a_job_leaves_nothing_running(mode, tmp_path):
     """A real Jupyter kernel runs launch.run; rank 0 has started a child that ignores SIGTERM;
     the kernel is restarted. Nothing of the job may be left (scripts/stress_kernel_restart.py
