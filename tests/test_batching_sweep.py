@@ -131,3 +131,80 @@ def test_check_prediction_chooses_its_sentence_from_the_numbers():
             sweep.check_prediction(bad, tight, name="x")
     with pytest.raises(ValueError, match="tolerance"):
         sweep.check_prediction(0.1, tight, name="x", tolerance=1.5)
+
+
+# --- batch sizes around multiples of 8: the sizes, the GEMM timing, the verdict on fixed numbers
+
+
+def test_alignment_batches_and_their_refusals():
+    assert sweep.alignment_batches([8, 16]) == [6, 7, 8, 9, 10, 14, 15, 16, 17, 18]
+    assert sweep.alignment_batches([8], spread=1) == [7, 8, 9]
+    for bad in ([], [12], [0], [True]):
+        with pytest.raises(ValueError, match=r"centers|multiple"):
+            sweep.alignment_batches(bad)
+    with pytest.raises(ValueError, match="spread"):
+        sweep.alignment_batches([8], spread=8)
+
+
+def test_largest_gemm_is_the_head_or_the_mlp():
+    assert sweep.largest_gemm(SMOKE.model) == ("output head", 64, 256)  # 256 = 4 × 64: a tie
+    assert sweep.largest_gemm(config.preset("gpu").model) == ("MLP first layer", 512, 2048)
+
+
+def test_time_gemm_batches_times_every_size():
+    r = sweep.time_gemm_batches([3, 8], seq_len=5, k=4, n=6, rounds=3, min_sample_s=1e-4)
+    assert sorted(r.seconds) == [3, 8] and all(len(v) == 3 for v in r.seconds.values())
+    assert all(s > 0 for v in r.seconds.values() for s in v)
+    assert r.per_sample(8) == [s / 8 for s in r.seconds[8]]
+    assert r.dtype == "float32" and r.device == "cpu" and min(r.inner.values()) >= 1
+    with pytest.raises(ValueError, match="seq_len"):
+        sweep.time_gemm_batches([8], seq_len=0, k=4, n=6)
+
+
+def _samples(median: float, spread: float = 0.01) -> list[float]:
+    """Seven per-sample times around ``median``, a middle half ``spread`` (a fraction) wide."""
+    return [median * (1 + spread * f) for f in (-1.0, -0.5, -0.25, 0.0, 0.25, 0.5, 1.0)]
+
+
+def test_alignment_verdict_multiples_faster():
+    times = {b: _samples(1.0) for b in (6, 7, 9, 10, 14, 15, 17, 18)}
+    times[8], times[16] = _samples(0.8), _samples(0.8)  # 20% faster per sequence
+    v = sweep.alignment_verdict(times)
+    assert v.per_center == {8: "faster", 16: "faster"} and v.outcome == "faster"
+    assert v.sentence.startswith("measured: the multiples of 8 (b = 8, b = 16) run faster")
+    assert set(v.comparisons) == {(8, b) for b in (6, 7, 9, 10)} | {(16, b) for b in (14, 15, 17, 18)}
+
+
+def test_alignment_verdict_flat_is_not_faster():
+    times = {b: _samples(1.0 + 0.001 * b) for b in sweep.alignment_batches([8, 16])}
+    v = sweep.alignment_verdict(times)
+    assert v.outcome == "not faster"
+    assert v.sentence == ("measured: no multiple of 8 (b = 8, b = 16) runs faster per sequence "
+                          "than its neighbours by more than 10%, beyond the spread")
+    # slower than its neighbours is "not faster" too
+    times[8] = _samples(1.3)
+    assert sweep.alignment_verdict(times).per_center[8] == "not faster"
+
+
+def test_alignment_verdict_partly_noisy_and_mixed():
+    times = {b: _samples(1.0) for b in sweep.alignment_batches([8, 16])}
+    times[8] = _samples(0.8)
+    times[10] = _samples(0.8)  # ties with the multiple: faster than some neighbours only
+    times[16] = _samples(1.0, spread=0.6)  # a middle half 60% wide: no verdict
+    v = sweep.alignment_verdict(times)
+    assert v.per_center == {8: "partly", 16: "unclear"} and v.outcome == "unclear"
+    assert "faster than some neighbours, not all, at b = 8" in v.sentence
+    assert "too noisy to tell (rerun, or run it alone) at b = 16" in v.sentence
+    times[16] = _samples(0.8)
+    times[10] = _samples(1.0)
+    times[8] = _samples(1.0)
+    v = sweep.alignment_verdict(times)
+    assert v.per_center == {8: "not faster", 16: "faster"} and v.outcome == "mixed"
+    assert v.sentence == ("measured: faster per sequence than each neighbour, beyond the spread, "
+                          "at b = 16; no faster than its neighbours (by more than the tolerance) "
+                          "at b = 8")
+
+
+def test_alignment_verdict_needs_a_multiple_with_neighbours():
+    with pytest.raises(ValueError, match="nothing to judge"):
+        sweep.alignment_verdict({6: _samples(1.0), 7: _samples(1.0)})

@@ -19,6 +19,10 @@ prediction:
   (:func:`labkit.batching.finder.predict_max_batch`);
 * **MFU** only where ``labkit.hardware`` has a published peak for the device and dtype: an
   unknown device (every CPU) gets none, never a guess.
+
+Shapes (:func:`time_gemm_batches`, :func:`alignment_verdict`): the model's largest GEMM timed at
+batch sizes one apart around multiples of 8, and a verdict, chosen by the spread, on whether the
+multiples run faster per sequence than their neighbours (NVIDIA's tensor-core alignment rule).
 """
 
 from __future__ import annotations
@@ -393,3 +397,210 @@ def check_prediction(predicted: float, samples: Sequence[float], *, name: str,
     return PredictionCheck(name=name, predicted=float(predicted), measured=summary.median,
                            interval=(lo, hi), n=summary.n, tolerance=tolerance,
                            outcome=outcome)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# Shapes: batch sizes one apart around multiples of 8, timed, and a verdict on the multiples.
+#
+# NVIDIA, *Matrix Multiplication Background User's Guide*, §2.2 "Tensor Core Requirements":
+# cuBLAS uses tensor cores most efficiently when M, N and K are multiples of 16 bytes (8 fp16 or
+# bf16 elements); §3.1-3.2: tile and wave quantization. In a transformer the batch enters every
+# linear layer's GEMM as M = b·s tokens, so a sequence length s that is a multiple of 8 aligns
+# every b, and an odd s aligns exactly the b that are multiples of 8.
+
+ALIGNMENT = 8
+"""Elements per 16 bytes of fp16/bf16: the multiple NVIDIA's guide asks of GEMM dimensions."""
+
+ALIGNMENT_TOLERANCE = verdict.DEFAULT_TOLERANCE
+"""Per-sample times within 10% count as "agree" in :func:`alignment_verdict`, as everywhere in
+:mod:`labkit.verdict`: on the course's shared 2-core host the medians of one GEMM at
+neighbouring sizes moved by 2-5% from run to run, so a 5% band mostly read "too noisy". An
+effect smaller than the tolerance is reported as none, and the sentence says so."""
+
+
+def alignment_batches(centers: Sequence[int], *, spread: int = 2,
+                      multiple: int = ALIGNMENT) -> list[int]:  # fmt: skip
+    """The batch sizes c − spread … c + spread around each center c (a multiple of
+    ``multiple``), each once, in increasing order."""
+    if isinstance(spread, bool) or not isinstance(spread, Integral) or not 1 <= spread < multiple:
+        raise ValueError(f"spread={spread!r} is not allowed: an integer from 1 to {multiple - 1}")
+    if not centers:
+        raise ValueError("centers is empty: give multiples of the alignment, e.g. [8, 16]")
+    bad = [c for c in centers if isinstance(c, bool) or not isinstance(c, Integral)
+           or c < multiple or c % multiple]  # fmt: skip
+    if bad:
+        raise ValueError(f"centers {bad} are not allowed: each must be a positive multiple of "
+                         f"{multiple}")  # fmt: skip
+    return sorted({int(c) + d for c in centers for d in range(-spread, spread + 1)})
+
+
+def largest_gemm(cfg: ModelConfig) -> tuple[str, int, int]:
+    """(name, K, N) of the GPT's largest GEMM per token: the MLP's first layer (d × 4d) or the
+    output head (d × vocab), whichever has more columns (the head on a tie)."""
+    d = cfg.d_model
+    return ("output head", d, cfg.vocab_size) if cfg.vocab_size >= 4 * d else \
+        ("MLP first layer", d, 4 * d)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class AlignmentSweep:
+    """Seconds of one GEMM at the step's shapes, M = b·seq_len, per batch size b."""
+
+    seconds: dict[int, tuple[float, ...]]
+    """b -> seconds of one GEMM call, one sample per round (each the median of ``inner``
+    calls)."""
+    seq_len: int
+    k: int
+    n: int
+    dtype: str
+    device: str
+    inner: dict[int, int]
+    """Calls per sample, per b (so that a sample lasts about ``min_sample_s``)."""
+
+    def per_sample(self, b: int) -> list[float]:
+        """Seconds per sequence of the batch: each sample divided by b."""
+        return [s / b for s in self.seconds[b]]
+
+    def verdict(self, *, tolerance: float = ALIGNMENT_TOLERANCE) -> AlignmentVerdict:
+        return alignment_verdict({b: self.per_sample(b) for b in self.seconds},
+                                 tolerance=tolerance)  # fmt: skip
+
+
+def time_gemm_batches(
+    batches: Sequence[int],
+    *,
+    seq_len: int,
+    k: int,
+    n: int,
+    dtype: str = "float32",
+    device: str | torch.device = "cpu",
+    rounds: int = 7,
+    warmup: int = 1,
+    min_sample_s: float = 2e-3,
+    max_inner: int = 100,
+) -> AlignmentSweep:
+    """Time ``(b·seq_len × k) @ (k × n)`` in ``dtype`` on ``device`` for every b in ``batches``.
+
+    The sizes take turns round by round (``labkit.timing.alternate``); each sample is the
+    median of enough calls, each timed on its own (``labkit.timing.Timer``: CUDA events, or a
+    synchronised clock), to last about ``min_sample_s`` together (at most ``max_inner``): a
+    moment the machine's scheduler takes the core then spoils one call, not the sample.
+    """
+    sizes = [b for b, _ in _points(list(batches))]
+    for name, v in (("seq_len", seq_len), ("k", k), ("n", n)):
+        if isinstance(v, bool) or not isinstance(v, Integral) or v < 1:
+            raise ValueError(f"{name}={v!r} is not allowed: a positive integer")
+    device = torch.device(device)
+    dt = train.DTYPES[finder._dtype(dtype)]
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(k, n, generator=g).to(device=device, dtype=dt)
+    timer = timing.Timer(device)
+
+    def call_s(a: torch.Tensor) -> float:
+        with timer:
+            torch.mm(a, weight)
+        return timer.elapsed_s
+
+    inner: dict[int, int] = {}
+    fns = {}
+    for b in sizes:
+        a = torch.randn(b * seq_len, k, generator=g).to(device=device, dtype=dt)
+        fastest = min(call_s(a) for _ in range(3))  # warms the kernel, and calibrates
+        inner[b] = min(max_inner, max(1, math.ceil(min_sample_s / max(fastest, 1e-7))))
+
+        def sample(a=a, reps=inner[b]) -> float:
+            return statistics.median(call_s(a) for _ in range(reps))
+
+        fns[str(b)] = sample
+    times = timing.alternate(fns, rounds=rounds, warmup=warmup)
+    return AlignmentSweep(seconds={b: tuple(times[str(b)]) for b in sizes}, seq_len=int(seq_len),
+                          k=int(k), n=int(n), dtype=str(dt).removeprefix("torch."),
+                          device=str(device), inner=inner)  # fmt: skip
+
+
+_CENTER_KINDS = {
+    "faster": "faster per sequence than each neighbour, beyond the spread,",
+    "not faster": "no faster than its neighbours (by more than the tolerance)",
+    "partly": "faster than some neighbours, not all,",
+    "unclear": "too noisy to tell (rerun, or run it alone)",
+}
+
+
+@dataclass(frozen=True)
+class AlignmentVerdict:
+    """Whether batch sizes that are multiples of ``multiple`` run faster per sample than their
+    neighbours one and two away, beyond the spread.
+
+    Per center c: ``"faster"`` when c's per-sample time beats every neighbour's
+    (``verdict.compare_times``: medians' intervals apart); ``"not faster"`` when no neighbour
+    is clearly slower (each agrees within the tolerance, or is faster); ``"unclear"`` when a
+    comparison is too noisy; ``"partly"`` otherwise (faster than some neighbours, not all).
+    """
+
+    multiple: int
+    per_center: dict[int, str]
+    comparisons: dict[tuple[int, int], verdict.Comparison]
+    """(center, neighbour) -> their per-sample times compared."""
+    tolerance: float = ALIGNMENT_TOLERANCE
+
+    @property
+    def outcome(self) -> str:
+        """"faster" or "not faster" when every center is that; else "unclear" when some center
+        is, else "mixed"."""
+        kinds = set(self.per_center.values())
+        if len(kinds) == 1 and kinds <= {"faster", "not faster"}:
+            return kinds.pop()
+        return "unclear" if "unclear" in kinds else "mixed"
+
+    @property
+    def sentence(self) -> str:
+        m = self.multiple
+        at = {kind: ", ".join(f"b = {c}" for c, k in self.per_center.items() if k == kind)
+              for kind in _CENTER_KINDS}  # fmt: skip
+        if self.outcome == "faster":
+            return (f"measured: the multiples of {m} ({at['faster']}) run faster per sequence "
+                    "than each neighbour one and two away, beyond the spread")
+        if self.outcome == "not faster":
+            return (f"measured: no multiple of {m} ({at['not faster']}) runs faster per "
+                    f"sequence than its neighbours by more than {self.tolerance:.0%}, beyond the "
+                    "spread")
+        return "measured: " + "; ".join(f"{text} at {at[kind]}"
+                                        for kind, text in _CENTER_KINDS.items() if at[kind])
+
+    def __str__(self) -> str:
+        return self.sentence
+
+
+def alignment_verdict(per_sample: dict[int, Sequence[float]], *, multiple: int = ALIGNMENT,
+                      tolerance: float = ALIGNMENT_TOLERANCE) -> AlignmentVerdict:  # fmt: skip
+    """Judge per-sample times (b -> seconds per sequence, repeated) at each multiple of
+    ``multiple`` present against its neighbours b ± 1, ± 2 present. Pure: measures nothing."""
+    centers = sorted(b for b in per_sample if b % multiple == 0)
+    per_center: dict[int, str] = {}
+    comparisons: dict[tuple[int, int], verdict.Comparison] = {}
+    for c in centers:
+        near = [b for b in sorted(per_sample) if b != c and abs(b - c) < multiple // 2]
+        if not near:
+            continue
+        kinds = []
+        for b in near:
+            cmp = verdict.compare_times(per_sample[c], per_sample[b], names=(f"b={c}", f"b={b}"),
+                                        tolerance=tolerance)  # fmt: skip
+            comparisons[c, b] = cmp
+            if cmp.outcome == "faster":
+                kinds.append("faster" if cmp.faster is cmp.a else "slower")
+            else:
+                kinds.append(cmp.outcome)  # "agree" or "noisy"
+        if all(k == "faster" for k in kinds):
+            per_center[c] = "faster"
+        elif all(k in ("agree", "slower") for k in kinds):
+            per_center[c] = "not faster"
+        elif "noisy" in kinds:
+            per_center[c] = "unclear"
+        else:
+            per_center[c] = "partly"
+    if not per_center:
+        raise ValueError(f"no multiple of {multiple} with a neighbour within {multiple // 2 - 1} "
+                         f"in the batch sizes {sorted(per_sample)}: nothing to judge")  # fmt: skip
+    return AlignmentVerdict(multiple=multiple, per_center=per_center, comparisons=comparisons,
+                            tolerance=tolerance)  # fmt: skip
