@@ -9,7 +9,9 @@ top: a module imports only from groups above its own (``tests/test_layers.py`` h
 layers; ``tests/test_package_docs.py`` checks that this map names every module, and only
 modules that exist).
 
-Foundations (no labkit imports):
+Foundations (each imports only foundations listed above it):
+    errors            LabkitError, the one base of every exception labkit raises
+    validate          argument checks with one message style, raising errors' classes
     dtypes            the number formats' names, spellings and bytes, in one table
     nodes             where this machine sits in a multi-node job; torchrun's flags for it
     ids               how notebooks, exercises and quiz questions are named

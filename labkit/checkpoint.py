@@ -69,6 +69,8 @@ import torch.distributed as tdist
 from torch import nn
 
 from labkit import formulas
+from labkit.errors import LabkitError
+from labkit.validate import whole
 
 MANIFEST = "manifest.json"
 MAX_LINES = 8  # differences named in a CheckpointMismatch; the rest are counted
@@ -85,13 +87,13 @@ METADATA_BYTES_PER_TENSOR = 300
 are; pickled, about 270 B a tensor for labkit's GPT under torch 2.13 (38,621 B for 145)."""
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(RuntimeError, LabkitError):
     """A checkpoint could not be saved (nothing was published, its temporary folder is gone) or
     none of the complete ones could be loaded (each damaged one is named). Raised on every rank;
     an ``Exception``, unlike torch's ``CheckpointException``."""
 
 
-class CheckpointMismatch(ValueError):
+class CheckpointMismatch(ValueError, LabkitError):
     """A complete checkpoint that this job cannot load: another model shape, world size,
     optimizer or format. Raised before torch reads any tensor; the message names what differs
     and the way out."""
@@ -715,8 +717,7 @@ def save(
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     step = _check_step(step)
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-        raise ValueError(f"keep={keep!r}: keep at least the newest checkpoint (an integer >= 1)")
+    keep = whole("keep", keep, low=1, why="keep at least the newest checkpoint")
     root = Path(root)
     rank, world = _world()
     started = time.perf_counter()
@@ -1160,8 +1161,7 @@ def time_save_modes(model: nn.Module, optimizer: torch.optim.Optimizer, folder: 
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"rounds={rounds!r}: give a whole number of rounds >= 1")
+    rounds = whole("rounds", rounds, low=1)
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     no_dist = not tdist.is_initialized()

@@ -36,6 +36,8 @@ from typing import NamedTuple
 import torch
 
 from labkit.config import CORPUS_VOCAB_SIZE
+from labkit.errors import LabkitError
+from labkit.validate import number, refuse, whole
 
 __all__ = [
     "CORPUS_BYTES",
@@ -76,7 +78,7 @@ _REBUILD_HINT = (
 )
 
 
-class CorpusError(RuntimeError):
+class CorpusError(RuntimeError, LabkitError):
     """The shipped corpus is missing, unreadable or not the recorded one."""
 
 
@@ -158,10 +160,8 @@ def split_train_val(data: torch.Tensor, val_fraction: float = 0.1) -> Splits:
         ``Splits(train, val)``: views of ``data`` of shapes (N - n_val,) and (n_val,).
     """
     _check_tokens(data)
-    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)):
-        raise ValueError(f"val_fraction must be a float in (0, 1), got {val_fraction!r}")
-    if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be strictly between 0 and 1, got {val_fraction}")
+    if not 0.0 < number("val_fraction", val_fraction) < 1.0:
+        raise refuse("val_fraction", val_fraction, "a number strictly between 0 and 1")
     n = data.numel()
     n_val = int(n * val_fraction)
     if n_val < 1 or n_val >= n:
@@ -195,11 +195,6 @@ def _check_tokens(data: torch.Tensor) -> None:
         raise ValueError(f"data must hold integer tokens, got dtype {data.dtype}")
 
 
-def _check_positive(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
 def shard(data: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     """This rank's share of ``data``: contiguous, disjoint from the others, equal in length.
 
@@ -217,9 +212,8 @@ def shard(data: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
         A view of shape (N // world_size,).
     """
     _check_tokens(data)
-    _check_positive("world_size", world_size)
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be an int in [0, {world_size - 1}], got {rank!r}")
+    world_size = whole("world_size", world_size, low=1)
+    rank = whole("rank", rank, low=0, high=world_size - 1)
     size = data.numel() // world_size
     if size < 1:
         raise ValueError(
@@ -270,8 +264,8 @@ def get_batch(
         ``x[:, t] == data[start + t]``: the target is the next token.
     """
     _check_tokens(data)
-    _check_positive("batch_size", batch_size)
-    _check_positive("seq_len", seq_len)
+    batch_size = whole("batch_size", batch_size, low=1)
+    seq_len = whole("seq_len", seq_len, low=1)
     if not isinstance(generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     if data.numel() < seq_len + 1:
@@ -320,11 +314,10 @@ class BatchIterator:
         device: str | torch.device = "cpu",
     ) -> None:
         _check_tokens(data)
-        _check_positive("batch_size", batch_size)
-        _check_positive("seq_len", seq_len)
-        _check_positive("world_size", world_size)
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be an int in [0, {world_size - 1}], got {rank!r}")
+        batch_size = whole("batch_size", batch_size, low=1)
+        seq_len = whole("seq_len", seq_len, low=1)
+        world_size = whole("world_size", world_size, low=1)
+        rank = whole("rank", rank, low=0, high=world_size - 1)
         self.windows = data.unfold(0, seq_len + 1, seq_len) if data.numel() > seq_len else None
         n_windows = 0 if self.windows is None else self.windows.shape[0]
         self.per_rank = n_windows // world_size
@@ -340,9 +333,7 @@ class BatchIterator:
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch whose order the next iteration follows (same on all ranks)."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
-        self.epoch = epoch
+        self.epoch = whole("epoch", epoch, low=0)
 
     def __len__(self) -> int:
         """Batches per epoch, equal on every rank."""

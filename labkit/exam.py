@@ -45,7 +45,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from labkit import ids, procs, quiz
+from labkit.errors import LabkitError
 from labkit.quiz import DOMAINS, LETTERS, Question
+from labkit.validate import whole
 
 RESULTS_VERSION = 1
 
@@ -78,7 +80,7 @@ def default_minutes(n: int) -> float:
     :data:`MAX_MINUTES`)."""
     return min(MINUTES_PER_QUESTION * n, MAX_MINUTES)
 
-class ExamError(ValueError):
+class ExamError(ValueError, LabkitError):
     """An exam that cannot be drawn, answered or saved as asked; the message says why and what
     to do instead."""
 
@@ -157,13 +159,11 @@ def draw(
 ) -> Exam:
     """Draw ``n`` questions (see the module docstring). ``seed`` makes the draw repeatable (an
     instructor can hand everyone the same exam); ``minutes`` is the time limit (None: none)."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ExamError(f"n={n!r} is not allowed: a whole number of questions, at least 1")
+    n = whole("n", n, low=1, why="a number of questions", error=ExamError)
     if seed is None:
         seed = random.SystemRandom().randrange(2**31)
-    elif isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ExamError(f"seed={seed!r} is not allowed: a whole number >= 0, or None for a "
-                        "fresh one")  # fmt: skip
+    else:
+        seed = whole("seed", seed, low=0, why="or None for a fresh one", error=ExamError)
     if minutes is not None and not _allowed_minutes(minutes):
         raise ExamError(f"minutes={minutes!r} is not allowed: a positive number of minutes up "
                         f"to {MAX_MINUTES:g} (a day), or None for no time limit")  # fmt: skip

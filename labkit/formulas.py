@@ -39,49 +39,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from numbers import Integral, Real
 from typing import Any, NamedTuple
 
 from labkit import dtypes
-
-# ----------------------------------------------------------------------------------------------
-# Input validation. Errors name the argument, the value received and what is allowed.
-
-
-def _positive_int(name: str, value: Any) -> int:
-    # bool is an int subclass; True as a layer count is a bug, not a 1
-    if isinstance(value, bool) or not isinstance(value, Integral) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
-def _positive_number(name: str, value: Any) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, Real)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
-    return value
-
-
-def _non_negative_number(name: str, value: Any) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, Real)
-        or not math.isfinite(value)
-        or value < 0
-    ):
-        raise ValueError(f"{name} must be a non-negative finite number, got {value!r}")
-    return value
-
-
-def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
-    return value
-
+from labkit.validate import number, one_of, positive, whole
 
 # ----------------------------------------------------------------------------------------------
 # Storage size of a dtype.
@@ -198,13 +159,13 @@ def bytes_per_param(convention: str) -> int:
 
     The details and the source of each are in ``BYTES_PER_PARAM_CONVENTIONS``.
     """
-    _choice("convention", convention, tuple(BYTES_PER_PARAM_CONVENTIONS))
+    one_of("convention", convention, tuple(BYTES_PER_PARAM_CONVENTIONS))
     return BYTES_PER_PARAM_CONVENTIONS[convention].bytes_per_param
 
 
 def model_state_bytes(n_params: float, convention: str) -> float:
     """Bytes of parameters + gradients + optimizer state: ``n_params × bytes_per_param(convention)``."""
-    _positive_number("n_params", n_params)
+    positive("n_params", n_params)
     return n_params * bytes_per_param(convention)
 
 
@@ -276,8 +237,8 @@ def memory_breakdown(
         optimizer_state_dtype: dtype of each state; default the parameter's dtype.
         master_weights_dtype: dtype of a separate master copy of the weights, or None for none.
     """
-    _positive_number("n_params", n_params)
-    _choice("optimizer", optimizer, tuple(OPTIMIZER_STATES))
+    positive("n_params", n_params)
+    one_of("optimizer", optimizer, tuple(OPTIMIZER_STATES))
     p_bytes = dtype_bytes(param_dtype)
     g_bytes = dtype_bytes(grad_dtype) if grad_dtype is not None else p_bytes
     s_bytes = dtype_bytes(optimizer_state_dtype) if optimizer_state_dtype is not None else p_bytes
@@ -386,13 +347,13 @@ def activation_bytes_per_layer(
         autocast: activations from autocast to a 16-bit dtype over float32 parameters and a
             float32 residual stream (needs bytes_per_element < 4; float32 means no autocast).
     """
-    s = _positive_int("seq_len", seq_len)
-    b = _positive_int("micro_batch", micro_batch)
-    h = _positive_int("d_model", d_model)
-    a = _positive_int("n_head", n_head)
-    e = _positive_int("bytes_per_element", bytes_per_element)
-    k = _positive_int("dropout_mask_bytes", dropout_mask_bytes) if dropout else 0
-    _choice("attention", attention, ATTENTION_KINDS)
+    s = whole("seq_len", seq_len, low=1)
+    b = whole("micro_batch", micro_batch, low=1)
+    h = whole("d_model", d_model, low=1)
+    a = whole("n_head", n_head, low=1)
+    e = whole("bytes_per_element", bytes_per_element, low=1)
+    k = whole("dropout_mask_bytes", dropout_mask_bytes, low=1) if dropout else 0
+    one_of("attention", attention, ATTENTION_KINDS)
     if autocast and e >= 4:
         raise ValueError(
             f"autocast=True models autocast to a 16-bit dtype (bytes_per_element 2), got "
@@ -426,7 +387,7 @@ def activation_bytes(
     the per-layer function; keyword arguments (``bytes_per_element``, ``dropout``, ``attention``,
     ``autocast``, ...) are passed through to it.
     """
-    n = _positive_int("n_layer", n_layer)
+    n = whole("n_layer", n_layer, low=1)
     return n * activation_bytes_per_layer(seq_len, micro_batch, d_model, n_head, **kwargs)
 
 
@@ -508,13 +469,13 @@ def activation_bytes_omitted(
     (``attention="flash"``) and with the math backend (``attention="materialized"``).
     Autograd semantics: https://pytorch.org/docs/stable/notes/autograd.html#saved-tensors
     """
-    L = _positive_int("n_layer", n_layer)
-    s = _positive_int("seq_len", seq_len)
-    b = _positive_int("micro_batch", micro_batch)
-    h = _positive_int("d_model", d_model)
-    V = _positive_int("vocab_size", vocab_size)
-    e = _positive_int("bytes_per_element", bytes_per_element)
-    lp = _positive_int("log_prob_bytes", log_prob_bytes)
+    L = whole("n_layer", n_layer, low=1)
+    s = whole("seq_len", seq_len, low=1)
+    b = whole("micro_batch", micro_batch, low=1)
+    h = whole("d_model", d_model, low=1)
+    V = whole("vocab_size", vocab_size, low=1)
+    e = whole("bytes_per_element", bytes_per_element, low=1)
+    lp = whole("log_prob_bytes", log_prob_bytes, low=1)
     if autocast and e >= 4:
         raise ValueError(
             f"autocast=True models autocast to a 16-bit dtype (bytes_per_element 2), got "
@@ -560,14 +521,14 @@ def gpt_params(
     labkit.model (biases on, learned positions, tied head) has exactly
     ``V·h + s·h + L·(12h² + 13h) + 2h`` parameters: ``gpt_params(V, h, L, seq_len=s)``.
     """
-    V = _positive_int("vocab_size", vocab_size)
-    h = _positive_int("d_model", d_model)
-    L = _positive_int("n_layer", n_layer)
+    V = whole("vocab_size", vocab_size, low=1)
+    h = whole("d_model", d_model, low=1)
+    L = whole("n_layer", n_layer, low=1)
     per_layer = 12 * h * h + (13 * h if bias else 2 * h)
     final_norm = 2 * h if bias else h
     total = V * h + L * per_layer + final_norm
     if seq_len is not None:
-        total += _positive_int("seq_len", seq_len) * h
+        total += whole("seq_len", seq_len, low=1) * h
     if not tied:
         total += V * h
     return total
@@ -598,11 +559,11 @@ def flops_per_token(
     lookup, no FLOPs) but keeps the token embedding, because with tied weights it is also the
     lm_head matmul. State which N you use when you print an MFU.
     """
-    N = _positive_number("n_params", n_params)
-    L = _positive_int("n_layer", n_layer)
-    h = _positive_int("d_model", d_model)
-    s = _positive_int("seq_len", seq_len)
-    _choice("attention", attention, FLOP_ATTENTION_CONVENTIONS)
+    N = positive("n_params", n_params)
+    L = whole("n_layer", n_layer, low=1)
+    h = whole("d_model", d_model, low=1)
+    s = whole("seq_len", seq_len, low=1)
+    one_of("attention", attention, FLOP_ATTENTION_CONVENTIONS)
     attention_flops = {"full": 12 * L * h * s, "causal": 6 * L * h * s, "none": 0}[attention]
     return 6 * N + attention_flops
 
@@ -612,7 +573,7 @@ def training_flops(n_params: float, tokens: float) -> float:
 
     Ignores the attention term of ``flops_per_token``; fine when h ≫ s.
     """
-    return 6 * _positive_number("n_params", n_params) * _positive_number("tokens", tokens)
+    return 6 * positive("n_params", n_params) * positive("tokens", tokens)
 
 
 def layer_training_flops(b: int, s: int, h: int, attention: str = "full") -> float:
@@ -630,10 +591,10 @@ def layer_training_flops(b: int, s: int, h: int, attention: str = "full") -> flo
     Per token, "full" is :func:`flops_per_token`'s per-layer share (6·12h² + 12·h·s). At
     s = h the attention term adds 1/6 (17 %) to the weight matmuls.
     """
-    b = _positive_int("b", b)
-    s = _positive_int("s", s)
-    h = _positive_int("h", h)
-    _choice("attention", attention, FLOP_ATTENTION_CONVENTIONS)
+    b = whole("b", b, low=1)
+    s = whole("s", s, low=1)
+    h = whole("h", h, low=1)
+    one_of("attention", attention, FLOP_ATTENTION_CONVENTIONS)
     scores = {"full": 12, "causal": 6, "none": 0}[attention] * b * s**2 * h
     return 72 * b * s * h**2 + scores
 
@@ -664,10 +625,10 @@ def mfu(
             "peak_flops_per_s is None: no published peak is known for this device and dtype, "
             "so MFU cannot be computed; report tokens/s (or pass a sourced peak)"
         )
-    _positive_number("peak_flops_per_s", peak_flops_per_s)
-    _non_negative_number("tokens_per_s", tokens_per_s)
-    _positive_number("flops_per_token", flops_per_token)
-    n = _positive_int("n_devices", n_devices)
+    positive("peak_flops_per_s", peak_flops_per_s)
+    number("tokens_per_s", tokens_per_s, low=0)
+    positive("flops_per_token", flops_per_token)
+    n = whole("n_devices", n_devices, low=1)
     return tokens_per_s * flops_per_token / (n * peak_flops_per_s)
 
 
@@ -686,8 +647,8 @@ def bus_bandwidth_factor(collective: str, n_ranks: int) -> float:
     For all_gather and reduce_scatter, S is the size of the *full* array (n × the per-rank
     piece), as in NCCL-tests.
     """
-    _choice("collective", collective, COLLECTIVES)
-    n = _positive_int("n_ranks", n_ranks)
+    one_of("collective", collective, COLLECTIVES)
+    n = whole("n_ranks", n_ranks, low=1)
     if collective == "all_reduce":
         return 2 * (n - 1) / n
     if collective in ("all_gather", "reduce_scatter", "all_to_all"):
@@ -697,7 +658,7 @@ def bus_bandwidth_factor(collective: str, n_ranks: int) -> float:
 
 def algbw(message_bytes: float, seconds: float) -> float:
     """Algorithm bandwidth in bytes/s: S / t (NCCL-tests)."""
-    return _non_negative_number("message_bytes", message_bytes) / _positive_number(
+    return number("message_bytes", message_bytes, low=0) / positive(
         "seconds", seconds
     )
 
@@ -713,8 +674,8 @@ def ring_allreduce_bytes_per_rank(message_bytes: float, n_ranks: int) -> float:
     A reduce-scatter ((n−1)/n × S) followed by an all-gather ((n−1)/n × S). NCCL-tests
     PERFORMANCE.md derives the same 2(n−1)/n for any point-to-point algorithm. 0 when n = 1.
     """
-    S = _non_negative_number("message_bytes", message_bytes)
-    n = _positive_int("n_ranks", n_ranks)
+    S = number("message_bytes", message_bytes, low=0)
+    n = whole("n_ranks", n_ranks, low=1)
     return 2 * (n - 1) / n * S
 
 
@@ -731,10 +692,10 @@ def alpha_beta_time(message_bytes: float, latency_s: float, bandwidth_bytes_per_
                     messages: int = 1) -> float:  # fmt: skip
     """Seconds to send ``message_bytes`` in total as ``messages`` messages, one after another:
     ``messages`` × α + bytes / β (the α–β model; α = ``latency_s``, β in bytes/s)."""
-    S = _non_negative_number("message_bytes", message_bytes)
-    alpha = _non_negative_number("latency_s", latency_s)
-    beta = _positive_number("bandwidth_bytes_per_s", bandwidth_bytes_per_s)
-    k = _positive_int("messages", messages)
+    S = number("message_bytes", message_bytes, low=0)
+    alpha = number("latency_s", latency_s, low=0)
+    beta = positive("bandwidth_bytes_per_s", bandwidth_bytes_per_s)
+    k = whole("messages", messages, low=1)
     return k * alpha + S / beta
 
 
@@ -746,10 +707,10 @@ def alpha_beta_fit(small_bytes: float, small_s: float, big_bytes: float,
     the small message's time, at least 0. Raises ValueError when the big message did not take
     longer than the small one (the times were disturbed, or the sizes are too close to tell).
     """
-    m0 = _non_negative_number("small_bytes", small_bytes)
-    t0 = _non_negative_number("small_s", small_s)
-    m1 = _positive_number("big_bytes", big_bytes)
-    t1 = _positive_number("big_s", big_s)
+    m0 = number("small_bytes", small_bytes, low=0)
+    t0 = number("small_s", small_s, low=0)
+    m1 = positive("big_bytes", big_bytes)
+    t1 = positive("big_s", big_s)
     if m1 <= m0 or t1 <= t0:
         raise ValueError(
             f"big_bytes={big_bytes!r} in big_s={big_s!r} vs small_bytes={small_bytes!r} in "
@@ -767,7 +728,7 @@ def ring_allreduce_time(message_bytes: float, n_ranks: int, latency_s: float,
     The data term is :func:`ring_allreduce_bytes_per_rank` / β: each rank sends and receives
     at once, so a step costs one chunk's time, not two. 0 when n = 1.
     """
-    n = _positive_int("n_ranks", n_ranks)
+    n = whole("n_ranks", n_ranks, low=1)
     if n == 1:
         return 0.0
     return alpha_beta_time(ring_allreduce_bytes_per_rank(message_bytes, n), latency_s,
@@ -793,10 +754,10 @@ def multinode_allreduce_time(message_bytes: float, nodes: int, gpus_per_node: in
       node: 2(G−1)/G · S/intra + 2(N−1)/N · (S/G)/inter. Only 1/G of the bytes cross the
       network per GPU, close to what NCCL's topology-aware rings and trees achieve.
     """
-    s = _non_negative_number("message_bytes", message_bytes)
-    n_nodes, g = _positive_int("nodes", nodes), _positive_int("gpus_per_node", gpus_per_node)
-    intra = _positive_number("intra_bytes_per_s", intra_bytes_per_s)
-    inter = _positive_number("inter_bytes_per_s", inter_bytes_per_s)
+    s = number("message_bytes", message_bytes, low=0)
+    n_nodes, g = whole("nodes", nodes, low=1), whole("gpus_per_node", gpus_per_node, low=1)
+    intra = positive("intra_bytes_per_s", intra_bytes_per_s)
+    inter = positive("inter_bytes_per_s", inter_bytes_per_s)
     if not hierarchical:
         n = n_nodes * g
         link = intra if n_nodes == 1 else inter if g == 1 else min(intra, inter)
@@ -815,7 +776,7 @@ def young_checkpoint_interval(save_s: float, mtbf_s: float) -> float:
     time between failures) loses on average τ/2 of work since the last one. The sum
     δ/τ + τ/(2M) is least at τ = √(2δM). First order: good while δ ≪ τ ≪ M.
     """
-    return math.sqrt(2 * _positive_number("save_s", save_s) * _positive_number("mtbf_s", mtbf_s))
+    return math.sqrt(2 * positive("save_s", save_s) * positive("mtbf_s", mtbf_s))
 
 
 def daly_checkpoint_interval(save_s: float, mtbf_s: float) -> float:
@@ -827,8 +788,8 @@ def daly_checkpoint_interval(save_s: float, mtbf_s: float) -> float:
     √(2δM) (``young_checkpoint_interval``) for the time the saves themselves take, and stays
     valid where δ is not small against M; to first order it is √(2δM) − δ.
     """
-    delta = _positive_number("save_s", save_s)
-    m = _positive_number("mtbf_s", mtbf_s)
+    delta = positive("save_s", save_s)
+    m = positive("mtbf_s", mtbf_s)
     if delta >= 2 * m:
         return m
     r = delta / (2 * m)
@@ -839,10 +800,10 @@ def checkpoint_waste_fraction(interval_s: float, save_s: float, mtbf_s: float,
                               restart_s: float = 0.0) -> float:  # fmt: skip
     """Share of the time lost to checkpoints and failures, to first order (Young 1974):
     δ/τ for writing them, and per failure, every M seconds, τ/2 of lost work plus the restart."""
-    tau = _positive_number("interval_s", interval_s)
-    delta = _non_negative_number("save_s", save_s)
-    m = _positive_number("mtbf_s", mtbf_s)
-    return delta / tau + (tau / 2 + _non_negative_number("restart_s", restart_s)) / m
+    tau = positive("interval_s", interval_s)
+    delta = number("save_s", save_s, low=0)
+    m = positive("mtbf_s", mtbf_s)
+    return delta / tau + (tau / 2 + number("restart_s", restart_s, low=0)) / m
 
 
 def bucket_count(tensor_bytes: Sequence[float], cap_bytes: float) -> int:
@@ -854,12 +815,12 @@ def bucket_count(tensor_bytes: Sequence[float], cap_bytes: float) -> int:
     is at most ceil(total / cap) + (tensors larger than the cap). Pass the tensors in the
     order their gradients become ready (about the reverse of ``model.parameters()``).
     """
-    cap = _non_negative_number("cap_bytes", cap_bytes)
+    cap = number("cap_bytes", cap_bytes, low=0)
     if cap <= 0:
         raise ValueError(f"cap_bytes={cap_bytes!r} is not allowed: a size in bytes > 0")
     count, open_bytes = 0, 0.0
     for size in tensor_bytes:
-        open_bytes += _non_negative_number("tensor_bytes", size)
+        open_bytes += number("tensor_bytes", size, low=0)
         if open_bytes >= cap:
             count, open_bytes = count + 1, 0.0
     return count + (1 if open_bytes > 0 else 0)
@@ -885,9 +846,9 @@ def dp_exposed_comm_s(bucket_bytes: Sequence[float], backward_s: float, n_ranks:
     the last bucket's time is left exposed (Li et al., "PyTorch Distributed", VLDB 2020,
     section 3.2 and Figure 2: https://arxiv.org/abs/2006.15704). 0 for one rank.
     """
-    sizes = [_non_negative_number("bucket_bytes", b) for b in bucket_bytes]
-    backward = _non_negative_number("backward_s", backward_s)
-    n = _positive_int("n_ranks", n_ranks)
+    sizes = [number("bucket_bytes", b, low=0) for b in bucket_bytes]
+    backward = number("backward_s", backward_s, low=0)
+    n = whole("n_ranks", n_ranks, low=1)
     if not sizes or n == 1:
         return 0.0
     total = sum(sizes)
@@ -901,15 +862,15 @@ def dp_exposed_comm_s(bucket_bytes: Sequence[float], backward_s: float, n_ranks:
 
 def allgather_bytes_per_rank(total_bytes: float, n_ranks: int) -> float:
     """Bytes each rank receives in an all-gather whose *gathered* result is S bytes: (n−1)/n × S."""
-    S = _non_negative_number("total_bytes", total_bytes)
-    n = _positive_int("n_ranks", n_ranks)
+    S = number("total_bytes", total_bytes, low=0)
+    n = whole("n_ranks", n_ranks, low=1)
     return (n - 1) / n * S
 
 
 def reduce_scatter_bytes_per_rank(total_bytes: float, n_ranks: int) -> float:
     """Bytes each rank sends in a reduce-scatter of an S-byte input: (n−1)/n × S."""
-    S = _non_negative_number("total_bytes", total_bytes)
-    n = _positive_int("n_ranks", n_ranks)
+    S = number("total_bytes", total_bytes, low=0)
+    n = whole("n_ranks", n_ranks, low=1)
     return (n - 1) / n * S
 
 
@@ -925,9 +886,9 @@ def bubble_fraction(p: int, m: int, v: int = 1) -> float:
     Interleaving v model chunks per stage (Narayanan et al. 2021) shrinks the bubble v times.
     Same value for GPipe and 1F1B schedules, which differ in memory, not in bubble.
     """
-    p = _positive_int("p", p)
-    m = _positive_int("m", m)
-    v = _positive_int("v", v)
+    p = whole("p", p, low=1)
+    m = whole("m", m, low=1)
+    v = whole("v", v, low=1)
     return (p - 1) / (v * m + p - 1)
 
 
@@ -939,9 +900,9 @@ def bubble_overhead(p: int, m: int, v: int = 1) -> float:
     interleaved schedule with v chunks per stage. For p = 4, m = 8: 3/8, i.e. the step takes
     1.375× the ideal time. Compare ``bubble_fraction``, the share of the actual step.
     """
-    p = _positive_int("p", p)
-    m = _positive_int("m", m)
-    v = _positive_int("v", v)
+    p = whole("p", p, low=1)
+    m = whole("m", m, low=1)
+    v = whole("v", v, low=1)
     return (p - 1) / (v * m)
 
 
@@ -974,13 +935,12 @@ def zero_memory_per_rank(
     parameters a stage-3 rank gathers for the layer it is computing are not included.
     ZeRO's Figure 1 (Ψ = 7.5B, N_d = 64, K = 12): 120 GB, 31.4 GB, 16.6 GB, 1.9 GB.
     """
-    psi = _positive_number("n_params", n_params)
-    if isinstance(stage, bool) or stage not in ZERO_STAGES:
-        raise ValueError(f"stage must be one of 0, 1, 2, 3; got {stage!r}")
-    n = _positive_int("n_ranks", n_ranks)
-    k = _non_negative_number("k", k)
-    pb = _non_negative_number("param_bytes", param_bytes)
-    gb = _non_negative_number("grad_bytes", grad_bytes)
+    psi = positive("n_params", n_params)
+    one_of("stage", stage, ZERO_STAGES)
+    n = whole("n_ranks", n_ranks, low=1)
+    k = number("k", k, low=0)
+    pb = number("param_bytes", param_bytes, low=0)
+    gb = number("grad_bytes", grad_bytes, low=0)
     if stage == 0:
         return (pb + gb + k) * psi
     if stage == 1:
@@ -1025,11 +985,11 @@ def dp_overlap_ratio(
     Counting all N gradients, N cancels as above. Assumes perfect overlap, peak FLOP/s and peak
     bandwidth; real overlap is worse.
     """
-    tokens = _positive_number("tokens_per_rank", tokens_per_rank)
-    n = _positive_int("n_ranks", n_ranks)
-    C = _positive_number("peak_flops_per_s", peak_flops_per_s)
-    W = _positive_number("bandwidth_bytes_per_s", bandwidth_bytes_per_s)
-    gb = _positive_number("grad_bytes", grad_bytes)
+    tokens = positive("tokens_per_rank", tokens_per_rank)
+    n = whole("n_ranks", n_ranks, low=1)
+    C = positive("peak_flops_per_s", peak_flops_per_s)
+    W = positive("bandwidth_bytes_per_s", bandwidth_bytes_per_s)
+    gb = positive("grad_bytes", grad_bytes)
     return (gb / (2 * tokens)) * ((n - 1) / n) * (C / W)
 
 
@@ -1046,10 +1006,10 @@ def dp_min_tokens_per_rank(
 
     ``(grad_bytes/2) · ((n−1)/n) · C/W``; 0 for a single rank (nothing to communicate).
     """
-    n = _positive_int("n_ranks", n_ranks)
-    C = _positive_number("peak_flops_per_s", peak_flops_per_s)
-    W = _positive_number("bandwidth_bytes_per_s", bandwidth_bytes_per_s)
-    gb = _positive_number("grad_bytes", grad_bytes)
+    n = whole("n_ranks", n_ranks, low=1)
+    C = positive("peak_flops_per_s", peak_flops_per_s)
+    W = positive("bandwidth_bytes_per_s", bandwidth_bytes_per_s)
+    gb = positive("grad_bytes", grad_bytes)
     return (gb / 2) * ((n - 1) / n) * (C / W)
 
 
@@ -1080,7 +1040,7 @@ def dp_exposed_comm_fraction(
     ``(r − 1)·t_b``. Same assumptions as ``dp_overlap_ratio`` (peak rates, perfect overlap,
     attention FLOPs ignored).
     """
-    accum = _positive_int("grad_accum", grad_accum)
+    accum = whole("grad_accum", grad_accum, low=1)
     r = dp_overlap_ratio(
         tokens_per_micro_batch,
         n_ranks,
@@ -1101,7 +1061,7 @@ def critical_intensity(peak_flops_per_s: float, bandwidth_bytes_per_s: float) ->
 
     H100 SXM: 989e12 / 3.35e12 ≈ 295 FLOPs/byte; H200: 989e12 / 4.8e12 ≈ 206.
     """
-    return _positive_number("peak_flops_per_s", peak_flops_per_s) / _positive_number(
+    return positive("peak_flops_per_s", peak_flops_per_s) / positive(
         "bandwidth_bytes_per_s", bandwidth_bytes_per_s
     )
 
@@ -1110,9 +1070,9 @@ def roofline_attainable_flops(
     intensity: float, peak_flops_per_s: float, bandwidth_bytes_per_s: float
 ) -> float:
     """Roofline bound in FLOP/s for a kernel of arithmetic intensity I: min(C, I·BW)."""
-    i = _non_negative_number("intensity", intensity)
-    C = _positive_number("peak_flops_per_s", peak_flops_per_s)
-    BW = _positive_number("bandwidth_bytes_per_s", bandwidth_bytes_per_s)
+    i = number("intensity", intensity, low=0)
+    C = positive("peak_flops_per_s", peak_flops_per_s)
+    BW = positive("bandwidth_bytes_per_s", bandwidth_bytes_per_s)
     return min(C, i * BW)
 
 
@@ -1129,7 +1089,7 @@ def checkpoint_bytes_per_param(
     computes them afresh. Training memory counts 16 B for the same setup (``fp32_adam``): the
     4 B of gradients are the difference. Optimizer states per parameter: ``OPTIMIZER_STATES``.
     """
-    _choice("optimizer", optimizer, tuple(OPTIMIZER_STATES))
+    one_of("optimizer", optimizer, tuple(OPTIMIZER_STATES))
     return dtype_bytes(weight_dtype) + OPTIMIZER_STATES[optimizer] * dtype_bytes(state_dtype)
 
 
@@ -1155,14 +1115,14 @@ def checkpoint_bytes(
     (``bytes_per_tensor``: headers, the index). Weights plus states are the bytes-per-parameter
     count of ``checkpoint_bytes_per_param``.
     """
-    n = _non_negative_number("n_params", n_params)
-    trainable = n if n_trainable is None else _non_negative_number("n_trainable", n_trainable)
-    _choice("optimizer", optimizer, tuple(OPTIMIZER_STATES))
+    n = number("n_params", n_params, low=0)
+    trainable = n if n_trainable is None else number("n_trainable", n_trainable, low=0)
+    one_of("optimizer", optimizer, tuple(OPTIMIZER_STATES))
     w, s = dtype_bytes(weight_dtype), dtype_bytes(state_dtype)
     states = OPTIMIZER_STATES[optimizer] * s
-    tensors = _non_negative_number("n_tensors", n_tensors)
-    per_tensor = _non_negative_number("bytes_per_tensor", bytes_per_tensor)
-    aliased = _non_negative_number("aliased_params", aliased_params)
+    tensors = number("n_tensors", n_tensors, low=0)
+    per_tensor = number("bytes_per_tensor", bytes_per_tensor, low=0)
+    aliased = number("aliased_params", aliased_params, low=0)
     return (n + aliased) * w + trainable * states + tensors * per_tensor
 
 
@@ -1196,9 +1156,9 @@ def gemm_quantization(m: int, n: int, *, tile_m: int = 256, tile_n: int = 128,
     >>> round(gemm_quantization(256 * 9 + 1, 128 * 12).efficiency, 3)  # 120 tiles: 2 waves
     0.5
     """
-    m, n = _positive_int("m", m), _positive_int("n", n)
-    tile_m, tile_n = _positive_int("tile_m", tile_m), _positive_int("tile_n", tile_n)
-    concurrent = _positive_int("concurrent", concurrent)
+    m, n = whole("m", m, low=1), whole("n", n, low=1)
+    tile_m, tile_n = whole("tile_m", tile_m, low=1), whole("tile_n", tile_n, low=1)
+    concurrent = whole("concurrent", concurrent, low=1)
     rows, cols = math.ceil(m / tile_m), math.ceil(n / tile_n)
     tiles = rows * cols
     waves = math.ceil(tiles / concurrent)

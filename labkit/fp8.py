@@ -68,6 +68,7 @@ import torch
 from torch import nn
 
 from labkit.precision import FORMATS, autocast_formats, dtype_of, format_name
+from labkit.validate import whole
 
 FP8_FORMATS = ("fp8_e4m3", "fp8_e5m2")
 """The two fp8 formats [FP8, OFP8], in labkit.precision's short names."""
@@ -271,8 +272,7 @@ def mx_round_trip(x: torch.Tensor, fmt: str | torch.dtype = "fp8_e4m3", block: i
     hardware, and it says nothing about speed.
     """
     short = _fp8_name(fmt)
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-        raise ValueError(f"block={block!r} is not allowed: a positive number of elements")
+    block = whole("block", block, low=1, why="elements")
     if rounding not in ("up", "down"):
         raise ValueError(f"rounding={rounding!r} is not allowed: 'up' (NVIDIA's MXFP8 recipe) "
                          "or 'down' (the OCP MX v1.0 conversion)")  # fmt: skip

@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 import torch
 
 from labkit import timing
+from labkit.validate import whole
 
 # ----------------------------------------------------------------------------------------------
 # CPU
@@ -1286,8 +1287,7 @@ def measured_matmul_flops(
     PEAK_TABLE, so on a CPU this is the only honest "peak" the course has.
     """
     if shapes is None:
-        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-            raise ValueError(f"n must be a positive integer, got {n!r}")
+        n = whole("n", n, low=1)
         shapes = [(n, n, n)]
     shapes = [tuple(s) for s in shapes]
     if not shapes or any(
@@ -1295,10 +1295,8 @@ def measured_matmul_flops(
         for s in shapes
     ):
         raise ValueError(f"shapes must be (m, k, n) triples of positive integers, got {shapes!r}")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats <= 0:
-        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be a non-negative integer, got {warmup!r}")
+    repeats = whole("repeats", repeats, low=1)
+    warmup = whole("warmup", warmup, low=0)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
     dev = torch.device(device)

@@ -63,9 +63,11 @@ from labkit.config import parse_json_object
 from labkit.diagnosis import diagnose_hang as diagnose_hang
 from labkit.diagnosis import rank_log_path as rank_log_path
 from labkit.diagnosis import traceback_excerpt as traceback_excerpt
+from labkit.errors import LabkitError
 from labkit.nodes import Nodes, endpoint_problem, rank_range
 from labkit.procs import cleanup as cleanup
 from labkit.procs import labkit_home as labkit_home
+from labkit.validate import whole
 
 TICK_S = 0.25  # supervision period: heartbeats, timeouts, observers' on_tick
 TREE_SCAN_S = 1.0  # how often to record the agent's descendants (a /proc walk)
@@ -232,12 +234,12 @@ def _fmt(v: Any) -> str:
     return "" if v is None else str(v)
 
 
-class LaunchError(RuntimeError):
+class LaunchError(RuntimeError, LabkitError):
     """The machine cannot run the job now (no free network port, a full or unwritable disk);
     the message names the cause and the fix. Nothing of the job is left running."""
 
 
-class JobError(RuntimeError):
+class JobError(RuntimeError, LabkitError):
     """A job that did not finish cleanly; ``.result`` holds what it left behind."""
 
     def __init__(self, message: str, *, result: JobResult) -> None:
@@ -529,8 +531,7 @@ def _check_inputs(
     pg_timeout_s: float,
 ) -> str:
     """Validate run()'s arguments; return the config as JSON."""
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-        raise ValueError(f"nproc={nproc!r}: need an integer >= 1 (processes to start)")
+    nproc = whole("nproc", nproc, low=1, why="processes to start")
     if not isinstance(config, dict):
         raise ValueError(f"config must be a dict or None, got {type(config).__name__}")
     try:
@@ -645,8 +646,7 @@ def run(
             f"nodes={nodes!r}: need a labkit.nodes.Nodes(count, endpoint=..., rdzv_id=...), "
             "or None for a job on this machine alone"
         )
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-        raise ValueError(f"max_restarts={max_restarts!r}: need an integer >= 0 (0: no restart)")
+    max_restarts = whole("max_restarts", max_restarts, low=0, why="0: no restart")
     gpu_count = visible_gpu_count()
     asked = device
     backend, device = resolve_backend(nproc, device, backend, gpu_count=gpu_count)

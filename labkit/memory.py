@@ -40,6 +40,7 @@ from torch import nn
 from labkit import formulas
 from labkit.config import ModelConfig
 from labkit.train import Batch, autocast
+from labkit.validate import one_of, whole
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -201,13 +202,11 @@ def predicted_stage_activations(
     if cfg.dropout > 0:
         raise ValueError(f"cfg.dropout={cfg.dropout!r}: the prediction is for dropout off; "
                          "use a config with dropout=0.0 (every preset has it)")
-    if isinstance(blocks, bool) or not isinstance(blocks, int) or not 0 <= blocks <= cfg.n_layer:
-        raise ValueError(f"blocks={blocks!r}: the number of blocks this stage runs, 0 to "
-                         f"n_layer={cfg.n_layer}")  # fmt: skip
+    blocks = whole("blocks", blocks, low=0, high=cfg.n_layer, why="the blocks this stage runs")
     s, b, h = cfg.seq_len, micro_batch, cfg.d_model
     e = formulas.dtype_bytes(dtype)
     mixed = e < 4
-    whole = formulas.activation_bytes_omitted(
+    model_terms = formulas.activation_bytes_omitted(
         max(blocks, 1), s, b, h, cfg.vocab_size, bytes_per_element=e, autocast=mixed)
     stats_per_norm = 2 * 4 * s * b  # float32 mean and rstd per token
     terms: dict[str, float] = {}
@@ -219,10 +218,10 @@ def predicted_stage_activations(
     if first:
         terms["token and position ids"] = 8 * s * b + 8 * s
     if last:
-        terms["final LayerNorm input"] = whole.final_norm_input
-        terms["output head input (final LayerNorm output)"] = whole.head_input
+        terms["final LayerNorm input"] = model_terms.final_norm_input
+        terms["output head input (final LayerNorm output)"] = model_terms.head_input
         terms["final LayerNorm statistics"] = stats_per_norm
-        terms["head weight copy (autocast)"] = whole.head_weight_copy
+        terms["head weight copy (autocast)"] = model_terms.head_weight_copy
     return {name: int(v) for name, v in terms.items() if v}
 
 
@@ -350,8 +349,7 @@ def cuda_block_bytes(nbytes: int) -> int:
     counts at its full size. Small requests, as in the course's models, are split and counted
     as rounded here.
     """
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-        raise ValueError(f"nbytes={nbytes!r} is not allowed: give a number of bytes >= 0")
+    nbytes = whole("nbytes", nbytes, low=0, why="a number of bytes")
     block = CUDA_MIN_BLOCK_BYTES
     return -(-nbytes // block) * block
 
@@ -440,9 +438,9 @@ def predicted_step_peak(
     if cfg.dropout > 0:
         raise ValueError(f"cfg.dropout={cfg.dropout!r}: the prediction is for dropout off; "
                          "use a config with dropout=0.0 (every preset has it)")
-    formulas._choice("attention", attention, formulas.ATTENTION_KINDS)
-    b = formulas._positive_int("micro_batch", micro_batch)
-    s = formulas._positive_int("seq_len", seq_len) if seq_len is not None else cfg.seq_len
+    one_of("attention", attention, formulas.ATTENTION_KINDS)
+    b = whole("micro_batch", micro_batch, low=1)
+    s = whole("seq_len", seq_len, low=1) if seq_len is not None else cfg.seq_len
     L, h, a, V = cfg.n_layer, cfg.d_model, cfg.n_head, cfg.vocab_size
     e = formulas.dtype_bytes(dtype)
     mixed = e < 4

@@ -56,6 +56,7 @@ from pathlib import Path
 import nbformat
 
 from labkit import ids
+from labkit.errors import LabkitError
 from labkit.exercises import STUB_MESSAGE
 
 CODE_BEGIN = re.compile(r"^(?P<indent>[ \t]*)#\s*BEGIN SOLUTION\s*$")
@@ -90,7 +91,7 @@ RUN_CELL_METADATA = ("execution", "papermill")
 RUN_NOTEBOOK_METADATA = ("papermill", "widgets")
 
 
-class MarkerError(ValueError):
+class MarkerError(ValueError, LabkitError):
     """Solution markers that do not pair up, or leave a cell that is not valid Python."""
 
 

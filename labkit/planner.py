@@ -66,6 +66,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from labkit import formulas, hardware
+from labkit.validate import one_of
 
 RECOMPUTE = ("none", "selective", "full")
 MODELLED = "modelled"
@@ -328,7 +329,7 @@ class Workload:
             _num(f, getattr(self, f))
         _num("optimizer_bytes", self.optimizer_bytes, open_low=False)
         _num("usable_memory", self.usable_memory, high=1.0)
-        formulas._choice("attention", self.attention, formulas.ATTENTION_KINDS)
+        one_of("attention", self.attention, formulas.ATTENTION_KINDS)
 
     @classmethod
     def from_tokens(cls, tokens: int, seq_len: int, **kwargs: Any) -> Workload:
@@ -372,7 +373,7 @@ class Search:
             if isinstance(z, bool) or z not in formulas.ZERO_STAGES:
                 raise ValueError(f"zero_stages entry {z!r}: ZeRO stages are 0, 1, 2, 3")
         for r in self.recompute:
-            formulas._choice("recompute entry", r, RECOMPUTE)
+            one_of("recompute entry", r, RECOMPUTE)
         _int("max_cp", self.max_cp)
 
 
@@ -395,7 +396,7 @@ class Layout:
             _int(f, getattr(self, f))
         if isinstance(self.zero, bool) or self.zero not in formulas.ZERO_STAGES:
             raise ValueError(f"zero={self.zero!r}: ZeRO stages are 0, 1, 2, 3")
-        formulas._choice("recompute", self.recompute, RECOMPUTE)
+        one_of("recompute", self.recompute, RECOMPUTE)
 
     @property
     def n_gpus(self) -> int:
@@ -433,7 +434,7 @@ def check_layout(model: ModelSpec, cluster: Cluster, workload: Workload, layout:
         _int(f, getattr(lay, f))
     if lay.zero not in formulas.ZERO_STAGES or isinstance(lay.zero, bool):
         raise ValueError(f"zero={lay.zero!r}: ZeRO stages are 0, 1, 2, 3")
-    formulas._choice("recompute", lay.recompute, RECOMPUTE)
+    one_of("recompute", lay.recompute, RECOMPUTE)
     if lay.n_gpus != cluster.n_gpus:
         raise ValueError(f"DP × TP × PP × CP = {lay.dp} × {lay.tp} × {lay.pp} × {lay.cp} = "
                          f"{lay.n_gpus} but the cluster has n_gpus={cluster.n_gpus}: the "

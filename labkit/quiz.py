@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from labkit.errors import LabkitError
 from labkit.ids import NOTEBOOK_ID
 
 BANK_DIR = Path(__file__).with_name("quizbank")
@@ -84,7 +85,7 @@ _FIELDS = ("id", "question", "choices", "answer", "why_wrong", "explanation", "d
 _OPTIONAL = ("tags",)
 
 
-class QuizBankError(ValueError):
+class QuizBankError(ValueError, LabkitError):
     """A question bank that does not validate; the message names file, question and field."""
 
 

@@ -34,6 +34,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from labkit.validate import flag, whole
+
 # The job-folder protocol of labkit.dist (JOB_DIR_ENV, SPEC_FILE) and launch's rank prefix
 # (RANK_PREFIX), spelled out here because both modules sit above this one and import torch;
 # tests/test_slurm.py holds these copies equal to the originals.
@@ -119,12 +121,17 @@ class SlurmJob:
     python: str = field(default_factory=lambda: sys.executable)
     runs_dir: str = "runs"
 
+    def _whole(self, name: str, *, low: int, why: str) -> None:
+        """Check an integer field and store it as a Python int: numpy's integers pass the
+        check, and the job's spec is JSON."""
+        object.__setattr__(self, name, whole(name, getattr(self, name), low=low, why=why))
+
     def __post_init__(self) -> None:
-        _whole("nodes", self.nodes, 1, "a number of machines, e.g. nodes=2")
-        _whole("gpus_per_node", self.gpus_per_node, 0,
-               "GPUs per machine, one rank each; 0 for CPU ranks")  # fmt: skip
+        self._whole("nodes", low=1, why="a number of machines, e.g. nodes=2")
+        self._whole("gpus_per_node", low=0,
+                    why="GPUs per machine, one rank each; 0 for CPU ranks")  # fmt: skip
         if self.ranks_per_node is not None:
-            _whole("ranks_per_node", self.ranks_per_node, 1, "ranks each machine runs, e.g. 2")
+            self._whole("ranks_per_node", low=1, why="ranks each machine runs, e.g. 2")
             if self.gpus_per_node and self.ranks_per_node != self.gpus_per_node:
                 raise ValueError(
                     f"ranks_per_node={self.ranks_per_node} with gpus_per_node="
@@ -133,8 +140,8 @@ class SlurmJob:
                     "for CPU ranks"
                 )
         if self.cpus_per_node is not None:
-            _whole("cpus_per_node", self.cpus_per_node, 1,
-                   "CPU cores SLURM reserves per machine, e.g. 8")  # fmt: skip
+            self._whole("cpus_per_node", low=1,
+                    why="CPU cores SLURM reserves per machine, e.g. 8")  # fmt: skip
         if not self.gpus_per_node and self.ranks > MAX_RANKS_PER_CPU * self.cpus:
             raise ValueError(
                 f"ranks_per_node={self.ranks} CPU ranks on cpus_per_node={self.cpus}: at most "
@@ -163,19 +170,18 @@ class SlurmJob:
             raise ValueError(
                 f"config: not plain JSON ({e}); use numbers, strings, lists and dicts"
             ) from None
-        _whole("max_restarts", self.max_restarts, 0, "restarts after a failure, 0 for none")
-        if self.exclusive is not None and not isinstance(self.exclusive, bool):
-            raise ValueError(f"exclusive={self.exclusive!r}: True, False or None (the default)")
+        self._whole("max_restarts", low=0, why="restarts after a failure, 0 for none")
+        if self.exclusive is not None:
+            flag("exclusive", self.exclusive, why="or None, the default")
         if self.mem is not None and not (isinstance(self.mem, str) and _MEM.fullmatch(self.mem)):
             raise ValueError(f"mem={self.mem!r}: need '0' (all of each node's memory) or a size "
                              "such as '64G' or '500000M'")  # fmt: skip
         if self.signal_s is not None:
-            _whole("signal_s", self.signal_s, 1, "seconds before the time limit, e.g. 120")
+            self._whole("signal_s", low=1, why="seconds before the time limit, e.g. 120")
             if self.signal_s >= self.time_limit_s:
                 raise ValueError(f"signal_s={self.signal_s}: the signal must come before the "
                                  f"time limit ({self.time_limit_s} s) and leave time to work")  # fmt: skip
-        if not isinstance(self.requeue, bool):
-            raise ValueError(f"requeue={self.requeue!r}: True or False")
+        flag("requeue", self.requeue)
         if self.socket_ifname is not None and not (
             isinstance(self.socket_ifname, str) and _IFNAME.fullmatch(self.socket_ifname)
         ):
@@ -412,11 +418,6 @@ echo "job $SLURM_JOB_ID done: results in ${JOB_DIR_ENV}/rank<r>.json"
         if self.runs_dir.startswith("/"):
             return self.runs_dir
         return f"$SLURM_SUBMIT_DIR/{self.runs_dir}"
-
-
-def _whole(name: str, value: Any, low: int, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}={value!r}: need a whole number >= {low} ({what})")
 
 
 # --- the command line (python -m labkit slurm) -------------------------------------------------

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from labkit.validate import whole
+
 
 def as_device(device: torch.device | str) -> torch.device:
     return device if isinstance(device, torch.device) else torch.device(device)
@@ -287,10 +289,8 @@ def alternate(
     """
     if not fns:
         raise ValueError("fns is empty: pass at least one name -> function")
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"rounds={rounds!r} is not allowed: an integer >= 1")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup={warmup!r} is not allowed: an integer >= 0")
+    rounds = whole("rounds", rounds, low=1)
+    warmup = whole("warmup", warmup, low=0)
     names = list(fns)
     samples: dict[str, list[float]] = {name: [] for name in names}
     for r in range(warmup + rounds):

@@ -41,6 +41,7 @@ from typing import Any
 import psutil
 
 from labkit import ids, procs
+from labkit.validate import whole
 
 SIZES = ("smoke", "lab", "gpu")
 SAMPLE_EVERY_S = 0.2
@@ -293,8 +294,7 @@ def run_many(notebooks: Sequence[Path], sizes: Sequence[str], *, rounds: int = 1
              run: Callable[..., NotebookTiming] | None = None) -> list[NotebookTiming]:  # fmt: skip
     """Run every notebook at every size, ``rounds`` times (odd rounds in reverse order, so a
     neighbour's burst of load does not always land on the same notebook), with progress lines."""
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"rounds={rounds!r}: give 1 or more")
+    rounds = whole("rounds", rounds, low=1)
     run = run_notebook if run is None else run
     results, n, k = [], len(notebooks) * len(sizes) * rounds, 0
     for r in range(rounds):

@@ -227,7 +227,7 @@ def test_measure_noise_scale_refuses_bad_sizes():
     g = torch.Generator()
     with pytest.raises(ValueError, match="must be smaller"):
         noise.measure_noise_scale(model, tokens, 8, 8, 4, 2, g)
-    with pytest.raises(ValueError, match="repeats must be a positive integer"):
+    with pytest.raises(ValueError, match="repeats=0 is not allowed: a positive integer"):
         noise.measure_noise_scale(model, tokens, 4, 8, 4, 0, g)
 
 

@@ -52,8 +52,8 @@ def test_too_few_weighted_questions_is_refused():
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    ({"n": 0}, "at least 1"), ({"n": 2.5}, "whole number of questions"),
-    ({"n": True}, "whole number of questions"), ({"seed": -1}, "seed=-1"),
+    ({"n": 0}, "a positive integer"), ({"n": 2.5}, "a number of questions"),
+    ({"n": True}, "a number of questions"), ({"seed": -1}, "seed=-1"),
     ({"seed": "abc"}, "seed='abc'"), ({"minutes": 0}, "positive number"),
     ({"weights": {"NCP-GENL: cooking": 1}}, "unknown sub-topics"),
     ({"weights": {DOMAINS[0]: -1}}, "negative or non-numeric"),

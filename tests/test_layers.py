@@ -17,13 +17,17 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "labkit"
 
 LAYERS: dict[str, int] = {
+    # LabkitError, the base of every labkit exception: below everything that raises one
+    "errors": -2,
+    # one validation style for arguments ("name=value is not allowed: ..."), over errors only
+    "validate": -1,
     # the names of number formats, below everything that takes a dtype: no labkit imports
     "dtypes": -1,
     # where a machine sits in a job of several (torchrun's multi-node flags): no labkit imports
     "nodes": -1,
     # how notebooks, exercises and quiz questions are named: no labkit imports
     "ids": -1,
-    # foundations: no labkit imports
+    # foundations: no labkit imports but errors and validate (and ids, for quiz)
     "config": 0, "timing": 0, "formulas": 0, "_spawn": 0, "quiz": 0,
     "sealed": 0,  # opaque text for a job spec (the capstone's settings): no labkit imports
     # facts about the machine, the data, the model, the worker side of a job

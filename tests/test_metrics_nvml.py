@@ -24,8 +24,8 @@ from labkit.metrics import (
     NvmlBackend,
     Recorder,
     ReplayBackend,
+    ReplayError,
     Sample,
-    TraceError,
     auto_backend,
     load_trace,
     parse_visible_devices,
@@ -440,7 +440,7 @@ def test_trace_without_provenance_is_rejected(tmp_path, meta, words):
     path = tmp_path / "t.jsonl"
     _write(path, {"format": "labkit-metrics-trace", "version": 1, "metadata": meta},
            {"t": 0, "source": "gpu0", "values": {"power_w": 100.0}})  # fmt: skip
-    with pytest.raises(TraceError, match=words):
+    with pytest.raises(ReplayError, match=words):
         ReplayBackend(path).open()
 
 
@@ -454,16 +454,16 @@ def test_trace_without_provenance_is_rejected(tmp_path, meta, words):
 def test_trace_rows_are_validated(tmp_path, row, words):
     path = tmp_path / "t.jsonl"
     _write(path, {"format": "labkit-metrics-trace", "version": 1, "metadata": GOOD_META}, row)
-    with pytest.raises(TraceError, match=words):
+    with pytest.raises(ReplayError, match=words):
         load_trace(path)
 
 
 def test_not_a_trace_is_rejected(tmp_path):
     path = tmp_path / "t.jsonl"
     _write(path, {"hello": 1})
-    with pytest.raises(TraceError, match="not a labkit-metrics-trace"):
+    with pytest.raises(ReplayError, match="not a labkit-metrics-trace"):
         load_trace(path)
-    with pytest.raises(TraceError, match="cannot read"):
+    with pytest.raises(ReplayError, match="cannot read"):
         load_trace(tmp_path / "missing.jsonl")
 
 
@@ -472,13 +472,13 @@ def test_a_compressed_or_binary_trace_is_named_not_a_unicode_error(tmp_path):
     record(good)
     packed = tmp_path / "trace.jsonl.gz"
     packed.write_bytes(gzip.compress(good.read_bytes()))
-    with pytest.raises(TraceError, match=(
+    with pytest.raises(ReplayError, match=(
             rf"^{re.escape(str(packed))}: gzip-compressed; a trace is plain UTF-8 JSON Lines: "
             rf"decompress it first \(gunzip {re.escape(str(packed))}\)")):  # fmt: skip
         load_trace(packed)
     binary = tmp_path / "trace.bin"
     binary.write_bytes(good.read_bytes()[:40] + b"\n\xff\xfe\x00 not text\n")
-    with pytest.raises(TraceError, match=(
+    with pytest.raises(ReplayError, match=(
             rf"^{re.escape(str(binary))}:2: not UTF-8 text \(byte 0xff at column 1\); a trace "
             "is UTF-8 JSON Lines written by labkit.metrics.Recorder")):  # fmt: skip
         load_trace(binary)
@@ -493,7 +493,7 @@ def test_a_trace_with_nan_or_infinity_is_refused_naming_the_line(tmp_path, const
                                 "metadata": GOOD_META}) + "\n"
                     + '{"t": 0, "source": "gpu0", "values": {"power_w": 100.0}}\n'
                     + f'{{"t": 1, "source": "gpu0", "values": {{"power_w": {constant}}}}}\n')  # fmt: skip
-    with pytest.raises(TraceError, match=(
+    with pytest.raises(ReplayError, match=(
             rf"^{re.escape(str(path))}:3: {constant} is not a JSON number: a trace holds "
             r"finite numbers, and null where a reading is N/A")):  # fmt: skip
         load_trace(path)
@@ -504,5 +504,5 @@ def test_a_trace_number_that_overflows_a_float_is_refused(tmp_path):
     path.write_text(json.dumps({"format": "labkit-metrics-trace", "version": 1,
                                 "metadata": GOOD_META}) + "\n"
                     + '{"t": 0, "source": "gpu0", "values": {"power_w": -1e999}}\n')  # fmt: skip
-    with pytest.raises(TraceError, match=rf"^{re.escape(str(path))}:2: -1e999 overflows a float"):
+    with pytest.raises(ReplayError, match=rf"^{re.escape(str(path))}:2: -1e999 overflows a float"):
         load_trace(path)

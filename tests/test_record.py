@@ -20,7 +20,7 @@ from labkit.metrics import (
     NvmlBackend,
     Recorder,
     ReplayBackend,
-    TraceError,
+    ReplayError,
     load_trace,
 )
 from labkit.metrics import replay as replay_mod
@@ -76,7 +76,7 @@ def test_steps_and_samples_may_interleave_but_each_keeps_its_order(tmp_path):
     assert [e.step for e in load_trace(ok).steps] == [3]
     back = write_lines(tmp_path / "back.jsonl", {"t": 2.0, "rank": 0, "step": 1},
                        {"t": 1.0, "rank": 0, "step": 2})  # fmt: skip
-    with pytest.raises(TraceError, match=r"back\.jsonl:3: rank 0's step at t=1.0 goes back"):
+    with pytest.raises(ReplayError, match=r"back\.jsonl:3: rank 0's step at t=1.0 goes back"):
         load_trace(back)
     other_rank = write_lines(tmp_path / "ranks.jsonl", {"t": 2.0, "rank": 0, "step": 1},
                              {"t": 1.0, "rank": 1, "step": 1})  # fmt: skip
@@ -91,7 +91,7 @@ def test_steps_and_samples_may_interleave_but_each_keeps_its_order(tmp_path):
 ])  # fmt: skip
 def test_bad_step_lines_are_named(tmp_path, row, words):
     path = write_lines(tmp_path / "bad.jsonl", row)
-    with pytest.raises(TraceError, match=r"bad\.jsonl:2") as err:
+    with pytest.raises(ReplayError, match=r"bad\.jsonl:2") as err:
         load_trace(path)
     assert words in str(err.value)
 

@@ -212,7 +212,7 @@ def test_bad_input_names_the_field(kw, field_name):
     with pytest.raises(ValueError) as err:
         SlurmJob(**{"python": "/usr/bin/python3", **kw})
     assert field_name in str(err.value)
-    assert re.search(r": need |; leave |; raise |; use ", str(err.value)), "and a fix"
+    assert re.search(r": need |; leave |; raise |; use | is not allowed: ", str(err.value)), "and a fix"
 
 
 @pytest.mark.parametrize(("time_", "seconds"), [("00:30:00", 1800), ("1-12:00:00", 129600),
@@ -278,7 +278,7 @@ def test_cli_errors_go_to_stderr_with_status_2(argv, message, capsys):
 def test_cli_runs_as_a_module():
     proc = subprocess.run([sys.executable, "-m", "labkit", "slurm", "--nodes", "-1"],
                           capture_output=True, text=True, cwd=ROOT)  # fmt: skip
-    assert proc.returncode == 2 and "nodes=-1: need a whole number >= 1" in proc.stderr
+    assert proc.returncode == 2 and "nodes=-1 is not allowed: a positive integer" in proc.stderr
 
 
 # --- a real SLURM: slurmctld + slurmd on this machine -----------------------------------------

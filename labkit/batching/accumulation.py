@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from labkit.batching.noise import Batch, accumulation_steps
-from labkit.formulas import _positive_int
+from labkit.validate import whole
 
 
 def accumulated_gradients(
@@ -43,7 +43,7 @@ def accumulated_gradients(
     """
     x, y = batch
     size = x.shape[0]
-    k = _positive_int("k", k)
+    k = whole("k", k, low=1)
     if size % k:
         allowed = [d for d in range(1, size + 1) if size % d == 0]
         raise ValueError(
@@ -165,7 +165,7 @@ def measure_update_seconds(template: nn.Module, *, train_cfg: Any = None,
             optimizer.zero_grad(set_to_none=True)
         return timer.elapsed_s
 
-    return timing.alternate({"update": once}, rounds=_positive_int("rounds", rounds),
+    return timing.alternate({"update": once}, rounds=whole("rounds", rounds, low=1),
                             warmup=warmup)["update"]  # fmt: skip
 
 
@@ -185,7 +185,7 @@ def predict_accumulated_seconds(single_step_s: float, update_s: float, k: int) -
     for name, v in (("single_step_s", single_step_s), ("update_s", update_s)):
         if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
             raise ValueError(f"{name}={v!r} is not allowed: a finite number of seconds >= 0")
-    k = _positive_int("k", k)
+    k = whole("k", k, low=1)
     if update_s > single_step_s:
         raise ValueError(f"update_s={update_s!r} is more than the whole step "
                          f"single_step_s={single_step_s!r}: the update is part of the step")

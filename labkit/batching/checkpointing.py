@@ -46,8 +46,10 @@ from torch.utils.checkpoint import (
 from labkit import formulas
 from labkit.batching.trials import _dtype
 from labkit.config import ModelConfig
+from labkit.validate import whole
 
 _PREFIX = "block."
+_EVERY = "1 checkpoints every block, 2 every other block, ..."  # what `every` means, in refusals
 
 
 class CheckpointedBlock(nn.Module):
@@ -90,9 +92,7 @@ def apply_checkpointing(model: nn.Module, every: int = 1) -> list[str]:
     ``every=2`` every other block (about half the saving for half the recompute).
     Returns the names of the wrapped blocks, e.g. ``["blocks.0", "blocks.2"]``.
     """
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"every={every!r} is not allowed: an int >= 1 "
-                         "(1 checkpoints every block, 2 every other block, ...)")
+    every = whole("every", every, low=1, why=_EVERY)
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, nn.ModuleList):
         raise ValueError(f"{type(model).__name__} has no `blocks` nn.ModuleList: "
@@ -169,14 +169,13 @@ def predict_checkpointing(
     """
     if dtype is not None:
         bytes_per_element = 4 if _dtype(dtype) == "float32" else 2
-    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-        raise ValueError(f"every={every!r} is not allowed: None (no checkpointing) or an int "
-                         ">= 1 (1 checkpoints every block, 2 every other block, ...)")
-    s = cfg.seq_len if seq_len is None else formulas._positive_int("seq_len", seq_len)
+    if every is not None:
+        every = whole("every", every, low=1, why=_EVERY + "; None: no checkpointing")
+    s = cfg.seq_len if seq_len is None else whole("seq_len", seq_len, low=1)
     if s > cfg.seq_len:
         raise ValueError(f"seq_len={s} is not allowed: the model's context is {cfg.seq_len} "
                          f"tokens; give 1..{cfg.seq_len}")
-    b = formulas._positive_int("micro_batch", micro_batch)
+    b = whole("micro_batch", micro_batch, low=1)
     per_layer = formulas.activation_bytes_per_layer(
         s, b, cfg.d_model, cfg.n_head, bytes_per_element=bytes_per_element,
         dropout=cfg.dropout > 0, dropout_mask_bytes=dropout_mask_bytes, attention="flash",
@@ -354,11 +353,11 @@ def predict_recompute(cfg: ModelConfig, micro_batch: int, mode: str, *,
     if cfg.dropout > 0:
         raise ValueError(f"cfg.dropout={cfg.dropout!r}: the prediction is for dropout off; "
                          "use a config with dropout=0.0 (every preset has it)")
-    s = cfg.seq_len if seq_len is None else formulas._positive_int("seq_len", seq_len)
+    s = cfg.seq_len if seq_len is None else whole("seq_len", seq_len, low=1)
     if s > cfg.seq_len:
         raise ValueError(f"seq_len={s} is not allowed: the model's context is {cfg.seq_len} "
                          f"tokens; give 1..{cfg.seq_len}")
-    b = formulas._positive_int("micro_batch", micro_batch)
+    b = whole("micro_batch", micro_batch, low=1)
     L, h, a = cfg.n_layer, cfg.d_model, cfg.n_head
     sbh = s * b * h
     none = formulas.activation_bytes_per_layer(
@@ -388,8 +387,8 @@ def paper_bytes_per_layer(seq_len: int, micro_batch: int, d_model: int, n_head: 
     """
     if mode not in AC_MODES:
         raise ValueError(f"mode={mode!r} is not allowed: one of {', '.join(map(repr, AC_MODES))}")
-    s, b = formulas._positive_int("seq_len", seq_len), formulas._positive_int("micro_batch", micro_batch)
-    h, a = formulas._positive_int("d_model", d_model), formulas._positive_int("n_head", n_head)
+    s, b = whole("seq_len", seq_len, low=1), whole("micro_batch", micro_batch, low=1)
+    h, a = whole("d_model", d_model, low=1), whole("n_head", n_head, low=1)
     if mode == "none":  # the formula's defaults are the paper's: 16-bit, 1-byte masks, s×s stored
         return formulas.activation_bytes_per_layer(s, b, h, a)
     return {"selective": 34 * s * b * h, "full": 2 * s * b * h}[mode]
@@ -403,8 +402,8 @@ def one_f_one_b_in_flight(stages: int, micro_batches: int) -> list[int]:
     forward. So the first stage holds p micro-batches' activations, the last one; GPipe holds
     all m on every stage.
     """
-    p = formulas._positive_int("stages", stages)
-    m = formulas._positive_int("micro_batches", micro_batches)
+    p = whole("stages", stages, low=1)
+    m = whole("micro_batches", micro_batches, low=1)
     return [min(p - i, m) for i in range(p)]
 
 
@@ -447,13 +446,13 @@ def segment_checkpoint_bytes(n_layer: int, per_layer_bytes: float, input_bytes: 
     ``segments=n_layer`` is checkpointing every block. Modelled: per-layer bytes from the
     formulas (``predict_checkpointing``), as for a chain of equal layers.
     """
-    n = formulas._positive_int("n_layer", n_layer)
+    n = whole("n_layer", n_layer, low=1)
     for name, v in (("per_layer_bytes", per_layer_bytes), ("input_bytes", input_bytes)):
         if not (isinstance(v, (int, float)) and v >= 0):
             raise ValueError(f"{name}={v!r} is not allowed: a number of bytes >= 0")
     if segments is None:
         return n * per_layer_bytes
-    k = formulas._positive_int("segments", segments)
+    k = whole("segments", segments, low=1)
     if k > n:
         raise ValueError(f"segments={k} is not allowed: at most n_layer={n} (one layer each)")
     return k * input_bytes + -(-n // k) * per_layer_bytes
@@ -512,8 +511,8 @@ def checkpointed_step_moments(cfg: ModelConfig, micro_batch: int, *, dtype: str 
     if cfg.dropout > 0:
         raise ValueError(f"cfg.dropout={cfg.dropout!r}: the prediction is for dropout off; "
                          "use a config with dropout=0.0 (every preset has it)")
-    b = formulas._positive_int("micro_batch", micro_batch)
-    s = cfg.seq_len if seq_len is None else formulas._positive_int("seq_len", seq_len)
+    b = whole("micro_batch", micro_batch, low=1)
+    s = cfg.seq_len if seq_len is None else whole("seq_len", seq_len, low=1)
     if s > cfg.seq_len:
         raise ValueError(f"seq_len={s} is not allowed: the model's context is {cfg.seq_len} "
                          f"tokens; give 1..{cfg.seq_len}")

@@ -57,12 +57,13 @@ from labkit.batching.trials import (
     _dtype,
     _mib,
     _model_cfg,
-    _positive_int,
     _seq_len,
     open_trials,
 )
 from labkit.config import ModelConfig, TrainConfig
+from labkit.errors import LabkitError
 from labkit.model import GPT
+from labkit.validate import whole
 
 __all__ = [  # the finder's API; the trials' names are re-exported for finder.X callers
     "OMISSIONS",
@@ -114,7 +115,7 @@ allocator for the token ids alone, 16 bytes a token, before any budget is checke
 
 
 def _max_batch(value: object) -> int:
-    batch = _positive_int("max_batch", value)
+    batch = whole("max_batch", value, low=1)
     if batch > MAX_BATCH:
         raise ValueError(f"max_batch={batch} is not allowed: give 1..{MAX_BATCH} (2**24, more "
                          f"sequences than any GPU holds; the default is 4096)")  # fmt: skip
@@ -157,7 +158,7 @@ class BatchPrediction:
 
     def peak_bytes(self, batch: int) -> float:
         """Predicted peak bytes of one training step at micro-batch ``batch``."""
-        b = _positive_int("batch", batch)
+        b = whole("batch", batch, low=1)
         return self.model_state_bytes + self.fixed_activation_bytes + b * self.bytes_per_sequence
 
 
@@ -254,8 +255,8 @@ def search_max_batch(
     A failed trial's bytes are read from ``trial.last_peak_bytes`` where the trial has one
     (the devices below do). Assumes memory grows with the batch: then the answer is exact.
     """
-    max_batch = _positive_int("max_batch", max_batch)
-    b = min(_positive_int("start", start), max_batch)
+    max_batch = whole("max_batch", max_batch, low=1)
+    b = min(whole("start", start, low=1), max_batch)
     log: list[Trial] = []
 
     def attempt(batch: int, phase: str) -> bool:
@@ -323,7 +324,7 @@ HEADROOM = 0.9
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
-class HostMemoryError(MemoryError):
+class HostMemoryError(MemoryError, LabkitError):
     """The host's allocator refused a trial's memory: the budget asked for more than this
     machine could give at that moment. The message names the batch, the bytes and the fix."""
 
@@ -542,7 +543,7 @@ def find_max_batch(
     dtype = _dtype(dtype)
     max_batch = _max_batch(max_batch)
     if start is not None:
-        start = _positive_int("start", start)
+        start = whole("start", start, low=1)
     if isinstance(model, ModelConfig):
         model = GPT(model)
     if not isinstance(model, nn.Module):

@@ -64,7 +64,7 @@ import torch
 from torch import nn
 
 from labkit.data import get_batch
-from labkit.formulas import _positive_int, _positive_number  # one rule for every labkit formula
+from labkit.validate import positive, whole  # one rule for every labkit argument
 
 RULES = ("none", "linear", "sqrt")
 """The learning-rate scaling rules :func:`scaled_lr` knows."""
@@ -79,9 +79,9 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 def global_batch(micro_batch: int, grad_accum: int, ranks: int = 1) -> int:
     """Sequences averaged by one optimiser step: micro_batch x grad_accum x ranks."""
     return (
-        _positive_int("micro_batch", micro_batch)
-        * _positive_int("grad_accum", grad_accum)
-        * _positive_int("ranks", ranks)
+        whole("micro_batch", micro_batch, low=1)
+        * whole("grad_accum", grad_accum, low=1)
+        * whole("ranks", ranks, low=1)
     )
 
 
@@ -91,9 +91,9 @@ def accumulation_steps(global_batch: int, micro_batch: int, ranks: int = 1) -> i
     Refuses a global batch that micro_batch x ranks does not divide, naming the global batches
     that would work and the micro-batches that would.
     """
-    total = _positive_int("global_batch", global_batch)
-    micro = _positive_int("micro_batch", micro_batch)
-    n = _positive_int("ranks", ranks)
+    total = whole("global_batch", global_batch, low=1)
+    micro = whole("micro_batch", micro_batch, low=1)
+    n = whole("ranks", ranks, low=1)
     per_pass = micro * n  # sequences one micro-batch step covers across all ranks
     if total % per_pass:
         fix = (
@@ -125,8 +125,8 @@ def scaled_lr(base_lr: float, base_batch: int, batch: int, rule: str) -> float:
     """
     if rule not in RULES:
         raise ValueError(f"rule={rule!r} is not a scaling rule: use one of {RULES}")
-    lr = _positive_number("base_lr", base_lr)
-    k = _positive_int("batch", batch) / _positive_int("base_batch", base_batch)
+    lr = positive("base_lr", base_lr)
+    k = whole("batch", batch, low=1) / whole("base_batch", base_batch, low=1)
     if rule == "linear":
         return lr * k
     if rule == "sqrt":
@@ -174,12 +174,12 @@ class NoiseScale:
 
     def expected_sq_norm(self, batch: int) -> float:
         """E|G_B|^2 = |G|^2 + tr(Sigma)/B (eq. A.1) at another batch size, from the estimates."""
-        return self.g2 + self.trace_sigma / _positive_int("batch", batch)
+        return self.g2 + self.trace_sigma / whole("batch", batch, low=1)
 
     def expected_sq_norm_interval(self, batch: int, confidence: float = 0.9,
                                   resamples: int = 1000, seed: int = 0) -> tuple[float, float]:  # fmt: skip
         """A bootstrap interval for :meth:`expected_sq_norm`, as :meth:`interval`."""
-        b = _positive_int("batch", batch)
+        b = whole("batch", batch, low=1)
         return self._bootstrap(lambda g2, tr: g2 + tr / b, confidence, resamples, seed)
 
     def _bootstrap(self, statistic: Any, confidence: float, resamples: int,
@@ -187,7 +187,7 @@ class NoiseScale:
         if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) \
                 or not 0 < confidence < 1:  # fmt: skip
             raise ValueError(f"confidence={confidence!r} is not allowed: a number in (0, 1)")
-        n_resamples = _positive_int("resamples", resamples)
+        n_resamples = whole("resamples", resamples, low=1)
         rng = random.Random(seed)
         pairs = list(zip(self.g2_each, self.trace_sigma_each, strict=True))
         values = []
@@ -210,8 +210,8 @@ def steps_and_examples(batch: float, b_noise: float) -> tuple[float, float]:
     E/E_min = 1 + B/B_noise. Both are 2 at B = B_noise; a batch 10x smaller needs 11x the least
     steps, one 10x larger 11x the least examples. Modelled, with B_crit taken as B_noise.
     """
-    b = _positive_number("batch", batch)
-    noise = _positive_number("b_noise", b_noise)
+    b = positive("batch", batch)
+    noise = positive("b_noise", b_noise)
     return 1 + noise / b, 1 + b / noise
 
 
@@ -238,8 +238,8 @@ def estimate_noise_scale(
     """
     small = _sq_norms("sq_norms_small", sq_norms_small)
     big = _sq_norms("sq_norms_big", sq_norms_big)
-    bs = _positive_int("b_small", b_small)
-    bb = _positive_int("b_big", b_big)
+    bs = whole("b_small", b_small, low=1)
+    bb = whole("b_big", b_big, low=1)
     if bs >= bb:
         raise ValueError(f"b_small={bs} must be smaller than b_big={bb}: pass b_small < b_big")
     if not small:
@@ -299,9 +299,9 @@ def measure_noise_scale(
     one (one rank's share of the data-parallel batch), which costs no extra backward. The result
     is in sequences of ``seq_len`` tokens.
     """
-    n = _positive_int("repeats", repeats)
-    bs = _positive_int("b_small", b_small)
-    bb = _positive_int("b_big", b_big)
+    n = whole("repeats", repeats, low=1)
+    bs = whole("b_small", b_small, low=1)
+    bb = whole("b_big", b_big, low=1)
     if bs >= bb:
         raise ValueError(f"b_small={bs} must be smaller than b_big={bb}: pass b_small < b_big")
     small, big = [], []

@@ -31,13 +31,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
-import math
 import time
 import traceback
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
-from numbers import Integral, Real
 from typing import Any, Protocol
 
 import torch
@@ -47,16 +45,12 @@ from torch.utils._pytree import tree_leaves
 
 from labkit import config, train
 from labkit.config import ModelConfig, TrainConfig
+from labkit.errors import LabkitError
+from labkit.validate import positive, whole
 
 # ----------------------------------------------------------------------------------------------
 # Input validation, shared with the finder: errors name the argument, the value and what is
 # allowed.
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
-        raise ValueError(f"{name}={value!r} is not allowed: give a positive integer (1, 2, ...)")
-    return int(value)
 
 
 def _dtype(value: Any) -> str:
@@ -72,7 +66,7 @@ def _seq_len(cfg: ModelConfig | None, value: Any) -> int:
             raise ValueError("seq_len=None is not allowed for a model without a ModelConfig "
                              "(.cfg): give the sequence length in tokens")  # fmt: skip
         return cfg.seq_len
-    s = _positive_int("seq_len", value)
+    s = whole("seq_len", value, low=1)
     if cfg is not None and s > cfg.seq_len:
         raise ValueError(
             f"seq_len={s} is not allowed: the model's context is seq_len={cfg.seq_len} tokens "
@@ -119,7 +113,7 @@ class Trial:
 # What can go wrong (a budget passed, memory left held), and the CPU's measure of live memory.
 
 
-class BudgetExceeded(torch.OutOfMemoryError):
+class BudgetExceeded(torch.OutOfMemoryError, LabkitError):
     """A CPU trial's live tensor bytes passed the budget the caller set (not a device limit).
 
     An ``torch.OutOfMemoryError``, so the finder (and a learner's ``except
@@ -137,7 +131,7 @@ class BudgetExceeded(torch.OutOfMemoryError):
         )
 
 
-class MemoryLeakError(RuntimeError):
+class MemoryLeakError(RuntimeError, LabkitError):
     """After a trial, memory it allocated is still held (CUDA: memory_allocated above its
     baseline; CPU: live bytes the trial counted): a leak, and a bug to report."""
 
@@ -308,7 +302,7 @@ class BudgetedCPU(_Trials):
         self._counter = counter = LiveTensorBytes(self.budget_bytes)
         try:
             with counter:
-                self._step(batch, _positive_int("grad_accum", grad_accum))
+                self._step(batch, whole("grad_accum", grad_accum, low=1))
         finally:
             self.last_peak_bytes = counter.peak
         return counter.peak
@@ -369,7 +363,7 @@ class CudaOOM(_Trials):
         self.last_peak_bytes = None
         torch.cuda.reset_peak_memory_stats(self.device)
         try:
-            self._step(batch, _positive_int("grad_accum", grad_accum))
+            self._step(batch, whole("grad_accum", grad_accum, low=1))
             torch.cuda.synchronize(self.device)
         finally:
             self.last_peak_bytes = torch.cuda.max_memory_allocated(self.device) - base
@@ -425,12 +419,7 @@ def _cuda_warmup(trials: CudaOOM) -> Trial:
 
 
 def _budget(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value) \
-            or value <= 0:  # fmt: skip
-        raise ValueError(
-            f"budget_bytes={value!r} is not allowed: give a positive number of bytes, "
-            f"e.g. budget_bytes=16 * 2**30 for a 16 GiB card"
-        )
+    positive("budget_bytes", value, why="bytes, e.g. budget_bytes=16 * 2**30 for a 16 GiB card")
     return int(value)
 
 
@@ -502,9 +491,9 @@ def measure_step_peak(
     if not isinstance(template, nn.Module):
         raise ValueError(f"template={type(template).__name__} is not allowed: give an nn.Module "
                          f"(such as labkit.model.GPT)")  # fmt: skip
-    batch = _positive_int("batch", batch)
-    grad_accum = _positive_int("grad_accum", grad_accum)
-    seq_len = _seq_len(_model_cfg(template), _positive_int("seq_len", seq_len))
+    batch = whole("batch", batch, low=1)
+    grad_accum = whole("grad_accum", grad_accum, low=1)
+    seq_len = _seq_len(_model_cfg(template), whole("seq_len", seq_len, low=1))
     step = _Trials(template, seq_len=seq_len, dtype=_dtype(dtype),
                    train_cfg=train_cfg if train_cfg is not None else TrainConfig(),
                    device=train.resolve_device(str(device)))  # fmt: skip

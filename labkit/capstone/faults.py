@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from labkit.capstone.keys import Key
+from labkit.errors import LabkitError
 
 TIERS = ("cpu", "single-gpu", "multi-gpu")
 GPU_TIERS = ("single-gpu", "multi-gpu")
@@ -249,7 +250,7 @@ FAULTS: tuple[Fault, ...] = (
 BY_ID = {f.id: f for f in FAULTS}
 
 
-class SeedError(ValueError):
+class SeedError(ValueError, LabkitError):
     """A seed the capstone cannot use; the message says what a seed looks like."""
 
 

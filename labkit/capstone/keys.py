@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from labkit import __version__
+from labkit.errors import LabkitError
 
 VERSION = __version__
 """The course version a key file and a job code belong to: another version may plant
@@ -45,7 +46,7 @@ SECRET_BYTES = 32
 MASK_BYTES = 3  # a job code holds one bit per fault of the catalogue: room for 24
 
 
-class CapstoneKeyError(ValueError):
+class CapstoneKeyError(ValueError, LabkitError):
     """A key file or a job code the capstone cannot use; the message names the fix."""
 
 

@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from labkit import ids
+from labkit.errors import LabkitError
 
 MODULES: dict[str, str] = {
     "00": "labkit.exercises.first_job",
@@ -92,7 +93,7 @@ STUB_MESSAGE = "exercise not done yet: replace this line with your code"
 # --------------------------------------------------------------------------- the registry
 
 
-class ExerciseError(Exception):
+class ExerciseError(LabkitError):
     """Base of the two ways a check can end without a ✓."""
 
     exercise_id: str | None = None
@@ -106,7 +107,7 @@ class ExerciseFailed(ExerciseError, AssertionError):
     """The learner's code ran and gave a wrong answer; the message says what is wrong."""
 
 
-class NotSolved(AssertionError):
+class NotSolved(AssertionError, LabkitError):
     """With ``LABKIT_EXPECT_SOLVED=1``: a check did not pass in a notebook that must be complete."""
 
 

@@ -27,6 +27,7 @@ from labkit.metrics.nvml import NvmlBackend, parse_visible_devices
 from labkit.metrics.replay import (
     Recorder,
     ReplayBackend,
+    ReplayError,
     Trace,
     TraceError,
     load_trace,
@@ -52,6 +53,7 @@ __all__ = [
     "NvmlBackend",
     "Recorder",
     "ReplayBackend",
+    "ReplayError",
     "Sample",
     "Sampler",
     "Trace",

@@ -22,6 +22,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from labkit.errors import LabkitError
+
 NA = None  # the N/A marker in Sample.values: "not available", never a number
 KINDS = ("nvml", "cpu", "replay")
 GIB = 1024**3  # bytes per GiB: memory is reported in GiB, as torch.cuda reports bytes / 2**30
@@ -218,7 +220,7 @@ class Sample:
                 "status": self.status, "kind": self.kind, "label": self.label}  # fmt: skip
 
 
-class BackendUnavailable(RuntimeError):
+class BackendUnavailable(RuntimeError, LabkitError):
     """A backend cannot run on this machine; the message says why and what to do."""
 
 

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from labkit.errors import LabkitError
 from labkit.metrics.base import METRICS, Backend, Clock, Sample
 
 FORMAT = "labkit-metrics-trace"
@@ -56,8 +57,15 @@ OPTIONAL = ("cuda", "torch", "recorded_by", "period_s", "notes", "gpus", "descri
 SHIPPED_DIR = Path(__file__).parent / "traces"  # recordings that ship with labkit
 
 
-class TraceError(ValueError):
-    """A trace file that is not a valid recording; the message names the file and line."""
+class ReplayError(ValueError, LabkitError):
+    """A metrics recording that is not valid; the message names the file and line.
+
+    Not :class:`labkit.profiling.TraceError`, which is about profiler traces."""
+
+
+TraceError = ReplayError
+"""The old name of :class:`ReplayError` (two classes were once both called ``TraceError``);
+kept so that code catching ``labkit.metrics.TraceError`` still works."""
 
 
 @dataclass(frozen=True)
@@ -95,70 +103,70 @@ def shipped_traces() -> list[Path]:
 
 
 def check_metadata(meta: Any, where: str = "trace") -> dict[str, Any]:
-    """Validate a trace header's metadata; raise TraceError naming what is missing."""
+    """Validate a trace header's metadata; raise ReplayError naming what is missing."""
     if not isinstance(meta, dict):
-        raise TraceError(f"{where}: metadata must be a JSON object, got {type(meta).__name__}")
+        raise ReplayError(f"{where}: metadata must be a JSON object, got {type(meta).__name__}")
     missing = [k for k in REQUIRED if not (isinstance(meta.get(k), str) and meta[k].strip())]
     if missing:
-        raise TraceError(f"{where}: metadata lacks {', '.join(missing)}: a trace must say on "
+        raise ReplayError(f"{where}: metadata lacks {', '.join(missing)}: a trace must say on "
                          "which hardware, with which driver and on which date it was recorded "
                          "(write traces with labkit.metrics.Recorder on a real GPU)")  # fmt: skip
     try:
         dt.datetime.fromisoformat(meta["date"])
     except ValueError:
-        raise TraceError(f"{where}: metadata date={meta['date']!r} is not an ISO 8601 date "
+        raise ReplayError(f"{where}: metadata date={meta['date']!r} is not an ISO 8601 date "
                          "(e.g. '2026-01-31' or '2026-01-31T14:02:11+00:00')") from None  # fmt: skip
     unknown = sorted(set(meta) - set(REQUIRED) - set(OPTIONAL))
     if unknown:
-        raise TraceError(f"{where}: unknown metadata keys {unknown}; allowed: "
+        raise ReplayError(f"{where}: unknown metadata keys {unknown}; allowed: "
                          f"{list(REQUIRED + OPTIONAL)}")  # fmt: skip
     return meta
 
 
 def _check_time(t: Any, where: str) -> float:
     if isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0:
-        raise TraceError(f"{where}: t={t!r}: need seconds since the recording started, >= 0")
+        raise ReplayError(f"{where}: t={t!r}: need seconds since the recording started, >= 0")
     return float(t)
 
 
 def _parse_step(obj: dict[str, Any], where: str) -> RecordedStep:
     if set(obj) != {"t", "rank", "step"}:
-        raise TraceError(f"{where}: a step line has exactly 't', 'rank' and 'step'")
+        raise ReplayError(f"{where}: a step line has exactly 't', 'rank' and 'step'")
     rank, step = obj["rank"], obj["step"]
     for name, v in (("rank", rank), ("step", step)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise TraceError(f"{where}: {name}={v!r}: need an integer >= 0")
+            raise ReplayError(f"{where}: {name}={v!r}: need an integer >= 0")
     return RecordedStep(rank, step, _check_time(obj["t"], where))
 
 
 def _parse_sample(obj: Any, where: str, label: str) -> Sample:
     if not isinstance(obj, dict) or not {"t", "source", "values"} <= set(obj):
-        raise TraceError(f"{where}: a sample needs 't', 'source' and 'values' (a step event "
+        raise ReplayError(f"{where}: a sample needs 't', 'source' and 'values' (a step event "
                          "needs 't', 'rank' and 'step')")  # fmt: skip
     t, source, values = _check_time(obj["t"], where), obj["source"], obj["values"]
     if not isinstance(source, str) or not isinstance(values, dict):
-        raise TraceError(f"{where}: 'source' must be a string and 'values' an object")
+        raise ReplayError(f"{where}: 'source' must be a string and 'values' an object")
     for name, value in values.items():
         if name not in METRICS or METRICS[name].backend != "nvml":
-            raise TraceError(f"{where}: unknown GPU metric {name!r}; known: "
+            raise ReplayError(f"{where}: unknown GPU metric {name!r}; known: "
                              f"{[m for m, d in METRICS.items() if d.backend == 'nvml']}")  # fmt: skip
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise TraceError(f"{where}: {name}={value!r}: need a number or null (N/A)")
+            raise ReplayError(f"{where}: {name}={value!r}: need a number or null (N/A)")
     status = obj.get("status", "ok")
     return Sample(t, source, dict(values), str(status), kind="replay", label=label)
 
 
 def _text(raw: bytes, path: Path) -> str:
-    """``raw`` decoded as UTF-8, or a TraceError that says what the file is instead."""
+    """``raw`` decoded as UTF-8, or a ReplayError that says what the file is instead."""
     if raw.startswith(b"\x1f\x8b"):  # gzip's magic number (RFC 1952, section 2.3.1)
-        raise TraceError(f"{path}: gzip-compressed; a trace is plain UTF-8 JSON Lines: "
+        raise ReplayError(f"{path}: gzip-compressed; a trace is plain UTF-8 JSON Lines: "
                          f"decompress it first (gunzip {path})")  # fmt: skip
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line = raw.count(b"\n", 0, e.start) + 1
         column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
-        raise TraceError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
+        raise ReplayError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
                          f"{column}); a trace is UTF-8 JSON Lines written by "
                          "labkit.metrics.Recorder (see labkit.metrics.replay)") from None  # fmt: skip
 
@@ -168,13 +176,13 @@ def _json(line: str, where: str) -> Any:
     not (RFC 8259, section 6) and a reading never is: refused, naming the line."""
 
     def refuse(constant: str) -> Any:
-        raise TraceError(f"{where}: {constant} is not a JSON number: a trace holds finite "
+        raise ReplayError(f"{where}: {constant} is not a JSON number: a trace holds finite "
                          "numbers, and null where a reading is N/A")  # fmt: skip
 
     def finite(text: str) -> float:  # 1e999 is valid JSON, but float() makes it inf
         value = float(text)
         if not math.isfinite(value):
-            raise TraceError(f"{where}: {text} overflows a float: a trace holds finite "
+            raise ReplayError(f"{where}: {text} overflows a float: a trace holds finite "
                              "numbers, and null where a reading is N/A")  # fmt: skip
         return value
 
@@ -187,19 +195,19 @@ def load_trace(path: str | Path) -> Trace:
     try:
         raw = path.read_bytes()
     except OSError as e:
-        raise TraceError(f"{path}: cannot read the trace ({e.strerror})") from None
+        raise ReplayError(f"{path}: cannot read the trace ({e.strerror})") from None
     lines = _text(raw, path).splitlines()
     if not lines:
-        raise TraceError(f"{path}: empty file; a trace starts with a header line")
+        raise ReplayError(f"{path}: empty file; a trace starts with a header line")
     try:
         header = _json(lines[0], f"{path}:1")
     except json.JSONDecodeError as e:
-        raise TraceError(f"{path}:1: header is not JSON ({e.msg})") from None
+        raise ReplayError(f"{path}:1: header is not JSON ({e.msg})") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
-        raise TraceError(f"{path}:1: not a {FORMAT} file (the header needs "
+        raise ReplayError(f"{path}:1: not a {FORMAT} file (the header needs "
                          f"\"format\": \"{FORMAT}\")")  # fmt: skip
     if header.get("version") != VERSION:
-        raise TraceError(f"{path}:1: trace version {header.get('version')!r}; this labkit "
+        raise ReplayError(f"{path}:1: trace version {header.get('version')!r}; this labkit "
                          f"reads version {VERSION}")  # fmt: skip
     trace = Trace(check_metadata(header.get("metadata"), f"{path}:1"))
     last = 0.0  # of the samples
@@ -210,18 +218,18 @@ def load_trace(path: str | Path) -> Trace:
         try:
             obj = _json(line, f"{path}:{n}")
         except json.JSONDecodeError as e:
-            raise TraceError(f"{path}:{n}: not JSON ({e.msg})") from None
+            raise ReplayError(f"{path}:{n}: not JSON ({e.msg})") from None
         if isinstance(obj, dict) and "step" in obj:
             e = _parse_step(obj, f"{path}:{n}")
             if e.time_s < last_step.get(e.rank, 0.0):
-                raise TraceError(f"{path}:{n}: rank {e.rank}'s step at t={e.time_s} goes back in "
+                raise ReplayError(f"{path}:{n}: rank {e.rank}'s step at t={e.time_s} goes back in "
                                  f"time (previous {last_step[e.rank]})")  # fmt: skip
             last_step[e.rank] = e.time_s
             trace.steps.append(e)
             continue
         s = _parse_sample(obj, f"{path}:{n}", trace.label)
         if s.time_s < last:
-            raise TraceError(f"{path}:{n}: t={s.time_s} goes back in time (previous {last})")
+            raise ReplayError(f"{path}:{n}: t={s.time_s} goes back in time (previous {last})")
         last = s.time_s
         trace.samples.append(s)
     return trace

@@ -40,6 +40,7 @@ from typing import Any
 from labkit.metrics.base import Backend, BackendUnavailable, Clock, Sample
 from labkit.metrics.cpu import CpuBackend
 from labkit.metrics.nvml import NvmlBackend, PidsFn
+from labkit.validate import whole
 
 DEFAULT_PERIOD_S = 1.0
 MIN_PERIOD_S = 0.1
@@ -83,8 +84,7 @@ class Sampler:
     def __init__(self, backend: Backend, period_s: float = DEFAULT_PERIOD_S, *,
                  clock: Clock = time.monotonic, on_sample: OnSample | None = None,
                  max_samples: int = 100_000, max_duration_s: float | None = None) -> None:  # fmt: skip
-        if isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 1:
-            raise ValueError(f"max_samples={max_samples!r}: need an integer >= 1")
+        max_samples = whole("max_samples", max_samples, low=1)
         if max_duration_s is not None and not (
             isinstance(max_duration_s, (int, float)) and max_duration_s > 0
         ):

@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from labkit.config import ModelConfig
 from labkit.parallel import comm
+from labkit.validate import whole
 
 COMPOSITIONS = ("fsdp_tp", "hsdp")
 
@@ -135,8 +136,7 @@ def validate_mesh(
     the ``tp_dim`` size does not divide the heads (attention splits by whole heads).
     """
     s = as_spec(spec)
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r}: need a positive integer (ranks started)")
+    world_size = whole("world_size", world_size, low=1, why="ranks started")
     if s.size != world_size:
         raise ValueError(
             f"mesh {s} has {' × '.join(map(str, s.shape))} = {s.size} cells but the job has "

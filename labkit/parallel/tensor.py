@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit.config import ModelConfig
+from labkit.validate import whole
 
 # --- checks before anything is launched ------------------------------------------------------
 
@@ -65,8 +66,7 @@ def validate_tensor_parallel(model_cfg: ModelConfig, tp: int) -> None:
     One check covers the hidden size too: d_model = n_head × head_dim (``ModelConfig``
     enforces it), so a tp that divides n_head divides d_model and the MLP's 4·d_model.
     """
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tp={tp!r}: need a positive integer (tensor-parallel ranks)")
+    tp = whole("tp", tp, low=1, why="tensor-parallel ranks")
     if model_cfg.n_head % tp:
         divisors = [d for d in range(1, model_cfg.n_head + 1) if model_cfg.n_head % d == 0]
         raise ValueError(

@@ -42,6 +42,7 @@ from torch.profiler import profile, schedule
 
 from labkit.profiling.capture import activities
 from labkit.timing import synchronize
+from labkit.validate import whole
 
 KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addmv")),
@@ -101,8 +102,7 @@ class Attribution:
 def attribute_step(step: Callable[[], object], *, device: torch.device | str = "cpu",
                    steps: int = 3, warmup: int = 1) -> Attribution:  # fmt: skip
     """Profile ``steps`` calls of ``step()`` after ``warmup`` and attribute their time."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps={steps!r} is not allowed: an integer >= 1")
+    steps = whole("steps", steps, low=1)
     device = torch.device(device)
     gpu = device.type == "cuda"
     walls: list[float] = []

@@ -70,6 +70,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from labkit import procs, timing, verdict
 from labkit.config import RunConfig
 from labkit.data import get_batch, load_splits
+from labkit.errors import LabkitError
 from labkit.model import GPT
 from labkit.profiling.phases import phase
 from labkit.train import DTYPES, autocast, make_optimizer, resolve_device
@@ -319,7 +320,7 @@ def tokenize(raw: bytes) -> list[int]:
     return tokens
 
 
-class DatasetItemError(ValueError):
+class DatasetItemError(ValueError, LabkitError):
     """An item of :class:`TokenizingDataset` could not be produced (or a planted fault)."""
 
 
@@ -538,7 +539,7 @@ def make_loader(dataset: Dataset, variant: LoaderVariant, *, batch_size: int, se
     return loader
 
 
-class LoaderError(RuntimeError):
+class LoaderError(RuntimeError, LabkitError):
     """A batch could not be loaded; the loader's worker processes have been shut down."""
 
 
@@ -745,7 +746,7 @@ def _torch_default_cache_dir() -> str | None:
     return default_cache_dir()
 
 
-class CompileUnavailable(RuntimeError):
+class CompileUnavailable(RuntimeError, LabkitError):
     """``torch.compile`` cannot build kernels here (no C++ compiler on CPU, no Triton on CUDA)."""
 
 

@@ -34,6 +34,7 @@ from torch.profiler import ProfilerActivity, profile, schedule
 
 from labkit import verdict
 from labkit.timing import synchronize
+from labkit.validate import whole
 
 Step = Callable[[int], Any]
 
@@ -52,16 +53,13 @@ def quiet_kineto() -> str:
     return os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET)
 
 
+# why active=0 is refused, in its message
+_NO_ACTIVE_STEP = "with active=0 the profiler never records a step, and no trace is written"
+
+
 def activities(device: torch.device | str = "cpu") -> list[ProfilerActivity]:
     """CPU always; CUDA too when the steps run on a GPU."""
     return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == "cuda" else [])
-
-
-def _count(name: str, value: Any, least: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        extra = " (with active=0 the profiler never records a step, and no trace is written)" if name == "active" else ""
-        raise ValueError(f"{name}={value!r} is not allowed: an integer >= {least}{extra}")
-    return value
 
 
 @dataclass
@@ -109,8 +107,9 @@ def profile_steps(
             any step runs.
         RuntimeError: a window closed but its trace file is missing (never a partial run).
     """
-    wait, warmup = _count("wait", wait, 0), _count("warmup", warmup, 0)
-    active, repeat = _count("active", active, 1), _count("repeat", repeat, 1)
+    wait, warmup = whole("wait", wait, low=0), whole("warmup", warmup, low=0)
+    active = whole("active", active, low=1, why=_NO_ACTIVE_STEP)
+    repeat = whole("repeat", repeat, low=1)
     trace_dir = Path(trace_dir)
     trace_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
@@ -145,7 +144,7 @@ def counted_flops(averages: Any, steps: int) -> dict[str, float]:
     profiler has no formula for are left out (they are not zero-FLOP operators: the profiler
     does not know). Raises ValueError when nothing was counted: the profile ran without
     ``with_flops``."""
-    _count("steps", steps, 1)
+    whole("steps", steps, low=1)
     counted = {e.key: e.flops / steps for e in averages if getattr(e, "flops", 0)}
     if not counted:
         raise ValueError("no operator carries a FLOP count: profile with with_flops=True "
@@ -165,7 +164,7 @@ def net_bytes(averages: Any, names: Sequence[str], steps: int,
     """Net bytes allocated per step inside each named range or operator (allocations minus
     frees, children included), from ``key_averages()`` of a ``profile_memory=True`` recording
     of ``steps`` steps; a name that was not recorded is left out."""
-    _count("steps", steps, 1)
+    whole("steps", steps, low=1)
     column = MEMORY_COLUMNS["cuda" if torch.device(device).type == "cuda" else "cpu"]
     rows = {e.key: e for e in averages}
     return {n: getattr(rows[n], column) / steps for n in names if n in rows}
@@ -257,8 +256,8 @@ def profiler_overhead(
     unknown = [m for m in modes if m not in MODES]
     if unknown or "off" not in modes:
         raise ValueError(f"modes={list(modes)!r}: include 'off' and choose from {list(MODES)}")
-    _count("rounds", rounds, 1)
-    _count("steps_per_block", steps_per_block, 2)
+    whole("rounds", rounds, low=1)
+    whole("steps_per_block", steps_per_block, low=2)
     step_s: dict[str, list[float]] = {m: [] for m in modes}
     stop_s: dict[str, list[float]] = {m: [] for m in modes}
     i = 0

@@ -59,7 +59,6 @@ import contextlib
 import csv
 import html
 import io
-import math
 import os
 import re
 import shlex
@@ -78,7 +77,9 @@ import psutil
 import torch
 
 from labkit import config, procs
+from labkit.errors import LabkitError
 from labkit.roofline import Point, Roofline
+from labkit.validate import flag, one_of, positive, whole
 
 NSYS = "nsys"
 NCU = "ncu"
@@ -118,7 +119,7 @@ TAIL_LINES = 15  # lines of a failing tool's stderr quoted in the error
 # Results and errors
 
 
-class ProfilerError(RuntimeError):
+class ProfilerError(RuntimeError, LabkitError):
     """A profiler ran but gave nothing usable; the message says what and what to do."""
 
 
@@ -212,12 +213,6 @@ def _strings(name: str, value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _count(name: str, value: Any, least: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"{name}={value!r} is not allowed: an integer ≥ {least}")
-    return value
-
-
 def _report_stem(name: str, value: Any, suffix: str) -> Path:
     """The output path without the tool's extension (nsys and ncu add it themselves)."""
     if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
@@ -283,12 +278,9 @@ class _NsysOptions:
                              f"{CAPTURE_ENDS} (repeat modes write several reports per "
                              "process; labkit reads one per rank)")  # fmt: skip
         for name in ("sample", "cpuctxsw"):
-            if getattr(self, name) not in SAMPLE_MODES:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not allowed: one of "
-                                 f"{SAMPLE_MODES}")  # fmt: skip
+            one_of(name, getattr(self, name), SAMPLE_MODES)
         for name in ("stats", "force_overwrite"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} is not allowed: True or False")
+            flag(name, getattr(self, name))
         object.__setattr__(self, "output", stem)
         object.__setattr__(self, "trace", trace)
         object.__setattr__(self, "extra", _strings("extra", self.extra))
@@ -374,7 +366,7 @@ class NsysTorchrunCommand(_NsysOptions):
         if not isinstance(self.module, str) or not re.fullmatch(r"[A-Za-z_][\w.]*", self.module):
             raise ValueError(f"module={self.module!r} is not allowed: a dotted module name such "
                              "as 'labkit.workers.dp_train'")  # fmt: skip
-        _count("nproc", self.nproc, 1)
+        whole("nproc", self.nproc, low=1)
         if not isinstance(self.python, str) or not self.python:
             raise ValueError(f"python={self.python!r} is not allowed: the interpreter's path")
         object.__setattr__(self, "module_args", _strings("module_args", self.module_args))
@@ -467,8 +459,8 @@ class NcuCommand:
             except re.error as e:
                 raise ValueError(f"kernel_name={self.kernel_name!r} is not a valid regular "
                                  f"expression ({e}); pass regex=False for an exact name") from e  # fmt: skip
-        _count("launch_skip", self.launch_skip, 0)
-        _count("launch_count", self.launch_count, 1)
+        whole("launch_skip", self.launch_skip, low=0)
+        whole("launch_count", self.launch_count, low=1)
         sections = _strings("sections", self.sections)
         metrics = _strings("metrics", self.metrics)
         if not sections and not metrics:
@@ -532,10 +524,9 @@ def linear_snippet(
     ``dtype`` the layer casts its inputs and makes this same call, so the kernel profiled is
     one the training step launches. ``dtype`` is a training dtype: "float32", "bfloat16" or
     "float16"."""
-    if dtype not in config.DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not allowed: one of {config.DTYPES}")
+    one_of("dtype", dtype, config.DTYPES)
     for name, value in (("m", m), ("k", k), ("n", n), ("repeats", repeats)):
-        _count(name, value, 1)
+        whole(name, value, low=1)
     sync = "torch.cuda.synchronize()" if device.startswith("cuda") else "None"
     return (
         f"import torch; t = dict(device={device!r}, dtype=torch.{dtype}); "
@@ -554,7 +545,7 @@ def step_snippet(preset: str, dtype: str, *, steps: int = 3, device: str = "cuda
     if dtype not in config.DTYPES:
         raise ValueError(f"dtype={dtype!r} is not allowed: one of {config.DTYPES}")
     config.preset(preset)  # validates the name here, not in the profiled process
-    _count("steps", steps, 1)
+    whole("steps", steps, low=1)
     sync = "torch.cuda.synchronize()" if device.startswith("cuda") else "None"
     return (
         "import torch; from labkit import config, data, train; from labkit.model import GPT; "
@@ -617,9 +608,7 @@ def _execute(argv: Sequence[str], *, tool: str, tool_path: str, timeout_s: float
 
     Returns (exit code, seconds). Own session, so a notebook's interrupt reaches the kernel,
     which then ends the tree here in order; files, not pipes, so a chatty tool never blocks."""
-    if not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
-            and math.isfinite(timeout_s) and timeout_s > 0):  # fmt: skip
-        raise ValueError(f"timeout_s={timeout_s!r} is not allowed: a positive number of seconds")
+    positive("timeout_s", timeout_s, why="seconds")
     start = time.monotonic()
     with open(stdout, "wb") as out, open(stderr, "wb") as err:
         proc = subprocess.Popen(
@@ -1222,7 +1211,7 @@ def plot_kernel_summary(kernels: SummaryTable | Sequence[TimeSummaryRow], *, top
         raise ValueError("the kernel summary is empty: the capture recorded no kernel. Check "
                          "that the capture range covers training steps (torch.cuda.profiler."
                          "start() after warm-up, stop() after the steps)")  # fmt: skip
-    _count("top", top, 1)
+    whole("top", top, low=1)
     rows.sort(key=lambda r: r.total_ns, reverse=True)
     shown, rest = rows[:top], rows[top:]
     total = sum(r.total_ns for r in rows)

@@ -50,6 +50,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from labkit.errors import LabkitError
+
 STEP = re.compile(r"^ProfilerStep#(\d+)$")
 
 LEGACY_CATEGORIES = {
@@ -73,7 +75,7 @@ COLLECTIVE = re.compile(r"^(gloo|nccl):(\w+)$")
 ``nccl:all_reduce`` on GPU ranks (``user_annotation`` on the thread that called it)."""
 
 
-class TraceError(ValueError):
+class TraceError(ValueError, LabkitError):
     """A trace file that cannot be used: missing, truncated, not a trace, or empty."""
 
 

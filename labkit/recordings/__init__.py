@@ -48,6 +48,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from labkit.errors import LabkitError
 from labkit.timing import format_seconds, quartiles
 
 FORMAT = "labkit-gpu-recording"
@@ -60,7 +61,7 @@ SHIPPED_DIR = Path(__file__).parent  # recordings that ship with labkit: *.json 
 REL_TOL = 1e-9
 
 
-class RecordingError(ValueError):
+class RecordingError(ValueError, LabkitError):
     """A file that is not a valid recording; the message names the file and what is wrong."""
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from labkit.errors import LabkitError
 from labkit.profiling.trace import Trace, TraceError, load_traces
 
 FORMAT = "labkit-gpu-profile"
@@ -53,7 +54,7 @@ NONE_SHIPPED = (
 )
 
 
-class ProfileRecordingError(ValueError):
+class ProfileRecordingError(ValueError, LabkitError):
     """A folder that is not a valid profile recording; the message names it and the reason."""
 
 

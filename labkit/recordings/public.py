@@ -30,6 +30,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from labkit.errors import LabkitError
+
 REPO = "facebookresearch/HolisticTraceAnalysis"
 COMMIT = "f4d0062c382f42bd8a74838bcdad1916c7d5d2da"  # main on 2026-05-01
 BASE_URL = f"https://raw.githubusercontent.com/{REPO}/{COMMIT}/tests/data/"
@@ -109,7 +111,7 @@ MULTI_RANK = "trace_filter"
 """The job notebook 06 reads: the only one with two ranks of one job (244 kB)."""
 
 
-class PublicTraceError(Exception):
+class PublicTraceError(LabkitError):
     """Public traces that could not be fetched or do not match; the message says why."""
 
 

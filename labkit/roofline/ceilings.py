@@ -27,9 +27,6 @@ from labkit.roofline.model import (
     FLOPS,
     Ceiling,
     Roofline,
-    _finite,
-    _non_negative_int,
-    _positive_int,
 )
 from labkit.roofline.precisions import (
     check_precision_on,
@@ -37,6 +34,7 @@ from labkit.roofline.precisions import (
     precision_name,
     storage_dtype,
 )
+from labkit.validate import positive, whole
 
 
 def _device(device: str | torch.device) -> torch.device:
@@ -122,15 +120,14 @@ def measure_compute_ceiling(
     dev = _device(device)
     name = precision_name(precision)
     check_precision_on(name, dev)
-    repeats = _positive_int("repeats", repeats)
-    warmup = _non_negative_int("warmup", warmup)
-    if not (_finite(budget_s) and budget_s > 0):
-        raise ValueError(f"budget_s={budget_s!r} is not allowed: a positive number of seconds")
+    repeats = whole("repeats", repeats, low=1)
+    warmup = whole("warmup", warmup, low=0)
+    positive("budget_s", budget_s, why="seconds")
     with matmul_mode(name, dev):
         if n is None:
             sizes = _budgeted_sizes(dev, storage_dtype(name), repeats + warmup, budget_s)
         else:
-            sizes = [_positive_int("n", n)]
+            sizes = [whole("n", n, low=1)]
         m = hardware.measured_matmul_flops(
             dtype=storage_dtype(name),
             device=dev,
@@ -170,9 +167,9 @@ def measure_bandwidth_ceiling(
     dev = _device(device)
     if n_bytes is None:
         n_bytes = _COPY_BYTES["cuda" if dev.type == "cuda" else "cpu"]
-    n_bytes = _positive_int("n_bytes", n_bytes)
-    repeats = _positive_int("repeats", repeats)
-    warmup = _non_negative_int("warmup", warmup)
+    n_bytes = whole("n_bytes", n_bytes, low=1)
+    repeats = whole("repeats", repeats, low=1)
+    warmup = whole("warmup", warmup, low=0)
     # ones, not empty: untouched pages may all map one shared zero page, which sits in cache
     src = torch.ones(n_bytes, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)

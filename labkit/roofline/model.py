@@ -17,22 +17,16 @@ modelled FLOPs and bytes (:func:`matmul_traffic`) and its measured time into a :
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from numbers import Integral, Real
-from typing import Any
 
 import torch
 
 from labkit import dtypes, formulas
 from labkit.roofline.precisions import precision_name
+from labkit.validate import number, one_of, positive, whole
 
 FLOPS = "FLOP/s"
 BYTES = "B/s"
-
-
-def _finite(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, Real) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -54,14 +48,9 @@ class Ceiling:
     when: str | None = None  # UTC, ISO 8601: when a measured ceiling was measured
 
     def __post_init__(self) -> None:
-        v = self.value
-        if not (_finite(v) and v > 0):
-            raise ValueError(f"value={v!r} is not allowed: a ceiling is a positive finite "
-                             f"number of {self.unit}")  # fmt: skip
-        if self.unit not in (FLOPS, BYTES):
-            raise ValueError(f"unit={self.unit!r} is not allowed: {FLOPS!r} or {BYTES!r}")
-        if self.kind not in ("measured", "published"):
-            raise ValueError(f"kind={self.kind!r} is not allowed: 'measured' or 'published'")
+        positive("value", self.value, why=f"a ceiling, in {self.unit}")
+        one_of("unit", self.unit, (FLOPS, BYTES))
+        one_of("kind", self.kind, ("measured", "published"))
         if self.kind == "measured" and not (self.device and self.when):
             raise ValueError("a measured ceiling needs device and when (where and when it was "
                              "measured): measure it with measure_compute_ceiling or "
@@ -91,25 +80,10 @@ def _rate(value: float, unit: str) -> str:
     return f"{value:.3g} {unit}"
 
 
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, Integral) or value <= 0:
-        raise ValueError(f"{name}={value!r} is not allowed: a positive integer")
-    return int(value)
-
-
-def _non_negative_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, Integral) or value < 0:
-        raise ValueError(f"{name}={value!r} is not allowed: zero or a positive integer")
-    return int(value)
-
-
 def arithmetic_intensity(flops: float, bytes_moved: float) -> float:
     """FLOPs per byte moved to or from memory: where a kernel sits on the roofline's x-axis."""
-    if not (_finite(flops) and flops >= 0):
-        raise ValueError(f"flops={flops!r} is not allowed: zero or a positive finite count")
-    if not (_finite(bytes_moved) and bytes_moved > 0):
-        raise ValueError(f"bytes_moved={bytes_moved!r} is not allowed: a positive finite count "
-                         "(every kernel reads or writes something)")  # fmt: skip
+    number("flops", flops, low=0)
+    positive("bytes_moved", bytes_moved, why="every kernel reads or writes something")
     return flops / bytes_moved
 
 
@@ -117,7 +91,7 @@ def matmul_traffic(m: int, k: int, n: int, precision: str | torch.dtype) -> tupl
     """Modelled (FLOPs, bytes) of an (m×k) @ (k×n) matmul: 2·m·k·n FLOPs (a multiply and an
     add per term), and the least traffic possible: each input read once, the output written
     once, (m·k + k·n + m·n) elements. Tiling that re-reads inputs moves more; caches less."""
-    m, k, n = (_positive_int(a, v) for a, v in (("m", m), ("k", k), ("n", n)))
+    m, k, n = (whole(a, v, low=1) for a, v in (("m", m), ("k", k), ("n", n)))
     size = dtypes.lookup(precision_name(precision)).bytes  # tf32: 4, held in float32 tensors
     return 2 * m * k * n, (m * k + k * n + m * n) * size
 
@@ -251,9 +225,7 @@ class Roofline:
             raise ValueError("flops=0 is not allowed here: a kernel that does no arithmetic has no "
                              "place on a FLOP/s roofline (log axes); compare its bytes/s with the "
                              "bandwidth ceiling instead")  # fmt: skip
-        if not (_finite(seconds) and seconds > 0):
-            raise ValueError(f"seconds={seconds!r} is not allowed: the kernel's measured time, "
-                             "a positive finite number of seconds")  # fmt: skip
+        positive("seconds", seconds, why="the kernel's measured time")
         roof = self.peak(precision)
         return Point(
             name=kernel_name, flops=float(flops), bytes=float(bytes_moved), seconds=float(seconds),

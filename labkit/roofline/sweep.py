@@ -18,13 +18,14 @@ import torch
 from labkit import timing
 from labkit.roofline.ceilings import _device, _utc_now, device_name
 from labkit.roofline.cpu import CpuPrecisionSupport, cpu_precision_support
-from labkit.roofline.model import _non_negative_int, _positive_int, matmul_traffic
+from labkit.roofline.model import matmul_traffic
 from labkit.roofline.precisions import (
     check_precision_on,
     matmul_mode,
     precision_name,
     storage_dtype,
 )
+from labkit.validate import whole
 
 
 @dataclass(frozen=True)
@@ -145,9 +146,9 @@ def matmul_sweep(
     if isinstance(sizes, Integral) or not sizes:
         raise ValueError(f"sizes={sizes!r} is not allowed: a non-empty sequence of positive "
                          "integers, e.g. (128, 256, 512)")  # fmt: skip
-    sizes = [_positive_int("sizes[i]", n) for n in sizes]
-    repeats = _positive_int("repeats", repeats)
-    warmup = _non_negative_int("warmup", warmup)
+    sizes = [whole("sizes[i]", n, low=1) for n in sizes]
+    repeats = whole("repeats", repeats, low=1)
+    warmup = whole("warmup", warmup, low=0)
 
     # A private generator leaves the learner's global RNG (and seeds) untouched.
     gen = torch.Generator(device=dev).manual_seed(0)
