@@ -78,6 +78,12 @@ def test_the_rank_table_has_a_row_per_rank(tmp_path):
     assert len(rows) == 3 and rows[1].split()[0] == "0" and rows[2].split()[0] == "1"
 
 
+def test_one_rank_cannot_answer_the_straggler_question(tmp_path):
+    build(rank=0, world_size=8).write(tmp_path / "rank0.json")
+    verdict = summarize_job(load_traces(tmp_path)).straggler_verdict()
+    assert verdict.startswith("One rank's trace") and "two or more" in verdict
+
+
 def test_no_traces_is_refused():
     with pytest.raises(TraceError, match="no traces"):
         summarize_job([])

@@ -90,6 +90,21 @@ def test_no_network_names_the_url_and_the_offline_way(server):
     assert "LABKIT_GPU_TRACES" in str(err.value)
 
 
+def test_a_folder_that_cannot_be_written_is_named_not_blamed_on_the_network(server, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(public.PublicTraceError, match=r"could not write into .*a-file") as err:
+        _fetch(server, dest=blocker / "traces")
+    assert "download" not in str(err.value)
+
+
+def test_find_or_fetch_never_raises_for_a_home_it_cannot_write(server, monkeypatch, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("LABKIT_HOME", str(tmp_path / "a-file" / "home"))
+    folder, note = public.find_or_fetch("toy_job")
+    assert folder is None and "could not write" in note
+
+
 def test_find_or_fetch_offline_says_how_and_downloads_nothing(server, monkeypatch):
     monkeypatch.setenv("LABKIT_OFFLINE", "1")
     folder, note = public.find_or_fetch("toy_job")

@@ -133,9 +133,12 @@ class JobSummary:
         """Whether one of these ranks is the one the others wait for, chosen by measurement."""
         if self.straggler is not None:
             return self.straggler.describe() + "."
+        if len(self.times) < 2:
+            return ("One rank's trace: a straggler is a rank the others wait for, so the "
+                    "question needs two or more ranks' traces of the same steps.")
         own = [t.own_s for t in self.times]
         spread = (max(own) - min(own)) / statistics.median(own) if min(own) > 0 else 0.0
-        share = [t.exposed_s / t.step_s for t in self.times if t.step_s > 0]
+        share = [t.exposed_s / t.step_s if t.step_s > 0 else 0.0 for t in self.times]
         waits = f"{min(share):.0%}–{max(share):.0%}" if len(share) > 1 else f"{share[0]:.0%}"
         here, size = len(self.times), self.world_size
         missing = size is not None and size > here

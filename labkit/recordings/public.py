@@ -23,7 +23,9 @@ Nothing here touches the network unless :func:`fetch` is called; ``LABKIT_OFFLIN
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import http.client
 import os
 import urllib.error
 import urllib.request
@@ -166,20 +168,35 @@ def _sha256(path: Path) -> str:
 
 
 def _download(url: str, dest: Path, size: int | None, sha256: str, timeout_s: float) -> None:
-    """Fetch ``url`` into ``dest`` atomically; a file of the wrong size or hash is removed."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    """Fetch ``url`` into ``dest`` atomically; a file of the wrong size or hash is removed.
+
+    What the network refuses and what this machine cannot write are told apart: the first
+    names the URL and the offline way, the second the folder."""
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}.part")
     try:
         try:
-            with urllib.request.urlopen(url, timeout=timeout_s) as response, tmp.open("wb") as f:
-                for block in iter(lambda: response.read(1 << 16), b""):
-                    f.write(block)
-        except (urllib.error.URLError, TimeoutError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            raise PublicTraceError(
-                f"could not download {url}: {reason}. These traces come from GitHub: on a "
-                "machine without access to it, copy HTA's tests/data folder from a checkout "
-                f"of {REPO} (commit {COMMIT[:7]}) and point LABKIT_GPU_TRACES at it") from None
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            out = tmp.open("wb")
+        except OSError as e:
+            raise PublicTraceError(f"could not write into {dest.parent}: {e.strerror or e}; "
+                                   "free space there, or set LABKIT_HOME to a folder you can "
+                                   "write") from None  # fmt: skip
+        with out:
+            try:
+                with urllib.request.urlopen(url, timeout=timeout_s) as response:
+                    for block in iter(lambda: response.read(1 << 16), b""):
+                        out.write(block)
+            except (urllib.error.URLError, http.client.HTTPException, TimeoutError,
+                    ConnectionError) as e:  # fmt: skip
+                reason = getattr(e, "reason", None) or f"{type(e).__name__}: {e}"
+                raise PublicTraceError(
+                    f"could not download {url}: {reason}. These traces come from GitHub: on a "
+                    "machine without access to it, copy HTA's tests/data folder from a checkout "
+                    f"of {REPO} (commit {COMMIT[:7]}) and point LABKIT_GPU_TRACES at it") from None
+            except OSError as e:  # the network answered; this disk did not take it
+                raise PublicTraceError(f"could not write {tmp}: {e.strerror or e}; free space "
+                                       f"in {dest.parent}, or set LABKIT_HOME to a folder with "
+                                       "room") from None  # fmt: skip
         got = tmp.stat().st_size
         if size is not None and got != size:
             raise PublicTraceError(f"{url}: {got} bytes arrived, {size} expected (a cut-off "
@@ -192,7 +209,8 @@ def _download(url: str, dest: Path, size: int | None, sha256: str, timeout_s: fl
                                    "these figures were checked on)")  # fmt: skip
         tmp.replace(dest)
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # gone already, or its folder never was
+            tmp.unlink()
 
 
 def fetch(keys: tuple[str, ...] | list[str] = (MULTI_RANK,), *, dest: Path | None = None,
@@ -203,6 +221,16 @@ def fetch(keys: tuple[str, ...] | list[str] = (MULTI_RANK,), *, dest: Path | Non
     checked against the size and SHA-256 recorded here, so a figure read from it is the one
     the tests checked."""
     dest = download_dir() if dest is None else Path(dest)
+    try:
+        return _fetch(keys, dest, base_url, license_url, timeout_s)
+    except OSError as e:  # a copy already there that cannot be read, a SOURCE.txt not written
+        raise PublicTraceError(f"{e.filename or dest}: {e.strerror or e}; remove {dest} and "
+                               "fetch again, or set LABKIT_HOME to a folder you can "
+                               "write") from None  # fmt: skip
+
+
+def _fetch(keys: tuple[str, ...] | list[str], dest: Path, base_url: str, license_url: str,
+           timeout_s: float) -> Path:  # fmt: skip
     for key in keys:
         for f in _job(key).files:
             target = dest / f.path
