@@ -28,13 +28,27 @@ from typing import Any, TypeVar
 
 from labkit.errors import LabkitError
 
-__all__ = ["InvalidValue", "flag", "number", "one_of", "positive", "refuse", "whole"]
+__all__ = ["InvalidValue", "flag", "number", "one_of", "positive", "refuse", "shown", "whole"]
 
 T = TypeVar("T")
 
 
 class InvalidValue(ValueError, LabkitError):
     """An argument labkit cannot use; the message names it, its value, and what is allowed."""
+
+
+def shown(value: object, width: int = 60) -> str:
+    """``repr(value)`` cut to ``width`` characters: a message names a value, never floods.
+
+    An int past Python's 4,300-digit limit for ``repr`` (``sys.set_int_max_str_digits``) is
+    shown by its size, where ``repr`` itself would raise."""
+    try:
+        text = repr(value)
+    except ValueError:
+        kind = type(value).__name__
+        digits = f" of about {int(value.bit_length() * 0.30103) + 1} digits" if isinstance(value, int) else ""
+        return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}{digits}, too long to show"
+    return text if len(text) <= width else f"{text[:width - 5]}…{text[-4:]}"
 
 
 def refuse(name: str, value: Any, allowed: str, *, why: str = "",
@@ -44,7 +58,7 @@ def refuse(name: str, value: Any, allowed: str, *, why: str = "",
     Returned, not raised, so that the caller writes ``raise refuse(...)`` and a reader (and a
     type checker) sees the function end there.
     """
-    return error(f"{name}={value!r} is not allowed: {allowed}" + (f" ({why})" if why else ""))
+    return error(f"{name}={shown(value)} is not allowed: {allowed}" + (f" ({why})" if why else ""))
 
 
 def _bounds(low: float | None, high: float | None) -> str:

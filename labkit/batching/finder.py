@@ -115,11 +115,8 @@ allocator for the token ids alone, 16 bytes a token, before any budget is checke
 
 
 def _max_batch(value: object) -> int:
-    batch = whole("max_batch", value, low=1)
-    if batch > MAX_BATCH:
-        raise ValueError(f"max_batch={batch} is not allowed: give 1..{MAX_BATCH} (2**24, more "
-                         f"sequences than any GPU holds; the default is 4096)")  # fmt: skip
-    return batch
+    return whole("max_batch", value, low=1, high=MAX_BATCH,
+                 why="2**24, more sequences than any GPU holds; the default is 4096")
 
 
 # ----------------------------------------------------------------------------------------------
