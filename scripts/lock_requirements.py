@@ -11,8 +11,10 @@ library that a GPU build of torch pulls in, a backport an older Python needs) is
     python scripts/lock_requirements.py --check    # exit 1 if the lock is not what pip resolves
 
 The resolution is pip's own (``pip install --dry-run --ignore-installed --report``), on this
-machine's Python and platform; local version labels (``2.13.0+cpu``) are dropped, so that the
-same line admits the CUDA build of the version. Reaches the package index; writes one file.
+machine's Python and platform and with its pip configuration (the index, and where a CPU
+build of torch comes from); local version labels (``2.13.0+cpu``) are dropped and the CUDA
+libraries a GPU build pulls in are left out, so that the same lock admits the CUDA build of
+the version. Reaches the package index; writes one file.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -44,8 +47,19 @@ def resolve(requirements: Path) -> dict[str, str]:
                         "--ignore-installed", "--report", str(report), "-r", str(requirements)],
                        check=True)  # fmt: skip
         installs = json.loads(report.read_text())["install"]
-    return {item["metadata"]["name"].lower().replace("_", "-"):
-            item["metadata"]["version"].split("+")[0] for item in installs}  # fmt: skip
+    return {normal(item["metadata"]["name"]): item["metadata"]["version"].split("+")[0]
+            for item in installs if not cuda_only(item["metadata"]["name"])}  # fmt: skip
+
+
+def normal(name: str) -> str:
+    """A package name as PEP 503 compares it (``Jupyter_Client`` is ``jupyter-client``)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def cuda_only(name: str) -> bool:
+    """The CUDA libraries and Triton a GPU build of torch pulls in: never locked, so the same
+    lock serves the CPU wheel CI tests and the CUDA build a GPU machine installs."""
+    return normal(name).startswith("nvidia-") or normal(name) == "triton"
 
 
 def render(pins: dict[str, str]) -> str:
