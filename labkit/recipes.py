@@ -458,22 +458,31 @@ def _live_storages() -> dict[int, tuple[torch.UntypedStorage, torch.dtype]]:
     with the dtype of the first tensor seen on it.
 
     ``gc.get_objects`` lists every object the collector tracks, and tensors are tracked; a
-    DTensor is skipped (its local tensor is an object of its own and is counted instead).
+    DTensor is skipped (its local tensor is an object of its own and is counted instead), and
+    so is a tensor whose storage cannot be read (a FakeTensor that torch.compile left alive).
     """
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
     from torch.distributed.tensor import DTensor
 
+    unreal = (DTensor, FakeTensor, FunctionalTensor)  # no storage of their own to count
     found: dict[int, tuple[torch.UntypedStorage, torch.dtype]] = {}
     counted: dict[type, bool] = {}  # per type, not per object: the walk sees ~10^5 objects
     for o in gc.get_objects():
         kind = type(o)  # type(), not isinstance: some torch objects warn when asked __class__
         take = counted.get(kind)
         if take is None:
-            take = counted[kind] = issubclass(kind, torch.Tensor) and not issubclass(kind, DTensor)
+            take = counted[kind] = issubclass(kind, torch.Tensor) and not issubclass(kind, unreal)
         if not take or o.is_meta or o.is_sparse or o.is_nested:
             continue
-        storage = o.untyped_storage()
-        if storage.nbytes():
-            found.setdefault(storage.data_ptr(), (storage, o.dtype))
+        try:
+            storage = o.untyped_storage()
+            if storage.nbytes():
+                found.setdefault(storage.data_ptr(), (storage, o.dtype))
+        except (RuntimeError, NotImplementedError):
+            # a tensor with no real storage behind it (a FakeTensor left by torch.compile in
+            # this process, a wrapper subclass): it holds no memory to count
+            continue
     return found
 
 
