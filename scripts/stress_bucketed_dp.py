@@ -30,23 +30,12 @@ ATOL = 1e-6  # SGD, fp32 (tests/test_dp_toy_parity.py): a summed gradient is ~1e
 
 
 def build_model(seed: int):
-    """An embedding and an output head sharing one weight, an MLP between them."""
+    """The tied-weight toy model of tests/test_dp_bucketed_tied.py (an embedding and an output
+    head sharing one weight), built from ``seed``."""
     import torch
-    from torch import nn
-    from torch.nn import functional as F
 
-    class Tied(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.emb = nn.Embedding(12, 8)
-            self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
-            self.head = nn.Linear(8, 12, bias=False)
-            self.head.weight = self.emb.weight  # tied: one Parameter, two uses
-
-        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # the loss
-            h = self.emb(x)
-            h = h + self.mlp(h)
-            return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten())
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from test_dp_bucketed_tied import Tied
 
     torch.manual_seed(seed)
     return Tied()
