@@ -68,7 +68,7 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from labkit import formulas
+from labkit import formulas, validate
 from labkit.errors import LabkitError
 from labkit.validate import whole
 
@@ -76,6 +76,9 @@ MANIFEST = "manifest.json"
 MAX_LINES = 8  # differences named in a CheckpointMismatch; the rest are counted
 FORMAT = 1  # bumped when the layout changes; another format is a mismatch, not a crash
 MAX_STEP = 10**9 - 1  # the largest step a folder name holds: "step" + 9 digits
+_STEP_WHY = ("a checkpoint's folder is named step + 9 digits, which is how load_latest finds it "
+             "again; pass the number of optimizer steps done so far, step + 1 in a loop over "
+             "range(steps)")  # fmt: skip
 _FINAL = re.compile(r"^step(\d{9})$")
 _TMP_PREFIX = ".tmp-"
 _ASIDE_PREFIX = ".replaced-"  # an existing step's folder while a save replaces it
@@ -252,18 +255,6 @@ def tmp_dir(root: Path | str, step: int) -> Path:
     return Path(root) / f"{_TMP_PREFIX}step{step:09d}"
 
 
-def _check_step(step: Any) -> int:
-    """``step`` as an int, or a ValueError: a checkpoint's step is a whole number that its
-    folder's name (``step`` + 9 digits) holds, so that ``load_latest`` finds it again."""
-    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
-        raise ValueError(
-            f"step={step!r}: a checkpoint's step must be a whole number from 0 to "
-            f"{MAX_STEP:,} (its folder is named step + 9 digits, which is how load_latest finds "
-            "it again). Pass the number of optimizer steps done so far (step + 1 in a loop over range(steps))"
-        )
-    return step
-
-
 def read_manifest(folder: Path) -> dict[str, Any] | None:
     try:
         obj = json.loads((Path(folder) / MANIFEST).read_text())
@@ -307,7 +298,7 @@ def _manifest_problem(manifest: dict[str, Any]) -> str | None:
     A manifest of another format is left to ``mismatches``, which names the format."""
     fmt = manifest.get("format")
     if not _is_count(fmt):
-        return f"{MANIFEST} field 'format' is {_shown(fmt)}, expected a whole number"
+        return f"{MANIFEST} field 'format' is {_typed(fmt)}, expected a whole number"
     if fmt != FORMAT:
         return None
     for key, (ok, expected, required) in _FIELDS.items():
@@ -315,14 +306,13 @@ def _manifest_problem(manifest: dict[str, Any]) -> str | None:
             if required:
                 return f"{MANIFEST} field {key!r} is missing"
         elif not ok(manifest[key]):
-            return f"{MANIFEST} field {key!r} is {_shown(manifest[key])}, expected {expected}"
+            return f"{MANIFEST} field {key!r} is {_typed(manifest[key])}, expected {expected}"
     return None
 
 
-def _shown(value: Any) -> str:
-    text = repr(value)
-    text = text if len(text) <= 60 else text[:57] + "..."
-    return f"{text} ({type(value).__name__})"
+def _typed(value: Any) -> str:
+    """A manifest's value and its type: "'1' (str)" where a number belongs."""
+    return f"{validate.shown(value)} ({type(value).__name__})"
 
 
 def _sizes_problem(folder: Path, sizes: dict[str, int]) -> str | None:
@@ -710,13 +700,15 @@ def save(
     ``load_latest`` (the data position). Returns what was written, the same on every rank.
     Raises ``CheckpointError`` on every rank if any rank could not write its share (a full
     disk is named as such); then nothing is published, the temporary folder is removed and the
-    previous checkpoints are untouched.
+    previous checkpoints are untouched. What is no failed write goes up as it is: an interrupt
+    stays a ``KeyboardInterrupt``, and an error torch raises outside its writers (a process
+    group that broke under it) keeps its type and message.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    step = _check_step(step)
+    step = whole("step", step, low=0, high=MAX_STEP, why=_STEP_WHY)
     keep = whole("keep", keep, low=1, why="keep at least the newest checkpoint")
     root = Path(root)
     rank, world = _world()
@@ -745,20 +737,19 @@ def save(
     faults = []
     own = {"step": step, "rank": rank, "world_size": world, "extra": extra or {},
            "rng": _rng_state()}  # fmt: skip
+    # Any other error of dcp.save's (a process group that broke under it) goes up as it is:
+    # it is no failed write, and another collective on a broken group would only hang.
     try:
         with _quiet():
             dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer,
                      no_dist=not tdist.is_initialized())  # fmt: skip
-        _write_own(tmp / f"rank{rank}.pt", own)
-    except CheckpointException as e:  # DCP's collective failure: every rank has it
+    except CheckpointException as e:  # DCP's collective failure: every rank has the same
+        _raise_if_not_a_write_error(e, tmp)
         mine = e.failures.get(rank)
         if mine is not None:
             faults.append(_fault(rank, mine[0], fs.errors))
-    except OSError as e:  # this rank's own file: a full disk
-        faults.append(_fault(rank, e))
-    except Exception as e:  # this rank's own file: an extra that does not pickle
-        faults.append({**_fault(rank, e), "fix": "Pass an extra of plain values (numbers, "
-                       f"strings, lists, dicts, tensors): it is pickled into rank{rank}.pt."})  # fmt: skip
+    else:
+        faults = _own_file_faults(tmp / f"rank{rank}.pt", own, rank)
     _raise_if_failed(root, tmp, step, faults)
 
     # 3. Rank 0 publishes: manifest, rename, prune.
@@ -787,6 +778,30 @@ def save(
     for note in info.notes:
         _say(log, note)
     return info
+
+
+def _own_file_faults(path: Path, own: dict[str, Any], rank: int) -> list[dict[str, Any]]:
+    """Write this rank's own file; what went wrong, as :func:`_fault`s ([] if nothing)."""
+    try:
+        _write_own(path, own)
+    except OSError as e:  # a full disk
+        return [_fault(rank, e)]
+    except Exception as e:  # an extra that does not pickle
+        return [{**_fault(rank, e), "fix": "Pass an extra of plain values (numbers, strings, "
+                 f"lists, dicts, tensors): it is pickled into {path.name}."}]  # fmt: skip
+    return []
+
+
+def _raise_if_not_a_write_error(e: BaseException, tmp: Path) -> None:
+    """Raise, as it is, an interrupt (or a SystemExit, or too little memory) that DCP caught
+    on any rank: it is no failed write, as :func:`load_latest` does not take one for damage.
+    Every rank has the same failures, so every rank raises it; rank 0 first removes the
+    temporary folder (no rank writes to it any more: DCP's failure was collective)."""
+    for exc, _ in getattr(e, "failures", {}).values():
+        if not isinstance(exc, Exception) or isinstance(exc, MemoryError | torch.OutOfMemoryError):
+            if _world()[0] == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise exc from None  # not chained to DCP's wrapper: its text repeats the trace
 
 
 def _raise_if_failed(root: Path, tmp: Path, step: int, faults: list[dict[str, Any]]) -> None:

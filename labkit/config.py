@@ -27,6 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from labkit.validate import shown
+
 SIZES = ("smoke", "lab", "gpu")
 DTYPES = ("float32", "bfloat16", "float16")
 CORPUS_VOCAB_SIZE = 256
@@ -236,7 +238,7 @@ class RunConfig:
         section or field is refused with the known ones and an example (ValueError)."""
         sections = {"model": ModelConfig, "train": TrainConfig}
         if not isinstance(d, Mapping):
-            raise ValueError(f"RunConfig.from_dict: {_shown(d)} is not a dict: give "
+            raise ValueError(f"RunConfig.from_dict: {shown(d)} is not a dict: give "
                              f"{{'model': {{...}}, 'train': {{...}}}}, {_FROM_DICT_EXAMPLE}")
         missing = [name for name in sections if name not in d]
         unknown = [name for name in d if name not in sections]
@@ -280,7 +282,7 @@ def _section(name: str, cls: type, fields: object) -> Any:
     is not a dict, or a field the dataclass does not have, is refused naming the known ones."""
     known = [f.name for f in dataclasses.fields(cls)]
     if not isinstance(fields, Mapping):
-        what = "None" if fields is None else f"{_shown(fields)}, {_article(type(fields).__name__)}"
+        what = "None" if fields is None else f"{shown(fields)}, {_article(type(fields).__name__)}"
         raise ValueError(f"RunConfig.from_dict: {name!r} is {what}: give a dict of "
                          f"{cls.__name__}'s fields, e.g. {{}} for its defaults; its fields: "
                          f"{', '.join(known)}")  # fmt: skip
@@ -288,18 +290,9 @@ def _section(name: str, cls: type, fields: object) -> Any:
         if key not in known:
             close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.5)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(f"RunConfig.from_dict: {name} has unknown field {_shown(key)}{hint}; "
+            raise ValueError(f"RunConfig.from_dict: {name} has unknown field {shown(key)}{hint}; "
                              f"{cls.__name__}'s fields: {', '.join(known)}")  # fmt: skip
     return cls(**fields)
-
-
-def _shown(value: object, width: int = 60) -> str:
-    """``repr(value)``, cut to ``width`` characters: a message names a value, never floods."""
-    try:
-        text = repr(value)
-    except ValueError:  # an int past Python's 4300-digit limit has no repr
-        return f"{_article(type(value).__name__)} too long to show"
-    return text if len(text) <= width else f"{text[:width - 5]}…{text[-4:]}"
 
 
 def parse_json_object(text: str, option: str) -> dict[str, Any]:
@@ -311,11 +304,11 @@ def parse_json_object(text: str, option: str) -> dict[str, Any]:
         example = _as_json_example(text)
         quotes = " (JSON strings and keys take double quotes)" if "'" in text else ""
         raise ValueError(
-            f"{option} {_shown(text)} is not JSON: {option} takes a JSON object{quotes}, in "
+            f"{option} {shown(text)} is not JSON: {option} takes a JSON object{quotes}, in "
             f"single quotes for the shell, e.g. {option} '{example}'"
         ) from None
     if not isinstance(value, dict):
-        raise ValueError(f"{option} {_shown(text)} is JSON but not an object: give the fields in "
+        raise ValueError(f"{option} {shown(text)} is JSON but not an object: give the fields in "
                          f"braces, e.g. {option} '{{\"numel\": 4}}'")  # fmt: skip
     return value
 

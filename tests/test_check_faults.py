@@ -12,6 +12,7 @@ ledger of their collectives (``labkit.diagnosis.CollectiveLedger``); the check c
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 import signal
@@ -301,6 +302,65 @@ def test_a_check_stopped_at_its_limit_stops_the_process_too_even_one_ignoring_si
     assert f"It had started 1 process, which the check stopped too: pid {started[0]}" in out
     assert "Nothing else needs stopping: the notebook can go on." in out
     assert _child_pids_alive(started) == []
+
+
+def test_a_check_that_fails_with_its_own_error_still_stops_the_learners_processes(
+    started, monkeypatch, tmp_path, capsys
+):
+    """The learner's file started a process when the kernel imported it, then the check's job
+    could not start (a LaunchError, the caller's to see). Before: the error went up, and the
+    process ran on, unmentioned."""
+    module = importlib.import_module(ex.MODULES["03"])
+
+    def verify_file(exercise_id, path, **options):
+        started.append(subprocess.Popen(SLEEPER).pid)  # what importing the learner's file did
+        raise launch.LaunchError("no free port for the job's rendezvous: try again")
+
+    monkeypatch.setattr(module, "verify_file", verify_file)
+    with pytest.raises(launch.LaunchError, match="no free port"):
+        ex.check_in_workers("03.one_f_one_b", tmp_path / "mp_order.py")
+    assert started and _child_pids_alive(started) == []
+    out = capsys.readouterr().out
+    assert (f"Your code left 1 process running, which the check stopped: pid {started[0]} "
+            f"(`{' '.join(SLEEPER)}`)") in out, out  # fmt: skip
+
+
+def test_a_process_the_check_stops_is_left_for_its_owner_to_reap(started, capsys):
+    """The learner's code keeps its Popens (one a call): once the check has stopped the
+    children, each Popen reads how its child really ended. Before: the check reaped it (waitpid), and the Popen read
+    returncode 0 for a process killed by SIGTERM."""
+    reference = ex.get("01.adam_bytes").reference
+    kept: list[subprocess.Popen] = []
+
+    def adamw_state_bytes(n_params):
+        kept.append(subprocess.Popen(SLEEPER))
+        started.append(kept[-1].pid)
+        return reference(n_params)
+
+    ex.check("01.adam_bytes", adamw_state_bytes)
+    assert "which the check stopped" in capsys.readouterr().out
+    assert kept and [child.wait(timeout=10) for child in kept] == [-signal.SIGTERM] * len(kept)
+    assert [child.poll() for child in kept] == [-signal.SIGTERM] * len(kept)
+
+
+def test_a_process_that_ends_by_itself_during_the_check_keeps_its_exit_code(
+    started, monkeypatch, capsys
+):
+    """A child that ends while the check waits for it to settle is not the check's to reap
+    either. Before: psutil.wait_procs reaped it, and its Popen read 0 instead of 3."""
+    monkeypatch.setattr(ex, "SETTLE_S", 10.0)  # it ends well within: no stop, no note
+    reference = ex.get("01.adam_bytes").reference
+    kept: list[subprocess.Popen] = []
+    brief = [sys.executable, "-c", "import sys, time; time.sleep(1); sys.exit(3)"]
+
+    def adamw_state_bytes(n_params):
+        kept.append(subprocess.Popen(brief))
+        started.append(kept[-1].pid)
+        return reference(n_params)
+
+    ex.check("01.adam_bytes", adamw_state_bytes)
+    assert "process" not in capsys.readouterr().out
+    assert kept and [child.wait(timeout=10) for child in kept] == [3] * len(kept)
 
 
 def test_nothing_else_needs_stopping_is_said_only_when_true():

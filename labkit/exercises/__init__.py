@@ -369,32 +369,50 @@ def _run_in_kernel(
 
     A ``SystemExit`` (``sys.exit(1)`` in the learner's code), a ``KeyboardInterrupt`` the
     code raised itself, or another ``BaseException`` of the learner's becomes a failed check:
-    the kernel goes on. A real interrupt (■, the SIGINT the kernel gets) still interrupts.
+    the kernel goes on. A real interrupt (■, the SIGINT the kernel gets) still interrupts, and
+    a check's own error (a bad argument, a job that could not start) goes on up; either way
+    the processes the learner's code started are stopped first, and the note printed.
     """
     __tracebackhide__ = True
     watch = _KernelWatch()
-    where = ""
+    caught: tuple[str | ExerciseError, str, bool] | None = None  # None: an error goes on up
+    note = ""
+    try:
+        caught = _caught(ex, run, watch)
+    finally:
+        if caught is None or not caught[2]:  # not stopped at the time limit already
+            note = watch.stop_leftovers().note()
+            if caught is None and note:  # no report follows to print it
+                print(note)
+    outcome, where, _ = caught
+    return outcome, where, note
+
+
+def _caught(
+    ex: Exercise, run: Callable[[], tuple[str, str]], watch: _KernelWatch
+) -> tuple[str | ExerciseError, str, bool]:
+    """``run()``'s (outcome, where), or the failed check the learner's code's way out of it
+    makes, and whether the processes it started were stopped already (at the time limit: the
+    outcome names them). A real interrupt and a check's own error are raised."""
+    __tracebackhide__ = True
     try:
         with time_limit(ex.time_limit_s), watch.interrupts():
             outcome, where = run()
+        return outcome, where, False
     except ExerciseError as err:
-        outcome = err
+        return err, "", False
     except TimeLimitReached as stop:
-        return _timed_out(ex, stop, watch.stop_leftovers()), "", ""
+        return _timed_out(ex, stop, watch.stop_leftovers()), "", True
     except KeyboardInterrupt as err:
         # A real interrupt (■) went through our handler, or was held back by labkit code
         # (launch's cleanup) and raised there; the learner's own `raise` is in its code.
         if watch.interrupted or not _raised_in_learners_code(err):
-            note = watch.stop_leftovers().note()
-            if note:
-                print(note)
             raise
-        outcome = _exited(err, "raised KeyboardInterrupt itself")
-    except Exception:  # a check's own error (a bad argument to it): the caller's to see
+        return _exited(err, "raised KeyboardInterrupt itself"), "", False
+    except Exception:  # a check's own error (a bad argument, a job that could not start)
         raise
     except BaseException as err:  # SystemExit and kin, from the learner's code: reported
-        outcome = _exited(err)
-    return outcome, where, watch.stop_leftovers().note()
+        return _exited(err), "", False
 
 
 def _raised_in_learners_code(err: BaseException) -> bool:
@@ -797,26 +815,37 @@ class _KernelWatch:
 
     def stop_leftovers(self) -> Leftovers:
         """Stop the child processes (and theirs) that appeared since: SIGTERM, then SIGKILL
-        after :data:`GRACE_S`. Those still there after that are named as unstoppable."""
-        import psutil
-
+        after :data:`GRACE_S`. Those still there after that are named as unstoppable; those
+        stopped are left for their owner to reap."""
         from labkit import procs  # lazy: importing exercises stays cheap
 
         new = [p for p in _children() if _key(p) not in self.before and not _infrastructure(p)]
-        if new:
-            _, new = psutil.wait_procs(new, timeout=SETTLE_S)  # those that end by themselves
-            new = [p for p in new if procs.alive(p)]
+        new = _still_running(new, SETTLE_S)  # those that end by themselves are not left over
         if not new:
             return Leftovers({}, {})
         named = {p.pid: _command(p) for p in new}  # before they go
         procs.end_tree(new, grace_s=GRACE_S)
+        # Never reaped here (no waitpid): a process is its owner's to reap. A Popen or a
+        # multiprocessing.Process whose child this reaped would read exit code 0 for a killed
+        # process, or is_alive() True for ever, and could later signal a reused PID.
         left = {p.pid for p in new if procs.alive(p)}
-        for p in new:  # reap this process's own children: no zombies left behind
-            with contextlib.suppress(psutil.Error):
-                if p.pid not in left:
-                    p.wait(timeout=0)
         return Leftovers({pid: c for pid, c in named.items() if pid not in left},
                          {pid: c for pid, c in named.items() if pid in left})  # fmt: skip
+
+
+def _still_running(found: list[Any], within_s: float) -> list[Any]:
+    """Those of ``found`` still running after up to ``within_s`` seconds (a zombie has ended).
+
+    Polled, not waited for: ``psutil.wait_procs`` would reap this process's own children, and
+    their exit status is their owner's (a learner's ``Popen``) to read."""
+    from labkit import procs
+
+    deadline = time.monotonic() + within_s
+    while True:
+        running = [p for p in found if procs.alive(p)]
+        if not running or time.monotonic() >= deadline:
+            return running
+        time.sleep(0.02)
 
 
 def _children() -> list[Any]:
