@@ -64,10 +64,10 @@ from labkit.diagnosis import diagnose_hang as diagnose_hang
 from labkit.diagnosis import rank_log_path as rank_log_path
 from labkit.diagnosis import traceback_excerpt as traceback_excerpt
 from labkit.errors import LabkitError
-from labkit.nodes import Nodes, endpoint_problem, rank_range
+from labkit.nodes import Nodes, endpoint_problem, is_torchrun_agent, rank_range
 from labkit.procs import cleanup as cleanup
 from labkit.procs import labkit_home as labkit_home
-from labkit.validate import whole
+from labkit.validate import shown, whole
 
 TICK_S = 0.25  # supervision period: heartbeats, timeouts, observers' on_tick
 TREE_SCAN_S = 1.0  # how often to record the agent's descendants (a /proc walk)
@@ -102,9 +102,11 @@ class JobResult:
         log_dir: the job directory: job.json, rank{r}.json, agent.log, torchrun/ (per-rank logs).
         status: "ok", "failed", "timeout" or "interrupted".
         returncode: torchrun's exit status (negative: killed by that signal).
-        agent_pid, worker_pids: the processes the job ran, all ended by now (``agent_pid`` is
-            labkit's supervisor around torchrun's agent, see labkit/_spawn.py; ``worker_pids``
-            every process under it: the agent, the ranks and what they started).
+        agent_pid, worker_pids: the processes the job ran, all ended by now. ``agent_pid`` is
+            labkit's supervisor around torchrun's agent (labkit/_spawn.py); ``worker_pids``
+            the ranks and the processes they started, as far as the launcher saw them (its
+            scan of the tree runs once a second, so a child that lived less may be missing);
+            torchrun's agent itself is in neither.
         nodes: the multi-node layout it ran under (None: this machine alone). Then ``nproc``
             counts this node's ranks, ``world_size`` the whole job's, and ``ranks`` holds
             results only for this node's ranks (``local_ranks``); other nodes keep theirs.
@@ -377,13 +379,16 @@ def _ranks_under(agent_pid: int) -> list[psutil.Process]:
 
     ``agent_pid`` is labkit's supervisor (``labkit._spawn --supervise``) with torchrun as its
     child; where the supervisor cannot run (not Linux) it execs into torchrun itself. Only
-    torchrun's direct children are ranks: a rank's own child inherits RANK too.
+    torchrun's direct children are ranks: a rank's own child inherits RANK too, and the
+    supervisor, a child subreaper, adopts the children of a rank that died, so beside
+    torchrun it may have such orphans as children, each claiming its dead parent's rank.
     """
     with contextlib.suppress(psutil.Error):
         top = psutil.Process(agent_pid)
         if "labkit._spawn" not in top.cmdline()[:3]:  # torchrun itself
             return top.children()
-        return [rank for agent in top.children() for rank in agent.children()]
+        return [rank for agent in top.children() if is_torchrun_agent(agent)
+                for rank in agent.children()]  # fmt: skip
     return []
 
 
@@ -397,7 +402,7 @@ class ProgressLines:
 
     def __init__(self, label: str, every_s: float = 3.0, write: Callable[[str], None] = print):
         if not every_s > 0:
-            raise ValueError(f"every_s={every_s!r}: give a number of seconds > 0")
+            raise ValueError(f"every_s={shown(every_s)}: give a number of seconds > 0")
         self.label, self.every_s, self.write = label, every_s, write
         self.said_at = 0.0
 
@@ -455,9 +460,9 @@ def resolve_backend(
     the machine cannot run (``device="cuda"`` or ``backend="nccl"`` without enough GPUs).
     """
     if device not in DEVICES:
-        raise ValueError(f"device={device!r}: use one of {DEVICES}")
+        raise ValueError(f"device={shown(device)}: use one of {DEVICES}")
     if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r}: use one of {BACKENDS}")
+        raise ValueError(f"backend={shown(backend)}: use one of {BACKENDS}")
     if device == "cpu":
         if backend == "nccl":
             raise ValueError("backend='nccl' needs GPUs, but device='cpu': use backend='gloo'")
@@ -494,7 +499,7 @@ def _module_roots(module: str) -> list[str]:
     """
     if not isinstance(module, str) or not re.fullmatch(r"[A-Za-z_][\w.]*", module):
         raise ValueError(
-            f"module={module!r}: pass a dotted module name like 'labkit.workers.allreduce'"
+            f"module={shown(module)}: pass a dotted module name like 'labkit.workers.allreduce'"
         )
     try:
         spec = importlib.util.find_spec(module)
@@ -552,25 +557,21 @@ def _check_inputs(
             and math.isfinite(value)
             and value > 0
         ):
-            raise ValueError(f"{name}={value!r}: need a finite number of seconds > 0, e.g. 120")
+            raise ValueError(
+                f"{name}={shown(value)}: need a finite number of seconds > 0, e.g. 120"
+            )
     if tail_lines is not None and (not isinstance(tail_lines, int) or tail_lines < 0):
-        raise ValueError(f"tail_lines={tail_lines!r}: need an integer >= 0, or None for all")
+        raise ValueError(f"tail_lines={shown(tail_lines)}: need an integer >= 0, or None for all")
     if env is not None and not (
         isinstance(env, Mapping)
         and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
     ):
         raise ValueError(
-            f"env={_short(env)}: env takes a dict of str to str, each extra environment "
+            f"env={shown(env)}: env takes a dict of str to str, each extra environment "
             "variable's name to its value, e.g. env={'OMP_NUM_THREADS': '1'} (values are "
             "strings too: '1', not 1)"
         )
     return config_json
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    """``repr(value)``, cut to ``limit`` characters: an error message quotes it, not dumps it."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 # --- the launcher -------------------------------------------------------------------------------
@@ -643,7 +644,7 @@ def run(
     )
     if nodes is not None and not isinstance(nodes, Nodes):
         raise ValueError(
-            f"nodes={nodes!r}: need a labkit.nodes.Nodes(count, endpoint=..., rdzv_id=...), "
+            f"nodes={shown(nodes)}: need a labkit.nodes.Nodes(count, endpoint=..., rdzv_id=...), "
             "or None for a job on this machine alone"
         )
     max_restarts = whole("max_restarts", max_restarts, low=0, why="0: no restart")
@@ -657,14 +658,17 @@ def run(
         if line and stream:
             print(line)
     _check_free_port()
-    if nodes is not None and (problem := endpoint_problem(nodes)) is not None:
-        raise LaunchError(problem)
 
     for ended in cleanup(supervised=_SUPERVISED):
         print(
             f"labkit: ended {len(ended['pids'])} leftover process(es) of job {ended['job_id']}"
             " (nothing supervised it any more)"
         )
+    # After cleanup(): a leftover job of a killed kernel may still hold the rendezvous port,
+    # and is gone now; looked at before, it would be refused as a stranger (static) or taken
+    # for another agent hosting the rendezvous (c10d).
+    if nodes is not None and (problem := endpoint_problem(nodes)) is not None:
+        raise LaunchError(problem)
     if not log_dir:  # a folder the caller chose is the caller's to tidy
         # After cleanup(), so jobs it just ended count as finished. The new job is one of the
         # folders kept, hence keep - 1. A bad $LABKIT_KEEP_RUNS raises ValueError before
@@ -1240,7 +1244,7 @@ class _Supervisor:
                    if p.pid not in self.workers and p.pid not in self.torchrun]  # fmt: skip
             for p in new:
                 with contextlib.suppress(psutil.Error):
-                    agent = p.ppid() == self.agent.pid and "torch.distributed.run" in p.cmdline()
+                    agent = p.ppid() == self.agent.pid and is_torchrun_agent(p)
                     (self.torchrun if agent else self.workers)[p.pid] = p
             if new:
                 self._save_record()
@@ -1525,7 +1529,7 @@ def rehearse_nodes(
     on separate machines; with fewer, every rank runs on the CPU over gloo.
     """
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 2:
-        raise ValueError(f"nodes={nodes!r}: a rehearsal of several nodes needs 2 or more")
+        raise ValueError(f"nodes={shown(nodes)}: a rehearsal of several nodes needs 2 or more")
     gpus = visible_gpu_count()
     device = run_kwargs.pop("device", "auto")
     if device == "auto":

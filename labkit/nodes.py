@@ -9,12 +9,13 @@ on who is in the job, then each starts its ``nproc`` ranks. Two ways to meet
 
 - **c10d rendezvous** (``node_rank`` left None, the default): the agent on the endpoint's
   machine hosts a small key-value store there (a TCPStore; torch's c10d_rendezvous_backend.py
-  matches the endpoint against the machine's names and addresses, and on one machine the first
+  matches the endpoint against this machine's host name, its full name and the addresses that
+  name resolves to, not every network card's: ``agent_hosts_here``; on one machine the first
   agent to bind the port wins) and every agent registers with it; the others wait for it about
-  a minute (its read timeout) before giving up. Node ranks are handed out when the rendezvous completes, in an order the agents agree on
-  (torch sorts them by address and process id), so no machine needs to know its place
-  beforehand, and ``count`` may be a range ``"2:4"``: the job starts once 2 nodes are in and
-  admits up to 4 (an *elastic* job).
+  a minute (its read timeout) before giving up. Node ranks are handed out when the rendezvous
+  completes, in an order the agents agree on (torch sorts them by address and process id), so
+  no machine needs to know its place beforehand, and ``count`` may be a range ``"2:4"``: the
+  job starts once 2 nodes are in and admits up to 4 (an *elastic* job).
 - **static rendezvous** (``node_rank`` given): each machine is told its place; node 0 hosts the
   store at ``endpoint``. This is ``torchrun --node-rank=R --master-addr=... --master-port=...``.
 
@@ -197,7 +198,9 @@ def endpoint_problem(nodes: Nodes, connect_timeout_s: float = CONNECT_TIMEOUT_S)
     torchrun alone reports these late and raw: a host name that does not resolve, or a machine
     that does not answer, after about 80 s of retries; a port on this machine held by another
     program after a minute, blaming the other nodes or a firewall (its agent connects to that
-    program as if it were the rendezvous, and waits for an answer that never comes).
+    program as if it were the rendezvous, and waits for an answer that never comes); an
+    endpoint that is this machine by an address torch does not take for it (a second network
+    card's), where no agent hosts the rendezvous and every one waits for it.
     """
     host, port = nodes.host, nodes.port
     try:
@@ -209,17 +212,66 @@ def endpoint_problem(nodes: Nodes, connect_timeout_s: float = CONNECT_TIMEOUT_S)
             "give the endpoint machine's name as the other nodes know it (`hostname -f` on "
             "it), or its address (`hostname -I`)"
         )
-    if is_this_machine(host, [info[4][0] for info in infos]):
-        return _local_port_problem(nodes)
-    return _reach_problem(nodes, infos, connect_timeout_s)
+    addresses = sorted({info[4][0] for info in infos})
+    recognised = agent_hosts_here(host)
+    if not recognised and not is_this_machine(addresses):
+        return _reach_problem(nodes, infos, connect_timeout_s)
+    if nodes.static:
+        # Node 0 hosts the store, whatever the endpoint's spelling (torch's
+        # static_tcp_rendezvous.py: is_master = rank == 0); the others connect to it.
+        return _held_port_problem(nodes) if nodes.node_rank == 0 else None
+    if recognised:
+        return _held_port_problem(nodes)
+    return _unrecognised_problem(nodes, addresses)
 
 
-def is_this_machine(host: str, addresses: list[str]) -> bool:
-    """Whether ``host`` (resolved to ``addresses``) is this machine: a loopback address, this
-    machine's host name, or an address one of its network interfaces has. torch's own test
-    (``_matches_machine_hostname`` in its rendezvous utils) looks at names and loopback only."""
-    if host in ("localhost", socket.gethostname()):
+def agent_hosts_here(host: str) -> bool:
+    """Whether torchrun's c10d agent on this machine takes ``host`` for this machine, and so
+    hosts the rendezvous there (else it only connects to it, as on any other node).
+
+    torch 2.13's ``_matches_machine_hostname`` (torch/distributed/elastic/rendezvous/utils.py,
+    used by c10d_rendezvous_backend.py), rule for rule: "localhost" or a loopback address;
+    this machine's host name (``socket.gethostname()``) or the full name it resolves to; an
+    address that name resolves to, given as such or as a name resolving to it. An address of
+    a second network card that the host name does not resolve to is *not* this machine to
+    torch (its docstring says so). Mirrored, not imported: it is private to torch.
+    """
+    if host == "localhost":
         return True
+    try:
+        literal: ipaddress.IPv4Address | ipaddress.IPv6Address | None = ipaddress.ip_address(host)
+    except ValueError:
+        literal = None
+    if literal is not None and literal.is_loopback:
+        return True
+    host_addresses = {info[4][0] for info in _resolve(host)}
+    this_host = socket.gethostname()
+    if host == this_host:
+        return True
+    for _, _, _, canonical, sockaddr in _resolve(this_host):
+        if canonical and canonical == host:
+            return True
+        if literal is not None and sockaddr[0] == str(literal):
+            return True
+        if sockaddr[0] in host_addresses:
+            return True
+    return False
+
+
+def _resolve(host: str) -> list:
+    """``getaddrinfo`` as torch's test calls it; [] where the name does not resolve (torch
+    gives up on the endpoint's name the same way, and fails outright on its own host name's)."""
+    try:
+        return socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP, flags=socket.AI_CANONNAME)
+    except (ValueError, OSError):
+        return []
+
+
+def is_this_machine(addresses: list[str]) -> bool:
+    """Whether one of ``addresses`` (an endpoint's, resolved) reaches this machine: a loopback
+    address, or one that a network interface of this machine has. Wider than torch's test of
+    whether its agent hosts the rendezvous (``agent_hosts_here``): a second card's address is
+    this machine here, and not to torch."""
     mine: set[str] = set()
     with contextlib.suppress(OSError, psutil.Error):
         for addrs in psutil.net_if_addrs().values():
@@ -233,11 +285,9 @@ def is_this_machine(host: str, addresses: list[str]) -> bool:
     return False
 
 
-def _local_port_problem(nodes: Nodes) -> str | None:
-    """The endpoint is this machine, so an agent here hosts the rendezvous on its port (the
-    first agent of a c10d job; node 0 of a static one): is the port free for it?"""
-    if nodes.static and nodes.node_rank != 0:
-        return None  # node 0 hosts it; this node only connects
+def _held_port_problem(nodes: Nodes) -> str | None:
+    """An agent here hosts the rendezvous on the endpoint's port (node 0 of a static job; under
+    c10d, torch takes the endpoint for this machine): is the port free for it?"""
     port = nodes.port
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -255,18 +305,47 @@ def _local_port_problem(nodes: Nodes) -> str | None:
         if e.errno != errno.EADDRINUSE:
             return None  # not ours to judge: torchrun will say
     holder = port_holder(port)
-    if not nodes.static and holder is not None and _is_torchrun_agent(holder):
+    if not nodes.static and holder is not None and is_torchrun_agent(holder):
         # Another agent on this machine hosts the rendezvous already (a rehearsal of several
         # nodes on one machine): ours connects to it.
         return None
     who = _describe(holder) if holder else (
         f"a program of another user (as root, `ss -ltnp 'sport = :{port}'` names it)"
     )  # fmt: skip
+    if nodes.static:
+        # TCPStore's server does not retry a port in use: node 0's agent stops at once.
+        then = ("this node is node 0 of a static rendezvous, so its torchrun agent must host "
+                "the rendezvous on that port, and would stop at once, unable to listen there")
+    else:
+        # c10d_rendezvous_backend.py: hosting fails, so the agent connects as a client instead.
+        then = (f"torchrun's agent here must host the rendezvous there (torch takes "
+                f"{nodes.host!r} for this machine); unable to listen, it would connect to that "
+                "program instead, wait a minute for an answer, then blame the other nodes")
     return (
         f"the rendezvous port {port} of endpoint {nodes.endpoint!r} is already taken on this "
-        f"machine, by {who}: torchrun's agent must host the rendezvous there, and would wait a "
-        "minute for that program to answer, then blame the other nodes. Stop that program, or "
-        f"pick another port and give the same endpoint to every node ({_FREE_PORT_HINT})"
+        f"machine, by {who}: {then}. Stop that program, or pick another port and give the "
+        f"same endpoint to every node ({_FREE_PORT_HINT})"
+    )
+
+
+def _unrecognised_problem(nodes: Nodes, addresses: list[str]) -> str:
+    """A c10d endpoint that reaches this machine, spelt in a way torch does not take for this
+    machine (a second network card's address): no node's agent hosts the rendezvous, and
+    every one waits for it."""
+    this_host = socket.gethostname()
+    known = sorted({info[4][0] for info in _resolve(this_host)})
+    resolved = ", ".join(known) if known else "none: it does not resolve"
+    spelt = ("an address" if nodes.host in addresses
+             else f"a name resolving to {', '.join(addresses)}")  # fmt: skip
+    return (
+        f"the rendezvous endpoint {nodes.endpoint!r} is this machine ({spelt} it has), but "
+        "torch does not take it for this machine: its agent hosts the rendezvous only at "
+        f"loopback, this machine's host name {this_host!r}, its full name, or the addresses "
+        f"that name resolves to ({resolved}). So no node's agent would host the rendezvous, "
+        "and each would wait for it over a minute, then fail. Give every node the endpoint "
+        f"'{this_host}:{nodes.port}' (or this machine's `hostname -f`), a name the other "
+        "nodes resolve to this machine; every node on this machine alone (a rehearsal): "
+        f"'127.0.0.1:{nodes.port}'"
     )
 
 
@@ -281,7 +360,9 @@ def port_holder(port: int) -> psutil.Process | None:
     return None
 
 
-def _is_torchrun_agent(p: psutil.Process) -> bool:
+def is_torchrun_agent(p: psutil.Process) -> bool:
+    """Whether ``p`` is torchrun's agent (``python -m torch.distributed.run`` or the
+    ``torchrun`` script): by its command line; False when that cannot be read."""
     with contextlib.suppress(psutil.Error):
         cmd = p.cmdline()
         return "torch.distributed.run" in cmd or any(a.endswith("torchrun") for a in cmd[:2])

@@ -16,7 +16,9 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -181,6 +183,7 @@ def test_a_rendezvous_port_held_by_another_program_is_named_at_once(no_spawn):
     msg = str(info.value)
     assert f"rendezvous port {port} of endpoint '127.0.0.1:{port}' is already taken" in msg, msg
     assert f"by process {os.getpid()} (" in msg, "the holder (this test process) is named"
+    assert "torch takes '127.0.0.1' for this machine" in msg, "c10d: the agent here hosts it"
     assert "Stop that program, or pick another port" in msg
     assert not (no_spawn / "runs").exists(), "nothing may be started"
 
@@ -192,6 +195,7 @@ def test_a_static_node_0_refuses_a_held_port_too(no_spawn):
         port = held.getsockname()[1]
         problem = nodes.endpoint_problem(Nodes(2, endpoint=f"localhost:{port}", node_rank=0))
         assert problem and f"rendezvous port {port}" in problem
+        assert "node 0 of a static rendezvous" in problem and "stop at once" in problem
         # node 1 only connects to node 0's rendezvous: a taken port is what it expects
         assert nodes.endpoint_problem(Nodes(2, endpoint=f"localhost:{port}", node_rank=1)) is None
 
@@ -216,6 +220,61 @@ def test_a_free_local_endpoint_and_an_agent_already_hosting_it_pass(monkeypatch)
         agent.wait()
 
 
+class Started(Exception):
+    """Raised where run() would start torchrun: it got past every check."""
+
+
+# A killed kernel's torchrun agent: still listening on the rendezvous port. Its command line
+# ends in "-m torch.distributed.run", as an agent's does.
+_LEFTOVER_AGENT = (
+    "import socket, time\n"
+    "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+    "print(s.getsockname()[1], flush=True)\n"
+    "time.sleep(120)\n"
+)
+
+
+@pytest.mark.parametrize("node_rank", [0, None], ids=["static", "c10d"])
+def test_a_leftover_job_on_the_rendezvous_port_is_ended_before_the_port_is_judged(
+    home, monkeypatch, mark, capsys, node_rank
+):
+    """The port is held by a registered job whose kernel is gone: run() ends it (cleanup) and
+    then finds the port free; judged before, static refused it as a stranger and c10d took it
+    for another agent hosting the rendezvous."""
+    env = {**os.environ, "T31_PROCESS_MARK": mark}
+    cmd = [sys.executable, "-c", _LEFTOVER_AGENT, "-m", "torch.distributed.run"]
+    agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        port = int(agent.stdout.readline())
+        gone = subprocess.Popen([sys.executable, "-c", "pass"])
+        gone.wait()
+        dist.write_json_atomic(procs.registry_dir() / "leftover.json", {
+            "job_id": "leftover", "module": "labkit.workers._faults", "job_dir": str(home),
+            "owner": {"pid": gone.pid, "create_time": 0.0},  # the killed kernel
+            "agent": procs.record(psutil.Process(agent.pid)), "workers": [],
+        })  # fmt: skip
+        judged: list[bool] = []  # whether the leftover still ran when the endpoint was judged
+        real = launch.endpoint_problem
+
+        def endpoint_problem(n):
+            judged.append(agent.poll() is None and procs.alive(psutil.Process(agent.pid)))
+            return real(n)
+
+        def start(self):
+            raise Started
+
+        monkeypatch.setattr(launch, "endpoint_problem", endpoint_problem)
+        monkeypatch.setattr(launch._Supervisor, "start", start)
+        layout = Nodes(2, endpoint=f"127.0.0.1:{port}", node_rank=node_rank)
+        with pytest.raises(Started):
+            launch.run("labkit.workers._faults", nproc=1, stream=False, nodes=layout)
+        assert judged == [False], "the endpoint was judged while the leftover job still held it"
+        assert "ended 1 leftover process(es) of job leftover" in capsys.readouterr().out
+    finally:
+        agent.kill()
+        agent.wait()
+
+
 def test_an_unresolvable_endpoint_host_fails_at_once_naming_it(no_spawn):
     with pytest.raises(launch.LaunchError) as info:
         launch.run("labkit.workers._faults", nproc=1, stream=False,
@@ -233,8 +292,12 @@ def test_an_endpoint_host_that_does_not_answer_fails_naming_it(monkeypatch):
         def connect(self, address):
             raise TimeoutError("timed out")
 
-    monkeypatch.setattr(nodes.socket, "getaddrinfo", lambda host, port, **kw: [
-        (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("203.0.113.9", port))])  # fmt: skip
+    def getaddrinfo(host, port, **kw):
+        if host != "gpu-node-01":  # this machine's own name: not that machine's address
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("203.0.113.9", port))]
+
+    monkeypatch.setattr(nodes.socket, "getaddrinfo", getaddrinfo)
     monkeypatch.setattr(nodes.socket, "socket", Silent)
     problem = nodes.endpoint_problem(Nodes(2, endpoint="gpu-node-01:29400"), connect_timeout_s=0.5)
     assert problem is not None
@@ -249,6 +312,124 @@ def test_a_remote_endpoint_that_refuses_is_fine_its_agent_may_start_later():
         port = s.getsockname()[1]
     infos = socket.getaddrinfo("127.0.0.1", port, type=socket.SOCK_STREAM)
     assert nodes._reach_problem(Nodes(2, endpoint=f"other:{port}"), infos, 2.0) is None
+
+
+# torch's test of whether its c10d agent hosts the rendezvous, and labkit's copy of it, on a
+# made-up machine: host name node1 (full name node1.cluster) resolving to 10.0.0.5 (eth0);
+# a second card, ib0, has 10.1.0.5, which only the name "node1-ib" resolves to.
+_DNS = {
+    "localhost": ("localhost", "127.0.0.1"),
+    "127.0.0.1": ("127.0.0.1", "127.0.0.1"),
+    "node1": ("node1.cluster", "10.0.0.5"),
+    "node1.cluster": ("node1.cluster", "10.0.0.5"),
+    "alias": ("node1.cluster", "10.0.0.5"),
+    "10.0.0.5": ("10.0.0.5", "10.0.0.5"),
+    "10.1.0.5": ("10.1.0.5", "10.1.0.5"),
+    "node1-ib": ("node1-ib", "10.1.0.5"),
+    "other": ("other", "10.9.9.9"),
+}
+_CARDS = {"lo": ["127.0.0.1"], "eth0": ["10.0.0.5"], "ib0": ["10.1.0.5"]}
+
+
+@pytest.fixture
+def node1(monkeypatch):
+    """This machine is node1 of ``_DNS`` and ``_CARDS``, to torch and to labkit alike."""
+
+    def getaddrinfo(host, port, family=0, type=0, proto=0, flags=0):
+        if host not in _DNS:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        canonical, address = _DNS[host]
+        name = canonical if flags & socket.AI_CANONNAME else ""
+        return [
+            (socket.AF_INET, type or socket.SOCK_STREAM, proto or 6, name, (address, port or 0))
+        ]
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "node1")
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    cards = {card: [SimpleNamespace(address=a) for a in addrs] for card, addrs in _CARDS.items()}
+    monkeypatch.setattr(nodes.psutil, "net_if_addrs", lambda: cards)
+
+
+@pytest.mark.parametrize(("host", "hosts"), [
+    ("localhost", True), ("127.0.0.1", True), ("node1", True), ("node1.cluster", True),
+    ("alias", True), ("10.0.0.5", True), ("10.1.0.5", False), ("node1-ib", False),
+    ("other", False), ("nowhere.invalid", False),
+])  # fmt: skip
+def test_labkit_and_torch_agree_on_which_endpoint_the_agent_here_hosts(node1, host, hosts):
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+    assert _matches_machine_hostname(host) is hosts, "torch's rule is not what this test assumes"
+    assert nodes.agent_hosts_here(host) is hosts
+
+
+@pytest.mark.parametrize("host", ["10.1.0.5", "node1-ib"])
+def test_a_c10d_endpoint_on_a_second_card_is_refused_no_agent_would_host_it(node1, host):
+    """torch's agent takes 10.1.0.5 for another machine and connects to it; so does every
+    other node's: nobody hosts the rendezvous."""
+    port = _free_port()
+    problem = nodes.endpoint_problem(Nodes(2, endpoint=f"{host}:{port}"))
+    assert problem is not None
+    assert f"'{host}:{port}' is this machine" in problem, problem
+    assert "torch does not take it for this machine" in problem
+    assert "the addresses that name resolves to (10.0.0.5)" in problem
+    assert "no node's agent would host the rendezvous" in problem
+    assert f"Give every node the endpoint 'node1:{port}'" in problem
+    # A static rendezvous does not ask torch's rule: node 0 hosts it wherever it is.
+    assert nodes.endpoint_problem(Nodes(2, endpoint=f"{host}:{port}", node_rank=0)) is None
+
+
+@pytest.mark.parametrize("host", ["node1", "node1.cluster", "alias", "10.0.0.5"])
+def test_a_c10d_endpoint_torch_takes_for_this_machine_passes_when_its_port_is_free(node1, host):
+    assert nodes.endpoint_problem(Nodes(2, endpoint=f"{host}:{_free_port()}")) is None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- which processes are the ranks ------------------------------------------------------------
+
+
+@dataclass
+class FakeProcess:
+    """The part of psutil.Process that launch._ranks_under and Job.rank_pids use."""
+
+    pid: int
+    cmd: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    kids: list[FakeProcess] = field(default_factory=list)
+
+    def cmdline(self) -> list[str]:
+        return self.cmd
+
+    def children(self, recursive: bool = False) -> list[FakeProcess]:
+        return self.kids
+
+    def environ(self) -> dict[str, str]:
+        return self.env
+
+
+def test_a_dead_ranks_orphans_under_the_supervisor_are_not_ranks(monkeypatch, tmp_path):
+    """Rank 1 died; its child (RANK=1 inherited) and grandchild were adopted by the supervisor,
+    a child subreaper. Only torchrun's children are ranks."""
+    py = sys.executable
+    rank0 = FakeProcess(110, [py, "-m", "labkit.workers._faults"], {"RANK": "0"})
+    torchrun = FakeProcess(101, [py, "-m", "torch.distributed.run", "-m", "m"], kids=[rank0])
+    grandchild = FakeProcess(151, [py, "-c", "pass"], {"RANK": "1"})
+    orphan = FakeProcess(150, [py, "-c", "pass"], {"RANK": "1"}, kids=[grandchild])
+    supervisor = FakeProcess(100, [py, "-m", "labkit._spawn", "SIGTERM", "1", "--supervise=5",
+                                   "--", py, "-m", "torch.distributed.run"],
+                             kids=[torchrun, orphan])  # fmt: skip
+    table = {p.pid: p for p in (supervisor, torchrun, orphan, grandchild, rank0)}
+    monkeypatch.setattr(launch.psutil, "Process", lambda pid: table[pid])
+
+    assert [p.pid for p in launch._ranks_under(100)] == [110]
+    job = launch.Job("j", "m", 2, "gloo", "cpu", {}, tmp_path, agent_pid=100)
+    assert job.rank_pids() == {0: 110}, "rank 1 is dead: no process may stand in for it"
+    # Where the supervisor cannot run, agent_pid is torchrun itself.
+    assert [p.pid for p in launch._ranks_under(101)] == [110]
 
 
 # --- a write cut short by a full disk -------------------------------------------------------------
