@@ -35,7 +35,6 @@ import errno
 import html
 import importlib.util
 import json
-import math
 import os
 import re
 import select
@@ -67,7 +66,7 @@ from labkit.errors import LabkitError
 from labkit.nodes import Nodes, endpoint_problem, is_torchrun_agent, rank_range
 from labkit.procs import cleanup as cleanup
 from labkit.procs import labkit_home as labkit_home
-from labkit.validate import shown, whole
+from labkit.validate import is_finite, shown, whole
 
 TICK_S = 0.25  # supervision period: heartbeats, timeouts, observers' on_tick
 TREE_SCAN_S = 1.0  # how often to record the agent's descendants (a /proc walk)
@@ -554,7 +553,7 @@ def _check_inputs(
         if value is not None and not (
             isinstance(value, (int, float))
             and not isinstance(value, bool)
-            and math.isfinite(value)
+            and is_finite(value)
             and value > 0
         ):
             raise ValueError(

@@ -28,7 +28,8 @@ from typing import Any, TypeVar
 
 from labkit.errors import LabkitError
 
-__all__ = ["InvalidValue", "flag", "number", "one_of", "positive", "refuse", "shown", "whole"]
+__all__ = ["InvalidValue", "flag", "is_finite", "number", "one_of", "positive", "refuse", "shown",
+           "whole"]
 
 T = TypeVar("T")
 
@@ -59,6 +60,14 @@ def refuse(name: str, value: Any, allowed: str, *, why: str = "",
     type checker) sees the function end there.
     """
     return error(f"{name}={shown(value)} is not allowed: {allowed}" + (f" ({why})" if why else ""))
+
+
+def is_finite(value: Real) -> bool:
+    """``math.isfinite``, false (not an OverflowError) for an int too large for a float."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _bounds(low: float | None, high: float | None) -> str:
@@ -97,8 +106,8 @@ def number(name: str, value: Any, *, low: float | None = None, high: float | Non
     always, since it compares false with every bound. The value is returned as given (an
     ``int`` stays an ``int``), so exact integer arithmetic downstream stays exact.
     """
-    ok = (not isinstance(value, bool) and isinstance(value, Real) and not math.isnan(value)
-          and (math.isfinite(value) or not finite) and _inside(value, low, high))  # fmt: skip
+    ok = (not isinstance(value, bool) and isinstance(value, Real) and value == value  # not NaN
+          and (is_finite(value) or not finite) and _inside(value, low, high))  # fmt: skip
     if not ok:
         allowed = ("a finite number" if finite else "a number") + _bounds(low, high)
         raise refuse(name, value, allowed, why=why, error=error)
@@ -108,7 +117,7 @@ def number(name: str, value: Any, *, low: float | None = None, high: float | Non
 def positive(name: str, value: Any, *, why: str = "",
              error: type[Exception] = InvalidValue) -> float:
     """``value``, if it is a finite real number above zero (not a bool); returned as given."""
-    ok = (not isinstance(value, bool) and isinstance(value, Real) and math.isfinite(value)
+    ok = (not isinstance(value, bool) and isinstance(value, Real) and is_finite(value)
           and value > 0)  # fmt: skip
     if not ok:
         raise refuse(name, value, "a positive finite number", why=why, error=error)

@@ -492,6 +492,11 @@ def test_an_unserialisable_object_leaves_no_file(tmp_path):
 # --- env of the wrong type ------------------------------------------------------------------------
 
 
+def test_a_timeout_too_large_for_a_float_is_named_not_overflowed(no_spawn):
+    with pytest.raises(ValueError, match=r"timeout_s=an int of about 5001 digits.*seconds > 0"):
+        launch.run("labkit.workers._faults", nproc=1, timeout_s=10**5000)
+
+
 @pytest.mark.parametrize("env", [["X=1"], "X=1", {"X": 1}, {1: "x"}])
 def test_env_of_the_wrong_type_is_named(no_spawn, env):
     with pytest.raises(ValueError) as info:

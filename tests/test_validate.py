@@ -154,3 +154,9 @@ def test_refuse_builds_the_same_message_for_a_caller_s_own_check():
     e = refuse("seq_len", 100, "a multiple of 64", why="the kernel's tile")
     assert isinstance(e, InvalidValue)
     assert str(e) == "seq_len=100 is not allowed: a multiple of 64 (the kernel's tile)"
+
+
+@pytest.mark.parametrize("check", [positive, number])
+def test_an_int_too_large_for_a_float_is_refused_not_overflowed(check):
+    with pytest.raises(InvalidValue, match=r"t=an int of about 5001 digits"):
+        check("t", 10**5000)
