@@ -3,7 +3,7 @@
     python -m benchmarks.bench_launch                  # 5 pairs of 2-rank launches
     python -m benchmarks.bench_launch --record         # save to benchmarks/results/
 
-Times ``labkit.launch.run("labkit.workers.allreduce", nproc=2, ...)`` against
+Times ``labkit.jobs.launch.run("labkit.workers.allreduce", nproc=2, ...)`` against
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 -m labkit.workers.allreduce
 
@@ -12,7 +12,7 @@ side (start of the call to the moment it returns), alternately, and reports
 ratio = median(labkit) / median(bare). Target: <= 1.05.
 
 Both launch the same worker on the same work. The worker reads its configuration from the
-job directory named by ``LABKIT_JOB_DIR`` (``job.json``, written by ``labkit.launch``): for
+job directory named by ``LABKIT_JOB_DIR`` (``job.json``, written by ``labkit.jobs.launch``): for
 the bare launch this benchmark writes the same ``job.json`` itself, and sets the variables
 the worker's behaviour depends on (the job directory, ``TMPDIR`` inside it, and
 ``GLOO_SOCKET_IFNAME=lo`` where the launcher would set it). Both use gloo on the CPU, even on a
@@ -42,7 +42,7 @@ if __package__ in (None, ""):  # run as a file: make the `benchmarks` package im
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _common
-from labkit import dist, launch
+from labkit.jobs import launch, runtime
 
 NAME = "launch"
 TARGET = 1.05  # the launcher may cost at most 5% more wall time than bare torchrun
@@ -53,7 +53,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def launch_labkit(job_root: Path, timeout_s: float) -> float:
-    """One job through labkit.launch.run; returns its wall time seen by the caller."""
+    """One job through labkit.jobs.launch.run; returns its wall time seen by the caller."""
     t0 = time.perf_counter()
     res = launch.run(
         MODULE,
@@ -66,7 +66,7 @@ def launch_labkit(job_root: Path, timeout_s: float) -> float:
         timeout_s=timeout_s,
     )
     elapsed = time.perf_counter() - t0
-    _check_ranks([res.rank(r) for r in range(NPROC)], "labkit.launch.run", res.log_dir)
+    _check_ranks([res.rank(r) for r in range(NPROC)], "labkit.jobs.launch.run", res.log_dir)
     return elapsed
 
 
@@ -88,21 +88,21 @@ def bare_env(job_dir: Path) -> dict[str, str]:
     env = dict(os.environ)
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    env[dist.JOB_DIR_ENV] = str(job_dir)
+    env[runtime.JOB_DIR_ENV] = str(job_dir)
     env["TMPDIR"] = str(job_dir / "tmp")
     if "lo" in {name for _, name in socket.if_nameindex()}:
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # as labkit.launch does for gloo
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # as labkit.jobs.launch does for gloo
     # the worker module must be importable from a fresh interpreter, as the launcher ensures
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     return env
 
 
 def write_spec(job_dir: Path) -> None:
-    """The job.json labkit.launch.run would write for this job (see labkit.dist)."""
+    """The job.json labkit.jobs.launch.run would write for this job (see labkit.jobs.runtime)."""
     (job_dir / "tmp").mkdir(parents=True)
-    dist.write_json_atomic(job_dir / dist.SPEC_FILE, {
+    runtime.write_json_atomic(job_dir / runtime.SPEC_FILE, {
         "job_id": job_dir.name, "module": MODULE, "nproc": NPROC, "backend": "gloo",
-        "device": "cpu", "pg_timeout_s": dist.DEFAULT_PG_TIMEOUT_S, "config": WORKER_CONFIG,
+        "device": "cpu", "pg_timeout_s": runtime.DEFAULT_PG_TIMEOUT_S, "config": WORKER_CONFIG,
     })  # fmt: skip
 
 
@@ -131,7 +131,7 @@ def launch_bare(job_root: Path, index: int, timeout_s: float) -> float:
         tail = (job_dir / "torchrun.log").read_text(errors="replace")[-2000:]
         raise RuntimeError(f"bare torchrun exited with {proc.returncode}; log {job_dir}:\n{tail}")
     _check_ranks(
-        [dist.read_json(dist.result_path(job_dir, r)) or {} for r in range(NPROC)],
+        [runtime.read_json(runtime.result_path(job_dir, r)) or {} for r in range(NPROC)],
         "bare torchrun",
         job_dir,
     )
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             )
 
         print(
-            f"launch: {NPROC}-rank {MODULE} (gloo, CPU), labkit.launch.run vs bare torchrun, "
+            f"launch: {NPROC}-rank {MODULE} (gloo, CPU), labkit.jobs.launch.run vs bare torchrun, "
             f"{args.rounds} pairs (+{args.warmup} warm-up)",
             flush=True,
         )
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     cmp = _common.comparison(samples, "labkit", "bare", TARGET,
-                             what="median wall seconds per 2-rank job, labkit.launch.run / bare "
+                             what="median wall seconds per 2-rank job, labkit.jobs.launch.run / bare "
                                   "torchrun --standalone, alternated")  # fmt: skip
     record = _common.make_record(
         NAME, device="cpu",

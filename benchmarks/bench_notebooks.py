@@ -4,7 +4,7 @@
     python -m benchmarks.bench_notebooks --sizes lab --rounds 2 --record
 
 Each notebook in ``solutions/`` (the complete ones: every exercise check runs too, so this is
-the longest a learner's copy takes) is executed in a fresh kernel by ``labkit.timings`` (the
+the longest a learner's copy takes) is executed in a fresh kernel by ``labkit.course.timings`` (the
 one place that runs them; ``python -m labkit timings`` is the same run for an instructor), with
 the ``size`` parameter injected as papermill does, and timed from the call to its return: kernel
 start, imports, every cell, the launched jobs. The record also keeps each section's run time and
@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import _common
-from labkit import ids, timings
+from labkit import ids
+from labkit.course import timings
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((ROOT / "solutions").glob(ids.NOTEBOOK_GLOB))
@@ -39,7 +40,7 @@ def key(size: str, path: Path) -> str:
 
 def measure(sizes: list[str], rounds: int, notebooks: list[Path],
             timings_out: Path | None = None) -> dict[str, Any]:  # fmt: skip
-    """Every notebook at every size through ``labkit.timings`` (the one place that runs them):
+    """Every notebook at every size through ``labkit.course.timings`` (the one place that runs them):
     total times, per-section times and sampled peak memory, and the load average around it."""
     load = {"before": list(os.getloadavg())}
     results = timings.run_many(notebooks, sizes, rounds=rounds)
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     record = _common.make_record(
         "notebooks", device="cpu",
         params={"sizes": args.sizes, "rounds": args.rounds, "notebooks": [p.stem for p in notebooks],
-                "how": "labkit.timings: nbclient with the size parameter injected as papermill does, "
+                "how": "labkit.course.timings: nbclient with the size parameter injected as papermill does, "
                        "fresh kernel per run, solutions/ (every check included)"},
         samples_s=measured["samples_s"],
     )  # fmt: skip
@@ -104,7 +105,7 @@ def merge_into_recorded(record: dict[str, Any]) -> dict[str, Any]:
         dates[k] = record["date"]
     merged = {**old, "samples_s": {**old["samples_s"], **record["samples_s"]},
               "summary": {**old["summary"], **record["summary"]}, "measured_on": dates}
-    for extra in ("peak_rss_bytes", "sections"):  # absent from records before labkit.timings
+    for extra in ("peak_rss_bytes", "sections"):  # absent from records before labkit.course.timings
         merged[extra] = {**old.get(extra, {}), **record.get(extra, {})}
     merged["params"] = {**old["params"], "notebooks": sorted(
         set(old["params"]["notebooks"]) | set(record["params"]["notebooks"]))}

@@ -2,69 +2,82 @@
 
 Importing labkit (or any of its modules) has no side effects: it starts no threads,
 initialises no CUDA context and spawns no processes. Work happens only when a function
-is called.
+is called. (It does add one import finder, :mod:`labkit._moved`, so that the old flat names of
+modules that moved into folders still import the moved module.)
 
-The package, by subsystem. Dependencies point one way, from the bottom of this list to the
-top: a module imports only from groups above its own (``tests/test_layers.py`` holds the exact
-layers; ``tests/test_package_docs.py`` checks that this map names every module, and only
-modules that exist).
+The tree, by subsystem:
 
-Foundations (each imports only foundations listed above it):
-    errors            LabkitError, the one base of every exception labkit raises
-    validate          argument checks with one message style, raising errors' classes
-    dtypes            the number formats' names, spellings and bytes, in one table
-    nodes             where this machine sits in a multi-node job; torchrun's flags for it
-    ids               how notebooks, exercises and quiz questions are named
-    config            typed, validated configurations and the learner's size presets
-    timing            timers that own synchronisation, warm-up and repeats
-    formulas          the closed-form predictions: bytes, FLOPs, communication, bubbles, MFU
-    _spawn            the exec wrapper that ties a child's life to its parent's
-    quiz              quiz banks, validated, shown as widgets or text
-    sealed            opaque text for a job spec that its reader should not see plainly
+    top level     the teaching code (``model``, ``train``, ``formulas``, ``memory``,
+                  ``precision``...) and the foundations under everything
+    parallel/     one short module per parallel strategy, applied from outside the model
+    jobs/         running jobs: launching, the rank's side, processes, failures, checkpoints
+    hardware/     what this machine is and can show; the doctor
+    metrics/      live hardware metrics, collected (``monitor`` displays them)
+    profiling/    traces, phases, overlap, Nsight, planted bottlenecks, HTA
+    batching/     batch-size tuning and activation recomputation
+    roofline/     this machine's measured ceilings
+    workers/      the modules every rank of a launched job runs
+    recordings/   what real GPUs measured, shipped for learners without one
+    course/       the course machinery: exercises, quizzes, the exam, the capstone,
+                  learner copies, timings
 
-The machine, the data, the model, a rank's side of a job:
-    hardware          what this machine is, what it can show, its peaks (one sourced table)
-    data              the course corpus, its splits, shards and batches (no network)
-    dist              a rank's side of a job: process group, heartbeats, results
-    model             the small GPT every lab trains
-    train             the one training step and a short loop around it
-    procs             process trees of launched jobs, ended cleanly; the job registry
-    metrics           live hardware metrics (NVML, CPU, network): collection, no display
-    diagnosis         which rank caused a failure, how it ended, who merely followed
-    planner           parallel layouts for a model and a cluster, ranked (modelled)
-    slurm             the sbatch script for a course job on a SLURM cluster
+The map, layer by layer. A module imports only from strictly lower layers: ``tests/
+test_layers.py`` reads this table and checks every import in the package against it, between
+folders and inside them. A folder named without its modules (``parallel``) is one unit; a
+dotted name (``jobs.launch``) is one module of a folder whose modules sit on different layers. A
+layer may be a decimal (2.5): a module slotted between two layers.
 
-Running and judging jobs:
-    launch            one way to run a multi-process job from a cell (torchrun underneath)
-    memory            training memory measured in the parts the formulas predict
-    verdict           the sentence a measurement chooses, with its spread
-    precision         number formats, underflow, loss scaling, autocast
-    roofline          this machine's measured ceilings and kernels placed under them
-    exam              the mock exam over every quiz bank
-    checkpoint        atomic DCP checkpoints a restarted job resumes from
-
-Strategies and tools over jobs:
-    parallel          data, pipeline, tensor, sequence, context and expert parallelism,
-                      one short module per strategy, applied from outside the model
-    monitor           live plots of a job's metrics under the cell
-    batching          batch-size tuning: what fits, how fast, how large is useful
-    recipes           mixed-precision recipes: bytes per parameter, predicted and measured
-    fp8               fp8 casts on real tensors, and fp8 training where it runs
-    profiling         traces, phases, overlap, memory timelines, Nsight commands, HTA
-    collective_debug  planted collective bugs, and what each debugging tool says
-
-The jobs and what ships with them:
-    workers           the modules every rank of a launched job runs
-    capstone          notebook 07's slow job: faults, seeds, the job, its evidence
-    recordings        figures and profiles recorded on real GPUs, shipped for everyone
-
-What notebooks and instructors call:
-    exercises         the exercise registry, graded hints and the checks
-    record            record notebook 01's run on a GPU for learners without one
-    doctor            is this machine ready for the course?
-    nbgen             the learners' notebooks, generated from the solutions
-    timings           each notebook's run time per section, for a workshop's plan
-    __main__          the command line: ``python -m labkit <command>``
+  layer  unit                  what it is
+    -2   errors                LabkitError, the one base of every exception labkit raises
+    -2   _moved                the old flat module names, mapped to their folders
+    -1   validate              argument checks with one message style, raising errors' classes
+    -1   dtypes                the number formats' names, spellings and bytes, in one table
+    -1   ids                   how notebooks, exercises and quiz questions are named
+    -1   jobs.nodes            where this machine sits in a multi-node job; torchrun's flags
+    0    jobs.spec             a job before it runs: a worker's typed config (no torch)
+    0    config                typed, validated configurations and the learner's size presets
+    0    timing                timers that own synchronisation, warm-up and repeats
+    0    formulas              the closed-form predictions: bytes, FLOPs, communication, MFU
+    0    jobs.spawn            the exec wrapper that ties a child's life to its parent's
+    0    course.quiz           quiz banks, validated, shown as widgets or text
+    0    course.sealed         opaque text for a job spec that its reader should not see plainly
+    1    hardware              what this machine is, what it can show, its peaks (sourced table)
+    1    data                  the course corpus, its splits, shards and batches (no network)
+    1    jobs.runtime          a rank's side of a job: process group, heartbeats, results
+    1    model                 the small GPT every lab trains
+    2    train                 the one training step and a short loop around it
+    2    jobs.procs            process trees of launched jobs, ended cleanly; the job registry
+    2    metrics               live hardware metrics (NVML, CPU, network): collection, no display
+    2    jobs.diagnosis        which rank caused a failure, how it ended, who merely followed
+    2    planner               parallel layouts for a model and a cluster, ranked (modelled)
+    2    jobs.slurm            the sbatch script for a course job on a SLURM cluster
+    3    memory                training memory measured in the parts the formulas predict
+    3    jobs.launch           one way to run a multi-process job from a cell (torchrun)
+    3    verdict               the sentence a measurement chooses, with its spread
+    3    precision             number formats, underflow, loss scaling, autocast
+    3    roofline              this machine's measured ceilings and kernels placed under them
+    3    course.exam           the mock exam over every quiz bank
+    3    jobs.checkpoint       atomic DCP checkpoints a restarted job resumes from
+    4    parallel              data, pipeline, tensor, sequence, context and expert parallelism
+    4    monitor               live plots of a job's metrics under the cell
+    4    batching              batch-size tuning: what fits, how fast, how large is useful
+    4    recipes               mixed-precision recipes: bytes per parameter, predicted, measured
+    4    fp8                   fp8 casts on real tensors, and fp8 training where it runs
+    4    profiling             traces, phases, overlap, memory timelines, Nsight commands, HTA
+    4    collective_debug      planted collective bugs, and what each debugging tool says
+    5    workers               the modules every rank of a launched job runs
+    5    course.capstone       notebook 07's slow job: faults, seeds, the job, its evidence
+    5    recordings            figures and profiles recorded on real GPUs, shipped for everyone
+    6    course.exercises      the exercise registry, graded hints and the checks
+    6    course.record         record notebook 01's run on a GPU for learners without one
+    6    hardware.doctor       is this machine ready for the course?
+    7    course.nbgen          the learners' notebooks, generated from the solutions
+    7    course.timings        each notebook's run time per section, for a workshop's plan
+    8    __main__              the command line: ``python -m labkit <command>``
 """
+
+from labkit import _moved
+
+_moved.install()
 
 __version__ = "0.1.0"

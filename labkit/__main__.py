@@ -40,7 +40,7 @@ def _tier(_: argparse.Namespace) -> int:
 
 
 def _cleanup(args: argparse.Namespace) -> int:
-    from labkit import launch, procs
+    from labkit.jobs import launch, procs
 
     if args.runs is not None and args.runs < 0:
         print(f"labkit cleanup: --runs {args.runs}: need a number >= 0 of job log folders to "
@@ -58,8 +58,8 @@ def _cleanup(args: argparse.Namespace) -> int:
 
 
 def _capstone(args: argparse.Namespace) -> int:
-    from labkit import capstone
-    from labkit.capstone import attempts, keys
+    from labkit.course import capstone
+    from labkit.course.capstone import attempts, keys
 
     def refuse(message: str) -> int:
         print(f"labkit capstone: {message}", file=sys.stderr)
@@ -121,28 +121,28 @@ def _capstone(args: argparse.Namespace) -> int:
 
 
 def capstone_levels() -> tuple[str, ...]:
-    from labkit.capstone.faults import LEVELS
+    from labkit.course.capstone.faults import LEVELS
 
     return tuple(LEVELS)
 
 
 def _notebooks(args: argparse.Namespace) -> int:
-    from labkit import nbgen
+    from labkit.course import nbgen
 
     return nbgen.main(["--check"] if args.check else [])
 
 
 # Commands that parse their own options: name -> (module with main(argv), help line).
 DELEGATED: dict[str, tuple[str, str]] = {
-    "doctor": ("labkit.doctor", "pre-flight check of this machine"),
-    "record-trace": ("labkit.record", "record notebook 01's run on a GPU"),
+    "doctor": ("labkit.hardware.doctor", "pre-flight check of this machine"),
+    "record-trace": ("labkit.course.record", "record notebook 01's run on a GPU"),
     "record-profile": ("labkit.recordings.profiles", "profile notebook 06's step on a GPU"),
     "recordings": ("labkit.recordings.build", "key GPU figures recorded on real hardware"),
     "public-traces": ("labkit.recordings.public", "real multi-GPU traces, fetched and checked"),
-    "exam": ("labkit.exam", "a mock exam from every quiz bank"),
-    "launch": ("labkit.launch", "run a worker, alone or as one node of several"),
-    "timings": ("labkit.timings", "time every notebook, per section, with peak memory"),
-    "slurm": ("labkit.slurm", "an sbatch script for a job on a SLURM cluster"),
+    "exam": ("labkit.course.exam", "a mock exam from every quiz bank"),
+    "launch": ("labkit.jobs.launch", "run a worker, alone or as one node of several"),
+    "timings": ("labkit.course.timings", "time every notebook, per section, with peak memory"),
+    "slurm": ("labkit.jobs.slurm", "an sbatch script for a job on a SLURM cluster"),
 }
 
 

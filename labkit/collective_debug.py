@@ -5,7 +5,7 @@
     print(cd.table(outcomes))
 
 Each :class:`Trial` is one real 2-rank job of ``labkit.workers.collective_faults`` with one bug
-planted on rank 1, launched by ``labkit.launch`` with a short process-group timeout, with or
+planted on rank 1, launched by ``labkit.jobs.launch`` with a short process-group timeout, with or
 without ``TORCH_DISTRIBUTED_DEBUG=DETAIL``. The jobs run at the same time (one thread each:
 ``launch.run`` blocks), so four of them cost about the wall time of the slowest. Each
 :class:`Outcome` keeps the launcher's error and reads off it: what ended the job, which rank the
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from labkit import diagnosis, dist, launch, procs
+from labkit.jobs import diagnosis, launch, procs, runtime
 
 WORKER = "labkit.workers.collective_faults"
 FAULTS = ("none", "desync", "shape", "hang")
@@ -201,9 +201,9 @@ def run_trials(
         ended = time.time()
         wall_s = time.monotonic() - start
         fault_at = min((r["fault_at"] for r in result.ranks if r.get("fault_at")), default=None)
-        # A rank that raises writes a last heartbeat at that moment (labkit.dist): the first
+        # A rank that raises writes a last heartbeat at that moment (labkit.jobs.runtime): the first
         # such is when the bug was detected. A rank that aborts (SIGABRT) writes none.
-        beats = dist.read_heartbeats(result.log_dir, nproc).values()
+        beats = runtime.read_heartbeats(result.log_dir, nproc).values()
         raised = [b["time"] for b in beats if b.get("failed") and isinstance(b.get("time"), float)]
         detect = min(raised) - fault_at if fault_at and raised else None
         extra["report_s"] = ended - fault_at if fault_at else None

@@ -1,6 +1,6 @@
 """Live plots of a job's hardware metrics under the notebook cell, and one static figure after.
 
-    from labkit import launch
+    from labkit.jobs import launch
     from labkit.monitor import Monitor
 
     mon = Monitor(period_s=1.0)
@@ -142,7 +142,7 @@ class PartEvent:
     """The job began ``part`` at ``time_s`` (seconds on the sampler's clock).
 
     A worker that does several things one after another names the one running in its
-    heartbeat (``ctx.heartbeat(part="ddp (3/8)")``, see ``labkit.dist``). The time is that of
+    heartbeat (``ctx.heartbeat(part="ddp (3/8)")``, see ``labkit.jobs.runtime``). The time is that of
     the first heartbeat naming it that the monitor read, so it can be up to one heartbeat and
     one supervision tick (~0.25 s) late.
     """
@@ -888,7 +888,7 @@ class Monitor:
         self._sync_replay_steps()
         return build_figure(self.samples, self.steps, self.shown_metrics(), **self._drawing())
 
-    # -- launcher observer (labkit.launch.run(..., observers=[mon])) --------------------------
+    # -- launcher observer (labkit.jobs.launch.run(..., observers=[mon])) --------------------------
 
     def on_start(self, job: Any) -> None:
         """The launcher started ``job``: sample its ranks' processes (``job.rank_pids()``)."""
@@ -921,9 +921,11 @@ class Monitor:
             # exited between two ticks): read them from the job directory once more.
             beats = job.heartbeats
             if getattr(job, "job_dir", None) is not None:
-                from labkit import dist  # the launcher's on-disk protocol; loaded with launch
+                from labkit.jobs import (
+                    runtime,  # the launcher's on-disk protocol; loaded with launch
+                )
 
-                beats = dist.read_heartbeats(job.job_dir, job.nproc) or beats
+                beats = runtime.read_heartbeats(job.job_dir, job.nproc) or beats
             self._note_heartbeats(beats)
         finally:
             self._finish(getattr(result, "status", "ok"))
@@ -1088,7 +1090,7 @@ class Monitor:
     def _note_parts(self, rank: int, beat: Mapping[str, Any], t: float) -> None:
         """The part ``rank`` is in, and each part's start (as the first rank read reports it).
 
-        A heartbeat lists every part begun, with its time (``labkit.dist``): a part shorter
+        A heartbeat lists every part begun, with its time (``labkit.jobs.runtime``): a part shorter
         than a supervision tick is still marked, where it began. Without that list, the
         part's start is taken as the time of the first heartbeat naming it.
         """

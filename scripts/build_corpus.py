@@ -30,7 +30,7 @@ differs, and 2 when it cannot tell because this interpreter's stdlib is not the 
 corpus was built from (another Python version, or a distribution that patches the stdlib).
 
 This script imports nothing from labkit (and so not torch): it reads the recorded values
-from ``labkit/data.py`` with :mod:`ast`.
+from ``labkit/data/__init__.py`` with :mod:`ast`.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DATA_MODULE = REPO_ROOT / "labkit" / "data.py"
+DATA_MODULE = REPO_ROOT / "labkit" / "data" / "__init__.py"
 DATA_DIR = REPO_ROOT / "labkit" / "data"
 CORPUS_FILE = DATA_DIR / "corpus.txt.gz"
 CORPUS_DOC = DATA_DIR / "CORPUS.md"
@@ -196,7 +196,7 @@ def build(root: Path | None = None) -> Build:
 
 
 def recorded_values(path: Path = DATA_MODULE) -> dict[str, object]:
-    """The ``CORPUS_*`` constants of labkit/data.py, read with ast (no import, no torch)."""
+    """The ``CORPUS_*`` constants of labkit/data/__init__.py, read with ast (no import, no torch)."""
     values: dict[str, object] = {}
     for node in ast.parse(path.read_text(encoding="utf-8")).body:
         target = None
@@ -298,7 +298,7 @@ def write(result: Build) -> None:
     recorded = recorded_values() if DATA_MODULE.exists() else {}
     stale = {k: v for k, v in wanted.items() if recorded.get(k) != v}
     if stale:
-        print("update these constants in labkit/data.py:")
+        print("update these constants in labkit/data/__init__.py:")
         for key, value in stale.items():
             print(f"    {key} = {value!r}")
 

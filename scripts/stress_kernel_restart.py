@@ -37,15 +37,15 @@ from pathlib import Path
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
-JOB_DIR_ENV = "LABKIT_JOB_DIR"  # labkit.dist.JOB_DIR_ENV (not imported: that pulls in torch)
+JOB_DIR_ENV = "LABKIT_JOB_DIR"  # labkit.jobs.runtime.JOB_DIR_ENV (not imported: that pulls in torch)
 
 # The job the kernel runs: ~60 s of heartbeats on each rank; rank 0 first starts a child with
 # SIGTERM ignored (set before the fork, restored after: the child inherits SIG_IGN).
 WORKER = '''
 import os, signal, subprocess, sys, time
-from labkit import dist
+from labkit.jobs import runtime
 
-@dist.entrypoint
+@runtime.entrypoint
 def main(ctx):
     child = None
     if ctx.rank == 0:
@@ -66,7 +66,7 @@ if __name__ == "__main__":
 CELL = """
 import sys
 sys.path.insert(0, {folder!r})
-from labkit import launch
+from labkit.jobs import launch
 launch.run("restart_victim", nproc=2, config={{"ranks_ignore_sigterm": {ignore}}},
            timeout_s=90, stream=False)
 """

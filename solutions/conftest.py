@@ -15,7 +15,7 @@ import pytest
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-    from labkit.exercises import EXPECT_SOLVED
+    from labkit.course.exercises import EXPECT_SOLVED
 
     os.environ[EXPECT_SOLVED] = "1"
 

@@ -24,7 +24,7 @@ os.environ.setdefault("LABKIT_SIZE", "smoke")
 # (labkit.recordings.public); a copy named by LABKIT_GPU_TRACES is still read.
 os.environ.setdefault("LABKIT_OFFLINE", "1")
 if "LABKIT_CAPSTONE_JOB" not in os.environ:  # notebook 07: the same job every run, this tier's
-    from labkit import capstone  # (a loader, a straggler and a sampler fault)
+    from labkit.course import capstone  # (a loader, a straggler and a sampler fault)
 
     os.environ["LABKIT_CAPSTONE_JOB"] = capstone.example_code()
 os.environ.setdefault("LABKIT_HOME", tempfile.mkdtemp(prefix="labkit-test-home-"))
@@ -38,7 +38,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # Inherited by every process a test starts: tells our jobs from other sessions' on this host.
 os.environ["LABKIT_TEST_SESSION"] = SESSION = uuid.uuid4().hex
 
-_JOB_MARKERS = ("torch.distributed.run", "labkit._spawn", "labkit.workers.")
+_JOB_MARKERS = ("torch.distributed.run", "labkit.jobs.spawn", "labkit.workers.")
 
 
 def _job_processes() -> list[psutil.Process]:
@@ -67,6 +67,6 @@ def no_stray_jobs():
 def pytest_runtest_setup(item):
     """Tests here, learners' copies included, run without ``LABKIT_EXPECT_SOLVED``, whatever
     ran before them (``solutions/conftest.py`` sets it for the complete notebooks)."""
-    from labkit.exercises import EXPECT_SOLVED
+    from labkit.course.exercises import EXPECT_SOLVED
 
     os.environ.pop(EXPECT_SOLVED, None)

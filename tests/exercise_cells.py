@@ -8,8 +8,8 @@ from collections.abc import Iterable
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
-from labkit import exercises as ex
-from labkit import nbgen
+from labkit.course import exercises as ex
+from labkit.course import nbgen
 
 
 def run_cell(source: str):

@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from labkit import config, exam, quiz, timings
+from labkit import config
 from labkit.__main__ import main as labkit_main
 from labkit.batching import finder
-from labkit.capstone import faults, keys
+from labkit.course import exam, quiz, timings
+from labkit.course.capstone import faults, keys
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB, GiB, TiB = 2**20, 2**30, 2**40

@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from labkit.batching import checkpointing, finder, trials
-from labkit.batching.checkpointing import (
+from labkit.batching import finder, recomputation, trials
+from labkit.batching.recomputation import (
     CheckpointedBlock,
     apply_checkpointing,
     predict_checkpointing,
@@ -177,14 +177,14 @@ def test_prediction_counts_blocks_and_refuses_bad_input():
 
 def test_segment_checkpoint_bytes_by_hand():
     # 16 layers of 10 bytes, inputs of 1 byte
-    assert checkpointing.segment_checkpoint_bytes(16, 10, 1, None) == 160
-    assert checkpointing.segment_checkpoint_bytes(16, 10, 1, 16) == 16 + 10  # every block
-    assert checkpointing.segment_checkpoint_bytes(16, 10, 1, 4) == 4 + 4 * 10  # √n segments
-    assert checkpointing.segment_checkpoint_bytes(10, 10, 1, 3) == 3 + 4 * 10  # ⌈10/3⌉ = 4
+    assert recomputation.segment_checkpoint_bytes(16, 10, 1, None) == 160
+    assert recomputation.segment_checkpoint_bytes(16, 10, 1, 16) == 16 + 10  # every block
+    assert recomputation.segment_checkpoint_bytes(16, 10, 1, 4) == 4 + 4 * 10  # √n segments
+    assert recomputation.segment_checkpoint_bytes(10, 10, 1, 3) == 3 + 4 * 10  # ⌈10/3⌉ = 4
     with pytest.raises(ValueError, match="segments"):
-        checkpointing.segment_checkpoint_bytes(4, 10, 1, 5)
+        recomputation.segment_checkpoint_bytes(4, 10, 1, 5)
     with pytest.raises(ValueError, match="per_layer_bytes"):
-        checkpointing.segment_checkpoint_bytes(4, -1, 1, 2)
+        recomputation.segment_checkpoint_bytes(4, -1, 1, 2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -221,10 +221,10 @@ def test_checkpointed_step_moments_match_a_real_step_to_the_byte(name, dtype):
                               device=CPU)
         with _LiveAtMoments(cfg.model.d_model) as counter:
             step._step(b, 1)
-        moments = checkpointing.checkpointed_step_moments(cfg.model, b, dtype=dtype)
+        moments = recomputation.checkpointed_step_moments(cfg.model, b, dtype=dtype)
         assert len(moments) == 1 + 2 * cfg.model.n_layer
         assert counter.at == [m.bytes for m in moments], (name, dtype, b)
-        peak = checkpointing.predicted_checkpointed_step_peak(cfg.model, b, dtype=dtype)
+        peak = recomputation.predicted_checkpointed_step_peak(cfg.model, b, dtype=dtype)
         assert peak.bytes == counter.peak == max(counter.at)
         # and the finder's own trial step measures the same peak
         assert trials.measure_step_peak(model, b, seq_len=cfg.model.seq_len, dtype=dtype,
@@ -235,13 +235,13 @@ def test_checkpointed_peak_is_below_the_plain_one_and_grows_with_the_batch():
     from labkit import memory
 
     cfg = preset("smoke").model
-    peaks = [checkpointing.predicted_checkpointed_step_peak(cfg, b).bytes for b in (4, 8, 16)]
+    peaks = [recomputation.predicted_checkpointed_step_peak(cfg, b).bytes for b in (4, 8, 16)]
     assert peaks[0] < peaks[1] < peaks[2]
     for b in (4, 16):
-        assert (checkpointing.predicted_checkpointed_step_peak(cfg, b).bytes
+        assert (recomputation.predicted_checkpointed_step_peak(cfg, b).bytes
                 < memory.predicted_step_peak(cfg, b).bytes)
     with pytest.raises(ValueError, match="dropout"):
-        checkpointing.checkpointed_step_moments(dataclasses.replace(cfg, dropout=0.1), 4)
+        recomputation.checkpointed_step_moments(dataclasses.replace(cfg, dropout=0.1), 4)
 
 
 def test_tensorwise_checkpointed_prediction_meets_the_batch_real_steps_find():

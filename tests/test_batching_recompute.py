@@ -1,4 +1,4 @@
-"""Full and selective activation recomputation (labkit.batching.checkpointing.apply_ac).
+"""Full and selective activation recomputation (labkit.batching.recomputation.apply_ac).
 
 Parity with no recomputation, the bytes each mode holds for the backward against the
 prediction (exact on a CPU in float32), and the 1F1B in-flight arithmetic. One process, no
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from labkit import formulas, memory
-from labkit.batching import checkpointing as ck
+from labkit.batching import recomputation as ck
 from labkit.config import ModelConfig, preset
 from labkit.model import GPT
 

@@ -21,7 +21,8 @@ if str(ROOT) not in sys.path:  # `benchmarks` is a folder of the checkout, not o
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import _common, bench_gpu_throughput, bench_launch, bench_train_step  # noqa: E402
-from labkit import config, data, dist, train  # noqa: E402
+from labkit import config, data, train  # noqa: E402
+from labkit.jobs import runtime  # noqa: E402
 from labkit.model import GPT  # noqa: E402
 
 
@@ -236,11 +237,11 @@ def test_train_step_benchmark_writes_a_comparison_record(tmp_path, capsys):
 def test_bare_launch_gets_the_job_spec_the_launcher_would_write(tmp_path):
     job = tmp_path / "bare-001"
     bench_launch.write_spec(job)
-    spec = dist.read_json(job / dist.SPEC_FILE)
+    spec = runtime.read_json(job / runtime.SPEC_FILE)
     assert spec["backend"] == "gloo" and spec["nproc"] == bench_launch.NPROC
     assert spec["config"] == bench_launch.WORKER_CONFIG
     env = bench_launch.bare_env(job)
-    assert env[dist.JOB_DIR_ENV] == str(job)
+    assert env[runtime.JOB_DIR_ENV] == str(job)
     assert "RANK" not in env
     cmd = bench_launch.bare_command()
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
@@ -318,7 +319,7 @@ def test_readme_run_times_are_the_recorded_measurement():
     import re
 
     from benchmarks import bench_notebooks
-    from labkit import timings
+    from labkit.course import timings
 
     record = json.loads((ROOT / "benchmarks" / "results" / "notebooks-cpu.json").read_text())
     _common.check_record(record)
@@ -336,10 +337,10 @@ def test_readme_run_times_are_the_recorded_measurement():
 
 
 def test_notebook_benchmark_runs_through_labkit_timings(tmp_path, monkeypatch):
-    """bench_notebooks does no running of its own: labkit.timings runs each notebook, and the
+    """bench_notebooks does no running of its own: labkit.course.timings runs each notebook, and the
     record keeps its sections and sampled peak memory beside the run times the README reads."""
     from benchmarks import bench_notebooks
-    from labkit import timings
+    from labkit.course import timings
 
     ran: list[tuple[str, str]] = []
 

@@ -45,7 +45,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from labkit import quiz
+from labkit.course import quiz
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser, pytest.mark.timeout(300)]
 
@@ -517,7 +517,7 @@ def test_learner_copy_of_notebook_01_runs_all_to_the_end(lab: Lab, browser_page)
     try:
         open_notebook(page, lab, LEARNER_NOTEBOOK)
         # Opened, kernel idle, nothing run: the tab must not say "modified" (a notebook whose
-        # language_info differs from the kernel's is rewritten as it opens; labkit.nbgen).
+        # language_info differs from the kernel's is rewritten as it opens; labkit.course.nbgen).
         page.wait_for_timeout(1_000)  # JupyterLab applies the kernel's info just after idle
         assert page.locator(".lm-TabBar-tab.jp-mod-dirty").count() == 0, (
             "the notebook shows as modified before anything ran"

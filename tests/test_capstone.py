@@ -1,6 +1,6 @@
 """The capstone's faults: seeds under the instructor's key, job codes, the answer key, and every
 CPU-visible fault planted in a real 2-rank job, shown by the evidence the notebooks teach
-(labkit.capstone); the reference diagnosis passes the check for a sample of seeds."""
+(labkit.course.capstone); the reference diagnosis passes the check for a sample of seeds."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from labkit import capstone, sealed
-from labkit.capstone import attempts, keys
-from labkit.capstone import faults as fl
-from labkit.capstone import settings as st
+from labkit.course import capstone, sealed
+from labkit.course.capstone import attempts, keys
+from labkit.course.capstone import faults as fl
+from labkit.course.capstone import settings as st
 
 CPU_FAULTS = [f.id for f in capstone.available("cpu")]
 
@@ -146,7 +146,7 @@ def runs():
 @pytest.mark.slow
 def test_each_cpu_fault_alone_shows_in_its_evidence_and_not_without_it(runs):
     """Each fault's signature, measured in a real 2-rank job, against the fault-free job's."""
-    from labkit.capstone.evidence import OUTSIDE, median
+    from labkit.course.capstone.evidence import OUTSIDE, median
 
     base = runs["base"].evidence()
     e = {f: runs[f].evidence() for f in CPU_FAULTS}
@@ -211,7 +211,7 @@ def test_each_fault_alone_is_found_by_its_evidence_and_its_fix_removes_it(runs, 
     the job re-run with its fix carries no fault, and the diagnosis finds none in it."""
     assert runs[fault].faults == (fault,)
     assert_found_and_fixed(runs[fault], fault, already_run=[runs["base"]])
-    from labkit.exercises.capstone import reference_diagnose
+    from labkit.course.exercises.capstone import reference_diagnose
 
     assert reference_diagnose(runs["base"])[0] == set(), runs["base"].evidence_text()
 
@@ -225,7 +225,7 @@ def assert_found_and_fixed(
     A fix that turns the job into one in ``already_run`` (same settings, size, tier and ranks:
     the very same job) is judged on that run, measured once, rather than on a second launch of
     it: most fixes restore the fault-free job exactly."""
-    from labkit.exercises.capstone import reference_diagnose
+    from labkit.course.exercises.capstone import reference_diagnose
 
     found, changes = reference_diagnose(run)
     if fault == "oversubscribed_threads":
@@ -287,9 +287,9 @@ def test_the_reference_diagnosis_passes_the_check_for_a_sample_of_seeds(runs, se
     """Each seed's job, given by its code and run for real; the check, unchanged, passes the
     reference diagnosis. Its fixes restore the fault-free job exactly, so the check's re-run
     of them is judged on the fault-free run already measured (one launch per seed)."""
-    from labkit import exercises as ex
-    from labkit.capstone.job import settings_after
-    from labkit.exercises import capstone as excap
+    from labkit.course import exercises as ex
+    from labkit.course.capstone.job import settings_after
+    from labkit.course.exercises import capstone as excap
 
     planted = capstone.plan(seed, "cpu", KEY, level)
     job = capstone.given_job(keys.code_for(planted, "cpu", seed))
@@ -386,8 +386,8 @@ def test_the_gpu_faults_show_in_one_job_on_the_gpu_tier():
     the per-tensor optimizer as no foreach/fused ops, unpinned batches as pageable copies, the
     vocabulary as the head's rows, NCCL's P2P switch in the ranks' environment; the reference
     diagnosis finds exactly them, and its changes leave the settings with none."""
-    from labkit.capstone import settings as st
-    from labkit.exercises.capstone import reference_diagnose
+    from labkit.course.capstone import settings as st
+    from labkit.course.exercises.capstone import reference_diagnose
 
     nproc = 2 if GPUS >= 2 else 1
     tier = capstone.tier_for("cuda", nproc)
@@ -410,8 +410,8 @@ def test_the_gpu_faults_have_nothing_to_show_on_the_cpu_tier():
     no pinned copies, no fused path to miss and no tensor cores to align for), so the job
     carries no fault and the reference diagnosis finds none; each fault says why it is left
     out."""
-    from labkit.capstone import settings as st
-    from labkit.exercises.capstone import reference_diagnose
+    from labkit.course.capstone import settings as st
+    from labkit.course.exercises.capstone import reference_diagnose
 
     on_all = st.given(GPU_FAULTS, cores=2)
     assert st.faults_in(on_all, tier="cpu", cores=2, nproc=2) == ()

@@ -6,7 +6,7 @@ A collective only rank 0 calls leaves rank 1 elsewhere: gloo then pairs the lone
 whatever rank 1 calls next, or both wait until the process group's timeout, and each rank's
 error ("Timed out waiting", "Application timeout caused pair closure", "Connection closed by
 peer") is an echo that names neither the collective nor the rank. The check jobs' ranks keep a
-ledger of their collectives (``labkit.diagnosis.CollectiveLedger``); the check compares them.
+ledger of their collectives (``labkit.jobs.diagnosis.CollectiveLedger``); the check compares them.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import pytest
 import torch
 import torch.distributed as tdist
 
-from labkit import diagnosis, launch
-from labkit import exercises as ex
-from labkit.exercises import data_parallel as exdp
+from labkit.course import exercises as ex
+from labkit.course.exercises import data_parallel as exdp
+from labkit.jobs import diagnosis, launch
 
 ROOT = Path(__file__).resolve().parents[1]
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(60)"]
@@ -73,7 +73,7 @@ def _write_ledger(folder: Path, rank: int, entries: list[dict]) -> None:
 
 
 def _learner_call(n: int, line: int, op: str = "all_reduce") -> dict:
-    return {"n": n, "op": op, "file": "/home/me/.cache/labkit/exercises/02/dp_overlap.py",
+    return {"n": n, "op": op, "file": "/home/me/.cache/labkit/course/exercises/02/dp_overlap.py",
             "line": line, "func": "_on_grad_ready", "code": "dist.all_reduce(p.grad)",
             "yours": True}  # fmt: skip
 
@@ -84,7 +84,7 @@ def _check_call(n: int, op: str = "all_gather_object") -> dict:
 
 
 def _job_result(tmp_path: Path) -> launch.JobResult:
-    return launch.JobResult(module="labkit.exercises.dp_worker", job_id="j", nproc=2,
+    return launch.JobResult(module="labkit.course.exercises.dp_worker", job_id="j", nproc=2,
                             backend="gloo", device="cpu", ranks=[{}, {}], wall_s=42.0,
                             log_dir=tmp_path, status="failed", returncode=1)  # fmt: skip
 
@@ -102,7 +102,7 @@ def test_a_collective_only_rank_0_called_is_named_from_the_ledgers_not_the_echo(
     _write_ledger(tmp_path, 0, [*shared, _learner_call(3, 15), {"end": "raised"}])
     _write_ledger(tmp_path, 1, [*shared, _check_call(3), {"end": "raised"}])
     failed = launch.JobFailed(
-        "labkit.exercises.dp_worker failed on rank 0", result=_job_result(tmp_path), rank=0,
+        "labkit.course.exercises.dp_worker failed on rank 0", result=_job_result(tmp_path), rank=0,
         exc_type="RuntimeError", kind="raised",
         exc_message="[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:598] Application "
                     "timeout caused pair closure",

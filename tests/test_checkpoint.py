@@ -1,4 +1,4 @@
-"""labkit.checkpoint in one process: sizes predicted and measured, round trips, mismatches,
+"""labkit.jobs.checkpoint in one process: sizes predicted and measured, round trips, mismatches,
 partial checkpoints, pruning and the atomic rename. The 2-rank job that checkpoints, loses a
 rank and resumes is in test_resilient_train.py; damaged checkpoints, a full disk and a crash
 while a step is replaced are in test_checkpoint_faults.py."""
@@ -11,8 +11,9 @@ import shutil
 import pytest
 import torch
 
-from labkit import checkpoint, formulas
+from labkit import formulas
 from labkit.config import ModelConfig, TrainConfig
+from labkit.jobs import checkpoint
 from labkit.model import GPT
 from labkit.train import make_optimizer
 
@@ -250,7 +251,7 @@ def test_a_rank_whose_files_are_elsewhere_fails_the_save_and_publishes_nothing(t
     """On several machines with each node's own disk, rank 1's files land on its node: rank 0
     must not publish a checkpoint that lacks them (a restart would find it partial and start
     from scratch). Faked here: a world of 2 in which only rank 0 writes."""
-    from labkit import checkpoint
+    from labkit.jobs import checkpoint
 
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.AdamW(model.parameters())

@@ -1,4 +1,4 @@
-"""labkit.checkpoint at its edges (issue 31): damaged checkpoints, manifests with odd fields,
+"""labkit.jobs.checkpoint at its edges (issue 31): damaged checkpoints, manifests with odd fields,
 steps the folder names cannot hold, a disk that fills during a save or its write-speed probe,
 and a crash while a step's folder is being replaced.
 
@@ -32,7 +32,7 @@ import torch.distributed as tdist
 import torch.multiprocessing as mp
 from test_checkpoint import Log, fresh, trained
 
-from labkit import checkpoint
+from labkit.jobs import checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -373,7 +373,7 @@ FULL_DISK_SCRIPT = textwrap.dedent("""
     from pathlib import Path
     sys.path.insert(0, "tests")
     from test_checkpoint import fresh, trained
-    from labkit import checkpoint
+    from labkit.jobs import checkpoint
 
     disk = Path(sys.argv[1])
     out = {}

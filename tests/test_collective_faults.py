@@ -1,6 +1,6 @@
 """Collective bugs planted on rank 1 (labkit.workers.collective_faults) and what reports them.
 
-Unit tests read torch 2.13's own messages (copied from real runs) with labkit.diagnosis; one
+Unit tests read torch 2.13's own messages (copied from real runs) with labkit.jobs.diagnosis; one
 slow test runs four real 2-rank jobs side by side (labkit.collective_debug.run_trials): each
 ends within its timeout, its error names the bug's kind and the right rank, and no process of
 any job is left.
@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from labkit import collective_debug as cd
-from labkit import diagnosis, dist
+from labkit.jobs import diagnosis, runtime
 from labkit.workers import collective_faults as cf
 
 # Rank 0's exception in a real desync under TORCH_DISTRIBUTED_DEBUG=DETAIL (torch 2.13, gloo).
@@ -241,7 +241,7 @@ def _job_processes(job_dir) -> list[int]:
         with contextlib.suppress(psutil.Error, OSError):
             env = p.info["environ"] or {}
             if (
-                env.get(dist.JOB_DIR_ENV) == str(job_dir)
+                env.get(runtime.JOB_DIR_ENV) == str(job_dir)
                 and p.info["status"] != psutil.STATUS_ZOMBIE
             ):
                 found.append(p.pid)

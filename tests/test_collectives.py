@@ -6,7 +6,8 @@ import itertools
 
 import pytest
 
-from labkit import formulas, launch
+from labkit import formulas
+from labkit.jobs import launch
 from labkit.workers import collectives
 
 SIZES = [8, 1024, 65536, 2**20]

@@ -18,7 +18,7 @@ import math
 import pytest
 import torch
 
-from labkit import launch
+from labkit.jobs import launch
 from labkit.parallel import context
 from labkit.workers import cp_attention
 

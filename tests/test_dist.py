@@ -1,4 +1,4 @@
-"""labkit.dist: the worker-side context, its on-disk protocol, and a worker run end to end."""
+"""labkit.jobs.runtime: the worker-side context, its on-disk protocol, and a worker run end to end."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from labkit import dist
+from labkit.jobs import runtime
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def make_ctx(job_dir: Path | None, rank: int = 0) -> dist.Context:
-    return dist.Context(
+def make_ctx(job_dir: Path | None, rank: int = 0) -> runtime.Context:
+    return runtime.Context(
         rank=rank,
         local_rank=rank,
         world_size=2,
@@ -32,14 +32,14 @@ def test_heartbeat_records_progress_and_keeps_unset_fields(tmp_path):
     ctx = make_ctx(tmp_path, rank=1)
     ctx.heartbeat(step=3, total=10, phase="train")
     ctx.heartbeat(step=4)  # total and phase are kept
-    beat = dist.read_json(dist.heartbeat_path(tmp_path, 1))
+    beat = runtime.read_json(runtime.heartbeat_path(tmp_path, 1))
     assert beat["step"] == 4 and beat["total"] == 10 and beat["phase"] == "train"
     assert beat["in_collective"] is False
     assert beat["seq"] == 2, "each heartbeat must bump seq: the launcher watches it for progress"
-    assert dist.read_heartbeats(tmp_path, 2) == {1: beat}
+    assert runtime.read_heartbeats(tmp_path, 2) == {1: beat}
     # a node of a multi-node job holds ranks that do not start at 0
-    assert dist.read_heartbeats(tmp_path, [1, 5]) == {1: beat}
-    assert dist.read_heartbeats(tmp_path, [2, 3]) == {}
+    assert runtime.read_heartbeats(tmp_path, [1, 5]) == {1: beat}
+    assert runtime.read_heartbeats(tmp_path, [2, 3]) == {}
     assert not list(tmp_path.rglob("*.tmp")), "atomic writes must not leave temp files"
 
 
@@ -47,18 +47,18 @@ def test_phase_marks_a_collective_and_restores_the_previous_phase(tmp_path):
     ctx = make_ctx(tmp_path)
     ctx.heartbeat(step=1, phase="train")
     with ctx.phase("all_reduce"):
-        inside = dist.read_json(dist.heartbeat_path(tmp_path, 0))
-    after = dist.read_json(dist.heartbeat_path(tmp_path, 0))
+        inside = runtime.read_json(runtime.heartbeat_path(tmp_path, 0))
+    after = runtime.read_json(runtime.heartbeat_path(tmp_path, 0))
     assert (inside["phase"], inside["in_collective"]) == ("all_reduce", True)
     assert (after["phase"], after["in_collective"]) == ("train", False)
     with ctx.phase("data", collective=False):
-        assert dist.read_json(dist.heartbeat_path(tmp_path, 0))["in_collective"] is False
+        assert runtime.read_json(runtime.heartbeat_path(tmp_path, 0))["in_collective"] is False
 
 
 def test_write_result_saves_json_and_rejects_tensors(tmp_path):
     ctx = make_ctx(tmp_path, rank=1)
     ctx.write_result({"loss": 1.5, "steps": [1, 2]})
-    assert json.loads(dist.result_path(tmp_path, 1).read_text()) == {"loss": 1.5, "steps": [1, 2]}
+    assert json.loads(runtime.result_path(tmp_path, 1).read_text()) == {"loss": 1.5, "steps": [1, 2]}
     with pytest.raises(TypeError, match=r"\.item\(\)"):
         ctx.write_result({"loss": torch.tensor(1.5)})
 
@@ -78,19 +78,19 @@ def test_print0_prints_on_rank_0_only(capsys):
 
 
 def test_read_json_tolerates_missing_and_broken_files(tmp_path):
-    assert dist.read_json(tmp_path / "missing.json") is None
+    assert runtime.read_json(tmp_path / "missing.json") is None
     (tmp_path / "broken.json").write_text('{"half":')
-    assert dist.read_json(tmp_path / "broken.json") is None
+    assert runtime.read_json(tmp_path / "broken.json") is None
 
 
 @pytest.mark.slow
 def test_a_worker_runs_as_a_single_process_without_torchrun(tmp_path):
     """``python -m <worker>`` works alone (world size 1): handy for debugging a worker."""
-    dist.write_json_atomic(
-        tmp_path / dist.SPEC_FILE, {"backend": "gloo", "config": {"mode": "ok", "steps": 2}}
+    runtime.write_json_atomic(
+        tmp_path / runtime.SPEC_FILE, {"backend": "gloo", "config": {"mode": "ok", "steps": 2}}
     )
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(PYTHONPATH=str(REPO), **{dist.JOB_DIR_ENV: str(tmp_path)})
+    env.update(PYTHONPATH=str(REPO), **{runtime.JOB_DIR_ENV: str(tmp_path)})
     proc = subprocess.run(
         [sys.executable, "-m", "labkit.workers._faults"],
         env=env,
@@ -99,9 +99,9 @@ def test_a_worker_runs_as_a_single_process_without_torchrun(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    result = dist.read_json(dist.result_path(tmp_path, 0))
+    result = runtime.read_json(runtime.result_path(tmp_path, 0))
     assert result["world_size"] == 1 and result["sum"] == 1.0 and result["mode"] == "ok"
-    beat = dist.read_json(dist.heartbeat_path(tmp_path, 0))
+    beat = runtime.read_json(runtime.heartbeat_path(tmp_path, 0))
     assert beat["phase"] == "done" and beat["step"] == 2 and beat["pid"] == result["pid"]
 
 
@@ -116,7 +116,7 @@ def test_the_error_file_is_torchs_written_whole(tmp_path, monkeypatch):
         raise ValueError("boom")
     except ValueError as e:
         monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(ours))
-        dist._AtomicErrorFile().record_exception(e)
+        runtime._AtomicErrorFile().record_exception(e)
         monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(torchs))
         ErrorHandler().record_exception(e)
     a, b = (json.loads(p.read_text())["message"] for p in (ours, torchs))

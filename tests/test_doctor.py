@@ -1,4 +1,4 @@
-"""labkit.doctor: truthful verdicts on this machine, and the right fix when something is off.
+"""labkit.hardware.doctor: truthful verdicts on this machine, and the right fix when something is off.
 
 One real all-reduce launch (the slow test); every other test skips the job or fakes the launcher,
 the GPU or NVML. Fake numbers stay inside these tests.
@@ -19,7 +19,9 @@ import pytest
 import torch
 from fake_nvml import FakeGpu, FakeNvml
 
-from labkit import doctor, hardware, launch
+from labkit import hardware
+from labkit.hardware import doctor
+from labkit.jobs import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -16,7 +16,8 @@ import pynvml
 import pytest
 from fake_nvml import FakeGpu, FakeNvml
 
-from labkit import doctor, hardware
+from labkit import hardware
+from labkit.hardware import doctor
 from labkit.metrics import BackendUnavailable, NvmlBackend
 
 GIB = 2**30

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from labkit import launch
+from labkit.jobs import launch
 from labkit.workers import dp_train
 
 CONFIG = {

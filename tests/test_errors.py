@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from labkit import errors, launch
-from labkit.checkpoint import CheckpointMismatch
+from labkit import errors
 from labkit.errors import LabkitError
+from labkit.jobs import launch
+from labkit.jobs.checkpoint import CheckpointMismatch
 from labkit.metrics import replay
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,7 +56,7 @@ PUBLIC = {
 
 def test_the_search_finds_the_package_s_exceptions():
     # a search that found nothing would pass the tests below vacuously
-    assert "labkit.launch.JobFailed" in PUBLIC and "labkit.checkpoint.CheckpointMismatch" in PUBLIC
+    assert "labkit.jobs.launch.JobFailed" in PUBLIC and "labkit.jobs.checkpoint.CheckpointMismatch" in PUBLIC
     assert "labkit.validate.InvalidValue" in PUBLIC
     assert len(PUBLIC) >= 35, sorted(PUBLIC)
 
@@ -91,7 +92,7 @@ def test_the_old_name_of_replay_error_still_imports():
 
 def test_private_control_flow_is_not_caught_as_an_error():
     # a time limit must pass through a learner's `except Exception`, so it is no LabkitError
-    from labkit.exercises import TimeLimitReached
+    from labkit.course.exercises import TimeLimitReached
 
     assert not issubclass(TimeLimitReached, Exception)
     assert not issubclass(TimeLimitReached, LabkitError)

@@ -1,4 +1,4 @@
-"""The mock exam: the draw, the clock, the score and the results file (labkit.exam)."""
+"""The mock exam: the draw, the clock, the score and the results file (labkit.course.exam)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from labkit import exam, quiz
-from labkit.quiz import DOMAINS
+from labkit.course import exam, quiz
+from labkit.course.quiz import DOMAINS
 
 
 @pytest.fixture(autouse=True)

@@ -12,10 +12,11 @@ import pytest
 import torch
 from nbformat.v4 import new_code_cell, new_notebook
 
-from labkit import exercises as ex
-from labkit import nbgen, timing
+from labkit import timing
 from labkit.config import ModelConfig
-from labkit.exercises import single_gpu
+from labkit.course import exercises as ex
+from labkit.course import nbgen
+from labkit.course.exercises import single_gpu
 
 # --------------------------------------------------------------------------- reference answers,
 # written the way the solution notebook marks them, so the same source yields the stub.
@@ -302,7 +303,7 @@ def test_the_last_hint_guides_in_words_without_handing_over_the_solution(exercis
 def test_the_code_rule_tells_yesterdays_recipes_from_todays():
     """The rule flags the recipes these exercises had before (code, a call sequence, the
     answer's formula) and passes recipes in words: it is not vacuous."""
-    from labkit.exercises import planning
+    from labkit.course.exercises import planning
 
     bad = [
         "recipe: return 2 * (n_ranks - 1) / n_ranks * numel * bytes_per_element",
@@ -341,7 +342,7 @@ def test_is_stub_reads_the_source_of_functions_and_classes(tmp_path):
         "    @staticmethod\n    def forward(ctx, x):\n        return x\n"
         f"    @staticmethod\n    def backward(ctx, g):\n        raise NotImplementedError('x')\n"
     )
-    from labkit.exercises.model_parallel import load_file
+    from labkit.course.exercises.model_parallel import load_file
 
     m = load_file(path)
     assert not ex.is_stub(m.done) and ex.is_stub(m.todo)
@@ -528,7 +529,7 @@ def test_a_raising_learner_call_shows_its_arguments_briefly():
 
 
 def _job_result(tmp_path):
-    from labkit import launch
+    from labkit.jobs import launch
 
     return launch.JobResult(module="w", job_id="j", nproc=2, backend="gloo", device="cpu",
                             ranks=[{}, {}], wall_s=1.0, log_dir=tmp_path, status="failed",
@@ -536,7 +537,7 @@ def _job_result(tmp_path):
 
 
 def test_a_worker_check_that_did_not_finish_is_worded_from_the_most_telling_evidence(tmp_path):
-    from labkit import launch
+    from labkit.jobs import launch
 
     result = _job_result(tmp_path)
     # Rank 0 waits in a torch collective, rank 1 loops in the learner's code: a mismatch.

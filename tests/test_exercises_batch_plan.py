@@ -8,9 +8,9 @@ import math
 import pytest
 from exercise_cells import assert_check_passes, assert_stub_is_not_done
 
-from labkit import exercises as ex
 from labkit.config import ModelConfig, TrainConfig
-from labkit.exercises import single_gpu
+from labkit.course import exercises as ex
+from labkit.course.exercises import single_gpu
 
 # The notebook's solution cell, less its ex.check line (same source, so the same stub).
 SOLUTION = """

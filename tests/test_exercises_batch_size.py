@@ -9,9 +9,9 @@ import pytest
 import torch
 from exercise_cells import assert_check_passes, assert_stub_is_not_done
 
-from labkit import exercises as ex
 from labkit.batching import finder, noise, trials
-from labkit.exercises import batch_size as exbs
+from labkit.course import exercises as ex
+from labkit.course.exercises import batch_size as exbs
 
 # --------------------------------------------------------------------------- solutions, written
 # the way the solution notebook marks them (these are its cells, less the ex.check line), so

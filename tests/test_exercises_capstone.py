@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 from exercise_cells import assert_stub_is_not_done, run_cell
 
-from labkit import capstone, dist
-from labkit import exercises as ex
-from labkit.capstone import attempts, keys
-from labkit.capstone import settings as st
-from labkit.exercises import capstone as excap
+from labkit.course import capstone
+from labkit.course import exercises as ex
+from labkit.course.capstone import attempts, keys
+from labkit.course.capstone import settings as st
+from labkit.course.exercises import capstone as excap
+from labkit.jobs import runtime
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "solutions" / "07_capstone.ipynb"
 
@@ -29,7 +30,7 @@ def solution_cell() -> str:
     source = "".join(cells["nb07-10"])
     body = source[: source.index("\ndiagnose = ex.check(")]
     setup = ("import math\nimport statistics\n\n"
-             "from labkit.capstone.evidence import OUTSIDE, median\n\n\n")  # fmt: skip
+             "from labkit.course.capstone.evidence import OUTSIDE, median\n\n\n")  # fmt: skip
     return setup + body.rstrip() + "\n\n\nanswer = diagnose\n"
 
 
@@ -97,7 +98,7 @@ def stand_in_ops(self, rank=0):
     phases under eval_every_step, forward layers in backward under needless_recompute."""
     from collections import Counter
 
-    from labkit.capstone.evidence import OUTSIDE, PHASES
+    from labkit.course.capstone.evidence import OUTSIDE, PHASES
 
     f = self.ranks[rank]["stand_in_faults"]
     ops = {p: Counter() for p in (*PHASES, OUTSIDE)}
@@ -111,7 +112,7 @@ def stand_in_ops(self, rank=0):
 @pytest.fixture(autouse=True)
 def _stand_in_traces(monkeypatch):
     """Stand-in runs have no trace files: their operators come from stand_in_ops."""
-    from labkit.capstone.evidence import Evidence
+    from labkit.course.capstone.evidence import Evidence
 
     real = Evidence.ops_by_phase
 
@@ -325,7 +326,7 @@ def test_the_check_runs_the_real_job_and_passes_the_solution_only(capsys, monkey
     assert run.faults == () and run.settings is None and "seed 10" in repr(run)  # key hidden
     assert capstone.last_given().faults == () and capstone.last_given().settings is None
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
-    assert any(p.name == dist.SPEC_FILE for p in files)  # the launcher's job spec is there...
+    assert any(p.name == runtime.SPEC_FILE for p in files)  # the launcher's job spec is there...
     words = set(capstone.BY_ID) | {"per_item", "straggler_s", "set_epoch"}
     for p in files:  # ...and no file the job wrote names a fault or a wrong setting
         text = p.read_text(errors="replace")
@@ -398,7 +399,7 @@ def test_fixes_one_at_a_time_keep_what_a_measurement_supports(monkeypatch):
     """Notebook 07's section 5 (capstone.one_at_a_time) on stand-in runs: each fix re-run on
     top of those kept, in FIXES order; a measurably faster fix stays, a measurably slower one
     goes, a correctness fix stays when its evidence is gone; the table says why."""
-    from labkit.capstone import trials
+    from labkit.course.capstone import trials
 
     job = fake_run(st.given(["slow_loader", "straggler", "no_set_epoch"], cores=2), tokens_per_s=300.0)
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 from exercise_cells import assert_check_passes, assert_stub_is_not_done
 
-from labkit import exercises as ex
 from labkit import verdict
-from labkit.exercises import model_parallel as exmp
+from labkit.course import exercises as ex
+from labkit.course.exercises import model_parallel as exmp
 
 # The notebook's solution cell, less its ex.check line and what follows it.
 SOLUTION = """

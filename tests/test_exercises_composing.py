@@ -2,10 +2,10 @@
 otherwise.
 
 The solutions are the ``%%writefile`` cells of ``solutions/03b_composing_parallelism.ipynb``
-(``labkit.exercises.composing``) and ``solutions/03c_long_sequences_and_experts.ipynb``
-(``labkit.exercises.sequences_experts``), the stubs what ``labkit.nbgen`` makes of them. The
+(``labkit.course.exercises.composing``) and ``solutions/03c_long_sequences_and_experts.ipynb``
+(``labkit.course.exercises.sequences_experts``), the stubs what ``labkit.course.nbgen`` makes of them. The
 kernel side runs in process with the launch replaced by a recorder; one real 4-rank launch of
-``labkit.exercises.mp_worker`` runs the rank-side checks of both notebooks on the three
+``labkit.course.exercises.mp_worker`` runs the rank-side checks of both notebooks on the three
 solutions and on two wrong dispatches together.
 """
 
@@ -18,16 +18,18 @@ import nbformat
 import pytest
 from exercise_cells import assert_check_passes, assert_stub_is_not_done
 
-from labkit import exercises as ex
-from labkit import ids, launch, nbgen
-from labkit.exercises import composing, sequences_experts
-from labkit.exercises import model_parallel as exmp
+from labkit import ids
+from labkit.course import exercises as ex
+from labkit.course import nbgen
+from labkit.course.exercises import composing, sequences_experts
+from labkit.course.exercises import model_parallel as exmp
+from labkit.jobs import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = {"03b": ROOT / "solutions" / "03b_composing_parallelism.ipynb",
              "03c": ROOT / "solutions" / "03c_long_sequences_and_experts.ipynb"}  # fmt: skip
 CHECKS = {"03b": composing, "03c": sequences_experts}
-"""Notebook -> the module that registers its exercises (``labkit.exercises.MODULES``)."""
+"""Notebook -> the module that registers its exercises (``labkit.course.exercises.MODULES``)."""
 FILES = {"03b.mesh_groups": "mesh_groups", "03c.ring_loop": "ring_loop",
          "03c.moe_dispatch": "moe_dispatch"}  # fmt: skip
 WRITEFILE = re.compile(r"^%%writefile \{ex_dir\}/(?P<name>\w+)\.py\n")

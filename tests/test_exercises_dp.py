@@ -1,7 +1,7 @@
 """The data-parallel exercises of notebook 02: checks pass on the solution, fail helpfully.
 
 The solutions are read from ``solutions/02_data_parallelism.ipynb`` itself (its ``%%writefile``
-cells), and the stubs are generated from them with ``labkit.nbgen``, as the learner's notebook
+cells), and the stubs are generated from them with ``labkit.course.nbgen``, as the learner's notebook
 is: so the notebook's own solution code is what passes here. Most checks run in this process
 on a 1-rank gloo group (HashStore: no port, no process): the timing mistakes (a blocking
 all-reduce, a wait inside backward, all-reduces started after backward) and the ZeRO-1 order
@@ -21,9 +21,9 @@ import pytest
 import torch.distributed as tdist
 from exercise_cells import assert_check_passes, assert_stub_is_not_done, stub_of
 
-from labkit import exercises as ex
-from labkit import launch
-from labkit.exercises import data_parallel as exdp
+from labkit.course import exercises as ex
+from labkit.course.exercises import data_parallel as exdp
+from labkit.jobs import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "solutions" / "02_data_parallelism.ipynb"
@@ -638,11 +638,11 @@ def test_the_benchmark_times_the_learners_class_and_counts_the_messages_it_sends
     """Notebook 02 times the learner's own classes: a file whose OverlapDDP sends all the
     gradients in one message must show up as one message (counted from the all_reduce
     calls in the ranks, not read from the class), and the reference stays for the other."""
-    from labkit.exercises import dp_bench
+    from labkit.course.exercises import dp_bench
 
     path = tmp_path / "one_message.py"
     path.write_text(
-        "from labkit.exercises.data_parallel import BucketedDDP\n\n\n"
+        "from labkit.course.exercises.data_parallel import BucketedDDP\n\n\n"
         "class OverlapDDP(BucketedDDP):\n"
         "    def __init__(self, model, world_size):\n"
         "        super().__init__(model, world_size, bucket_cap_mb=1e6)\n",
@@ -662,7 +662,7 @@ def test_a_busy_moment_that_defeats_the_alpha_beta_fit_is_named_not_raised(monke
     carry on with a labelled fallback, not stop the notebook cell."""
     import torch
 
-    from labkit.exercises import dp_bench
+    from labkit.course.exercises import dp_bench
 
     times = iter([0.004, 0.003] * 3)  # small slower than large, three times over
     monkeypatch.setattr(dp_bench, "_time_allreduce", lambda numel, device, repeats: next(times))
@@ -698,7 +698,7 @@ STEADY = [100.0, 100.5, 99.5, 100.2, 99.8, 100.1, 99.9]
 
 def test_a_flat_prediction_is_said_to_predict_no_difference():
     """Review N02-3: predictions that tie must not crown a "predicted best"."""
-    from labkit.exercises import dp_bench
+    from labkit.course.exercises import dp_bench
 
     res = _sweep({51: 379.6, 22: 379.6, 5: 379.6, 1: 382.2},
                  {k: [t + d for t in STEADY] for k, d in ((51, 0), (22, 0.3), (5, 0.1), (1, 0.2))})
@@ -710,7 +710,7 @@ def test_a_flat_prediction_is_said_to_predict_no_difference():
 
 
 def test_a_shaped_prediction_names_its_best_and_meets_the_measurement():
-    from labkit.exercises import dp_bench
+    from labkit.course.exercises import dp_bench
 
     res = _sweep({51: 160.0, 22: 120.0, 5: 100.0, 1: 140.0},
                  {51: [t * 1.6 for t in STEADY], 22: [t * 1.2 for t in STEADY],

@@ -8,8 +8,8 @@ import math
 import pytest
 from exercise_cells import assert_check_passes, assert_stub_is_not_done
 
-from labkit import exercises as ex
-from labkit.exercises import first_job
+from labkit.course import exercises as ex
+from labkit.course.exercises import first_job
 
 # The solution cell of notebook 00, less its ex.check line (same source, so the same stub).
 SOLUTIONS = {

@@ -9,9 +9,9 @@ import pytest
 import torch
 from exercise_cells import assert_check_passes, assert_stub_is_not_done
 
-from labkit import exercises as ex
 from labkit import recipes
-from labkit.exercises import mixed_precision as exmp
+from labkit.course import exercises as ex
+from labkit.course.exercises import mixed_precision as exmp
 from labkit.formulas import OPTIMIZER_STATES, dtype_bytes
 
 # --------------------------------------------------------------------------- solutions, written

@@ -1,9 +1,9 @@
 """Notebook 03's exercise checks: they pass on the solutions and fail helpfully otherwise.
 
 The solutions are the ``%%writefile`` cells of ``solutions/03_model_parallelism.ipynb``, and
-the stubs are what ``labkit.nbgen`` makes of those cells, so the tests follow the notebook.
+the stubs are what ``labkit.course.nbgen`` makes of those cells, so the tests follow the notebook.
 Everything the kernel checks runs in process, with the launch replaced by a recorder; one
-real 2-rank launch of ``labkit.exercises.mp_worker`` runs the rank-side checks on solutions,
+real 2-rank launch of ``labkit.course.exercises.mp_worker`` runs the rank-side checks on solutions,
 a stub and wrong answers together.
 """
 
@@ -17,9 +17,10 @@ import pytest
 import torch
 from test_exercises import code_like  # the rule the last hints obey: words, not code
 
-from labkit import exercises as ex
-from labkit import launch, nbgen
-from labkit.exercises import model_parallel as exmp
+from labkit.course import exercises as ex
+from labkit.course import nbgen
+from labkit.course.exercises import model_parallel as exmp
+from labkit.jobs import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "solutions" / "03_model_parallelism.ipynb"

@@ -14,9 +14,9 @@ import torch
 import torch.distributed as tdist
 from exercise_cells import assert_check_passes, assert_stub_is_not_done
 
-from labkit import exercises as ex
 from labkit import profiling, train
-from labkit.exercises import profiling as exprof
+from labkit.course import exercises as ex
+from labkit.course.exercises import profiling as exprof
 from labkit.profiling import overlap, phase
 
 # --------------------------------------------------------------------------- solutions, written

@@ -8,9 +8,9 @@ import math
 import pytest
 from exercise_cells import assert_check_passes, assert_stub_is_not_done
 
-from labkit import exercises as ex
 from labkit import planner
-from labkit.exercises import planning, resilience
+from labkit.course import exercises as ex
+from labkit.course.exercises import planning, resilience
 
 # The solution cells of notebooks 02b and 03d, less their ex.check lines (same source, same stub).
 SOLUTIONS = {

@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from labkit import exercises as ex
-from labkit.exercises import model_parallel as exmp
-from labkit.exercises import sequences_experts as se
+from labkit.course import exercises as ex
+from labkit.course.exercises import model_parallel as exmp
+from labkit.course.exercises import sequences_experts as se
 from labkit.parallel import context
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "solutions" / "03c_long_sequences_and_experts.ipynb"

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from labkit import launch
 from labkit.config import ModelConfig
+from labkit.jobs import launch
 from labkit.parallel import expert
 from labkit.workers import moe_train
 

@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from labkit import config, data, hardware, launch, memory, timing, train
+from labkit import config, data, hardware, memory, timing, train
+from labkit.jobs import launch
 from labkit.model import GPT
 
 pytestmark = [

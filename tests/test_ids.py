@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from labkit import ids, quiz
+from labkit import ids
+from labkit.course import quiz
 
 ROOT = Path(__file__).resolve().parents[1]
 

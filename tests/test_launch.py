@@ -1,4 +1,4 @@
-"""labkit.launch: real torchrun jobs on CPU/gloo, including the ways they go wrong.
+"""labkit.jobs.launch: real torchrun jobs on CPU/gloo, including the ways they go wrong.
 
 Every multi-process test checks that no process of its job survives. Processes are found by
 their environment (LABKIT_JOB_DIR names the job), which catches workers the launcher never
@@ -23,7 +23,7 @@ from unittest import mock
 import psutil
 import pytest
 
-from labkit import _spawn, dist, launch, procs
+from labkit.jobs import launch, procs, runtime, spawn
 
 REPO = Path(__file__).resolve().parents[1]
 FAULTS = "labkit.workers._faults"
@@ -40,7 +40,7 @@ def job_processes(job_dir: Path | str) -> list[psutil.Process]:
             env = p.info["environ"] or {}
         except (psutil.Error, OSError):
             continue
-        if env.get(dist.JOB_DIR_ENV) == str(job_dir) and p.info["status"] != psutil.STATUS_ZOMBIE:
+        if env.get(runtime.JOB_DIR_ENV) == str(job_dir) and p.info["status"] != psutil.STATUS_ZOMBIE:
             found.append(p)
     return found
 
@@ -260,11 +260,11 @@ def test_the_failure_excerpt_keeps_the_error_and_the_frames_that_matter():
     assert 'raise RuntimeError(f"rank {ctx.rank} fails on purpose' in text
     assert "allreduce.py\", line 52, in main" in text
     # The launcher's frames are the same in every failure: counted, not shown.
-    assert "elastic" not in text and "dist.py" not in text
-    assert "3 frames of the launcher (torchrun, labkit.dist) left out" in text
+    assert "elastic" not in text and "runtime.py" not in text
+    assert "3 frames of the launcher (torchrun, labkit.jobs.runtime) left out" in text
 
     text = launch.traceback_excerpt(DEEP)
-    assert "runpy" not in text and "elastic" not in text and "dist.py" not in text
+    assert "runpy" not in text and "elastic" not in text and "runtime.py" not in text
     assert "my_worker.py\", line 31, in main" in text and "loss = model(x)" in text
     assert "model.py\", line 88, in forward" in text  # labkit code the worker called
     # torch's own frames between two frames of code: one line; where it raised: kept.
@@ -300,13 +300,13 @@ def test_echo_bounds_live_output_and_shows_the_tail(tmp_path):
 def test_spawn_wrapper_arms_the_parent_death_signal_and_keeps_its_pid():
     probe = (
         "import os; from labkit import _spawn; "
-        "print(_spawn.get_parent_death_signal(), os.environ['LABKIT_AGENT_PID'] == str(os.getpid()))"
+        "print(spawn.get_parent_death_signal(), os.environ['LABKIT_AGENT_PID'] == str(os.getpid()))"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [
         sys.executable,
         "-m",
-        "labkit._spawn",
+        "labkit.jobs.spawn",
         "SIGTERM",
         str(os.getpid()),
         "--",
@@ -317,7 +317,7 @@ def test_spawn_wrapper_arms_the_parent_death_signal_and_keeps_its_pid():
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [str(int(signal.SIGTERM)), "True"]
-    assert _spawn.get_parent_death_signal() == 0, "the wrapper must not arm the test process"
+    assert spawn.get_parent_death_signal() == 0, "the wrapper must not arm the test process"
 
 
 def test_spawn_wrapper_refuses_when_its_parent_is_already_gone(tmp_path):
@@ -326,7 +326,7 @@ def test_spawn_wrapper_refuses_when_its_parent_is_already_gone(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "labkit._spawn",
+        "labkit.jobs.spawn",
         "SIGTERM",
         "1",
         "--",  # 1 is not our parent
@@ -351,7 +351,7 @@ def test_cleanup_ends_jobs_whose_owner_died_and_spares_live_ones(home):
         me = psutil.Process()
         # Owner "dead": our PID with another start time, as if the PID had been recycled.
         dead_owner = {"pid": me.pid, "create_time": me.create_time() - 1000.0}
-        dist.write_json_atomic(
+        runtime.write_json_atomic(
             reg / "dead.json",
             {
                 "job_id": "dead",
@@ -361,7 +361,7 @@ def test_cleanup_ends_jobs_whose_owner_died_and_spares_live_ones(home):
                 "workers": [],
             },
         )
-        dist.write_json_atomic(
+        runtime.write_json_atomic(
             reg / "live.json",
             {
                 "job_id": "live",
@@ -436,7 +436,7 @@ def test_failing_rank_is_named_with_its_exception(home, capsys):
     # one that began first (rank 1's, the cause) first.
     out = capsys.readouterr().out
     assert "[rank1] ValueError: injected failure on rank 1" in out
-    assert re.search(r"\[rank1\]   … \d+ frames of the launcher \(torchrun, labkit.dist\)", out)
+    assert re.search(r"\[rank1\]   … \d+ frames of the launcher \(torchrun, labkit.jobs.runtime\)", out)
     assert "runpy" not in out and "[rank1]:" not in out
     assert out.index("[rank1] Traceback") < out.index("[rank0] Traceback")
     assert isinstance(err, RuntimeError)
@@ -804,7 +804,7 @@ def test_the_next_launch_ends_a_job_this_process_no_longer_supervises(home):
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
     try:
         me = psutil.Process()
-        dist.write_json_atomic(
+        runtime.write_json_atomic(
             home / "jobs" / "cut-short.json",
             {"job_id": "cut-short", "module": "m", "owner": procs.record(me),
              "agent": procs.record(psutil.Process(sleeper.pid)), "workers": []},
@@ -835,7 +835,7 @@ def test_cpu_ranks_are_bounded_by_the_cores_unless_oversubscribed(monkeypatch):
 
 _HOLD_EVERY_PORT = """
 import socket, sys
-from labkit import launch
+from labkit.jobs import launch
 low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
 held = []
 for port in range(low, high + 1):  # take every port of the (narrowed) ephemeral range
@@ -962,7 +962,7 @@ def test_a_disk_full_of_old_job_folders_is_tidied_to_make_room(small_disk, monke
     olds = [home / "runs" / f"old-{i}" for i in range(3)]
     for old in olds:  # old jobs' folders...
         old.mkdir(parents=True)
-        (old / dist.SPEC_FILE).write_text("{}")
+        (old / runtime.SPEC_FILE).write_text("{}")
     _fill(olds[0] / "agent.log")  # ...whose logs fill the disk
     res = launch.run(FAULTS, nproc=2, config={"mode": "ok"}, timeout_s=120, stream=False)
     assert res.status == "ok" and [r["sum"] for r in res.ranks] == [2.0, 2.0]
@@ -973,10 +973,10 @@ def test_a_disk_full_of_old_job_folders_is_tidied_to_make_room(small_disk, monke
 
 
 _UNGUARDED = '''
-from labkit import dist
+from labkit.jobs import runtime
 
 
-@dist.entrypoint
+@runtime.entrypoint
 def main(ctx):
     return {"rank": ctx.rank}
 
@@ -993,7 +993,7 @@ def test_a_worker_without_its_main_guard_is_an_error_not_an_empty_success(home, 
         launch.run("unguarded_worker", nproc=2, timeout_s=120, stream=False)
     msg = str(info.value)
     assert msg.startswith("unguarded_worker: no rank ran a worker function"), msg
-    assert "decorated with @dist.entrypoint" in msg
+    assert "decorated with @runtime.entrypoint" in msg
     assert 'does the module end with `if __name__ == "__main__": main()`?' in msg
     assert info.value.result.status == "ok" and info.value.result.ranks == [{}, {}]
 

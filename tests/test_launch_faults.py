@@ -1,4 +1,4 @@
-"""labkit.launch at the edges (issue 31): a kernel restart mid-job, a rendezvous endpoint that
+"""labkit.jobs.launch at the edges (issue 31): a kernel restart mid-job, a rendezvous endpoint that
 cannot work, a write cut short by a full disk, and ``env`` of the wrong type.
 
 Processes are found by an environment variable that only this test's processes carry, so a
@@ -23,8 +23,8 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from labkit import _spawn, dist, launch, nodes, procs
-from labkit.nodes import Nodes
+from labkit.jobs import launch, nodes, procs, runtime, spawn
+from labkit.jobs.nodes import Nodes
 
 REPO = Path(__file__).resolve().parents[1]
 LINUX = sys.platform.startswith("linux")
@@ -77,10 +77,10 @@ _STUBBORN = (
     "time.sleep(300)\n"
 )
 
-# The owner (a notebook kernel's stand-in) starts the job the way labkit.launch does.
+# The owner (a notebook kernel's stand-in) starts the job the way labkit.jobs.launch does.
 _OWNER = """
 import subprocess, sys, time
-from labkit import launch
+from labkit.jobs import launch
 job = subprocess.Popen(launch._supervised([sys.executable, "-c", {stubborn!r}]),
                        stdout=subprocess.PIPE, text=True, start_new_session=True)
 print(job.stdout.readline().strip(), flush=True)
@@ -127,14 +127,14 @@ def test_the_supervisor_exits_as_its_command_did_and_ends_what_it_left(mark):
 def test_the_plain_wrapper_still_execs_in_place():
     """Without --supervise (the profilers' use) the wrapper execs: same PID, signal armed."""
     probe = ("import os; from labkit import _spawn; "
-             "print(_spawn.get_parent_death_signal(), os.environ['LABKIT_AGENT_PID'] == str(os.getpid()))")  # fmt: skip
-    cmd = [sys.executable, "-m", "labkit._spawn", "SIGTERM", str(os.getpid()), "--",
+             "print(spawn.get_parent_death_signal(), os.environ['LABKIT_AGENT_PID'] == str(os.getpid()))")  # fmt: skip
+    cmd = [sys.executable, "-m", "labkit.jobs.spawn", "SIGTERM", str(os.getpid()), "--",
            sys.executable, "-c", probe]  # fmt: skip
     out = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
                          text=True, timeout=60)  # fmt: skip
     expected = [str(int(signal.SIGTERM)) if LINUX else "0", "True"]
     assert out.returncode == 0 and out.stdout.split() == expected, out.stderr
-    assert _spawn.get_parent_death_signal() == 0
+    assert spawn.get_parent_death_signal() == 0
 
 
 def _stress_script():
@@ -248,7 +248,7 @@ def test_a_leftover_job_on_the_rendezvous_port_is_ended_before_the_port_is_judge
         port = int(agent.stdout.readline())
         gone = subprocess.Popen([sys.executable, "-c", "pass"])
         gone.wait()
-        dist.write_json_atomic(procs.registry_dir() / "leftover.json", {
+        runtime.write_json_atomic(procs.registry_dir() / "leftover.json", {
             "job_id": "leftover", "module": "labkit.workers._faults", "job_dir": str(home),
             "owner": {"pid": gone.pid, "create_time": 0.0},  # the killed kernel
             "agent": procs.record(psutil.Process(agent.pid)), "workers": [],
@@ -419,7 +419,7 @@ def test_a_dead_ranks_orphans_under_the_supervisor_are_not_ranks(monkeypatch, tm
     torchrun = FakeProcess(101, [py, "-m", "torch.distributed.run", "-m", "m"], kids=[rank0])
     grandchild = FakeProcess(151, [py, "-c", "pass"], {"RANK": "1"})
     orphan = FakeProcess(150, [py, "-c", "pass"], {"RANK": "1"}, kids=[grandchild])
-    supervisor = FakeProcess(100, [py, "-m", "labkit._spawn", "SIGTERM", "1", "--supervise=5",
+    supervisor = FakeProcess(100, [py, "-m", "labkit.jobs.spawn", "SIGTERM", "1", "--supervise=5",
                                    "--", py, "-m", "torch.distributed.run"],
                              kids=[torchrun, orphan])  # fmt: skip
     table = {p.pid: p for p in (supervisor, torchrun, orphan, grandchild, rank0)}
@@ -485,7 +485,7 @@ def test_a_reused_pid_does_not_keep_a_stale_temporary_file(home):
 
 def test_an_unserialisable_object_leaves_no_file(tmp_path):
     with pytest.raises(TypeError):
-        dist.write_json_atomic(tmp_path / "x.json", {"bad": object()})
+        runtime.write_json_atomic(tmp_path / "x.json", {"bad": object()})
     assert list(tmp_path.iterdir()) == []
 
 

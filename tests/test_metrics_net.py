@@ -78,7 +78,7 @@ def test_not_linux_is_reported_not_read(monkeypatch):
 def test_a_gloo_job_puts_at_least_its_payload_on_loopback():
     # Two gloo ranks on this host talk over lo: every payload byte either rank sends (the link
     # probe and the ring all-reduces, as the worker counts them) is on lo at least once.
-    from labkit import launch
+    from labkit.jobs import launch
     from labkit.workers import allreduce
 
     with net.count_wire("lo") as wire:

@@ -20,7 +20,8 @@ import pytest
 import torch
 from fake_nvml import FakeGpu, FakeNvml
 
-from labkit import config, launch, monitor, train
+from labkit import config, monitor, train
+from labkit.jobs import launch
 from labkit.metrics import Backend, BackendUnavailable, NvmlBackend, ReplayBackend, Sample
 from labkit.model import GPT
 from labkit.monitor import Monitor

@@ -22,16 +22,16 @@ import psutil
 import pytest
 import torch
 
-from labkit import dist
-from labkit.nodes import Nodes, rank_range
+from labkit.jobs import runtime
+from labkit.jobs.nodes import Nodes, rank_range
 from labkit.workers import multinode
 from tests.test_launch import assert_no_survivors
 
 NODE = textwrap.dedent(
     """
     import json, sys
-    from labkit import launch
-    from labkit.nodes import Nodes
+    from labkit.jobs import launch
+    from labkit.jobs.nodes import Nodes
 
     args = json.loads(sys.argv[1])
     try:
@@ -119,7 +119,7 @@ def test_killing_one_agent_ends_the_other_and_leaves_no_process(tmp_path):
     deadline = time.monotonic() + 60
     beat = None
     while time.monotonic() < deadline:
-        beats = [dist.read_json(p) for p in (tmp_path / "node1").glob("runs/*/heartbeat/rank1.json")]
+        beats = [runtime.read_json(p) for p in (tmp_path / "node1").glob("runs/*/heartbeat/rank1.json")]
         beat = next((b for b in beats if b and b.get("phase") == "hold"), None)
         if beat:
             break
@@ -194,7 +194,7 @@ def test_bad_layouts_are_refused_with_the_fix(kwargs, says):
 
 
 def test_launch_refuses_a_layout_that_is_not_nodes_and_negative_restarts():
-    from labkit import launch
+    from labkit.jobs import launch
 
     with pytest.raises(ValueError, match=r"labkit\.nodes\.Nodes"):
         launch.run("labkit.workers.multinode", nodes={"count": 2})

@@ -8,8 +8,8 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
-from labkit import exercises as ex
-from labkit import nbgen
+from labkit.course import exercises as ex
+from labkit.course import nbgen
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -193,7 +193,7 @@ def test_magics_do_not_count_as_invalid_python():
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "labkit.nbgen", *args],
+        [sys.executable, "-m", "labkit.course.nbgen", *args],
         cwd=cwd,
         capture_output=True,
         text=True,
@@ -258,6 +258,6 @@ def test_repository_notebooks_match_their_solutions():
         pytest.skip("solutions/ has no notebooks yet")
     result = run_cli("--check", cwd=REPO)
     assert result.returncode == 0, (
-        f"{result.stdout}{result.stderr}\nrun `python -m labkit.nbgen --strip` from the "
+        f"{result.stdout}{result.stderr}\nrun `python -m labkit.course.nbgen --strip` from the "
         "repository root and commit solutions/ and notebooks/"
     )

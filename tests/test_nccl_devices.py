@@ -2,7 +2,7 @@
 
 A process group made by ``init_process_group("nccl")`` has no CPU backend: a CPU tensor in
 one of its collectives fails ("No backend type associated with device type cpu"). CI has no
-GPU, so these tests check the choice of device instead. ``dist.collective_device`` must name
+GPU, so these tests check the choice of device instead. ``runtime.collective_device`` must name
 the GPU on NCCL; every tensor built only for a collective must be on the device it names,
 which a spy here sets to ``meta`` (neither the CPU nor a GPU, and it needs no data); model
 work must be on ``ctx.device``, which a test sets to ``meta`` too; and CUDA timing must
@@ -20,8 +20,9 @@ import pytest
 import torch
 import torch.distributed as tdist
 
-from labkit import dist, timing
+from labkit import timing
 from labkit.config import ModelConfig, TrainConfig
+from labkit.jobs import runtime
 from labkit.model import GPT
 from labkit.parallel import timeline
 from labkit.workers import _faults, collectives, pp_train, tp_train
@@ -46,8 +47,8 @@ def _spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list[torch.device]:
     return seen
 
 
-def _ctx(device: torch.device, world_size: int = 1, **config: object) -> dist.Context:
-    return dist.Context(0, 0, world_size, "nccl", device, dict(config), job_dir=None)
+def _ctx(device: torch.device, world_size: int = 1, **config: object) -> runtime.Context:
+    return runtime.Context(0, 0, world_size, "nccl", device, dict(config), job_dir=None)
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +66,12 @@ def test_collective_device_is_the_current_gpu_on_nccl(monkeypatch):
     groups = []
     monkeypatch.setattr(tdist, "get_backend", lambda group=None: groups.append(group) or "nccl")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    assert dist.collective_device("g") == torch.device("cuda", 1)
+    assert runtime.collective_device("g") == torch.device("cuda", 1)
     assert groups == ["g"]
 
 
 def test_collective_device_is_the_cpu_on_gloo(group):
-    assert dist.collective_device() == torch.device("cpu")
+    assert runtime.collective_device() == torch.device("cpu")
 
 
 # --- tensors built only for a collective ------------------------------------------------------
@@ -88,7 +89,7 @@ def test_common_t0_broadcasts_on_the_collective_device(monkeypatch):
 
 def test_slowest_all_reduces_on_the_collective_device(group, monkeypatch):
     assert collectives.slowest(0.25) == 0.25  # a real 1-rank all-reduce on gloo
-    monkeypatch.setattr(dist, "collective_device", lambda group=None: META)
+    monkeypatch.setattr(runtime, "collective_device", lambda group=None: META)
     seen = _spy(monkeypatch, "all_reduce")
     with pytest.raises(_Sent):
         collectives.slowest(0.25)
@@ -97,7 +98,7 @@ def test_slowest_all_reduces_on_the_collective_device(group, monkeypatch):
 
 @pytest.mark.parametrize("mode", ["ok", "raise", "hang"])
 def test_fault_worker_all_reduces_on_the_collective_device(monkeypatch, capsys, mode):
-    monkeypatch.setattr(dist, "collective_device", lambda group=None: META, raising=False)
+    monkeypatch.setattr(runtime, "collective_device", lambda group=None: META, raising=False)
     seen = _spy(monkeypatch, "all_reduce")
     worker = inspect.unwrap(_faults.main)  # the function under @entrypoint: no process group
     # Rank 0 is neither the failing nor the hung rank: it reaches the all-reduce.
@@ -147,7 +148,7 @@ def test_tp_step_time_synchronises_before_every_clock_read(group, monkeypatch):
 
 
 class _Exited(Exception):
-    """Raised by a stand-in for ``os._exit``, which ``dist._run`` calls when it is done."""
+    """Raised by a stand-in for ``os._exit``, which ``runtime._run`` calls when it is done."""
 
 
 @pytest.mark.parametrize(
@@ -159,12 +160,12 @@ class _Exited(Exception):
     ],
 )
 def test_worker_device_follows_the_job_spec(tmp_path, monkeypatch, backend, device, want, bound):
-    dist.write_json_atomic(tmp_path / dist.SPEC_FILE, {"backend": backend, "device": device})
-    env = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", dist.JOB_DIR_ENV: str(tmp_path)}
+    runtime.write_json_atomic(tmp_path / runtime.SPEC_FILE, {"backend": backend, "device": device})
+    env = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", runtime.JOB_DIR_ENV: str(tmp_path)}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     calls: dict[str, object] = {}
-    monkeypatch.setattr(dist, "_arm_parent_death_signal", lambda: None)  # not in pytest
+    monkeypatch.setattr(runtime, "_arm_parent_death_signal", lambda: None)  # not in pytest
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.setdefault("set_device", d))
     monkeypatch.setattr(tdist, "init_process_group", lambda b, **kw: calls.update(init=(b, kw)))
     monkeypatch.setattr(tdist, "destroy_process_group", lambda: None)
@@ -174,7 +175,7 @@ def test_worker_device_follows_the_job_spec(tmp_path, monkeypatch, backend, devi
 
     monkeypatch.setattr(os, "_exit", exit_)
     with pytest.raises(_Exited):
-        dist._run(lambda ctx: calls.update(ctx_device=ctx.device))
+        runtime._run(lambda ctx: calls.update(ctx_device=ctx.device))
     # The old worker looked at the backend alone: a gloo job on GPUs ran on the CPU.
     assert calls["ctx_device"] == torch.device(want)
     assert calls.get("set_device") == (torch.device(want) if want != "cpu" else None)
@@ -186,6 +187,6 @@ def test_worker_device_follows_the_job_spec(tmp_path, monkeypatch, backend, devi
 
 def test_a_pipeline_refuses_gloo_on_gpus_before_any_work():
     """gloo's send/recv take CPU tensors only: say so at once, not deep inside a schedule."""
-    ctx = dist.Context(0, 0, 2, "gloo", torch.device("cuda", 0), {}, job_dir=None)
+    ctx = runtime.Context(0, 0, 2, "gloo", torch.device("cuda", 0), {}, job_dir=None)
     with pytest.raises(ValueError, match=r"backend='nccl'.*or device='cpu'"):
         inspect.unwrap(pp_train.main)(ctx)  # the worker body, without process-group setup

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import nbformat
 import pytest
 
-from labkit import launch, verdict
+from labkit import verdict
+from labkit.jobs import launch
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "solutions" / "00_setup_and_first_job.ipynb"
 

@@ -23,8 +23,8 @@ import nbformat
 import papermill as pm
 import pytest
 
-from labkit import exercises as ex
 from labkit import ids, verdict
+from labkit.course import exercises as ex
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((ROOT / "solutions").glob(ids.NOTEBOOK_GLOB))

@@ -86,7 +86,7 @@ def test_other_bad_configs_name_the_field():
 
 
 def test_run_validates_before_launching(monkeypatch):
-    from labkit import launch
+    from labkit.jobs import launch
 
     def must_not_launch(*a, **k):
         raise AssertionError("launch.run was called")

@@ -17,8 +17,8 @@ import types
 import pytest
 import torch
 
-from labkit import launch
 from labkit.config import ModelConfig
+from labkit.jobs import launch
 from labkit.parallel import pipeline
 from labkit.parallel.schedules import schedule_order
 from labkit.workers import pp_train

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import pytest
 
-from labkit import launch
+from labkit.jobs import launch
 from labkit.parallel import schedules
 from labkit.parallel.timeline import bubble_from_events
 

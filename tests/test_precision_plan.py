@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from labkit import config, recipes
-from labkit.exercises import mixed_precision as exmp
+from labkit.course.exercises import mixed_precision as exmp
 from labkit.model import GPT
 
 

@@ -18,7 +18,8 @@ import psutil
 import pytest
 import torch
 
-from labkit import config, launch
+from labkit import config
+from labkit.jobs import launch
 from labkit.model import GPT
 from labkit.profiling import (
     find_straggler,

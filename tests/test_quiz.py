@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit import quiz
+from labkit.course import quiz
 
 BANKS = sorted(quiz.BANK_DIR.glob("*.json"))
 SOLUTIONS = Path(__file__).resolve().parents[1] / "solutions"

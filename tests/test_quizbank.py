@@ -1,6 +1,6 @@
-"""How well the quiz items are written, over every bank in ``labkit/quizbank``.
+"""How well the quiz items are written, over every bank in ``labkit/course/quizbank``.
 
-``labkit.quiz`` validates a bank's *format* when it loads. These checks are about the *items*,
+``labkit.course.quiz`` validates a bank's *format* when it loads. These checks are about the *items*,
 the flaws an exam writer would send back (a multiple-choice item-writing guide such as
 Haladyna, Downing and Rodriguez 2002, "A review of multiple-choice item-writing guidelines"):
 
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit import quiz
+from labkit.course import quiz
 
 BANKS = [quiz.BANK_DIR / f"{nb}.json" for nb in quiz.available()]
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from test_quizbank import ALPHA, shown_length, tail_probability
 
-from labkit import exam, quiz
+from labkit.course import exam, quiz
 
 BANKS = quiz.available()
 SOLUTIONS = Path(__file__).resolve().parents[1] / "solutions"
@@ -29,7 +29,7 @@ SOLUTIONS = Path(__file__).resolve().parents[1] / "solutions"
 
 def section_texts(cells: list[dict]) -> dict[str, str]:
     """Heading (without ``## ``) -> the markdown and code from that heading to the next ``## ``
-    heading, as :func:`labkit.quiz.plain` compares it. Text before the first heading belongs to
+    heading, as :func:`labkit.course.quiz.plain` compares it. Text before the first heading belongs to
     no section."""
     out: dict[str, list[str]] = {}
     current = None

@@ -13,7 +13,7 @@ import pynvml
 import pytest
 from fake_nvml import FakeGpu, FakeNvml
 
-from labkit import record
+from labkit.course import record
 from labkit.metrics import (
     BackendUnavailable,
     CpuBackend,

@@ -11,8 +11,8 @@ import psutil
 import pytest
 import torch
 
-from labkit import checkpoint
 from labkit.config import ModelConfig, TrainConfig
+from labkit.jobs import checkpoint
 from labkit.model import GPT
 from labkit.train import make_optimizer
 from labkit.workers import resilient_train as rt
@@ -143,13 +143,13 @@ def test_a_restartable_job_gets_a_fresh_rendezvous_store_per_attempt(restarts, t
     """Without it torchrun 2.13 hands the restarted ranks the dead attempt's store, and about
     half the restarts fail in gloo's connectFullMesh (pytorch #135712): the launcher sets it
     for every job that may restart, and only for those."""
-    from labkit.launch import Job, _Echo, _Supervisor
+    from labkit.jobs.launch import Job, _Echo, _Supervisor
 
     job = Job("j", rt.MODULE, 2, "gloo", "cpu", {}, tmp_path, max_restarts=restarts)
     env = _Supervisor(job, [], {}, observers=[], echo=_Echo(0, tmp_path, quiet=True))._env()
     assert env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == ("1" if restarts else None)
     # the SLURM script of a restartable job says the same to torchrun on every node
-    from labkit import slurm
+    from labkit.jobs import slurm
 
     assert ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in slurm.SlurmJob(max_restarts=restarts).render()
             ) == bool(restarts)  # fmt: skip

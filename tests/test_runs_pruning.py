@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from labkit import __main__ as cli
-from labkit import dist, launch, procs
+from labkit.jobs import launch, procs, runtime
 
 DAY = 86400.0
 
@@ -39,7 +39,7 @@ def make_job(runs: Path, name: str, age_s: float, *, tmp: bool = False) -> Path:
     (job / "rank0.json").write_text("{}")
     if tmp:
         (job / "tmp").mkdir()
-    dist.write_json_atomic(job / dist.SPEC_FILE, {"job_id": name})
+    runtime.write_json_atomic(job / runtime.SPEC_FILE, {"job_id": name})
     stamp = time.time() - age_s
     os.utime(job, (stamp, stamp))
     return job
@@ -48,7 +48,7 @@ def make_job(runs: Path, name: str, age_s: float, *, tmp: bool = False) -> Path:
 def register(home: Path, job_id: str, owner: dict | None, *, job_dir: Path | None = None) -> Path:
     """A registry record in the format launch._Supervisor._save_record writes."""
     path = home / "jobs" / f"{job_id}.json"
-    dist.write_json_atomic(
+    runtime.write_json_atomic(
         path,
         {
             "job_id": job_id,
@@ -108,7 +108,7 @@ def test_only_job_dirs_are_touched(home, tmp_path):
 
     assert names(runs) == {"notes", "loose.txt", "link"}
     assert (runs / "notes" / "todo.txt").read_text() == "keep me"
-    assert (elsewhere / dist.SPEC_FILE).is_file() and (elsewhere / "agent.log").is_file()
+    assert (elsewhere / runtime.SPEC_FILE).is_file() and (elsewhere / "agent.log").is_file()
 
 
 def test_a_missing_runs_folder_is_nothing_to_prune(home):
@@ -194,7 +194,7 @@ def test_vanishing_and_undeletable_dirs_are_skipped_silently(home, monkeypatch):
     assert names(runs) == {"stuck"}
     # The spec file goes last, so the half-deleted directory is still a job directory and
     # the next prune (here without the fault) finishes it.
-    assert (stuck / dist.SPEC_FILE).is_file()
+    assert (stuck / runtime.SPEC_FILE).is_file()
     monkeypatch.setattr(shutil, "rmtree", real_rmtree)
     assert procs.prune_runs(keep=0) == [stuck]
 
@@ -312,4 +312,4 @@ def test_two_real_launches_with_keep_one_leave_one_job_dir(home, monkeypatch):
     second = launch.run("labkit.workers.allreduce", nproc=2, config=config, timeout_s=60)
     assert first.status == second.status == "ok"
     assert [p.name for p in (home / "runs").iterdir()] == [second.log_dir.name]
-    assert (second.log_dir / dist.SPEC_FILE).is_file() and second.log(0)
+    assert (second.log_dir / runtime.SPEC_FILE).is_file() and second.log(0)

@@ -1,4 +1,4 @@
-"""labkit.slurm: the sbatch script `python -m labkit slurm` writes, checked as text and run
+"""labkit.jobs.slurm: the sbatch script `python -m labkit slurm` writes, checked as text and run
 for real on a one-node SLURM cluster on this machine.
 
 The cluster test starts munged, slurmctld and slurmd from Debian's packages
@@ -29,8 +29,8 @@ import psutil
 import pytest
 
 from labkit import __main__ as cli
-from labkit import dist, launch, slurm
-from labkit.slurm import SlurmJob
+from labkit.jobs import launch, runtime, slurm
+from labkit.jobs.slurm import SlurmJob
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = {
@@ -83,8 +83,8 @@ def test_a_job_near_its_time_limit_requests_a_checkpoint_and_requeues(tmp_path):
 
 def test_constants_match_the_modules_they_copy():
     # slurm sits below dist and launch (they import torch): its copies must not drift
-    assert slurm.JOB_DIR_ENV == dist.JOB_DIR_ENV
-    assert slurm.SPEC_FILE == dist.SPEC_FILE
+    assert slurm.JOB_DIR_ENV == runtime.JOB_DIR_ENV
+    assert slurm.SPEC_FILE == runtime.SPEC_FILE
     assert slurm.RANK_PREFIX == launch.RANK_PREFIX
     assert slurm.MAX_RANKS_PER_CPU == launch.MAX_RANKS_PER_CORE
 

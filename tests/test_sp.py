@@ -16,8 +16,9 @@ import pytest
 import torch
 from one_process import train_one_process
 
-from labkit import data, formulas, launch, memory
+from labkit import data, formulas, memory
 from labkit.config import ModelConfig
+from labkit.jobs import launch
 from labkit.model import GPT
 from labkit.parallel import comm, sequence
 from labkit.workers import sp_train

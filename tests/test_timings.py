@@ -17,8 +17,8 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from labkit import timings
 from labkit.__main__ import main as labkit_main
+from labkit.course import timings
 
 ROOT = Path(__file__).resolve().parents[1]
 ALLOC_BYTES = 100 * 2**20

@@ -19,8 +19,9 @@ import pytest
 import torch
 from one_process import assert_saved_state_matches, train_one_process
 
-from labkit import data, launch
+from labkit import data
 from labkit.config import ModelConfig
+from labkit.jobs import launch
 from labkit.model import GPT
 from labkit.parallel import tensor
 from labkit.workers import tp_train

@@ -11,7 +11,7 @@ should be.
   memory of a training step over micro-batch sizes, beside the predictions;
 * :mod:`labkit.batching.accumulation`  k accumulated micro-batches against one batch k times
   larger: gradient parity, with and without dividing each loss by k;
-* :mod:`labkit.batching.checkpointing`  ``apply_checkpointing``: activation checkpointing of
+* :mod:`labkit.batching.recomputation`  ``apply_checkpointing``: activation checkpointing of
   the GPT's blocks (all, or every n-th), the model code untouched; the peak of a checkpointed
   step predicted tensor by tensor (``checkpointed_step_moments``);
 * :mod:`labkit.batching.lamb`  the layer-wise trust ratio of LARS and LAMB (You et al. 2017,

@@ -590,19 +590,19 @@ def predict_max_batch_tensorwise(cfg_model: ModelConfig, budget_bytes: float, *,
     ``cuda=True`` rounds each tensor as the CUDA caching allocator does (512-byte blocks).
     Returns 0 when not even one sequence fits. Dropout off (every preset has it).
 
-    ``checkpointed=True``: every block checkpointed (``checkpointing.apply_checkpointing(model,
+    ``checkpointed=True``: every block checkpointed (``recomputation.apply_checkpointing(model,
     every=1)``); the peak is then the largest of the moments
-    :func:`labkit.batching.checkpointing.checkpointed_step_moments` lists.
+    :func:`labkit.batching.recomputation.checkpointed_step_moments` lists.
     """
     from labkit import memory  # layer 3
-    from labkit.batching import checkpointing
+    from labkit.batching import recomputation
 
     budget = _budget(budget_bytes)
     seq_len = _seq_len(cfg_model, seq_len)
     dtype = _dtype(dtype)
 
     def fits(b: int) -> bool:
-        peak = (checkpointing.predicted_checkpointed_step_peak if checkpointed
+        peak = (recomputation.predicted_checkpointed_step_peak if checkpointed
                 else memory.predicted_step_peak)(cfg_model, b, dtype=dtype, seq_len=seq_len)
         return (peak.cuda_bytes if cuda else peak.bytes) <= budget
 

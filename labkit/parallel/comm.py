@@ -202,7 +202,7 @@ def sync_module_states(
         raise RuntimeError(
             "sync_module_states needs an initialised process group to copy rank "
             f"{src}'s weights from; call torch.distributed.init_process_group first (the labkit "
-            "workers do so in labkit.dist.entrypoint)"
+            "workers do so in labkit.jobs.runtime.entrypoint)"
         )
     # Tied parameters appear once in parameters(); keep each storage view once.
     tensors = [t for t in list(module.parameters()) + list(module.buffers()) if t.numel() > 0]

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from labkit.dist import collective_device
+from labkit.jobs.runtime import collective_device
 
 Event = dict[str, Any]
 

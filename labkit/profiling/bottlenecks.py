@@ -67,10 +67,11 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from labkit import procs, timing, verdict
+from labkit import timing, verdict
 from labkit.config import RunConfig
 from labkit.data import get_batch, load_splits
 from labkit.errors import LabkitError
+from labkit.jobs import procs
 from labkit.model import GPT
 from labkit.profiling.phases import phase
 from labkit.train import DTYPES, autocast, make_optimizer, resolve_device

@@ -33,8 +33,8 @@ Rules every function here keeps:
   which prints the command and says why nothing ran (no ``nsys``, no ``ncu``, or no GPU);
 - a failing tool raises :class:`ToolFailed`, naming the exit code and its last stderr lines;
 - a report that is missing, partial, or holds nothing raises: a table shown is complete;
-- a timeout ends the whole process tree (:func:`labkit.procs.end_tree`), and the tool is
-  started through ``labkit._spawn``, so even a killed notebook kernel takes it down.
+- a timeout ends the whole process tree (:func:`labkit.jobs.procs.end_tree`), and the tool is
+  started through ``labkit.jobs.spawn``, so even a killed notebook kernel takes it down.
 
 Sources, for the flags and formats used below:
 
@@ -76,8 +76,9 @@ from typing import Any
 import psutil
 import torch
 
-from labkit import config, procs
+from labkit import config
 from labkit.errors import LabkitError
+from labkit.jobs import procs
 from labkit.roofline import Point, Roofline
 from labkit.validate import flag, one_of, positive, whole
 
@@ -352,7 +353,7 @@ class NsysTorchrunCommand(_NsysOptions):
     in one report, and ``%q{RANK}`` would not expand there: torchrun sets ``RANK`` for its
     workers, not for the nsys that started it.
 
-    The torchrun flags match ``labkit.launch``: a c10d rendezvous on port 0 (no fixed-port
+    The torchrun flags match ``labkit.jobs.launch``: a c10d rendezvous on port 0 (no fixed-port
     collisions), one node, no restarts; ``torchrun_args`` adds more."""
 
     module: str
@@ -584,19 +585,19 @@ def _exit_words(rc: int) -> str:
 
 
 def _spawn_argv(argv: Sequence[str], tool_path: str, tool: str) -> list[str]:
-    """argv behind ``labkit._spawn``, which arms a parent-death signal and then execs it (see
-    labkit/_spawn.py): a notebook kernel killed outright still takes the profiler down.
+    """argv behind ``labkit.jobs.spawn``, which arms a parent-death signal and then execs it (see
+    labkit/jobs/spawn.py): a notebook kernel killed outright still takes the profiler down.
     ``execv`` needs a path, so a bare tool name is replaced by where ``which`` found it."""
     argv = list(argv)
     if argv[0] == tool:
         argv[0] = tool_path
-    return [sys.executable, "-m", "labkit._spawn", "SIGTERM", str(os.getpid()), "--", *argv]
+    return [sys.executable, "-m", "labkit.jobs.spawn", "SIGTERM", str(os.getpid()), "--", *argv]
 
 
 def _env(extra: Mapping[str, str] | None) -> dict[str, str]:
     env = dict(os.environ)
     env.update(extra or {})
-    root = str(Path(__file__).resolve().parents[2])  # so `-m labkit._spawn` imports anywhere
+    root = str(Path(__file__).resolve().parents[2])  # so `-m labkit.jobs.spawn` imports anywhere
     env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
     return env
 

@@ -119,7 +119,7 @@ class PublicTraceError(LabkitError):
 
 def download_dir() -> Path:
     """Where :func:`fetch` puts the files: ``<labkit home>/gpu-traces/hta-<commit>``."""
-    from labkit.procs import labkit_home
+    from labkit.jobs.procs import labkit_home
 
     return labkit_home() / "gpu-traces" / f"hta-{COMMIT[:12]}"
 

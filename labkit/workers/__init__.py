@@ -1,4 +1,4 @@
-"""Worker modules: each runs on every rank of a job started by ``labkit.launch.run``.
+"""Worker modules: each runs on every rank of a job started by ``labkit.jobs.launch.run``.
 
 Workers must be importable modules (not functions in a notebook): torchrun starts fresh
 Python processes, which can import a module but cannot reach into the notebook's memory.
@@ -11,6 +11,6 @@ Python processes, which can import a module but cannot reach into the notebook's
     tp_train     tensor-parallel layers and GPT (Megatron f/g, and DTensor), bytes counted (03)
     _faults      misbehaving workers for the launcher's tests (raise, hang, ignore SIGTERM)
 
-The exercise checks' own workers live with the checks (``labkit.exercises.dp_worker`` and
+The exercise checks' own workers live with the checks (``labkit.course.exercises.dp_worker`` and
 ``mp_worker``): workers here know nothing of exercises.
 """

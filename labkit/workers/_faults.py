@@ -34,13 +34,13 @@ import time
 import torch
 import torch.distributed as tdist
 
-from labkit import dist
+from labkit.jobs import runtime
 
 _FOREVER_S = 3600.0
 
 
-@dist.entrypoint
-def main(ctx: dist.Context) -> None:
+@runtime.entrypoint
+def main(ctx: runtime.Context) -> None:
     cfg = ctx.config
     mode = cfg.get("mode", "ok")
     result = {"rank": ctx.rank, "pid": os.getpid(), "world_size": ctx.world_size, "mode": mode}
@@ -57,7 +57,7 @@ def main(ctx: dist.Context) -> None:
             ctx.heartbeat(step=i + 1, total=steps)
         for i in range(int(cfg.get("lines", 1))):
             print(f"line {i} from rank {ctx.rank}", flush=True)
-        x = torch.ones(1, device=dist.collective_device())  # NCCL refuses CPU tensors
+        x = torch.ones(1, device=runtime.collective_device())  # NCCL refuses CPU tensors
         with ctx.phase("all_reduce"):
             tdist.all_reduce(x)
         ctx.write_result({**result, "sum": x.item()})
@@ -66,21 +66,21 @@ def main(ctx: dist.Context) -> None:
             raise ValueError(f"injected failure on rank {ctx.rank}")
         with ctx.phase("all_reduce"):
             # waits for the failed rank until killed
-            tdist.all_reduce(torch.ones(1, device=dist.collective_device()))
+            tdist.all_reduce(torch.ones(1, device=runtime.collective_device()))
     elif mode in ("exit", "kill", "oom"):
         if ctx.rank == int(cfg.get("fail_rank", 1)):
             _die(mode, cfg)
         with ctx.phase("all_reduce"):
-            tdist.all_reduce(torch.ones(1, device=dist.collective_device()))
+            tdist.all_reduce(torch.ones(1, device=runtime.collective_device()))
     elif mode == "sysexit":
         if ctx.rank == int(cfg.get("fail_rank", 1)):
             time.sleep(0.5)
             sys.exit(cfg.get("code", 0))
         with ctx.phase("all_reduce"):
-            tdist.all_reduce(torch.ones(1, device=dist.collective_device()))
+            tdist.all_reduce(torch.ones(1, device=runtime.collective_device()))
     elif mode == "mismatch":
         with ctx.phase("all_reduce"):
-            tdist.all_reduce(torch.ones(1 + 2047 * ctx.rank, device=dist.collective_device()))
+            tdist.all_reduce(torch.ones(1 + 2047 * ctx.rank, device=runtime.collective_device()))
     elif mode == "fill":
         if ctx.rank == int(cfg.get("fail_rank", 0)):
             with open(ctx.job_dir / "filler", "wb") as f:
@@ -88,7 +88,7 @@ def main(ctx: dist.Context) -> None:
                     f.write(b"\0" * 65536)
                     f.flush()
         with ctx.phase("all_reduce"):
-            tdist.all_reduce(torch.ones(1, device=dist.collective_device()))
+            tdist.all_reduce(torch.ones(1, device=runtime.collective_device()))
     elif mode == "hang":
         ctx.heartbeat(step=1, total=3, phase="compute")
         if ctx.rank == int(cfg.get("hang_rank", 1)):
@@ -96,7 +96,7 @@ def main(ctx: dist.Context) -> None:
         ctx.heartbeat(step=2)
         with ctx.phase("all_reduce"):
             # the victim: waits for the hung rank
-            tdist.all_reduce(torch.ones(1, device=dist.collective_device()))
+            tdist.all_reduce(torch.ones(1, device=runtime.collective_device()))
     else:
         raise ValueError(f"unknown mode {mode!r}: use 'ok', 'raise', 'exit', 'kill', 'oom', 'sysexit', 'mismatch', 'fill' or 'hang'")
 

@@ -1,6 +1,6 @@
 """All-reduce one tensor across ranks: report its values, time it, and time the link under it.
 
-    labkit.launch.run("labkit.workers.allreduce", nproc=2, config={"numel": 2**20})
+    labkit.jobs.launch.run("labkit.workers.allreduce", nproc=2, config={"numel": 2**20})
 
 Config (all optional):
     numel    elements in the float32 tensor each rank contributes (default 2**20 = 4 MiB)
@@ -57,7 +57,8 @@ import time
 import torch
 import torch.distributed as tdist
 
-from labkit import dist, formulas
+from labkit import formulas
+from labkit.jobs import runtime
 from labkit.metrics import net
 
 OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX}
@@ -72,8 +73,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@dist.entrypoint
-def main(ctx: dist.Context) -> dict:
+@runtime.entrypoint
+def main(ctx: runtime.Context) -> dict:
     numel = int(ctx.config.get("numel", 2**20))
     repeats = int(ctx.config.get("repeats", 10))
     warmup = int(ctx.config.get("warmup", 3))
@@ -194,7 +195,7 @@ def main(ctx: dist.Context) -> dict:
     }
 
 
-def _wire_unavailable(ctx: dist.Context) -> str | None:
+def _wire_unavailable(ctx: runtime.Context) -> str | None:
     """Why this job's traffic cannot be counted on loopback, or None."""
     if ctx.backend != "gloo":
         # Not counted on the GPU tier. NVLink has byte counters of its own: NVML field values
@@ -227,7 +228,7 @@ def _wire_delta(start: net.WireBytes | None, end: net.WireBytes | None, seconds:
     return {f"wire_{name}_bytes": end.sent - start.sent, f"wire_{name}_s": seconds}
 
 
-def _probe(ctx: dist.Context, numel: int, times: int) -> tuple[dict, float]:
+def _probe(ctx: runtime.Context, numel: int, times: int) -> tuple[dict, float]:
     """Time one ring step: send ``numel`` float32 to the next rank while receiving as many from
     the previous one, ``times`` times (median). Returns the result entries and the bytes sent."""
     n = ctx.world_size

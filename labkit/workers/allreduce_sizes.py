@@ -1,6 +1,6 @@
 """Time all-reduces of a few message sizes, taking turns, and keep every sample.
 
-    labkit.launch.run("labkit.workers.allreduce_sizes", nproc=2,
+    labkit.jobs.launch.run("labkit.workers.allreduce_sizes", nproc=2,
                       config={"sizes": [2**18, 2**20, 2**23], "rounds": 15})
 
 Config:
@@ -25,11 +25,11 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from labkit import dist
+from labkit.jobs import runtime
 
 
-@dist.entrypoint
-def main(ctx: dist.Context) -> dict[str, Any]:
+@runtime.entrypoint
+def main(ctx: runtime.Context) -> dict[str, Any]:
     sizes = [int(s) for s in ctx.config.get("sizes", [])]
     rounds, warmup = int(ctx.config.get("rounds", 15)), int(ctx.config.get("warmup", 2))
     if not sizes or any(s < 1 for s in sizes) or rounds < 1 or warmup < 0:

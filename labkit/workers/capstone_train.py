@@ -1,11 +1,11 @@
 """The capstone's job: data-parallel training of the course GPT, every knob of it a setting.
 
-    labkit.launch.run("labkit.workers.capstone_train", nproc=2,
+    labkit.jobs.launch.run("labkit.workers.capstone_train", nproc=2,
                       config={"prepare_data": "per_item", "straggler_s": 0.1, "steps": 8})
 
-Usually started by :func:`labkit.capstone.run_job`, which turns a job's settings
-(:class:`labkit.capstone.Settings`) into this config and passes it sealed
-(:func:`labkit.sealed.seal`), so the job spec on disk names no setting. This module knows
+Usually started by :func:`labkit.course.capstone.run_job`, which turns a job's settings
+(:class:`labkit.course.capstone.Settings`) into this config and passes it sealed
+(:func:`labkit.course.sealed.seal`), so the job spec on disk names no setting. This module knows
 no fault: it trains, with whatever knobs it is given, and reports what an engineer's tools
 would show (the tools of notebooks 00–06), raw:
 
@@ -65,14 +65,15 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, RandomSampler, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
-from labkit import data, dist
+from labkit import data
 from labkit.config import ModelConfig, TrainConfig
+from labkit.course.sealed import unseal
+from labkit.jobs import runtime
 from labkit.model import GPT
 from labkit.parallel import comm
 from labkit.profiling.bottlenecks import TokenizingDataset
 from labkit.profiling.capture import activities, quiet_kineto
 from labkit.profiling.phases import phase
-from labkit.sealed import unseal
 from labkit.timing import synchronize
 from labkit.train import autocast, make_optimizer
 
@@ -172,7 +173,7 @@ class Recording(Sampler[int]):
 
 def validate(cfg: dict[str, Any], n: int) -> dict[str, Any]:
     """The config with its defaults; an unknown key or an impossible split is refused."""
-    if "sealed" in cfg:  # labkit.capstone.run_job seals the settings out of the job spec's sight
+    if "sealed" in cfg:  # labkit.course.capstone.run_job seals the settings out of the job spec's sight
         cfg = {**{k: v for k, v in cfg.items() if k != "sealed"}, **unseal(cfg["sealed"])}
     unknown = sorted(set(cfg) - set(DEFAULTS))
     if unknown:
@@ -216,8 +217,8 @@ def _checkpointed(block: torch.nn.Module) -> None:
     block.forward = forward
 
 
-@dist.entrypoint
-def main(ctx: dist.Context) -> dict[str, Any]:
+@runtime.entrypoint
+def main(ctx: runtime.Context) -> dict[str, Any]:
     n, rank, device = ctx.world_size, ctx.rank, ctx.device
     cfg = validate(ctx.config, n)
     quiet_kineto()

@@ -1,6 +1,6 @@
 """Three classic collective bugs, planted one at a time on rank 1 of a 2-rank job.
 
-    labkit.launch.run("labkit.workers.collective_faults", nproc=2,
+    labkit.jobs.launch.run("labkit.workers.collective_faults", nproc=2,
                       config={"fault": "desync"}, pg_timeout_s=3, timeout_s=60,
                       env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
 
@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from labkit import dist
+from labkit.jobs import runtime
 
 FAULTS = ("none", "desync", "shape", "hang")
 _FOREVER_S = 3600.0
@@ -90,11 +90,11 @@ def planned(cfg: dict[str, Any], rank: int) -> list[str]:
     return plan
 
 
-@dist.entrypoint
-def main(ctx: dist.Context) -> dict[str, Any]:
+@runtime.entrypoint
+def main(ctx: runtime.Context) -> dict[str, Any]:
     cfg = check_config(ctx.config, ctx.world_size)
     fault = cfg["fault"]
-    device = dist.collective_device()  # NCCL takes GPU tensors, gloo CPU ones
+    device = runtime.collective_device()  # NCCL takes GPU tensors, gloo CPU ones
     result = {"rank": ctx.rank, "pid": os.getpid(), "fault": fault, "backend": ctx.backend,
               "debug": os.environ.get("TORCH_DISTRIBUTED_DEBUG", "OFF"),
               "plan": planned(cfg, ctx.rank)}  # fmt: skip
@@ -106,7 +106,7 @@ def main(ctx: dist.Context) -> dict[str, Any]:
         raise
 
 
-def _dump_flight_recorder(ctx: dist.Context) -> None:
+def _dump_flight_recorder(ctx: runtime.Context) -> None:
     """On gloo, write this rank's flight-recorder buffer where NCCL's watchdog would write its
     own (``TORCH_FR_DUMP_TEMP_FILE`` + rank), when the recorder is on: torch dumps NCCL's on a
     timeout by itself (``TORCH_NCCL_DUMP_ON_TIMEOUT``), gloo's only when asked."""
@@ -120,7 +120,7 @@ def _dump_flight_recorder(ctx: dist.Context) -> None:
         f.write(_dump_fr_trace(includeCollectives=True, includeStackTraces=False, onlyActive=False))
 
 
-def _steps(ctx: dist.Context, cfg: dict[str, Any], result: dict[str, Any],
+def _steps(ctx: runtime.Context, cfg: dict[str, Any], result: dict[str, Any],
            device: torch.device) -> dict[str, Any]:  # fmt: skip
     fault, steps, numel = cfg["fault"], cfg["steps"], cfg["numel"]
     losses = []

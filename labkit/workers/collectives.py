@@ -1,6 +1,6 @@
 """Time all-reduce, all-gather and reduce-scatter over message sizes, as NCCL-tests does.
 
-    labkit.launch.run("labkit.workers.collectives", nproc=2, config={"sizes": [8, 1024, 2**20]})
+    labkit.jobs.launch.run("labkit.workers.collectives", nproc=2, config={"sizes": [8, 1024, 2**20]})
 
 Config (all optional):
     sizes       message sizes S in bytes (default: powers of 4 from 8 B to 32 MiB); each is
@@ -30,7 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from labkit import dist, formulas
+from labkit import formulas
+from labkit.jobs import runtime
 from labkit.parallel import comm
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
@@ -45,7 +46,7 @@ def _sync(device: torch.device) -> None:
 def slowest(seconds: float) -> float:
     """The largest of every rank's ``seconds``: the slowest rank sets the pace."""
     # On the collective's device: NCCL refuses CPU tensors.
-    t = torch.tensor([seconds], dtype=torch.float64, device=dist.collective_device())
+    t = torch.tensor([seconds], dtype=torch.float64, device=runtime.collective_device())
     tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
     return float(t.item())
 
@@ -84,8 +85,8 @@ def _check(n: int, rank: int, device: torch.device) -> None:
     assert torch.equal(piece, want), f"reduce_scatter gave {piece.tolist()}, want {want.tolist()}"
 
 
-@dist.entrypoint
-def main(ctx: dist.Context) -> dict[str, Any]:
+@runtime.entrypoint
+def main(ctx: runtime.Context) -> dict[str, Any]:
     cfg = ctx.config
     sizes = [int(s) for s in cfg.get("sizes", DEFAULT_SIZES)]
     kinds = list(cfg.get("collectives", COLLECTIVES))

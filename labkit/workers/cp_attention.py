@@ -1,6 +1,6 @@
 """Ring attention on n ranks: parity with full attention, bytes counted, memory and time.
 
-    labkit.launch.run("labkit.workers.cp_attention", nproc=4, config={"seq_len": 256})
+    labkit.jobs.launch.run("labkit.workers.cp_attention", nproc=4, config={"seq_len": 256})
 
 Every rank builds the same q, k, v (B, H, T, D) from ``seed`` and keeps its contiguous shard
 of the sequence (rank r: positions [r·T/n, (r+1)·T/n)). Parts, each optional (``parts``):
@@ -36,8 +36,9 @@ import torch
 import torch.distributed as dist_c
 import torch.nn.functional as F
 
-from labkit import dist, memory
+from labkit import memory
 from labkit.batching.trials import LiveTensorBytes
+from labkit.jobs import runtime
 from labkit.parallel import context
 
 PARTS = ("parity", "grad", "memory", "time", "torch")
@@ -91,12 +92,12 @@ def _shard(t: torch.Tensor, rank: int, n: int) -> torch.Tensor:
 
 
 def _max_over_ranks(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64, device=dist.collective_device())
+    t = torch.tensor([x], dtype=torch.float64, device=runtime.collective_device())
     dist_c.all_reduce(t, op=dist_c.ReduceOp.MAX)
     return float(t.item())
 
 
-def _parity(ctx: dist.Context, c: dict[str, Any], qkv64, truth) -> dict[str, Any]:
+def _parity(ctx: runtime.Context, c: dict[str, Any], qkv64, truth) -> dict[str, Any]:
     n, r, dev = ctx.world_size, ctx.rank, ctx.device
     out: dict[str, Any] = {}
     for name in c["dtypes"]:
@@ -124,7 +125,7 @@ def _parity(ctx: dist.Context, c: dict[str, Any], qkv64, truth) -> dict[str, Any
     return out
 
 
-def _grad(ctx: dist.Context, c: dict[str, Any], qkv64) -> dict[str, Any]:
+def _grad(ctx: runtime.Context, c: dict[str, Any], qkv64) -> dict[str, Any]:
     n, r, dev = ctx.world_size, ctx.rank, ctx.device
     q64, k64, v64 = (
         t[:1].to(dev, copy=True).requires_grad_() for t in qkv64
@@ -187,7 +188,7 @@ def _peak(fn, device: torch.device) -> tuple[int, str]:
     return mode.peak, "live tensor storages (LiveTensorBytes): measured"
 
 
-def _memory(ctx: dist.Context, c: dict[str, Any], qkv64) -> dict[str, Any]:
+def _memory(ctx: runtime.Context, c: dict[str, Any], qkv64) -> dict[str, Any]:
     n, r, dev = ctx.world_size, ctx.rank, ctx.device
     B, H, T, D = c["batch"], c["heads"], c["seq_len"], c["head_dim"]
     q, k, v = (_shard(t, r, n).float().to(dev) for t in qkv64)
@@ -224,7 +225,7 @@ def _memory(ctx: dist.Context, c: dict[str, Any], qkv64) -> dict[str, Any]:
     return res
 
 
-def _time(ctx: dist.Context, c: dict[str, Any], qkv64) -> dict[str, Any]:
+def _time(ctx: runtime.Context, c: dict[str, Any], qkv64) -> dict[str, Any]:
     n, r, dev = ctx.world_size, ctx.rank, ctx.device
     q, k, v = (_shard(t, r, n).float().to(dev) for t in qkv64)
     calls, compute, wait, post = [], [], [], []
@@ -250,7 +251,7 @@ def _time(ctx: dist.Context, c: dict[str, Any], qkv64) -> dict[str, Any]:
     }
 
 
-def _torch_cp(ctx: dist.Context, c: dict[str, Any], qkv64) -> dict[str, Any]:
+def _torch_cp(ctx: runtime.Context, c: dict[str, Any], qkv64) -> dict[str, Any]:
     """torch's experimental context_parallel on the same inputs (float32 on CPU, bf16 on CUDA)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
@@ -284,8 +285,8 @@ def _torch_cp(ctx: dist.Context, c: dict[str, Any], qkv64) -> dict[str, Any]:
         return {"ran": False, "rotate_method": rotate, "error": f"{type(e).__name__}: {e}"}
 
 
-@dist.entrypoint
-def main(ctx: dist.Context) -> dict[str, Any]:
+@runtime.entrypoint
+def main(ctx: runtime.Context) -> dict[str, Any]:
     c = validate(ctx.config, ctx.world_size)
     qkv64 = make_qkv(c)
     result: dict[str, Any] = {"rank": ctx.rank, "world_size": ctx.world_size, "device": str(ctx.device),

@@ -22,7 +22,7 @@ optimizer, and, for the naive strategy, communication. Two strategies from noteb
 A run's ``slow_ms`` plants a straggler: rank ``slow_rank`` sleeps that long in its data phase
 every step (a slow disk, a busy data loader); switch it off with 0. Traces are written by the profiler when its
 active window ends; a rank that dies before that leaves no trace, and the launcher ends the
-others (``labkit.launch``), so no partial set is ever returned as complete.
+others (``labkit.jobs.launch``), so no partial set is ever returned as complete.
 
 Config keys (all optional): model (a ModelConfig dict; default the smoke GPT), micro_batch (8),
 runs (naive then ddp, none slowed), each {"name", "strategy", "slow_ms"}; bucket_cap_mb
@@ -42,8 +42,9 @@ import torch
 from torch.profiler import profile, schedule
 
 from labkit import config as lk_config
-from labkit import data, dist, launch, train
+from labkit import data, train
 from labkit.config import ModelConfig
+from labkit.jobs import launch, runtime
 from labkit.model import GPT
 from labkit.parallel.ddp import TorchDDP
 from labkit.parallel.dp_naive import NaiveDP
@@ -125,7 +126,7 @@ def forward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
     return loss
 
 
-def _profile_one(ctx: dist.Context, cfg: dict[str, Any], run: dict[str, Any], out: Path,
+def _profile_one(ctx: runtime.Context, cfg: dict[str, Any], run: dict[str, Any], out: Path,
                  done: int, total: int) -> list[float]:
     """Train one run under the profiler; return the wall time of every step."""
     name = run["strategy"]
@@ -187,8 +188,8 @@ def _profile_one(ctx: dist.Context, cfg: dict[str, Any], run: dict[str, Any], ou
     return seconds
 
 
-@dist.entrypoint
-def main(ctx: dist.Context) -> dict[str, Any]:
+@runtime.entrypoint
+def main(ctx: runtime.Context) -> dict[str, Any]:
     cfg = validate(ctx.config, ctx.world_size)
     quiet_kineto()  # one "profiler_start" line per rank and run would bury the job's output
     if ctx.device.type == "cpu":
@@ -236,8 +237,8 @@ def nsys_command(config: dict[str, Any] | None, *, nproc: int, out_dir: str | Pa
     validate(cfg, nproc)
     out_dir = Path(out_dir)
     job_dir = out_dir / "job"
-    dist.write_json_atomic(job_dir / dist.SPEC_FILE, {"config": cfg})
-    env = {dist.JOB_DIR_ENV: str(job_dir)}
+    runtime.write_json_atomic(job_dir / runtime.SPEC_FILE, {"config": cfg})
+    env = {runtime.JOB_DIR_ENV: str(job_dir)}
     output = out_dir / "dp_profile"
     if nproc == 1:
         return NsysCommand(target=[python, "-u", "-m", MODULE], output=output), env

@@ -31,8 +31,9 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from labkit import dist, formulas, launch
+from labkit import formulas
 from labkit.config import ModelConfig, TrainConfig
+from labkit.jobs import launch, runtime
 from labkit.memory import storage_bytes
 from labkit.metrics import net
 from labkit.model import GPT
@@ -46,7 +47,7 @@ from labkit.parallel.dp_config import (
 from labkit.train import Batch, make_scaler, train_step
 
 MODULE = "labkit.workers.dp_train"
-# What gloo cannot do on GPU tensors that this worker does (dist.require_gpu_backend).
+# What gloo cannot do on GPU tensors that this worker does (runtime.require_gpu_backend).
 NEEDS = "ZeRO-1 and FSDP2 reduce-scatter gradients"
 
 
@@ -295,7 +296,7 @@ def unsharded_param_bytes(model: nn.Module) -> int:
 
 
 def reshard_probe(
-    cfg: dict[str, Any], ctx: dist.Context, batch: Batch
+    cfg: dict[str, Any], ctx: runtime.Context, batch: Batch
 ) -> dict[str, dict[str, float]] | None:
     """FSDP2 with ``reshard_after_forward`` True (ZeRO-3) and False (ZeRO-2-like), one
     micro-batch each on a fresh model: the gathered weights still held between forward and
@@ -370,7 +371,7 @@ def wire_window(interface: str | None) -> int | None:
 
 
 def _one_strategy(
-    ctx: dist.Context, cfg: dict[str, Any], name: str, batches: list[Batch], done: int = 0
+    ctx: runtime.Context, cfg: dict[str, Any], name: str, batches: list[Batch], done: int = 0
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Train with strategy ``name`` on ``batches``. ``done``: steps of the job so far (the
     strategies before this one), so the heartbeat counts steps over the whole job."""
@@ -465,9 +466,9 @@ def _one_strategy(
     return result, params
 
 
-@dist.entrypoint
-def main(ctx: dist.Context) -> dict[str, Any]:
-    dist.require_gpu_backend(ctx.backend, ctx.device.type, NEEDS)  # launched without run()
+@runtime.entrypoint
+def main(ctx: runtime.Context) -> dict[str, Any]:
+    runtime.require_gpu_backend(ctx.backend, ctx.device.type, NEEDS)  # launched without run()
     cfg = validate_dp_config(
         ctx.config, ctx.world_size, torch.cuda.device_count(), device=ctx.device.type
     )
@@ -518,7 +519,7 @@ def run(
     """Check ``config`` and the backend (ValueError before anything starts), then launch."""
     gpu_count = launch.visible_gpu_count()
     be, dev = launch.resolve_backend(nproc, device, backend, gpu_count=gpu_count)
-    dist.require_gpu_backend(be, dev, NEEDS)
+    runtime.require_gpu_backend(be, dev, NEEDS)
     validate_dp_config(config, nproc, gpu_count, device=dev)
     return launch.run(MODULE, nproc=nproc, config=config, device=dev, backend=be, **launch_kwargs)
 

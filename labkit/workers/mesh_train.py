@@ -1,6 +1,6 @@
 """Two-dimensional parallelism on 4 ranks: a mesh's groups, FSDP2 × TP, and HSDP.
 
-    labkit.launch.run("labkit.workers.mesh_train", nproc=4, config={"steps": 3})
+    labkit.jobs.launch.run("labkit.workers.mesh_train", nproc=4, config={"steps": 3})
 
 Parts (``parts``, all three by default):
 
@@ -39,8 +39,9 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from labkit import data, dist, timing
+from labkit import data, timing
 from labkit.config import ModelConfig, RunConfig, TrainConfig
+from labkit.jobs import runtime
 from labkit.memory import optimizer_state_tensors, storage_bytes
 from labkit.model import GPT
 from labkit.parallel import compose, mesh, tensor
@@ -140,7 +141,7 @@ def _measure_memory(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[
 
 
 def _train_part(
-    ctx: dist.Context, part: str, job: dict[str, Any], dm: Any, batches: list, done: int = 0
+    ctx: runtime.Context, part: str, job: dict[str, Any], dm: Any, batches: list, done: int = 0
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Train ``part`` on ``batches``; ``done``: steps of the job before it (for the heartbeat,
     which counts over the whole job)."""
@@ -203,8 +204,8 @@ def _train_part(
     return result, state
 
 
-@dist.entrypoint
-def main(ctx: dist.Context) -> dict[str, Any]:
+@runtime.entrypoint
+def main(ctx: runtime.Context) -> dict[str, Any]:
     job = validate(ctx.config, ctx.world_size)
     # DTensor logs a warning each time it redistributes over two mesh dimensions in two
     # collectives (full_tensor of a (_StridedShard, Shard) tensor): the gathers here are for

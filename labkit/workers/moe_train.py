@@ -1,6 +1,6 @@
 """Expert parallelism: a mixture-of-experts layer split over the ranks, checked and counted.
 
-    labkit.launch.run("labkit.workers.moe_train", nproc=4, config={"n_experts": 8, "top_k": 2})
+    labkit.jobs.launch.run("labkit.workers.moe_train", nproc=4, config={"n_experts": 8, "top_k": 2})
 
 Every rank holds the router and ``n_experts / world_size`` experts, routes its own batch of
 real text, dispatches the token copies to the ranks holding their experts by all-to-all, runs
@@ -36,8 +36,9 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 
-from labkit import data, dist, timing
+from labkit import data, timing
 from labkit.config import ModelConfig
+from labkit.jobs import runtime
 from labkit.model import GPT
 from labkit.parallel import expert
 
@@ -87,7 +88,7 @@ def expected_dispatch(rank: int, world_size: int, seed: int) -> tuple[torch.Tens
     return torch.cat(rows), counts
 
 
-def _dispatch_check(ctx: dist.Context, seed: int) -> dict[str, Any]:
+def _dispatch_check(ctx: runtime.Context, seed: int) -> dict[str, Any]:
     """``expert.dispatch`` on tagged tokens: what arrived, and the gradient that came back."""
     x, dest = dispatch_case(ctx.rank, ctx.world_size, seed)
     x = x.to(ctx.device).requires_grad_()
@@ -109,8 +110,8 @@ def reference_moe(cfg: ModelConfig, n_experts: int, top_k: int, seed: int) -> ex
     return expert.MoE(cfg, n_experts, top_k)
 
 
-@dist.entrypoint
-def main(ctx: dist.Context) -> dict[str, Any]:
+@runtime.entrypoint
+def main(ctx: runtime.Context) -> dict[str, Any]:
     conf = ctx.config
     cfg = ModelConfig(**{**DEFAULT_MODEL, **conf.get("model", {})})
     E, k = int(conf.get("n_experts", 8)), int(conf.get("top_k", 2))

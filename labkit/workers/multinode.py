@@ -4,7 +4,7 @@
                nodes=launch.Nodes(2, endpoint="head-node:29400", rdzv_id="demo"))
 
 The same module runs on one machine (``nproc`` ranks), on several under torchrun's c10d
-rendezvous, and under SLURM (``labkit.slurm``). Every rank reports:
+rendezvous, and under SLURM (``labkit.jobs.slurm``). Every rank reports:
 
     node_rank, local_rank, host   where it ran (torchrun's GROUP_RANK and LOCAL_RANK)
     allreduce       the sum of every rank's ``rank + 1``: expected n(n+1)/2 on every rank
@@ -34,7 +34,7 @@ import torch.distributed as tdist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from labkit import dist
+from labkit.jobs import runtime
 
 IN, HIDDEN = 8, 4
 
@@ -73,8 +73,8 @@ def reference_params(
     return flat_params(model)
 
 
-@dist.entrypoint
-def main(ctx: dist.Context) -> dict:
+@runtime.entrypoint
+def main(ctx: runtime.Context) -> dict:
     seed = int(ctx.config.get("seed", 0))
     batch = int(ctx.config.get("batch", 8))
     lr = float(ctx.config.get("lr", 0.1))

@@ -1,8 +1,8 @@
 """Pipelines composed: data × pipeline on a 2-D mesh, and torch's multi-stage schedules.
 
-    labkit.launch.run("labkit.workers.pp_compose", nproc=4, config={"part": "dp_pp"})
-    labkit.launch.run("labkit.workers.pp_compose", nproc=2, config={"part": "schedules"})
-    labkit.launch.run("labkit.workers.pp_compose", nproc=4, config={"part": "layouts"})
+    labkit.jobs.launch.run("labkit.workers.pp_compose", nproc=4, config={"part": "dp_pp"})
+    labkit.jobs.launch.run("labkit.workers.pp_compose", nproc=2, config={"part": "schedules"})
+    labkit.jobs.launch.run("labkit.workers.pp_compose", nproc=4, config={"part": "layouts"})
 
 part="dp_pp" (pp × dp ranks, default 2 × 2). A mesh ("pp", "dp"): rank = stage·dp + replica,
 so ranks {0, 2} are one pipeline and {1, 3} the other. Each pipeline runs its half of the
@@ -55,8 +55,8 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from labkit import dist
 from labkit.config import ModelConfig, RunConfig, TrainConfig
+from labkit.jobs import runtime
 from labkit.memory import optimizer_state_tensors, storage_bytes
 from labkit.parallel import comm, pipeline, schedules
 from labkit.parallel.timeline import bubble_from_events, common_t0
@@ -100,7 +100,7 @@ def max_error(module: torch.nn.Module, ref: dict[str, torch.Tensor], what: str) 
 # --- part 1: data × pipeline ---------------------------------------------------------------------
 
 
-def _dp_pp(ctx: dist.Context, cfg: ModelConfig, conf: dict[str, Any]) -> dict[str, Any]:
+def _dp_pp(ctx: runtime.Context, cfg: ModelConfig, conf: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     pp, dp = int(conf.get("pp", 2)), int(conf.get("dp", 2))
@@ -155,7 +155,7 @@ def _dp_pp(ctx: dist.Context, cfg: ModelConfig, conf: dict[str, Any]) -> dict[st
                 opt.step()
                 grad_err = float("nan")
         sync_end = pipe.timeline.now()
-        loss_t = torch.tensor([loss], dtype=torch.float64, device=dist.collective_device(dp_group))
+        loss_t = torch.tensor([loss], dtype=torch.float64, device=runtime.collective_device(dp_group))
         tdist.all_reduce(loss_t, group=dp_group)  # the whole batch's mean: average of halves
         counter.end_step()
         summary = counter.summary()
@@ -217,7 +217,7 @@ def _sum_tied(mods: list[torch.nn.Module], vocab: int, d: int) -> None:
     with ZB-V both are on rank 0). Every rank joins the one all-reduce."""
     copies = [mod.wte.weight for mod in mods if mod.is_first]
     copies += [mod.lm_head.weight for mod in mods if mod.is_last and not mod.is_first]
-    buf = torch.zeros(vocab, d, device=dist.collective_device())  # NCCL needs a GPU tensor
+    buf = torch.zeros(vocab, d, device=runtime.collective_device())  # NCCL needs a GPU tensor
     for w in copies:
         buf += w.grad.detach().to(buf.device)
     tdist.all_reduce(buf)
@@ -225,7 +225,7 @@ def _sum_tied(mods: list[torch.nn.Module], vocab: int, d: int) -> None:
         w.grad.copy_(buf)
 
 
-def _schedules(ctx: dist.Context, cfg: ModelConfig, conf: dict[str, Any]) -> dict[str, Any]:
+def _schedules(ctx: runtime.Context, cfg: ModelConfig, conf: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed.pipelining as tpp
 
     p = ctx.world_size
@@ -289,7 +289,7 @@ def _schedules(ctx: dist.Context, cfg: ModelConfig, conf: dict[str, Any]) -> dic
                 _sum_tied(mods, cfg.vocab_size, cfg.d_model)
             box = torch.tensor(
                 [sum(float(v_.detach()) for v_ in losses) / m if losses else 0.0],
-                device=dist.collective_device(),
+                device=runtime.collective_device(),
             )
             tdist.all_reduce(box)  # only the last stage's holder has the loss
             loss = float(box.item())
@@ -367,7 +367,7 @@ def validate_layouts(cfg: ModelConfig, world_size: int, layouts: list[Any], batc
     return out
 
 
-def _layouts(ctx: dist.Context, cfg: ModelConfig, conf: dict[str, Any]) -> dict[str, Any]:
+def _layouts(ctx: runtime.Context, cfg: ModelConfig, conf: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     n = ctx.world_size
@@ -408,7 +408,7 @@ def _layouts(ctx: dist.Context, cfg: ModelConfig, conf: dict[str, Any]) -> dict[
                 opt.step()
                 synchronize(ctx.device)
                 took = time.perf_counter() - t0
-            dev = dist.collective_device()
+            dev = runtime.collective_device()
             took_t = torch.tensor([took], dtype=torch.float64, device=dev)
             loss_t = torch.tensor([loss], dtype=torch.float64, device=dev)
             tdist.all_reduce(took_t, op=tdist.ReduceOp.MAX)  # the step ends with its slowest rank
@@ -426,14 +426,14 @@ def _layouts(ctx: dist.Context, cfg: ModelConfig, conf: dict[str, Any]) -> dict[
     return {"rank": ctx.rank, "reference_loss": ref_loss, "warmup": warmup, "layouts": out}
 
 
-@dist.entrypoint
-def main(ctx: dist.Context) -> dict[str, Any]:
+@runtime.entrypoint
+def main(ctx: runtime.Context) -> dict[str, Any]:
     conf = ctx.config
     part = conf.get("part", "dp_pp")
     if part not in PARTS:
         raise ValueError(f"part={part!r}: use one of {PARTS}")
     cfg = RunConfig(model=ModelConfig(**{**DEFAULT_MODEL, **conf.get("model", {})})).model
-    dist.require_gpu_backend(ctx.backend, ctx.device.type, "pipeline stages exchange "
+    runtime.require_gpu_backend(ctx.backend, ctx.device.type, "pipeline stages exchange "
                              "activations with send/recv")  # fmt: skip
     torch.manual_seed(0)
     run = {"dp_pp": _dp_pp, "schedules": _schedules, "layouts": _layouts}[part]

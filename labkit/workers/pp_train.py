@@ -1,6 +1,6 @@
 """Pipeline-parallel GPT: every schedule on the same batch, timed per micro-batch.
 
-    labkit.launch.run("labkit.workers.pp_train", nproc=2,
+    labkit.jobs.launch.run("labkit.workers.pp_train", nproc=2,
                       config={"microbatches": [1, 2, 4, 8], "schedules": ["gpipe", "1f1b"]})
 
 Rank r runs stage r of the GPT (``labkit.parallel.pipeline``). For each schedule and each
@@ -33,8 +33,9 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from labkit import data, dist, formulas
+from labkit import data, formulas
 from labkit.config import ModelConfig, RunConfig
+from labkit.jobs import runtime
 from labkit.model import GPT
 from labkit.parallel import pipeline
 from labkit.parallel.timeline import bubble_from_events, common_t0
@@ -82,8 +83,8 @@ def _counts(schedule: str, ms: list[int], p: int) -> list[int]:
     return sorted(set(ms))
 
 
-@dist.entrypoint
-def main(ctx: dist.Context) -> dict[str, Any]:
+@runtime.entrypoint
+def main(ctx: runtime.Context) -> dict[str, Any]:
     conf = ctx.config
     # RunConfig: a model trained on the byte corpus (vocab_size >= 256), checked before setup.
     cfg = RunConfig(model=ModelConfig(**{**DEFAULT_MODEL, **conf.get("model", {})})).model
@@ -94,7 +95,7 @@ def main(ctx: dist.Context) -> dict[str, Any]:
     seed = int(conf.get("seed", 0))
     warmup, repeats = int(conf.get("warmup", 1)), int(conf.get("repeats", 3))
     p = ctx.world_size
-    dist.require_gpu_backend(ctx.backend, ctx.device.type, "pipeline stages exchange "
+    runtime.require_gpu_backend(ctx.backend, ctx.device.type, "pipeline stages exchange "
                              "activations with send/recv")  # fmt: skip
     plan = {name: _counts(name, ms, p) for name in schedules}
     for name, counts in plan.items():  # fail before any work, with the launcher's clear message

@@ -8,7 +8,7 @@
 A DDP job (gloo on CPU, NCCL on GPUs) trains labkit's GPT for ``steps`` optimizer steps.
 Step s (counted from 0) reads batch s of ``data.fixed_batches``: the data position is the
 step, so a job that resumes at step s reads exactly what an uninterrupted one would. Every
-``every`` steps the ranks save a checkpoint with ``labkit.checkpoint`` (model, AdamW state,
+``every`` steps the ranks save a checkpoint with ``labkit.jobs.checkpoint`` (model, AdamW state,
 data position, each rank's random-number generators); at start they load the newest complete
 one, if any.
 
@@ -42,9 +42,9 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from labkit import checkpoint, dist, launch
 from labkit.config import ModelConfig, TrainConfig
 from labkit.data import fixed_batches
+from labkit.jobs import checkpoint, launch, runtime
 from labkit.model import GPT
 from labkit.train import lr_at, make_optimizer, set_lr, train_step
 
@@ -164,9 +164,9 @@ def _append(path: Path | None, record: dict[str, Any]) -> None:
         f.flush()
 
 
-@dist.entrypoint
-def main(ctx: dist.Context) -> dict[str, Any]:
-    pg_up = time.time()  # dist.entrypoint has just joined the process group
+@runtime.entrypoint
+def main(ctx: runtime.Context) -> dict[str, Any]:
+    pg_up = time.time()  # runtime.entrypoint has just joined the process group
     started = process_start_time()
     cfg = validate(ctx.config, ctx.world_size)
     check_shared_root(cfg, int(os.environ.get("GROUP_WORLD_SIZE", "1")))
@@ -205,7 +205,7 @@ def main(ctx: dist.Context) -> dict[str, Any]:
     loaded_at = event("checkpoint_loaded", step=loaded.step if loaded else 0)
     start = loaded.extra["data_position"] if loaded else 0
 
-    kill = dist.read_json(marker)
+    kill = runtime.read_json(marker)
     lost = None
     if loaded is not None or kill is not None:
         done_before = kill["step"] if kill else start
@@ -222,7 +222,7 @@ def main(ctx: dist.Context) -> dict[str, Any]:
     for step in range(start, cfg["steps"]):
         if (ctx.rank == cfg["kill_rank"] and step == cfg["kill_at_step"]
                 and not marker.exists()):  # fmt: skip
-            dist.write_json_atomic(marker, {"rank": ctx.rank, "step": step, "time": time.time(),
+            runtime.write_json_atomic(marker, {"rank": ctx.rank, "step": step, "time": time.time(),
                                             "attempt": attempt})  # fmt: skip
             event("kill", step=step)
             print(f"planted failure: rank {ctx.rank} sends itself SIGKILL after {step} steps",
@@ -234,7 +234,7 @@ def main(ctx: dist.Context) -> dict[str, Any]:
         with ctx.phase("train step"):
             stats = train_step(ddp, opt, [(x[rows], y[rows])], device=ctx.device,
                                grad_clip=train.grad_clip)  # fmt: skip
-        loss = torch.tensor([stats.loss], device=dist.collective_device())
+        loss = torch.tensor([stats.loss], device=runtime.collective_device())
         tdist.all_reduce(loss)
         mean = loss.item() / ctx.world_size
         if ctx.rank == 0:

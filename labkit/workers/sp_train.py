@@ -1,7 +1,7 @@
 """Sequence-parallel GPT (tensor × sequence parallelism on one group): ours and DTensor's,
 against plain tensor parallelism.
 
-    labkit.launch.run("labkit.workers.sp_train", nproc=2, config={"steps": 3})
+    labkit.jobs.launch.run("labkit.workers.sp_train", nproc=2, config={"steps": 3})
 
 Parts, each optional (``parts``):
 
@@ -37,8 +37,9 @@ from typing import Any
 
 import torch
 
-from labkit import data, dist
+from labkit import data
 from labkit.config import ModelConfig, RunConfig, TrainConfig
+from labkit.jobs import runtime
 from labkit.model import GPT
 from labkit.parallel import sequence, tensor
 from labkit.train import make_optimizer
@@ -54,7 +55,7 @@ def _step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, sync: Any) -
     return loss
 
 
-def _measure(model: torch.nn.Module, batch: tuple, ctx: dist.Context, sync: Any,
+def _measure(model: torch.nn.Module, batch: tuple, ctx: runtime.Context, sync: Any,
              counter: Any = None) -> dict[str, Any]:  # fmt: skip
     """Saved bytes in one forward; the collectives of one forward and backward (gradients
     cleared afterwards: the model is left as it was)."""
@@ -72,7 +73,7 @@ def _measure(model: torch.nn.Module, batch: tuple, ctx: dist.Context, sync: Any,
     return out
 
 
-def _train(model: torch.nn.Module, batches: list, tcfg: TrainConfig, ctx: dist.Context,
+def _train(model: torch.nn.Module, batches: list, tcfg: TrainConfig, ctx: runtime.Context,
            sync: Any, *, foreach: bool | None = None) -> dict[str, Any]:  # fmt: skip
     opt = make_optimizer(model, tcfg)
     if foreach is not None:  # DTensor and plain tensors cannot share one foreach kernel
@@ -103,8 +104,8 @@ def _line(label: str, out: dict[str, Any]) -> str:
             f"collectives in one step: {coll}{losses}")  # fmt: skip
 
 
-@dist.entrypoint
-def main(ctx: dist.Context) -> dict[str, Any]:
+@runtime.entrypoint
+def main(ctx: runtime.Context) -> dict[str, Any]:
     conf = ctx.config
     cfg = RunConfig(model=ModelConfig(**{**DEFAULT_MODEL, **conf.get("model", {})})).model
     sequence.validate_sequence_parallel(cfg, ctx.world_size)  # before any collective

@@ -1,6 +1,6 @@
 """Tensor-parallel GPT: parallel linear layers checked, then k training steps, ours and DTensor's.
 
-    labkit.launch.run("labkit.workers.tp_train", nproc=2, config={"steps": 3})
+    labkit.jobs.launch.run("labkit.workers.tp_train", nproc=2, config={"steps": 3})
 
 Three parts, each optional (``parts``):
 
@@ -36,8 +36,9 @@ from typing import Any
 
 import torch
 
-from labkit import data, dist, timing
+from labkit import data, timing
 from labkit.config import ModelConfig, RunConfig, TrainConfig
+from labkit.jobs import runtime
 from labkit.model import GPT
 from labkit.parallel import tensor
 from labkit.train import make_optimizer
@@ -56,7 +57,7 @@ def linear_case(seed: int) -> tuple[torch.nn.Linear, torch.Tensor, torch.Tensor]
     return lin, x, grad_out
 
 
-def _linear_part(ctx: dist.Context, seed: int) -> dict[str, torch.Tensor]:
+def _linear_part(ctx: runtime.Context, seed: int) -> dict[str, torch.Tensor]:
     """This rank's outputs and gradients, on ``ctx.device``: f and g all-reduce there."""
     n, r, device = ctx.world_size, ctx.rank, ctx.device
     lin, x, grad_out = linear_case(seed)  # on the CPU, as the test's reference
@@ -90,7 +91,7 @@ def _train(
     model: torch.nn.Module,
     batches: list,
     tcfg: TrainConfig,
-    ctx: dist.Context,
+    ctx: runtime.Context,
     counter: tensor.CommCounter | None,
     *,
     foreach: bool | None = None,
@@ -160,8 +161,8 @@ def _fmt_counts(counts: dict[str, dict[str, int]]) -> str:
     )
 
 
-@dist.entrypoint
-def main(ctx: dist.Context) -> dict[str, Any]:
+@runtime.entrypoint
+def main(ctx: runtime.Context) -> dict[str, Any]:
     conf = ctx.config
     cfg = RunConfig(model=ModelConfig(**{**DEFAULT_MODEL, **conf.get("model", {})})).model
     tensor.validate_tensor_parallel(cfg, ctx.world_size)

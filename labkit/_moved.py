@@ -1,0 +1,76 @@
+"""Old import paths of modules that moved into subsystem folders, kept working.
+
+labkit's modules once sat in one flat namespace; they now live in folders that show the
+subsystems (``jobs/``, ``hardware/``, ``course/``). A learner's older copy of a notebook, or a
+script, may still write ``from labkit import launch`` or ``import labkit.exercises.data_parallel``.
+Those names resolve to the moved module itself (the same object, so a monkeypatch or an
+``isinstance`` check sees one class, not a copy). New code uses the new paths; a test holds the
+repository to that.
+
+:func:`install` adds one finder to ``sys.meta_path``. It answers only for the names in
+:data:`MOVED` and imports nothing until such a name is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+from types import ModuleType
+
+MOVED: dict[str, str] = {
+    "labkit.launch": "labkit.jobs.launch",
+    "labkit.procs": "labkit.jobs.procs",
+    "labkit.diagnosis": "labkit.jobs.diagnosis",
+    "labkit.nodes": "labkit.jobs.nodes",
+    "labkit.slurm": "labkit.jobs.slurm",
+    "labkit.checkpoint": "labkit.jobs.checkpoint",
+    "labkit._spawn": "labkit.jobs.spawn",
+    "labkit.dist": "labkit.jobs.runtime",  # read beside `torch.distributed as dist`, it misled
+    "labkit.doctor": "labkit.hardware.doctor",
+    "labkit.quiz": "labkit.course.quiz",
+    "labkit.exam": "labkit.course.exam",
+    "labkit.sealed": "labkit.course.sealed",
+    "labkit.record": "labkit.course.record",
+    "labkit.nbgen": "labkit.course.nbgen",
+    "labkit.timings": "labkit.course.timings",  # beside `timing` (timers), it misled
+    "labkit.capstone": "labkit.course.capstone",
+    "labkit.exercises": "labkit.course.exercises",
+    "labkit.batching.checkpointing": "labkit.batching.recomputation",  # not DCP's checkpoints
+}
+"""Old dotted name → where the module lives now. A package's submodules follow it."""
+
+
+def new_name(old: str) -> str | None:
+    """Where ``old`` lives now (``labkit.exercises.dp_worker`` → ``labkit.course.exercises.
+    dp_worker``), or None when it did not move."""
+    for prefix, target in MOVED.items():
+        if old == prefix or old.startswith(prefix + "."):
+            return target + old[len(prefix):]
+    return None
+
+
+class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname, path=None, target=None):
+        if new_name(fullname) is None:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec) -> ModuleType:
+        module = importlib.import_module(new_name(spec.name))
+        sys.modules[spec.name] = module
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        """Nothing to run: the module under its new name has run already."""
+
+
+_FINDER = _Finder()
+
+
+def install() -> None:
+    """Put the finder first in ``sys.meta_path`` (once): before the path finder, which would
+    otherwise load a second copy of a moved package's submodule under the old name."""
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
