@@ -38,6 +38,10 @@ MOVED: dict[str, str] = {
     "labkit.capstone": "labkit.course.capstone",
     "labkit.exercises": "labkit.course.exercises",
     "labkit.batching.checkpointing": "labkit.batching.recomputation",  # not DCP's checkpoints
+    # an exercise's own folder, its checks and workers together
+    "labkit.exercises.dp_bench": "labkit.course.exercises.data_parallel.bench",
+    "labkit.exercises.dp_worker": "labkit.course.exercises.data_parallel.worker",
+    "labkit.exercises.mp_worker": "labkit.course.exercises.model_parallel.worker",
 }
 """Old dotted name → where the module lives now. A package's submodules follow it."""
 
@@ -45,9 +49,9 @@ MOVED: dict[str, str] = {
 def new_name(old: str) -> str | None:
     """Where ``old`` lives now (``labkit.exercises.dp_worker`` → ``labkit.course.exercises.
     dp_worker``), or None when it did not move."""
-    for prefix, target in MOVED.items():
+    for prefix in sorted(MOVED, key=len, reverse=True):  # the most specific entry wins
         if old == prefix or old.startswith(prefix + "."):
-            return target + old[len(prefix):]
+            return MOVED[prefix] + old[len(prefix):]
     return None
 
 

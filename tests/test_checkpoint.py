@@ -14,6 +14,7 @@ import torch
 from labkit import formulas
 from labkit.config import ModelConfig, TrainConfig
 from labkit.jobs import checkpoint
+from labkit.jobs.checkpoint import saving as checkpoint_save
 from labkit.model import GPT
 from labkit.train import make_optimizer
 
@@ -204,7 +205,7 @@ def test_a_crash_between_the_write_and_the_rename_leaves_no_loadable_checkpoint(
     def crash(tmp, final):
         raise RuntimeError("killed before the rename")
 
-    monkeypatch.setattr(checkpoint, "_rename", crash)
+    monkeypatch.setattr(checkpoint_save, "_rename", crash)
     model, opt = trained()
     with pytest.raises(RuntimeError, match="before the rename"):
         checkpoint.save(tmp_path, 2, model, opt, log=None)
@@ -251,11 +252,9 @@ def test_a_rank_whose_files_are_elsewhere_fails_the_save_and_publishes_nothing(t
     """On several machines with each node's own disk, rank 1's files land on its node: rank 0
     must not publish a checkpoint that lacks them (a restart would find it partial and start
     from scratch). Faked here: a world of 2 in which only rank 0 writes."""
-    from labkit.jobs import checkpoint
-
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.AdamW(model.parameters())
-    monkeypatch.setattr(checkpoint, "_world", lambda: (0, 2))
+    monkeypatch.setattr(checkpoint_save, "rank_and_world", lambda: (0, 2))
     with pytest.raises(checkpoint.CheckpointError, match=r"rank\(s\) \[1\].*file system every node sees"):
         checkpoint.save(tmp_path, 2, model, opt, log=None)
     complete, _ = checkpoint.scan(tmp_path)

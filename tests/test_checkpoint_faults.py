@@ -33,6 +33,8 @@ import torch.multiprocessing as mp
 from test_checkpoint import Log, fresh, trained
 
 from labkit.jobs import checkpoint
+from labkit.jobs.checkpoint import folders as checkpoint_folders
+from labkit.jobs.checkpoint import saving as checkpoint_save
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -294,7 +296,7 @@ def test_an_error_of_dcp_save_that_is_no_failed_write_goes_up_as_it_is(tmp_path,
 
     gathered = []
     monkeypatch.setattr(dcp, "save", broken)
-    monkeypatch.setattr(checkpoint, "_from_all", lambda x: gathered.append(x) or [x])
+    monkeypatch.setattr(checkpoint_save, "from_all", lambda x: gathered.append(x) or [x])
     model, opt = trained(steps=1)
     with pytest.raises(GroupBroke) as err:
         checkpoint.save(tmp_path, 1, model, opt, log=None)
@@ -340,7 +342,7 @@ def test_a_published_save_survives_a_write_speed_probe_that_meets_a_full_disk(tm
         probe = Path(folder) / f".write-probe-{os.getpid()}"
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(probe))
 
-    monkeypatch.setattr(checkpoint, "write_bandwidth", full)
+    monkeypatch.setattr(checkpoint_save, "write_bandwidth", full)
     model, opt = trained(steps=1)
     log = Log()
     saved = checkpoint.save(tmp_path, 1, model, opt, log=log)
@@ -360,8 +362,8 @@ def test_the_write_speed_probe_is_skipped_where_the_disk_has_no_room_for_it(tmp_
         usage = real(path)
         return usage._replace(free=200_000)
 
-    monkeypatch.setattr(checkpoint, "write_bandwidth", must_not_probe)
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", nearly_full)
+    monkeypatch.setattr(checkpoint_save, "write_bandwidth", must_not_probe)
+    monkeypatch.setattr(shutil, "disk_usage", nearly_full)
     model, opt = trained(steps=1)
     saved = checkpoint.save(tmp_path, 1, model, opt, log=None)
     assert saved.write_bytes_per_s is None
@@ -466,7 +468,7 @@ def replaced(tmp_path):
 def test_a_crash_between_setting_the_old_step_aside_and_publishing_keeps_the_old_one(replaced,
                                                                                     monkeypatch):  # fmt: skip
     root, first, again, again_opt = replaced
-    monkeypatch.setattr(checkpoint, "_rename", _crash)  # dies before the new folder's rename
+    monkeypatch.setattr(checkpoint_save, "_rename", _crash)  # dies before the new folder's rename
     with pytest.raises(Killed):
         checkpoint.save(root, 2, again, again_opt, extra={"data_position": 2}, log=None)
     monkeypatch.undo()
@@ -484,7 +486,7 @@ def test_a_crash_between_setting_the_old_step_aside_and_publishing_keeps_the_old
 def test_a_crash_after_publishing_before_removing_the_old_step_loads_the_new_one(replaced,
                                                                                 monkeypatch):  # fmt: skip
     root, _, again, again_opt = replaced
-    monkeypatch.setattr(checkpoint, "_discard", _crash)  # dies before the old folder is removed
+    monkeypatch.setattr(checkpoint_save, "_discard", _crash)  # dies before the old folder is removed
     with pytest.raises(Killed):
         checkpoint.save(root, 2, again, again_opt, extra={"data_position": 2}, log=None)
     monkeypatch.undo()
@@ -499,11 +501,11 @@ def test_a_crash_after_publishing_before_removing_the_old_step_loads_the_new_one
 def test_a_leftover_old_step_is_loaded_where_it_cannot_be_put_back(replaced, monkeypatch):
     """A read-only checkpoint folder: the loader cannot rename, and still finds the old step."""
     root, first, again, again_opt = replaced
-    monkeypatch.setattr(checkpoint, "_rename", _crash)
+    monkeypatch.setattr(checkpoint_save, "_rename", _crash)
     with pytest.raises(Killed):
         checkpoint.save(root, 2, again, again_opt, log=None)
     monkeypatch.undo()
-    monkeypatch.setattr(checkpoint, "_put_back", lambda aside, final: False)
+    monkeypatch.setattr(checkpoint_folders, "put_back", lambda aside, final: False)
     model, opt = fresh()
     state = checkpoint.load_latest(root, model, opt, log=None)
     assert state.step == 2 and Path(state.path).name.startswith(".replaced-")
@@ -548,9 +550,9 @@ def _two_rank_worker(rank: int, folder: str) -> None:
         out["warnings"] = [str(w.message) for w in seen]
         # The disk fills under rank 1's share of step 3; then under rank 1's own file of step 4.
         for step in (3, 4):
-            real_write_own = checkpoint._write_own
+            real_write_own = checkpoint_save._write_own
             if rank == 1 and step == 4:
-                checkpoint._write_own = _full_write_own
+                checkpoint_save._write_own = _full_write_own
             try:
                 with disk_with_room(0) if (rank, step) == (1, 3) else contextlib.nullcontext():
                     checkpoint.save(root, step, model, opt, log=None)
@@ -558,7 +560,7 @@ def _two_rank_worker(rank: int, folder: str) -> None:
             except Exception as err:
                 out[f"save{step}"] = [type(err).__name__, str(err)]
             finally:
-                checkpoint._write_own = real_write_own
+                checkpoint_save._write_own = real_write_own
         tdist.barrier()
         out["left"] = sorted(p.name for p in root.iterdir())
     finally:

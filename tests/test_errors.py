@@ -56,7 +56,7 @@ PUBLIC = {
 
 def test_the_search_finds_the_package_s_exceptions():
     # a search that found nothing would pass the tests below vacuously
-    assert "labkit.jobs.launch.JobFailed" in PUBLIC and "labkit.jobs.checkpoint.CheckpointMismatch" in PUBLIC
+    assert "labkit.jobs.launch.JobFailed" in PUBLIC and "labkit.jobs.checkpoint.folders.CheckpointMismatch" in PUBLIC
     assert "labkit.validate.InvalidValue" in PUBLIC
     assert len(PUBLIC) >= 35, sorted(PUBLIC)
 

@@ -23,7 +23,18 @@ from unittest import mock
 import psutil
 import pytest
 
-from labkit.jobs import launch, procs, runtime, spawn
+from labkit.jobs import (
+    diagnosis,
+    launch,
+    observers,
+    outcome,
+    preflight,
+    procs,
+    runtime,
+    spawn,
+    spec,
+)
+from labkit.jobs.supervisor import Echo, Supervisor
 
 REPO = Path(__file__).resolve().parents[1]
 FAULTS = "labkit.workers._faults"
@@ -115,7 +126,7 @@ def no_spawn(home, monkeypatch):
     def refuse(self):
         raise AssertionError("run() started a job for bad input")
 
-    monkeypatch.setattr(launch._Supervisor, "start", refuse)
+    monkeypatch.setattr(Supervisor, "start", refuse)
     return home
 
 
@@ -216,14 +227,14 @@ def test_diagnose_other_cases():
 # Tracebacks as a failing rank leaves them (paths shortened): what torch's @record writes in
 # error.json, and what the rank prints to its stderr log. Test data, written for these tests.
 SITE = "/venv/lib/python3.11/site-packages"
-LABKIT = str(Path(launch.__file__).parent)
+LABKIT = str(Path(runtime.__file__).parents[1])  # labkit/
 RECORDED = f"""Traceback (most recent call last):
   File "{SITE}/torch/distributed/elastic/multiprocessing/errors/__init__.py", line 367, in wrapper
     return f(*args, **kwargs)
            ^^^^^^^^^^^^^^^^^^
-  File "{LABKIT}/dist.py", line 232, in main
+  File "{LABKIT}/jobs/runtime.py", line 232, in main
     _run(fn)
-  File "{LABKIT}/dist.py", line 273, in _run
+  File "{LABKIT}/jobs/runtime.py", line 273, in _run
     result = fn(ctx)
              ^^^^^^^
   File "{LABKIT}/workers/allreduce.py", line 52, in main
@@ -237,7 +248,7 @@ DEEP = f"""Traceback (most recent call last):
     main()
   File "{SITE}/torch/distributed/elastic/multiprocessing/errors/__init__.py", line 367, in wrapper
     return f(*args, **kwargs)
-  File "{LABKIT}/dist.py", line 273, in _run
+  File "{LABKIT}/jobs/runtime.py", line 273, in _run
     result = fn(ctx)
   File "/home/me/lab/my_worker.py", line 31, in main
     loss = model(x)
@@ -278,7 +289,7 @@ def test_the_failure_excerpt_keeps_the_error_and_the_frames_that_matter():
 
 def test_echo_bounds_live_output_and_shows_the_tail(tmp_path):
     out: list[str] = []
-    echo = launch._Echo(3, tmp_path, write=out.append)
+    echo = Echo(3, tmp_path, write=out.append)
     for i in range(10):
         echo.line(f"l{i}")
     echo.finish()
@@ -287,7 +298,7 @@ def test_echo_bounds_live_output_and_shows_the_tail(tmp_path):
     assert "4 lines skipped" in out[4]
     assert out[5:] == ["l7", "l8", "l9"]
     out.clear()
-    quiet = launch._Echo(3, tmp_path, quiet=True, write=out.append)
+    quiet = Echo(3, tmp_path, quiet=True, write=out.append)
     quiet.line("x")
     quiet.finish()
     assert out == []
@@ -299,7 +310,7 @@ def test_echo_bounds_live_output_and_shows_the_tail(tmp_path):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
 def test_spawn_wrapper_arms_the_parent_death_signal_and_keeps_its_pid():
     probe = (
-        "import os; from labkit import _spawn; "
+        "import os; from labkit.jobs import spawn; "
         "print(spawn.get_parent_death_signal(), os.environ['LABKIT_AGENT_PID'] == str(os.getpid()))"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -619,7 +630,7 @@ def test_progress_lines_speak_at_start_every_few_seconds_and_at_the_end(tmp_path
     job = launch.Job(job_id="j", module="m", nproc=2, backend="gloo", device="cpu", config={},
                      job_dir=tmp_path, started=100.0)  # fmt: skip
     clock = [100.0]
-    with mock.patch.object(launch.time, "monotonic", lambda: clock[0]):
+    with mock.patch.object(observers.time, "monotonic", lambda: clock[0]):
         obs.on_start(job)
         for t in (1.0, 2.9, 3.1, 4.0, 6.2):
             clock[0] = 100.0 + t
@@ -823,7 +834,7 @@ def test_the_next_launch_ends_a_job_this_process_no_longer_supervises(home):
 
 
 def test_cpu_ranks_are_bounded_by_the_cores_unless_oversubscribed(monkeypatch):
-    monkeypatch.setattr(launch, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(preflight, "usable_cpus", lambda: 2)  # where check_cpu_ranks looks
     assert launch.check_cpu_ranks(2, "cpu") is None
     assert "4 ranks share 2 CPU cores" in launch.check_cpu_ranks(4, "cpu")
     assert launch.check_cpu_ranks(8, "cpu") is not None  # 4 per core: still allowed
@@ -881,8 +892,7 @@ def test_cpu_ranks_see_no_gpu_and_gpu_ranks_keep_theirs(tmp_path, monkeypatch):
 
     def env(device, extra):
         job = launch.Job("j", "m", 2, "gloo" if device == "cpu" else "nccl", device, {}, tmp_path)
-        return launch._Supervisor(job, [], extra, observers=[],
-                                  echo=launch._Echo(0, tmp_path))._env()  # fmt: skip
+        return Supervisor(job, [], extra, observers=[], echo=Echo(0, tmp_path))._env()
 
     assert env("cpu", {})["CUDA_VISIBLE_DEVICES"] == ""
     assert env("cuda", {})["CUDA_VISIBLE_DEVICES"] == "0"
@@ -893,7 +903,7 @@ def test_the_agent_failing_to_get_a_port_ends_the_job_at_once(tmp_path):
     """The port check passed, but the ports were gone by the time torchrun's agent asked:
     its first failed connection ends the job (it would otherwise retry for 60 s)."""
     job = launch.Job("j", "m", 2, "gloo", "cpu", {}, tmp_path)
-    sup = launch._Supervisor(job, [], {}, observers=[], echo=launch._Echo(0, tmp_path))
+    sup = Supervisor(job, [], {}, observers=[], echo=Echo(0, tmp_path))
     sup._log = open(tmp_path / "agent.log", "w")  # noqa: SIM115
     sup._on_line("[rank0] hello")
     assert sup.agent_problem is None
@@ -910,7 +920,7 @@ def test_a_timeout_before_any_rank_started_blames_no_rank(tmp_path):
     (tmp_path / "agent.log").write_text("[E socket.cpp:818] [c10d] rendezvous still waiting\n")
     job = launch.Job("j", "m", 2, "gloo", "cpu", {}, tmp_path)
     result = SimpleNamespace(status="timeout")
-    err = launch._timeout_error(job, result, "timed out after 60.0 s", ranks_started=False)
+    err = outcome.timeout_error(job, result, "timed out after 60.0 s", ranks_started=False)
     msg = str(err)
     assert err.ranks == [] and "likely hung" not in msg and "rank 0" not in msg
     assert "no rank ever started: torchrun's agent was still setting the job up" in msg
@@ -1087,7 +1097,7 @@ def test_independent_failures_are_not_called_consequences(tmp_path):
         1: {"message": "KeyError: 'w' on rank 1", "t": 100.2},
         2: {"message": "RuntimeError: Connection closed by peer [127.0.0.1]:5", "t": 100.3},
     })  # fmt: skip
-    report = launch.diagnosis.failure_report(job, 3, 1)
+    report = diagnosis.failure_report(job, 3, 1)
     text = "\n".join([report.headline, *report.lines])
     assert report.rank == 0 and report.headline.startswith("failed on rank 0: ValueError")
     assert "other ranks that failed on their own:\n  rank 1: failed (KeyError: 'w' on rank 1)" in text
@@ -1107,7 +1117,7 @@ def test_a_rank_killed_by_sigkill_is_the_cause_even_if_torchrun_also_sent_it_sig
         "  rank      : 0 (local_rank: 0)\n  exitcode  : 1 (pid: 100)\n"
         "  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 101)\n"
     )  # fmt: skip
-    report = launch.diagnosis.failure_report(tmp_path, 2, 1)
+    report = diagnosis.failure_report(tmp_path, 2, 1)
     assert report.rank == 1 and "killed by SIGKILL" in report.headline
     assert [e.rank for e in report.consequences] == [0]
 
@@ -1126,9 +1136,9 @@ def test_a_rank_gone_before_an_agent_that_never_reported_is_still_named(tmp_path
     )  # fmt: skip
     for rank, beat in {0: {"pid": 100, "phase": "all_reduce", "in_collective": True},
                        1: {"pid": 101, "phase": "run", "in_collective": False}}.items():
-        launch.dist.write_json_atomic(launch.dist.heartbeat_path(tmp_path, rank),
-                                      {"rank": rank, "time": 1.0, **beat})  # fmt: skip
-    report = launch.diagnosis.failure_report(tmp_path, 2, 1)
+        spec.write_json_atomic(spec.heartbeat_path(tmp_path, rank),
+                               {"rank": rank, "time": 1.0, **beat})  # fmt: skip
+    report = diagnosis.failure_report(tmp_path, 2, 1)
     assert report.rank == 1, report.headline
     assert "ended before torchrun stopped the other ranks" in report.headline
     assert [e.rank for e in report.consequences] == [0]

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from labkit.jobs import launch, nodes, procs, runtime, spawn
+from labkit.jobs import launch, nodes, observers, preflight, procs, runtime, spawn, supervisor
 from labkit.jobs.nodes import Nodes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,8 +80,8 @@ _STUBBORN = (
 # The owner (a notebook kernel's stand-in) starts the job the way labkit.jobs.launch does.
 _OWNER = """
 import subprocess, sys, time
-from labkit.jobs import launch
-job = subprocess.Popen(launch._supervised([sys.executable, "-c", {stubborn!r}]),
+from labkit.jobs import supervisor
+job = subprocess.Popen(supervisor.supervised([sys.executable, "-c", {stubborn!r}]),
                        stdout=subprocess.PIPE, text=True, start_new_session=True)
 print(job.stdout.readline().strip(), flush=True)
 time.sleep(300)
@@ -100,7 +100,7 @@ def test_a_killed_owner_takes_down_a_job_whose_processes_ignore_sigterm(mark):
     assert len(marked("T31_PROCESS_MARK", mark)) == 4  # owner, supervisor, job, its child
     owner.kill()
     owner.wait(timeout=10)
-    left = wait_until_gone("T31_PROCESS_MARK", mark, guard_s=launch.SUPERVISOR_GRACE_S + 15)
+    left = wait_until_gone("T31_PROCESS_MARK", mark, guard_s=supervisor.SUPERVISOR_GRACE_S + 15)
     assert not left, f"still running after the owner's death: {left}"
 
 
@@ -109,7 +109,7 @@ def test_the_supervisor_exits_as_its_command_did_and_ends_what_it_left(mark):
     env = {**os.environ, "PYTHONPATH": str(REPO), "T31_PROCESS_MARK": mark}
 
     def run(code: str) -> int:
-        cmd = launch._supervised([sys.executable, "-c", code])
+        cmd = supervisor.supervised([sys.executable, "-c", code])
         return subprocess.run(cmd, env=env, timeout=60).returncode
 
     assert run("import sys; sys.exit(3)") == 3
@@ -126,7 +126,7 @@ def test_the_supervisor_exits_as_its_command_did_and_ends_what_it_left(mark):
 
 def test_the_plain_wrapper_still_execs_in_place():
     """Without --supervise (the profilers' use) the wrapper execs: same PID, signal armed."""
-    probe = ("import os; from labkit import _spawn; "
+    probe = ("import os; from labkit.jobs import spawn; "
              "print(spawn.get_parent_death_signal(), os.environ['LABKIT_AGENT_PID'] == str(os.getpid()))")  # fmt: skip
     cmd = [sys.executable, "-m", "labkit.jobs.spawn", "SIGTERM", str(os.getpid()), "--",
            sys.executable, "-c", probe]  # fmt: skip
@@ -155,7 +155,7 @@ def test_a_kernel_restart_during_a_job_leaves_nothing_running(mode, tmp_path):
     runs the same trial 20+ times)."""
     pytest.importorskip("jupyter_client")
     stress = _stress_script()
-    res = stress.trial(mode, after_s=launch.SUPERVISOR_GRACE_S + 15, workdir=tmp_path)
+    res = stress.trial(mode, after_s=supervisor.SUPERVISOR_GRACE_S + 15, workdir=tmp_path)
     assert res.started, "the job never got going before the restart"
     assert res.clean, f"still running after the {mode} restart: {res.survivors}"
 
@@ -168,7 +168,7 @@ def no_spawn(home, monkeypatch):
     def refuse(self):
         raise AssertionError("run() started torchrun for an endpoint it should have refused")
 
-    monkeypatch.setattr(launch._Supervisor, "start", refuse)
+    monkeypatch.setattr(supervisor.Supervisor, "start", refuse)
     return home
 
 
@@ -254,7 +254,7 @@ def test_a_leftover_job_on_the_rendezvous_port_is_ended_before_the_port_is_judge
             "agent": procs.record(psutil.Process(agent.pid)), "workers": [],
         })  # fmt: skip
         judged: list[bool] = []  # whether the leftover still ran when the endpoint was judged
-        real = launch.endpoint_problem
+        real = preflight.endpoint_problem
 
         def endpoint_problem(n):
             judged.append(agent.poll() is None and procs.alive(psutil.Process(agent.pid)))
@@ -263,8 +263,8 @@ def test_a_leftover_job_on_the_rendezvous_port_is_ended_before_the_port_is_judge
         def start(self):
             raise Started
 
-        monkeypatch.setattr(launch, "endpoint_problem", endpoint_problem)
-        monkeypatch.setattr(launch._Supervisor, "start", start)
+        monkeypatch.setattr(preflight, "endpoint_problem", endpoint_problem)
+        monkeypatch.setattr(supervisor.Supervisor, "start", start)
         layout = Nodes(2, endpoint=f"127.0.0.1:{port}", node_rank=node_rank)
         with pytest.raises(Started):
             launch.run("labkit.workers._faults", nproc=1, stream=False, nodes=layout)
@@ -394,7 +394,7 @@ def _free_port() -> int:
 
 @dataclass
 class FakeProcess:
-    """The part of psutil.Process that launch._ranks_under and Job.rank_pids use."""
+    """The part of psutil.Process that observers.ranks_under and Job.rank_pids use."""
 
     pid: int
     cmd: list[str]
@@ -423,13 +423,13 @@ def test_a_dead_ranks_orphans_under_the_supervisor_are_not_ranks(monkeypatch, tm
                                    "--", py, "-m", "torch.distributed.run"],
                              kids=[torchrun, orphan])  # fmt: skip
     table = {p.pid: p for p in (supervisor, torchrun, orphan, grandchild, rank0)}
-    monkeypatch.setattr(launch.psutil, "Process", lambda pid: table[pid])
+    monkeypatch.setattr(observers.psutil, "Process", lambda pid: table[pid])
 
-    assert [p.pid for p in launch._ranks_under(100)] == [110]
+    assert [p.pid for p in observers.ranks_under(100)] == [110]
     job = launch.Job("j", "m", 2, "gloo", "cpu", {}, tmp_path, agent_pid=100)
     assert job.rank_pids() == {0: 110}, "rank 1 is dead: no process may stand in for it"
     # Where the supervisor cannot run, agent_pid is torchrun itself.
-    assert [p.pid for p in launch._ranks_under(101)] == [110]
+    assert [p.pid for p in observers.ranks_under(101)] == [110]
 
 
 # --- a write cut short by a full disk -------------------------------------------------------------

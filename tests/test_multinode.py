@@ -196,7 +196,7 @@ def test_bad_layouts_are_refused_with_the_fix(kwargs, says):
 def test_launch_refuses_a_layout_that_is_not_nodes_and_negative_restarts():
     from labkit.jobs import launch
 
-    with pytest.raises(ValueError, match=r"labkit\.nodes\.Nodes"):
+    with pytest.raises(ValueError, match=r"labkit\.jobs\.nodes\.Nodes"):
         launch.run("labkit.workers.multinode", nodes={"count": 2})
     with pytest.raises(ValueError, match="max_restarts=-1"):
         launch.run("labkit.workers.multinode", max_restarts=-1)

@@ -29,7 +29,7 @@ import psutil
 import pytest
 
 from labkit import __main__ as cli
-from labkit.jobs import launch, runtime, slurm
+from labkit.jobs import spec
 from labkit.jobs.slurm import SlurmJob
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,12 +81,12 @@ def test_a_job_near_its_time_limit_requests_a_checkpoint_and_requeues(tmp_path):
         gpu_job(time="00:01:00", signal_s=120)
 
 
-def test_constants_match_the_modules_they_copy():
-    # slurm sits below dist and launch (they import torch): its copies must not drift
-    assert slurm.JOB_DIR_ENV == runtime.JOB_DIR_ENV
-    assert slurm.SPEC_FILE == runtime.SPEC_FILE
-    assert slurm.RANK_PREFIX == launch.RANK_PREFIX
-    assert slurm.MAX_RANKS_PER_CPU == launch.MAX_RANKS_PER_CORE
+def test_the_script_uses_the_job_folder_the_ranks_read():
+    # One layout for launch.run, the ranks and the script: labkit.jobs.spec's.
+    script = SlurmJob().render()
+    assert f'export {spec.JOB_DIR_ENV}="$SLURM_SUBMIT_DIR/runs/slurm-$SLURM_JOB_ID"' in script
+    assert f'cat > "${spec.JOB_DIR_ENV}/{spec.SPEC_FILE}"' in script
+    assert f"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE='{spec.RANK_PREFIX}'" in script
 
 
 def test_a_gpu_job_asks_for_its_nodes_and_gpus_and_runs_one_agent_per_node():

@@ -9,7 +9,7 @@ from typing import ClassVar
 import pytest
 
 from labkit.errors import LabkitError
-from labkit.jobs import launch, spec
+from labkit.jobs import preflight, spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,20 +49,29 @@ def test_a_config_without_a_worker_is_refused():
 
 
 def test_run_reads_the_module_from_the_config():
-    assert launch._worker_and_config(Demo(), None) == ("labkit.workers.allreduce", Demo().to_dict())
-    assert launch._worker_and_config("labkit.workers.allreduce", Demo())[1] == Demo().to_dict()
-    assert launch._worker_and_config("labkit.workers.x", None) == ("labkit.workers.x", {})
+    assert preflight.worker_and_config(Demo(), None) == ("labkit.workers.allreduce", Demo().to_dict())
+    assert preflight.worker_and_config("labkit.workers.allreduce", Demo())[1] == Demo().to_dict()
+    assert preflight.worker_and_config("labkit.workers.x", None) == ("labkit.workers.x", {})
     with pytest.raises(ValueError, match="leave config out"):
-        launch._worker_and_config(Demo(), {"a": 1})
+        preflight.worker_and_config(Demo(), {"a": 1})
     with pytest.raises(ValueError, match=r"for labkit\.workers\.allreduce, not for labkit\.workers\.x"):
-        launch._worker_and_config("labkit.workers.x", Demo())
+        preflight.worker_and_config("labkit.workers.x", Demo())
     with pytest.raises(ValueError, match="module=3"):
-        launch._worker_and_config(3, None)
+        preflight.worker_and_config(3, None)
 
 
 def test_the_spec_module_imports_no_torch():
     import subprocess
     import sys
 
-    code = "import sys, labkit.jobs.spec; print('torch' in sys.modules)"
+    # nor do the modules that read the job folder through it: the registry and the sbatch script
+    code = "import sys, labkit.jobs.spec, labkit.jobs.procs, labkit.jobs.slurm; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_the_job_folder_has_one_layout_which_runtime_re_exports():
+    from labkit.jobs import runtime  # a rank looks for it there
+
+    for name in ("JOB_DIR_ENV", "SPEC_FILE", "STACK_SIGNAL", "result_path", "heartbeat_path",
+                 "stack_path", "write_json_atomic", "read_json", "read_heartbeats"):  # fmt: skip
+        assert getattr(runtime, name) is getattr(spec, name), name

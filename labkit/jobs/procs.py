@@ -21,7 +21,7 @@ from typing import Any
 
 import psutil
 
-from labkit.jobs import runtime
+from labkit.jobs import spec
 
 GRACE_S = 2.0  # after SIGTERM, how long processes get before SIGKILL
 # Job directories kept by default. A learner launches a few dozen jobs in one pass over the
@@ -161,7 +161,7 @@ def cleanup(supervised: Collection[str] | None = None) -> list[dict[str, Any]]:
     report = []
     remove_stale_tmp(registry_dir())
     for path in sorted(registry_dir().glob("*.json")):
-        rec = runtime.read_json(path)
+        rec = spec.read_json(path)
         if rec is None:
             continue  # unreadable: not ours to judge
         owner = find(rec.get("owner"))
@@ -181,12 +181,12 @@ def cleanup(supervised: Collection[str] | None = None) -> list[dict[str, Any]]:
     return report
 
 
-# ``runtime.write_json_atomic`` writes ``.<name>.<pid>.tmp`` next to the file, then renames it.
+# ``spec.write_json_atomic`` writes ``.<name>.<pid>.tmp`` next to the file, then renames it.
 _TMP_NAME = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)\.tmp")
 
 
 def remove_stale_tmp(folder: Path) -> list[Path]:
-    """Delete the temporary files in ``folder`` that ``runtime.write_json_atomic`` left behind
+    """Delete the temporary files in ``folder`` that ``spec.write_json_atomic`` left behind
     (a writer killed between writing and renaming: a kernel restart, a full disk before the
     writer removed its own); return them.
 
@@ -251,7 +251,7 @@ def prune_runs(keep: int | None = None, runs_dir: Path | None = None) -> list[Pa
             ``keep_runs()``, i.e. ``$LABKIT_KEEP_RUNS`` or ``KEEP_RUNS``); 0 deletes them all.
         runs_dir: the folder to prune (default: ``default_runs_dir()``).
 
-    Only directories holding a job spec (``runtime.SPEC_FILE``) count as job directories: any
+    Only directories holding a job spec (``spec.SPEC_FILE``) count as job directories: any
     other file or folder there, and symlinks, are never touched. Age is the directory's mtime,
     not its name (a name's time stamp is local time, which jumps with time zones and clock
     changes). The directory of a job that is still running is never deleted, nor counted
@@ -281,7 +281,7 @@ def prune_runs(keep: int | None = None, runs_dir: Path | None = None) -> list[Pa
     for path in entries:
         try:
             st = path.lstat()
-            if not stat.S_ISDIR(st.st_mode) or not (path / runtime.SPEC_FILE).is_file():
+            if not stat.S_ISDIR(st.st_mode) or not (path / spec.SPEC_FILE).is_file():
                 continue  # not a job directory (lstat: a symlink is not followed)
             if path.name in running:
                 continue
@@ -309,7 +309,7 @@ def _running_job_ids() -> set[str]:
     """
     running: set[str] = set()
     for path in registry_dir().glob("*.json"):
-        rec = runtime.read_json(path)
+        rec = spec.read_json(path)
         try:
             if rec is not None:
                 named = [rec.get("owner"), rec.get("agent"), *(rec.get("workers") or [])]
@@ -336,13 +336,13 @@ def _remove_job_dir(path: Path) -> bool:
     """
     try:
         for child in path.iterdir():
-            if child.name == runtime.SPEC_FILE:
+            if child.name == spec.SPEC_FILE:
                 continue
             if child.is_dir() and not child.is_symlink():
                 shutil.rmtree(child)
             else:
                 child.unlink()
-        (path / runtime.SPEC_FILE).unlink()
+        (path / spec.SPEC_FILE).unlink()
         path.rmdir()
     except OSError:
         return False

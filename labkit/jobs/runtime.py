@@ -19,15 +19,9 @@ the rest are plain ``torch.distributed``: this module only does what every worke
 around them.
 
 The launcher and the workers talk through files in the job directory (path in the
-``LABKIT_JOB_DIR`` environment variable); this module owns that layout:
-
-    job.json                 the job spec the launcher wrote: config, backend, timeouts
-    rank{r}.json             what rank r passed to ``ctx.write_result``
-    heartbeat/rank{r}.json   rank r's latest heartbeat: pid, node, step, phase, in a
-                             collective or not, the part of the job running (if the worker
-                             names one), and which restart of the job this process is
-
-Files, not sockets: they survive a crash, need no port, and a human can read them.
+``LABKIT_JOB_DIR`` environment variable); ``labkit.jobs.spec`` holds that layout and its JSON
+helpers, which need no torch (the launcher's side and ``slurm`` use them too); they are
+re-exported here, where a worker looks for them.
 """
 
 from __future__ import annotations
@@ -43,7 +37,7 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,68 +48,20 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 
 from labkit.jobs.spawn import AGENT_PID_ENV, set_parent_death_signal
 
-JOB_DIR_ENV = "LABKIT_JOB_DIR"
-SPEC_FILE = "job.json"
+# The job folder's layout, in labkit.jobs.spec (no torch there); part of this module's API.
+from labkit.jobs.spec import JOB_DIR_ENV as JOB_DIR_ENV
+from labkit.jobs.spec import SPEC_FILE as SPEC_FILE
+from labkit.jobs.spec import STACK_SIGNAL as STACK_SIGNAL
+from labkit.jobs.spec import heartbeat_path as heartbeat_path
+from labkit.jobs.spec import read_heartbeats as read_heartbeats
+from labkit.jobs.spec import read_json as read_json
+from labkit.jobs.spec import result_path as result_path
+from labkit.jobs.spec import stack_path as stack_path
+from labkit.jobs.spec import write_json_atomic as write_json_atomic
+
 # torch's defaults are 10 min (NCCL) and 30 min (gloo) (torch.distributed.constants): a hung
 # collective would stall a notebook cell that long. One minute is ample for lab-sized jobs.
 DEFAULT_PG_TIMEOUT_S = 60.0
-
-
-# --- the on-disk protocol (shared with labkit.jobs.launch) ---------------------------------------
-
-
-def result_path(job_dir: Path, rank: int) -> Path:
-    return Path(job_dir) / f"rank{rank}.json"
-
-
-def heartbeat_path(job_dir: Path, rank: int) -> Path:
-    return Path(job_dir) / "heartbeat" / f"rank{rank}.json"
-
-
-def stack_path(job_dir: Path, rank: int) -> Path:
-    """Where rank ``rank`` writes its Python stacks when sent ``STACK_SIGNAL``."""
-    return Path(job_dir) / "stacks" / f"rank{rank}.txt"
-
-
-STACK_SIGNAL = signal.SIGUSR1
-"""Sent by the launcher to a rank it is about to end for time: the rank writes where every
-one of its threads is (``faulthandler``) to ``stack_path``, so the timeout can say where each
-rank was stuck."""
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write JSON so a concurrent reader sees the old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(obj, allow_nan=True)  # before the file exists: a bad object leaves none
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)  # atomic on POSIX
-    except BaseException:
-        # A full disk fails the write after the file was created: never leave it behind.
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-
-
-def read_json(path: Path) -> dict | None:
-    """The JSON object in ``path``, or None if it is missing or unreadable."""
-    try:
-        obj = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-    return obj if isinstance(obj, dict) else None
-
-
-def read_heartbeats(job_dir: Path, ranks: int | Iterable[int]) -> dict[int, dict]:
-    """Latest heartbeat of each of ``ranks`` (an int n: ranks 0..n-1) that has written one:
-    {rank: heartbeat dict}."""
-    beats = {}
-    for rank in range(ranks) if isinstance(ranks, int) else ranks:
-        beat = read_json(heartbeat_path(job_dir, rank))
-        if beat is not None:
-            beats[rank] = beat
-    return beats
 
 
 # --- the context a worker function receives -------------------------------------------------

@@ -16,7 +16,7 @@ has never seen one):
   a port the script asks that node's OS for, and each agent starts the node's ranks (one per
   GPU, or ``ranks_per_node`` CPU ranks).
 - Every rank runs the same worker module as ``labkit.jobs.launch.run`` does on one machine, and
-  talks to the same job folder (``labkit.jobs.runtime``: ``job.json`` in, ``rank{r}.json`` out),
+  talks to the same job folder (``labkit.jobs.spec``: ``job.json`` in, ``rank{r}.json`` out),
   here ``runs/slurm-<job id>`` under the folder the job was submitted from, which must be on
   a filesystem every node sees. torchrun writes every rank's output to its own file there.
 
@@ -34,16 +34,11 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+# The job folder and the rank prefix are the ones launch.run uses (labkit.jobs.spec: no torch).
+from labkit.jobs.spec import JOB_DIR_ENV, MAX_RANKS_PER_CORE, RANK_PREFIX, SPEC_FILE
 from labkit.validate import flag, whole
 
-# The job-folder protocol of labkit.jobs.runtime (JOB_DIR_ENV, SPEC_FILE) and launch's rank prefix
-# (RANK_PREFIX), spelled out here because both modules sit above this one and import torch;
-# tests/test_slurm.py holds these copies equal to the originals.
-JOB_DIR_ENV = "LABKIT_JOB_DIR"
-SPEC_FILE = "job.json"
-RANK_PREFIX = "[rank${rank}] "  # torchrun substitutes ${rank}
 DEFAULT_MODULE = "labkit.workers.multinode"
-MAX_RANKS_PER_CPU = 4  # as labkit.jobs.launch.MAX_RANKS_PER_CORE: more is a fork bomb, not a lesson
 
 # Values that end up inside the script: a name SLURM accepts and the shell cannot misread
 # (no spaces, quotes, $, ;, |, &, newlines, ...).
@@ -142,11 +137,11 @@ class SlurmJob:
         if self.cpus_per_node is not None:
             self._whole("cpus_per_node", low=1,
                     why="CPU cores SLURM reserves per machine, e.g. 8")  # fmt: skip
-        if not self.gpus_per_node and self.ranks > MAX_RANKS_PER_CPU * self.cpus:
+        if not self.gpus_per_node and self.ranks > MAX_RANKS_PER_CORE * self.cpus:
             raise ValueError(
                 f"ranks_per_node={self.ranks} CPU ranks on cpus_per_node={self.cpus}: at most "
-                f"{MAX_RANKS_PER_CPU} per core; raise cpus_per_node to "
-                f"{math.ceil(self.ranks / MAX_RANKS_PER_CPU)} or more, or run fewer ranks"
+                f"{MAX_RANKS_PER_CORE} per core; raise cpus_per_node to "
+                f"{math.ceil(self.ranks / MAX_RANKS_PER_CORE)} or more, or run fewer ranks"
             )
         self.time_limit_s  # noqa: B018 (parses and checks time)
         for name in ("partition", "account", "job_name"):
@@ -418,6 +413,20 @@ echo "job $SLURM_JOB_ID done: results in ${JOB_DIR_ENV}/rank<r>.json"
         if self.runs_dir.startswith("/"):
             return self.runs_dir
         return f"$SLURM_SUBMIT_DIR/{self.runs_dir}"
+
+
+def describe_sbatch_here(which: Any = None) -> str:
+    """One line: whether this machine has SLURM's ``sbatch`` to queue such a script, and how
+    (``which``: a stand-in for ``shutil.which``, for tests)."""
+    import shutil
+
+    sbatch = (which or shutil.which)("sbatch")
+    if sbatch:
+        return (f"this machine: SLURM's sbatch is at {sbatch}: `python -m labkit slurm ... -o "
+                "multinode.sbatch` writes this script to a file and `sbatch multinode.sbatch` "
+                "queues it")  # fmt: skip
+    return ("this machine: no sbatch here; the course's tests submit such a script to a one-node "
+            "SLURM cluster (tests/test_slurm.py) and check every rank's output")
 
 
 # --- the command line (python -m labkit slurm) -------------------------------------------------

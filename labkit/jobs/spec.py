@@ -1,4 +1,4 @@
-"""What a job is, before anything runs: a worker module and its typed configuration.
+"""What a job is before anything runs (a worker module, its typed configuration), and its folder.
 
 This module imports neither torch nor any worker, so a notebook's kernel, the launcher and the
 tests can build and check a job's configuration cheaply. Each worker in ``labkit/workers/``
@@ -20,14 +20,36 @@ start, and a rank reads the same dataclass back with ``type(config).from_dict(ct
 The config travels to every rank as JSON (the job folder's spec file), so a field holds what
 JSON holds: numbers, strings, booleans, None, and lists, tuples and dicts of them, or a nested
 dataclass of such fields. Tuples come back as tuples (``from_dict`` follows the field types).
+
+The job folder is here too, for the same reason: the launcher (``labkit.jobs.launch``), a
+rank (``labkit.jobs.runtime``), the process registry (``labkit.jobs.procs``) and an sbatch
+script (``labkit.jobs.slurm``) all read or write it, and only the ranks need torch. The launcher
+and the ranks talk through files in it (its path in the ``LABKIT_JOB_DIR`` environment
+variable):
+
+    job.json                 the job spec the launcher wrote: config, backend, timeouts
+    rank{r}.json             what rank r passed to ``ctx.write_result``
+    heartbeat/rank{r}.json   rank r's latest heartbeat: pid, node, step, phase, in a
+                             collective or not, the part of the job running (if the worker
+                             names one), and which restart of the job this process is
+    stacks/rank{r}.txt       where rank r's threads were when asked (``STACK_SIGNAL``)
+    agent.log                everything torchrun's agent printed
+    torchrun/                torchrun's own per-rank logs (``--log-dir``)
+
+Files, not sockets: they survive a crash, need no port, and a human can read them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
+import signal
 import types
 import typing
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any, ClassVar, TypeVar, Union
 
 from labkit.validate import InvalidValue
@@ -94,3 +116,72 @@ def worker_of(config: WorkerConfig) -> str:
         raise InvalidValue(f"{type(config).__name__} names no worker module: give the class "
                            "WORKER = 'labkit.workers.<name>'")  # fmt: skip
     return module
+
+
+# --- the job folder: its layout, and JSON files written whole ---------------------------------
+
+JOB_DIR_ENV = "LABKIT_JOB_DIR"
+"""The environment variable that gives every process of a job its folder."""
+SPEC_FILE = "job.json"
+AGENT_LOG = "agent.log"
+TORCHRUN_LOGS = "torchrun"
+RANK_PREFIX = "[rank${rank}] "
+"""torchrun's ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``: it substitutes ``${rank}``, so every
+line a rank prints arrives as "[rank3] ..."."""
+MAX_RANKS_PER_CORE = 4
+"""CPU ranks per core allowed without ``oversubscribe=True``: two or four ranks on a two-core
+laptop are a lesson in contention; ten thousand are a fork bomb."""
+
+
+def result_path(job_dir: Path, rank: int) -> Path:
+    return Path(job_dir) / f"rank{rank}.json"
+
+
+def heartbeat_path(job_dir: Path, rank: int) -> Path:
+    return Path(job_dir) / "heartbeat" / f"rank{rank}.json"
+
+
+def stack_path(job_dir: Path, rank: int) -> Path:
+    """Where rank ``rank`` writes its Python stacks when sent ``STACK_SIGNAL``."""
+    return Path(job_dir) / "stacks" / f"rank{rank}.txt"
+
+
+STACK_SIGNAL = signal.SIGUSR1
+"""Sent by the launcher to a rank it is about to end for time: the rank writes where every
+one of its threads is (``faulthandler``) to ``stack_path``, so the timeout can say where each
+rank was stuck."""
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON so a concurrent reader sees the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(obj, allow_nan=True)  # before the file exists: a bad object leaves none
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)  # atomic on POSIX
+    except BaseException:
+        # A full disk fails the write after the file was created: never leave it behind.
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def read_json(path: Path) -> dict | None:
+    """The JSON object in ``path``, or None if it is missing or unreadable."""
+    try:
+        obj = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def read_heartbeats(job_dir: Path, ranks: int | Iterable[int]) -> dict[int, dict]:
+    """Latest heartbeat of each of ``ranks`` (an int n: ranks 0..n-1) that has written one:
+    {rank: heartbeat dict}."""
+    beats = {}
+    for rank in range(ranks) if isinstance(ranks, int) else ranks:
+        beat = read_json(heartbeat_path(job_dir, rank))
+        if beat is not None:
+            beats[rank] = beat
+    return beats
