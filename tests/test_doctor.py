@@ -21,6 +21,8 @@ from fake_nvml import FakeGpu, FakeNvml
 
 from labkit import hardware
 from labkit.hardware import doctor
+from labkit.hardware.doctor import gpu as doctor_gpu
+from labkit.hardware.doctor import host as doctor_host
 from labkit.jobs import launch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,7 +115,7 @@ def test_a_check_that_raises_fails_alone_with_a_fix(monkeypatch, capsys):
 
 
 def test_python_too_old_fails(monkeypatch):
-    monkeypatch.setattr(doctor, "MIN_PYTHON", (99, 0))
+    monkeypatch.setattr(doctor_host, "MIN_PYTHON", (99, 0))  # where check_python reads it
     check = doctor.check_python(doctor.Probe())
     assert check.verdict == "fail" and "99.0" in check.fix
 
@@ -155,7 +157,7 @@ def test_allreduce_failure_is_a_fail_with_the_error_and_a_fix(monkeypatch, tmp_p
             rank=1,
         )
 
-    monkeypatch.setattr(doctor.launch, "run", failing_run)
+    monkeypatch.setattr(doctor_host.launch, "run", failing_run)
     report = doctor.run_checks(allreduce=True)
     check = report["all-reduce"]
     assert check.verdict == "fail" and report.exit_code == 1
@@ -177,7 +179,7 @@ def test_allreduce_failure_is_a_fail_with_the_error_and_a_fix(monkeypatch, tmp_p
             heartbeats={},
         )
 
-    monkeypatch.setattr(doctor.launch, "run", hanging_run)
+    monkeypatch.setattr(doctor_host.launch, "run", hanging_run)
     check = doctor.check_allreduce(doctor.Probe(timeout_s=7))
     assert check.verdict == "fail" and "did not finish in 7 s" in check.detail
     assert "likely hung: rank 0" in check.detail and str(tmp_path) in check.fix
@@ -185,7 +187,7 @@ def test_allreduce_failure_is_a_fail_with_the_error_and_a_fix(monkeypatch, tmp_p
     def no_port(module, **kw):  # the machine, not the job: the launcher says what to change
         raise launch.LaunchError("no free local network port (Address already in use): ...")
 
-    monkeypatch.setattr(doctor.launch, "run", no_port)
+    monkeypatch.setattr(doctor_host.launch, "run", no_port)
     check = doctor.check_allreduce(doctor.Probe())
     assert check.verdict == "fail" and "could not start: no free local network port" in check.detail
     assert "surprised" not in check.detail + check.fix
@@ -193,7 +195,7 @@ def test_allreduce_failure_is_a_fail_with_the_error_and_a_fix(monkeypatch, tmp_p
 
 def test_allreduce_with_a_wrong_sum_fails(monkeypatch, tmp_path):
     ranks = [{"value": 3.0, "expected": 3.0}, {"value": 2.0, "expected": 3.0}]
-    monkeypatch.setattr(doctor.launch, "run", lambda module, **kw: _job_result(tmp_path, ranks))
+    monkeypatch.setattr(doctor_host.launch, "run", lambda module, **kw: _job_result(tmp_path, ranks))
     check = doctor.check_allreduce(doctor.Probe())
     assert check.verdict == "fail" and "rank(s) [1]" in check.detail
 
@@ -201,21 +203,21 @@ def test_allreduce_with_a_wrong_sum_fails(monkeypatch, tmp_path):
 def test_low_memory_disk_and_cores_warn_or_fail(monkeypatch):
     probe = doctor.Probe()
     monkeypatch.setattr(
-        doctor.psutil, "virtual_memory", lambda: SimpleNamespace(total=8 * 2**30, available=2**30)
+        doctor_host.psutil, "virtual_memory", lambda: SimpleNamespace(total=8 * 2**30, available=2**30)
     )
     assert doctor.check_memory(probe).verdict == "warning"
 
     def disk(free):
         return lambda path: SimpleNamespace(total=100 * 2**30, used=0, free=free)
 
-    monkeypatch.setattr(doctor.shutil, "disk_usage", disk(2**30))
+    monkeypatch.setattr(doctor_host.shutil, "disk_usage", disk(2**30))
     assert doctor.check_disk(probe).verdict == "warning"
-    monkeypatch.setattr(doctor.shutil, "disk_usage", disk(10 * 2**20))
+    monkeypatch.setattr(doctor_host.shutil, "disk_usage", disk(10 * 2**20))
     full = doctor.check_disk(probe)
     assert full.verdict == "fail" and "LABKIT_HOME" in full.fix
 
     one = hardware.CpuInfo("test CPU", "x86_64", 1, 1, 1, ())
-    monkeypatch.setattr(doctor.hardware, "cpu_info", lambda: one)
+    monkeypatch.setattr(doctor_host.hardware, "cpu_info", lambda: one)
     cores = doctor.check_cpu(probe)
     assert cores.verdict == "warning" and "2 or more" in cores.fix
 
@@ -323,7 +325,7 @@ def test_disk_writes_and_removes_a_file_in_the_labkit_home(monkeypatch, tmp_path
 
 def test_widgets_missing_or_mismatched_fail(monkeypatch, tmp_path):
     probe = doctor.Probe()
-    monkeypatch.setattr(doctor, "_labextension_dirs", lambda: [tmp_path])
+    monkeypatch.setattr(doctor_host, "_labextension_dirs", lambda: [tmp_path])
     missing = doctor.check_widgets_extension(probe)
     assert missing.verdict == "fail" and "jupyterlab-manager" in missing.detail
 
@@ -333,9 +335,9 @@ def test_widgets_missing_or_mismatched_fail(monkeypatch, tmp_path):
     assert "5.0.99" in doctor.check_widgets_extension(probe).detail
 
     versions = {"ipywidgets": "8.1.0", "jupyterlab_widgets": "1.1.0"}
-    monkeypatch.setattr(doctor, "_dist_version", versions.get)
+    monkeypatch.setattr(doctor_host, "dist_version", versions.get)
     assert doctor.check_ipywidgets(probe).verdict == "fail"
-    monkeypatch.setattr(doctor, "_dist_version", {}.get)
+    monkeypatch.setattr(doctor_host, "dist_version", {}.get)
     assert doctor.check_jupyterlab(probe).verdict == "fail"
 
 
@@ -476,7 +478,7 @@ def test_gpu_that_torch_has_no_kernels_for_fails():
     ],
 )
 def test_arch_support_rules(cc, arch, ok):
-    assert doctor._arch_supported(cc, arch) is ok
+    assert doctor_gpu._arch_supported(cc, arch) is ok
 
 
 def test_nvml_errors_on_a_cpu_machine(monkeypatch):

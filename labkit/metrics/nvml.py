@@ -39,6 +39,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import psutil
@@ -72,17 +73,6 @@ _DEVICE_FAILED = (  # the library or driver under us broke: stop asking this dev
     "NVML_ERROR_DRIVER_NOT_LOADED",
     "NVML_ERROR_UNINITIALIZED",
 )
-_INIT_REASONS = {
-    "NVML_ERROR_LIBRARY_NOT_FOUND": "NVML library not found (libnvidia-ml.so): no NVIDIA "
-    "driver on this machine",
-    "NVML_ERROR_DRIVER_NOT_LOADED": "the NVIDIA kernel driver is not loaded (no GPU, or the "
-    "driver is not running: try `nvidia-smi`)",
-    "NVML_ERROR_LIB_RM_VERSION_MISMATCH": "the NVML library and the NVIDIA kernel driver have "
-    "different versions (driver updated without a reboot?): reboot, or reload the nvidia "
-    "kernel module",
-    "NVML_ERROR_NO_PERMISSION": "no permission to open the NVIDIA devices (/dev/nvidia*): "
-    "run where the GPUs are visible to your user",
-}
 
 
 class _DeviceGone(Exception):
@@ -109,15 +99,20 @@ class _Gpu:
     gpm_time: float = 0.0  # clock time of the sample in gpm_bufs[0]: where the window opens
 
 
-def _text(s: Any) -> str:
-    return s.decode() if isinstance(s, bytes) else str(s)
+def _plumbing() -> ModuleType:
+    """:mod:`labkit.hardware.nvml`, the NVML plumbing every NVML reader in labkit shares
+    (loading, shutdown, decoding, what a failed nvmlInit means), imported on first use:
+    labkit.hardware imports torch, which loads pynvml, and importing this module loads nothing."""
+    from labkit.hardware import nvml
+
+    return nvml
 
 
 def _code_name(nv: Any, err: Exception) -> str:
     """The NVML_ERROR_* name of an NVMLError (pynvml's or a test double's), for the codes this
     module acts on; others by their class name (e.g. "NVMLError_Timeout")."""
     value = getattr(err, "value", None)
-    for name in (*_NOT_AVAILABLE, *_DEVICE_LOST, *_DEVICE_FAILED, *_INIT_REASONS):
+    for name in (*_NOT_AVAILABLE, *_DEVICE_LOST, *_DEVICE_FAILED):
         if getattr(nv, name, None) == value:
             return name
     return type(err).__name__
@@ -126,9 +121,9 @@ def _code_name(nv: Any, err: Exception) -> str:
 def parse_visible_devices(spec: str, uuids: Sequence[str]) -> tuple[list[int], list[str]]:
     """``labkit.hardware.parse_visible_devices``: the one mapping of ``CUDA_VISIBLE_DEVICES``
     to NVML indices (imported on call: labkit.hardware imports torch, which loads pynvml)."""
-    from labkit import hardware
+    from labkit.hardware.devices import parse_visible_devices
 
-    return hardware.parse_visible_devices(spec, uuids)
+    return parse_visible_devices(spec, uuids)
 
 
 class NvmlBackend(Backend):
@@ -171,12 +166,10 @@ class NvmlBackend(Backend):
 
     def _module(self) -> Any:
         if self._nv is None:
-            try:
-                import pynvml  # from nvidia-ml-py; lazy: importing labkit loads no library
-            except ImportError:
+            self._nv = _plumbing().load_nvml()
+            if self._nv is None:
                 raise BackendUnavailable(
-                    "the NVML bindings are not installed: pip install nvidia-ml-py") from None  # fmt: skip
-            self._nv = pynvml
+                    "the NVML bindings are not installed: pip install nvidia-ml-py")  # fmt: skip
         return self._nv
 
     def open(self) -> None:
@@ -186,18 +179,18 @@ class NvmlBackend(Backend):
         try:
             nv.nvmlInit()
         except nv.NVMLError as e:
-            code = _code_name(nv, e)
-            self.reason = _INIT_REASONS.get(code, f"nvmlInit failed: {e} ({code})")
+            hint = _plumbing().init_error_hint(e)
+            self.reason = hint or f"nvmlInit failed: {e} ({_code_name(nv, e)})"
             raise BackendUnavailable(f"NVML unavailable: {self.reason}") from None
         try:
             self._gpus = self._find_gpus(nv)
             self.info = self._system_info(nv)
         except nv.NVMLError as e:
-            self._shutdown(nv)
+            _plumbing().shutdown_nvml(nv)
             self.reason = f"NVML failed while listing GPUs: {e} ({_code_name(nv, e)})"
             raise BackendUnavailable(f"NVML unavailable: {self.reason}") from None
         except BaseException:  # BackendUnavailable, a bad `devices` entry: init must not leak
-            self._shutdown(nv)
+            _plumbing().shutdown_nvml(nv)
             raise
         self.reason = ""
         self._ticks = 0
@@ -209,12 +202,13 @@ class NvmlBackend(Backend):
             self.reason = "the NVIDIA driver is loaded but reports no GPU"
             raise BackendUnavailable(f"NVML unavailable: {self.reason}")
         handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
-        uuids = [_text(nv.nvmlDeviceGetUUID(h)) for h in handles]
+        uuids = [_plumbing().nvml_text(nv.nvmlDeviceGetUUID(h)) for h in handles]
         spec = os.environ.get("CUDA_VISIBLE_DEVICES") if self.devices is None else self.devices
         self.status = {}
         if spec is None or isinstance(spec, str):  # NVML ignores CUDA_VISIBLE_DEVICES: map it
-            from labkit import hardware  # lazy: it imports torch, which loads pynvml
-            visible, notes = hardware.visible_gpus(nv, spec)
+            from labkit.hardware.devices import visible_gpus  # lazy, as _plumbing() says
+
+            visible, notes = visible_gpus(nv, spec)
             indices = [g.index for g in visible]
             if spec is not None:
                 self._warn_order(nv, spec, handles, indices, notes)
@@ -242,13 +236,13 @@ class NvmlBackend(Backend):
             return
         if not any(t.strip().isdigit() for t in spec.split(",")):
             return
-        if len({_text(nv.nvmlDeviceGetName(h)) for h in handles}) > 1:
+        if len({_plumbing().nvml_text(nv.nvmlDeviceGetName(h)) for h in handles}) > 1:
             notes.append("GPUs of different models and CUDA_DEVICE_ORDER is not PCI_BUS_ID: "
                          "integer CUDA_VISIBLE_DEVICES entries may name other GPUs in NVML; "
                          "pass UUIDs to be sure")  # fmt: skip
 
     def _open_gpu(self, nv: Any, label: str, index: int, handle: Any, uuid: str) -> _Gpu:
-        gpu = _Gpu(label, index, uuid, _text(nv.nvmlDeviceGetName(handle)), handle)
+        gpu = _Gpu(label, index, uuid, _plumbing().nvml_text(nv.nvmlDeviceGetName(handle)), handle)
         self.status[label] = "ok"
         try:
             mem = self._query(gpu, ("mem_total_gib",), nv.nvmlDeviceGetMemoryInfo)
@@ -291,12 +285,14 @@ class NvmlBackend(Backend):
             self._mark_na(gpu, names, f"N/A: GPM sampling failed at open ({e})")
 
     def _system_info(self, nv: Any) -> dict[str, Any]:
-        info: dict[str, Any] = {"driver": None, "cuda_driver": None}
-        with contextlib.suppress(nv.NVMLError):
-            info["driver"] = _text(nv.nvmlSystemGetDriverVersion())
-        with contextlib.suppress(nv.NVMLError, AttributeError):
-            v = int(nv.nvmlSystemGetCudaDriverVersion())  # e.g. 12080 -> "12.8"
-            info["cuda_driver"] = f"{v // 1000}.{v % 1000 // 10}"
+        lib = _plumbing()
+        driver = lib.field_or_na(nv.nvmlSystemGetDriverVersion)
+        # a lambda, so that bindings without the function (AttributeError) are N/A too
+        cuda = lib.field_or_na(lambda: nv.nvmlSystemGetCudaDriverVersion())
+        info: dict[str, Any] = {
+            "driver": None if driver is None else lib.nvml_text(driver),
+            "cuda_driver": None if cuda is None else lib.cuda_driver_text(int(cuda)),
+        }
         info["gpus"] = [{"label": g.label, "nvml_index": g.index, "uuid": g.uuid, "name": g.name,
                          "mem_total_gib": g.mem_total_gib} for g in self._gpus]  # fmt: skip
         return info
@@ -307,7 +303,7 @@ class NvmlBackend(Backend):
         nv = self._nv
         for gpu in self._gpus:
             self._free_gpm(nv, gpu)
-        self._shutdown(nv)
+        _plumbing().shutdown_nvml(nv)
         self._open = False
 
     @staticmethod
@@ -316,11 +312,6 @@ class NvmlBackend(Backend):
             with contextlib.suppress(Exception):  # freeing on a lost GPU may fail: nothing to do
                 nv.nvmlGpmSampleFree(buf)
         gpu.gpm_bufs = []
-
-    @staticmethod
-    def _shutdown(nv: Any) -> None:
-        with contextlib.suppress(Exception):  # nvmlInit is reference-counted: one shutdown each
-            nv.nvmlShutdown()
 
     # -- describe ---------------------------------------------------------------------------
 
