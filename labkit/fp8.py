@@ -58,9 +58,10 @@ Sources cited below:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -430,3 +431,104 @@ def convert_for_fp8_training(model: nn.Module, device: str | torch.device) -> Fp
             "MLP width as multiples of 16."
         )
     return Fp8Conversion(model=model, converted=converted, left_out=left_out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Presentation (notebook 04, section 8)
+
+
+def gpt_tensors(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
+                grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors notebook 04 casts to fp8: the first MLP's input (an activation, captured in
+    one forward of ``model`` on ``batch``), its weight, that weight's gradient, and all the
+    gradients (``grads``: parameter name → gradient) concatenated."""
+    fc = model.blocks[0].mlp.fc
+    captured = {}
+    hook = fc.register_forward_hook(
+        lambda module, args, out: captured.update({"MLP input, layer 0 (activation)": args[0].detach()}))
+    try:
+        with torch.no_grad():
+            model(*batch)
+    finally:
+        hook.remove()
+    return {
+        **captured,
+        "MLP weight, layer 0": fc.weight.detach(),
+        "MLP weight gradient, layer 0": grads["blocks.0.mlp.fc.weight"],
+        "all gradients": torch.cat([v.flatten() for v in grads.values()]),
+    }
+
+
+def describe_error_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """:func:`fp8_error_table`'s rows as text: scale, relative RMS error, the share flushed to
+    zero and the share that overflowed, per tensor, format and scaling."""
+    lines = [f"{'tensor':<32}{'format':<10}{'scaled':<8}{'scale':>10}{'rel. RMS error':>16}"
+             f"{'→ 0':>8}{'overflow':>10}"]
+    lines.extend(f"{r['name']:<32}{r['format']:<10}{'yes' if r['scaled'] else 'no':<8}"
+                 f"{r['scale']:>10.3g}{r['rel_rms_error']:>16.3g}{r['flushed_to_zero']:>8.1%}"
+                 f"{r['overflow']:>10.1%}" for r in rows)
+    return "\n".join(lines)
+
+
+def describe_scaling_errors(tensors: Mapping[str, torch.Tensor], fmt: str = "fp8_e4m3",
+                            together: str = "all gradients") -> str:
+    """:func:`scaling_errors` of every tensor as text, then whether block scales keep values of
+    ``tensors[together]`` that one tensor-wide scale flushes to zero (measured)."""
+    lines = [f"{'tensor':<32}{'scaling (e4m3)':<52}{'rel. RMS':>9}{'median rel.':>12}{'→ 0':>8}"]
+    for name, t in tensors.items():
+        for how, e in scaling_errors(t, fmt).items():
+            lines.append(f"{name[:31]:<32}{how:<52}{e['rel_rms_error']:>9.3g}"
+                         f"{e['median_rel_error']:>12.3g}{e['flushed_to_zero']:>8.2%}")
+    every = scaling_errors(tensors[together], fmt)
+    tensor_lost, block_lost = (every[k]["flushed_to_zero"] for k in
+                               ("per tensor", f"per {MX_BLOCK}-block, scale rounded up (MXFP8 recipe)"))
+    lines.append(f"\n{together} under one scale: {tensor_lost:.2%} flushed to zero; with a scale "
+                 f"per {MX_BLOCK} values (rounded up): {block_lost:.2%} (measured)"
+                 + (": block scales keep the small values one tensor-wide scale loses."
+                    if block_lost < tensor_lost else
+                    ": no difference here, the values of each tensor span few enough binades."))
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Fp8Training:
+    """fp8 training (tensorwise, under bf16 autocast) against a bf16 run, or why it did not run."""
+
+    reason: str | None
+    """Why fp8 training does not run here; None when it ran."""
+    conversion: Fp8Conversion | None = None
+    history: Any = None
+    """The fp8 run's ``labkit.train.History``."""
+    bf16_history: Any = None
+
+    def describe(self) -> str:
+        if self.reason is not None:
+            return (f"fp8 training does not run here: {self.reason}.\nNothing below is measured, "
+                    "and no fp8 speed or loss is shown in its place.")
+        conv, h, b = self.conversion, self.history, self.bf16_history
+        return "\n".join([
+            f"converted {len(conv.converted)} Linear layers to fp8; left in high precision: "
+            f"{conv.left_out or 'none'}",
+            f"fp8 (tensorwise, under bf16 autocast), measured in two runs one after the other: "
+            f"final validation loss {h.val_loss[-1]:.4f} vs bf16 {b.val_loss[-1]:.4f}; "
+            f"{h.tokens_per_s():,.0f} vs {b.tokens_per_s():,.0f} tokens/s",
+            "(two runs one after the other and without torch.compile: a speed verdict needs "
+            "alternated timing; fp8 pays off on large matmuls, where its casts cost little)"])
+
+
+def train_fp8(initial: nn.Module, cfg: Any, splits: Any, device: torch.device,
+              bf16: tuple[nn.Module, Any] | None) -> Fp8Training:
+    """Where fp8 training runs (:func:`fp8_training_support`), convert a copy of ``initial``
+    (:func:`convert_for_fp8_training`) and train it as ``cfg`` says under bf16 autocast, for
+    comparison with the bf16 run ``bf16`` (model, history); elsewhere, say why not and train
+    nothing."""
+    reason = fp8_training_support(device)
+    if reason is not None:
+        return Fp8Training(reason)
+    from labkit import train  # a lower layer; imported where used
+
+    model = copy.deepcopy(initial).to(device)
+    conversion = convert_for_fp8_training(model, device)
+    history = train.train(model, cfg.replace(dtype="bfloat16"), splits.train,
+                          val_data=splits.val, device=device)
+    return Fp8Training(None, conversion, history, bf16[1] if bf16 else None)
