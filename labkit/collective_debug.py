@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from labkit.jobs import diagnosis, launch, procs, runtime
+from labkit.workers.collective_faults_config import FAULTS, CollectiveFaultsConfig
 
-WORKER = "labkit.workers.collective_faults"
-FAULTS = ("none", "desync", "shape", "hang")
+WORKER = CollectiveFaultsConfig.WORKER
 
 
 def first_divergence(plans: dict[int, Sequence[str]]) -> tuple[int, dict[int, str]] | None:
@@ -177,6 +177,10 @@ def run_trials(
     if not pg_timeout_s < timeout_s:
         raise ValueError(f"pg_timeout_s={pg_timeout_s} must be < timeout_s={timeout_s}: the "
                          "collective timeout is what the lesson shows, not the launcher's")  # fmt: skip
+    # Every trial's config is checked before any job starts: a bad one fails the whole call.
+    jobs = {t: CollectiveFaultsConfig.from_dict({**(config or {}), "fault": t.fault}) for t in trials}
+    for job in jobs.values():
+        job.check_ranks(nproc)
 
     def one(trial: Trial) -> Outcome:
         job_env = dict(env or {})
@@ -193,9 +197,9 @@ def run_trials(
         start = time.monotonic()
         error: launch.JobError | None = None
         try:
-            result = launch.run(WORKER, nproc=nproc, config={**(config or {}), "fault": trial.fault},
-                                pg_timeout_s=pg_timeout_s, timeout_s=timeout_s, device=device,
-                                backend=backend, env=job_env, stream=False)  # fmt: skip
+            result = launch.run(jobs[trial], nproc=nproc, pg_timeout_s=pg_timeout_s,
+                                timeout_s=timeout_s, device=device, backend=backend, env=job_env,
+                                stream=False)  # fmt: skip
         except launch.JobError as e:
             error, result = e, e.result
         ended = time.time()
@@ -380,3 +384,108 @@ def nccl_report(o: Outcome, last: int = 3, width: int = 400) -> list[str]:
         lines += ["    " + line for line in flight_recorder_summary(o.extra["fr_dir"], nproc=n)]
         lines += ["    " + line for line in read_flight_recorder(o.extra["fr_dir"]).splitlines()]
     return lines
+
+
+# --- notebook 03d: the prediction, the reports and the reconcile, as the notebook prints them ---
+
+
+@dataclass(frozen=True)
+class Divergences:
+    """Per fault, where the ranks' planned collectives first part (``first_divergence`` of
+    ``collective_faults_config.planned``): the prediction each report is held against."""
+
+    healthy: list[str]
+    """The first collectives of the healthy plan (rank 0)."""
+    at: dict[str, int]
+    """Per fault: the index of the first collective where the ranks part."""
+    where: dict[str, dict[int, str]]
+    """Per fault: each rank's plan entry there."""
+
+    def __getitem__(self, fault: str) -> dict[int, str]:
+        return self.where[fault]
+
+    def describe(self) -> str:
+        lines = ["the healthy plan: " + " | ".join(self.healthy)]
+        for fault, where in self.where.items():
+            lines.append(f"predicted, {fault}: the ranks part at collective #{self.at[fault] + 1}: "
+                         + "; ".join(f"rank {r}: {w}" for r, w in where.items()))
+        return "\n".join(lines)
+
+
+def predict_divergences(config: dict[str, Any], faults: Sequence[str] = ("desync", "shape", "hang"),
+                        nproc: int = 2) -> Divergences:  # fmt: skip
+    """Each fault's plans for ``nproc`` ranks (``config`` without the fault), and where they part."""
+    from labkit.workers.collective_faults_config import planned
+
+    at, where = {}, {}
+    for fault in faults:
+        found = first_divergence({r: planned({**config, "fault": fault}, r) for r in range(nproc)})
+        if found is None:
+            raise ValueError(f"fault={fault!r}: the ranks' plans never part; nothing to predict")
+        at[fault], where[fault] = found
+    return Divergences(healthy=list(planned({**config, "fault": "none"}, 0)[:4]), at=at, where=where)
+
+
+def describe_reports(outcomes: Sequence[Outcome], limit: int = 4, width: int = 400) -> str:
+    """What each tool reported, as the launcher words it (``report_lines``), and, for each trial
+    without DETAIL (whose own all-gathers the recorder records too), the flight recorder's
+    summary of the dumps."""
+    lines = []
+    for o in outcomes:
+        lines.append(f"--- {o.trial.label}: ended by {o.ended_by}")
+        lines += ["    " + line[:width] for line in report_lines(o, limit=limit)]
+        if not o.trial.detail:
+            lines += ["    flight recorder: " + line for line in
+                      flight_recorder_summary(o.extra["fr_dir"], nproc=2, last=1, brief=True)]
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Reconciliation:
+    """Each trial's report held against the prediction: DETAIL's fingerprints against the
+    planned collectives, the hung rank against the one that slept, each timeout against
+    ``pg_timeout_s``."""
+
+    outcomes: tuple[Outcome, ...]
+    predicted: Divergences
+    pg_timeout_s: float
+
+    def line(self, o: Outcome) -> str:
+        """One trial: what it said, against what was predicted."""
+        fault, pg_s, said = o.trial.fault, self.pg_timeout_s, []
+        if o.mismatch is not None:
+            seen = {f.rank: (f.op, f.shape) for f in (o.mismatch.this, o.mismatch.other)}
+            want = {r: plan_key(w) for r, w in self.predicted[fault].items()}
+            said.append(f"DETAIL saw {seen}, predicted {want}: {'agree' if seen == want else 'DISAGREE'}")
+        if fault == "hang":
+            said.append(f"root cause rank {o.rank} (the victim, whose wait expired), hung {o.hung}, "
+                        f"predicted hung [1]: {'agree' if o.hung == [1] else 'DISAGREE'}")
+        if o.detect_s is None:
+            said.append(f"no rank raised (they were killed); reported {o.report_s:.1f} s after the "
+                        "bug (measured)")
+        elif "timeout" in o.ended_by or "barrier" in o.ended_by:
+            # a timeout cannot fire before it expires (5% allowed for the clocks of two processes)
+            said.append(f"first error {o.detect_s:.1f} s after the bug (measured), timeout {pg_s:g} s: "
+                        + ("as predicted" if o.detect_s >= 0.95 * pg_s else "SOONER than the timeout: read why"))
+        else:
+            said.append(f"first error {o.detect_s:.2f} s after the bug (measured): "
+                        f"{'before' if o.detect_s < pg_s else 'not before'} the {pg_s:g} s timeout "
+                        "would have expired")
+        return f"{o.trial.label}: " + "; ".join(said)
+
+    def describe(self) -> str:
+        return "\n".join(self.line(o) for o in self.outcomes)
+
+
+def reconcile(outcomes: Sequence[Outcome], predicted: Divergences, pg_timeout_s: float) -> Reconciliation:
+    """The trials of ``run_trials`` against ``predict_divergences``' prediction."""
+    return Reconciliation(tuple(outcomes), predicted, pg_timeout_s)
+
+
+def describe_nccl_expected(gpus: int, nccl_timeout_s: float) -> str:
+    """What the NCCL trials show on two or more GPUs, said where they cannot run (expected,
+    not measured)."""
+    return (f"{gpus} GPU(s) here: NCCL needs one GPU per rank, so its run is not shown. Expected on "
+            "two or more GPUs, not measured here: the desync's INFO lines share an opCount but name "
+            "AllReduce on rank 0 and AllGather on rank 1, the watchdog ends both jobs after "
+            f"{nccl_timeout_s} s, and fr_trace names the first collective the ranks disagree on.")

@@ -439,3 +439,17 @@ def preset(size: str) -> RunConfig:
     _require(size in _PRESETS, "size", size, f"one of {SIZES}")
     check_environment()
     return _PRESETS[size]()
+
+
+def override(cfg: RunConfig, **changes: object) -> RunConfig:
+    """``cfg`` with the ``changes`` that are not None (a notebook's parameters cell: None keeps
+    the preset's value). A new peak ``lr`` brings ``min_lr`` to a tenth of it, so that the
+    cosine still ends at a tenth of the peak, as in every preset.
+
+    >>> override(preset("smoke"), steps=None, lr=2e-3).train.min_lr
+    0.0002
+    """
+    kept = {k: v for k, v in changes.items() if v is not None}
+    if "lr" in kept and "min_lr" not in kept:
+        kept["min_lr"] = kept["lr"] / 10
+    return cfg.replace(**kept)

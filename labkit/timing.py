@@ -20,6 +20,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -302,3 +303,31 @@ def alternate(
         if on_round is not None:
             on_round(r - warmup, got)  # negative index: a warm-up round
     return samples
+
+
+def explain_sync(comparison: Any, device_type: str) -> str:
+    """What a comparison of the unsynchronised timer ("no sync", :func:`unsynchronized`) with
+    the synchronised one means on ``device_type``: the sentence the measurement chooses.
+
+    ``comparison`` is a :class:`labkit.verdict.Comparison` (read through its ``outcome``,
+    ``faster`` and ``slower``; verdict sits above this module), its first sample named
+    "no sync".
+    """
+    outcome, faster, slower = comparison.outcome, comparison.faster, comparison.slower
+    launch_only = outcome == "faster" and faster.name == "no sync"
+    if device_type == "cuda" and launch_only:
+        ratio = slower.median / faster.median
+        return (f"On this GPU the synchronised time is {ratio:.0f}x the unsynchronised one: "
+                "without a sync you time the launch, not the work.")
+    if device_type == "cuda":
+        return ("On this GPU the two timers did not clearly differ, so the matmul is too short "
+                "to tell the launch from the work; raise n.")
+    if outcome == "agree":
+        return ("On a CPU, PyTorch runs each operator to completion before returning, so both "
+                "timers measure the same work and agree.\nExpected on a GPU, not measured here: "
+                "the unsynchronised number would be the launch overhead alone, microseconds,\n"
+                "while the synchronised one is the matmul itself.")
+    return ("On a CPU both timers measure the same completed work (PyTorch runs each operator "
+            "to completion before returning),\nso any difference here comes from other work on "
+            "this machine, not from asynchrony.\nExpected on a GPU, not measured here: the "
+            "unsynchronised number would be the launch overhead alone, microseconds.")

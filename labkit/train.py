@@ -385,3 +385,44 @@ class Progress:
         if step % self.every == 0 or step == self.total:
             self.print(f"step {step:>5}/{self.total}  loss {stats.loss:.3f}  "
                        f"{stats.tokens_per_s:,.0f} tok/s  {stats.seconds * 1e3:.1f} ms/step")
+
+
+def plot_history(history: History, *, title: str, ax: Any = None) -> Any:
+    """The run's loss curve (train and validation, measured) against the uniform guess, with the
+    learning-rate schedule the steps followed on its own right-hand axis. Returns the axes."""
+    import matplotlib.pyplot as plt  # here, so that importing labkit stays light
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(history.steps, history.loss, label="train (measured)")
+    ax.plot(history.val_steps, history.val_loss, "o-", label="validation (measured)")
+    ax.axhline(math.log(256.0), ls=":", c="grey", label="uniform guess, ln 256")
+    ax.set(xlabel="optimizer step", ylabel="cross-entropy (nats)", title=title)
+    lr_ax = ax.twinx()  # the schedule the steps followed, on its own scale
+    lr_ax.plot(history.steps, history.lr, c="tab:green", lw=1, label="learning rate (right axis)")
+    lr_ax.set_ylabel("learning rate")
+    lr_ax.set_ylim(0, 1.1 * max(history.lr))
+    lines = ax.get_legend_handles_labels()
+    more = lr_ax.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=8)
+    return ax
+
+
+def plot_step_times(history: History, *, skip: int, ax: Any = None) -> Any:
+    """Each step's and each whole iteration's recorded time (log scale), the steady median of
+    the steps after ``skip``, and the warm-up steps shaded. Returns the axes."""
+    import statistics
+
+    import matplotlib.pyplot as plt  # here, so that importing labkit stays light
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 2.8))
+    steady = statistics.median(history.seconds[skip:])
+    ax.plot(history.steps, [s * 1e3 for s in history.iteration_seconds], lw=1,
+            label="whole iteration (measured)")
+    ax.plot(history.steps, [s * 1e3 for s in history.seconds], lw=1, label="step (measured)")
+    ax.axhline(steady * 1e3, ls=":", c="grey", label="steady median of the steps")
+    ax.axvspan(0.5, skip + 0.5, color="0.9", label="skipped as warm-up")
+    ax.set(xlabel="optimizer step", ylabel="ms", yscale="log", title="recorded step times")
+    ax.legend(fontsize=8)
+    return ax

@@ -1,7 +1,8 @@
 """labkit.monitor: live plots driven by the launcher's loop or a thread; one final figure.
 
-Displays are captured by replacing ``labkit.monitor._display`` (the one function the monitor
-shows things with), so each test can count figures and tables exactly.
+Displays are captured by replacing ``_display`` (the one function the monitor shows things
+with) where the Monitor looks it up, ``labkit.monitor.watch``, so each test can count figures
+and tables exactly.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from labkit import config, monitor, train
 from labkit.jobs import launch
 from labkit.metrics import Backend, BackendUnavailable, NvmlBackend, ReplayBackend, Sample
 from labkit.model import GPT
-from labkit.monitor import Monitor
+from labkit.monitor import Monitor, display, watch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,7 +47,7 @@ class FakeHandle:
 class Shown:
     """Everything the monitor displayed, and the cell's output area as Jupyter keeps it.
 
-    Also the kernel's display publisher (``monitor._display_publisher``): like ipykernel's
+    Also the kernel's display publisher (``watch._display_publisher``): like ipykernel's
     ``ZMQDisplayPublisher``, ``clear_output`` passes its message through the registered hooks
     before it is sent. Like JupyterLab's output area and nbclient, a clear removes every
     output of the cell and forgets their display ids, so a removed handle's updates change
@@ -110,8 +111,8 @@ def auto_live(monkeypatch):
 @pytest.fixture
 def shown(monkeypatch) -> Shown:
     rec = Shown()
-    monkeypatch.setattr(monitor, "_display", rec)
-    monkeypatch.setattr(monitor, "_display_publisher", lambda: rec)
+    monkeypatch.setattr(watch, "_display", rec)
+    monkeypatch.setattr(watch, "_display_publisher", lambda: rec)
     return rec
 
 
@@ -247,7 +248,7 @@ def test_the_kernels_parent_tells_a_headless_runner(monkeypatch, parent, runner)
     else:
         monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
     monkeypatch.setattr(psutil, "Process", lambda: FakeProc(["python", "-m", "ipykernel"], parent))
-    assert monitor._headless_executor() == runner
+    assert display._headless_executor() == runner
 
 
 def test_bad_arguments_name_themselves():
@@ -392,7 +393,7 @@ def test_a_job_on_cpu_ranks_is_shown_per_rank_even_where_a_gpu_is(shown, monkeyp
         gpu_backend.open()
         return gpu_backend
 
-    monkeypatch.setattr(monitor, "auto_backend", auto_backend)
+    monkeypatch.setattr(watch, "auto_backend", auto_backend)
     job = fake_job()
     job.device = "cpu"
     mon = Monitor(live=False)
@@ -738,7 +739,7 @@ def test_live_redraws_follow_the_samples_within_a_cpu_budget(shown, monkeypatch,
     turns, and budgeting wall time left the figure ~9 s behind the text in notebook 02."""
     clock = Clock()
     fake = FakeTime(clock, wall=2.0, cpu=cpu)
-    monkeypatch.setattr(monitor, "time", fake)
+    monkeypatch.setattr(watch, "time", fake)
     monkeypatch.setattr(Monitor, "_figure_bundle", lambda self: fake.render())
     mon = Monitor(period_s=0.5, backend=FakeCpu(clock), live=True, clock=clock)
     job = fake_job()
@@ -749,7 +750,7 @@ def test_live_redraws_follow_the_samples_within_a_cpu_budget(shown, monkeypatch,
     # 1/16 s of CPU a frame: a frame per sample (every 0.5 s > 0.0625 / RENDER_SHARE);
     # 0.375 s: one frame per 2 s (>= 0.375 / RENDER_SHARE = 1.875 s, on the next sample).
     # The 2 s of wall time per draw does not count.
-    assert monitor.RENDER_SHARE == 0.2 and mon.redraws == redraws
+    assert watch.RENDER_SHARE == 0.2 and mon.redraws == redraws
     mon.on_end(job, SimpleNamespace(status="ok"))
 
 
@@ -757,7 +758,7 @@ def test_a_live_frame_moves_the_lines_of_one_figure_and_matches_a_fresh_one(show
     """Building and laying out a figure cost ~3x drawing one, and drawing it ~3x redrawing
     only what moved: live frames reuse one figure, whose axes grow in steps, and show what
     a figure drawn afresh shows."""
-    monkeypatch.setattr(monitor, "RENDER_SHARE", 1e9)  # no CPU budget: a frame per sample
+    monkeypatch.setattr(watch, "RENDER_SHARE", 1e9)  # no CPU budget: a frame per sample
     clock = Clock()
     backend = FakeCpu(clock)
     mon = Monitor(period_s=0.5, backend=backend, live=True, redraw_s=0.0, clock=clock)

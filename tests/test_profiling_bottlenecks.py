@@ -21,6 +21,7 @@ from labkit import verdict
 from labkit.config import ModelConfig, RunConfig, TrainConfig
 from labkit.data import BatchIterator, load_splits
 from labkit.profiling import bottlenecks as bn
+from labkit.profiling.bottlenecks import common, data_loading, host_sync, launch_overhead
 
 TINY = RunConfig(
     model=ModelConfig(vocab_size=256, seq_len=16, n_layer=1, n_head=2, d_model=16),
@@ -145,7 +146,7 @@ def test_loader_variants_ladder_and_pin_memory_only_on_cuda():
 
 def test_measure_loader_has_one_sample_per_step_and_records_the_phases():
     ds = bn.TokenizingDataset(seq_len=16, passes=2, n_items=16)
-    (model, opt), = bn._models(TINY, torch.device("cpu"), 1)
+    (model, opt), = common.fresh_models(TINY, torch.device("cpu"), 1)
     loader = bn.make_loader(ds, bn.LoaderVariant("w0"), batch_size=4)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         m = bn.measure_loader(model, opt, loader, steps=5, warmup=1, name="w0")
@@ -182,7 +183,7 @@ def test_data_loading_study_trains_every_variant_on_the_same_batches():
                          ids=["workers", "persistent"])  # fmt: skip
 def test_a_failing_worker_surfaces_clearly_and_leaves_no_process(variant):
     ds = bn.TokenizingDataset(seq_len=16, n_items=16, fail_at=5)
-    (model, opt), = bn._models(TINY, torch.device("cpu"), 1)
+    (model, opt), = common.fresh_models(TINY, torch.device("cpu"), 1)
     loader = bn.make_loader(ds, variant, batch_size=4)
     before = _children()
     with pytest.raises(bn.LoaderError) as info:
@@ -244,10 +245,10 @@ def test_a_backend_failure_becomes_compile_unavailable_naming_the_fix():
         pass
 
     err = BackendCompilerFailed(inductor, InvalidCxxCompiler(), None)
-    mapped = bn._compile_error(err, torch.device("cpu"))
+    mapped = launch_overhead._compile_error(err, torch.device("cpu"))
     assert isinstance(mapped, bn.CompileUnavailable) and "CXX" in str(mapped)
     other = ValueError("not a compile problem")
-    assert bn._compile_error(other, torch.device("cpu")) is other
+    assert launch_overhead._compile_error(other, torch.device("cpu")) is other
 
 
 # backend="aot_eager": torch.compile's tracing of forward and backward, run with eager
@@ -322,7 +323,9 @@ def test_every_measurement_trains_in_the_configs_dtype(monkeypatch):
         seen.add(dtype)
         return real(*args, dtype=dtype, **kwargs)
 
-    monkeypatch.setattr(bn, "phased_step", spy)
+    # each bottleneck's module looks phased_step up in its own namespace
+    for module in (data_loading, launch_overhead, host_sync):
+        monkeypatch.setattr(module, "phased_step", spy)
     bf16 = TINY.replace(dtype="bfloat16")
     bn.measure_sync(bf16, read_every=1, rounds=1, warmup=0)
     assert seen == {"bfloat16"}

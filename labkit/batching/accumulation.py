@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from labkit.batching.noise import Batch, accumulation_steps
+from labkit.formulas.step_time import predict_accumulated_seconds as predict_accumulated_seconds
 from labkit.validate import whole
 
 
@@ -169,24 +171,97 @@ def measure_update_seconds(template: nn.Module, *, train_cfg: Any = None,
                             warmup=warmup)["update"]  # fmt: skip
 
 
-def predict_accumulated_seconds(single_step_s: float, update_s: float, k: int) -> float:
-    """Predicted seconds of one optimiser step that accumulates k micro-batches of b sequences.
+# ----------------------------------------------------------------------------------------------
+# Notebook 05, section 3: one global batch split three ways, its time and memory against the
+# predictions.
 
-    ``single_step_s``: a measured single step at micro-batch b, t(b); ``update_s``: the measured
-    once-per-step cost u (:func:`measure_update_seconds`), part of every single step. k single
-    steps pay k passes and k updates; the accumulated step pays the same k passes and one
-    update::
 
-        t_acc = k·t(b) - (k - 1)·u
+@dataclass(frozen=True)
+class AccumulationCost:
+    """One global batch run as one pass and as accumulated micro-batches (measured, the splits
+    taking turns step by step), with the update timed alone; each split's time predicted as k
+    single steps less the k - 1 updates it skips, its peak by the memory model (plus 4 bytes per
+    parameter of held gradients when k > 1) and by the model plus the omissions."""
 
-    What it assumes: a pass over b sequences costs the same whether its gradients go into
-    fresh ``.grad`` tensors or are added to the ones already there.
-    """
-    for name, v in (("single_step_s", single_step_s), ("update_s", update_s)):
-        if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
-            raise ValueError(f"{name}={v!r} is not allowed: a finite number of seconds >= 0")
-    k = whole("k", k, low=1)
-    if update_s > single_step_s:
-        raise ValueError(f"update_s={update_s!r} is more than the whole step "
-                         f"single_step_s={single_step_s!r}: the update is part of the step")
-    return k * single_step_s - (k - 1) * update_s
+    global_batch: int
+    micro_sizes: tuple[int, ...]
+    steps: Any
+    """The :class:`labkit.batching.sweep.Sweep` of every (micro-batch, k) point."""
+    update_s: tuple[float, ...]
+    memory_model: Any
+    """The finder's :class:`BatchPrediction` (any limit: only ``peak_bytes`` is read)."""
+    omitted_per_sequence: float
+    gradient_bytes: int
+
+    @property
+    def update(self) -> float:
+        return statistics.median(self.update_s)
+
+    def row(self, b: int) -> Any:
+        return self.steps.row(b, self.global_batch // b)
+
+    def checks(self) -> list[Any]:
+        from labkit.batching import sweep
+
+        out = []
+        for b in self.micro_sizes:
+            r = self.row(b)
+            p = predict_accumulated_seconds(self.steps.row(b, 1).median_s, self.update, r.grad_accum)
+            out.append(sweep.check_prediction(p, r.seconds, name=f"{b} × {r.grad_accum}"))
+        return out
+
+    def describe(self) -> str:
+        from labkit import verdict
+
+        u, gb = self.update, self.global_batch
+        lines = [f"measured: the update (clip + AdamW step + zero_grad) takes {u * 1e3:.2f} ms "
+                 f"(median of {len(self.update_s)})",
+                 f"global batch {gb} per optimiser step, split three ways:",
+                 f"{'micro × k':>10}{'step (measured)':>17}{'(predicted)':>13}"
+                 f"{'peak MiB (measured)':>21}{'(predicted)':>13}{'(+ omissions)':>15}"]  # fmt: skip
+        inside = 0
+        checks = iter(self.checks())
+        for b in (gb, *self.micro_sizes):
+            r = self.row(b)
+            m_pred = self.memory_model.peak_bytes(b) + (self.gradient_bytes if r.grad_accum > 1 else 0)
+            m_full = m_pred + b * self.omitted_per_sequence
+            inside += m_pred <= r.peak_bytes <= m_full
+            t_pred = f"{next(checks).predicted * 1e3:.1f} ms" if r.grad_accum > 1 else ""
+            lines.append(f"{f'{b} × {r.grad_accum}':>10}{r.median_s * 1e3:>14.1f} ms{t_pred:>13}"
+                         f"{r.peak_bytes / 2**20:>21.2f}{m_pred / 2**20:>13.2f}{m_full / 2**20:>15.2f}")  # fmt: skip
+        lines += [str(check) for check in self.checks()]
+        lines.append(f"measured: {inside} of 3 peaks between the memory model and the model + omissions")
+        one, finest = self.row(gb), self.row(self.micro_sizes[-1])
+        lines.append(str(verdict.compare_times(finest.seconds, one.seconds,
+                                               names=(f"{finest.micro_batch} × {finest.grad_accum}",
+                                                      f"{one.micro_batch} × 1"))))  # fmt: skip
+        lines.append(f"measured: {finest.micro_batch} × {finest.grad_accum} holds "
+                     f"{finest.peak_bytes / one.peak_bytes:.0%} of the one-pass peak")
+        # the same relation read backwards: what each split says a step pays once, against u
+        for b in self.micro_sizes:
+            k = gb // b
+            t_once = (k * self.steps.row(b, 1).median_s - self.row(b).median_s) / (k - 1)
+            lines.append(f"implied by {b} × {k}: {t_once * 1e3:.2f} ms paid once per step, not per "
+                         f"micro-batch (the update alone: {u * 1e3:.2f} ms, measured)")  # fmt: skip
+        return "\n".join(lines)
+
+
+def measure_accumulation(template: nn.Module, global_batch: int, micro_sizes: tuple[int, ...], *,
+                         memory_model: Any, omitted_per_sequence: float, train_cfg: Any = None,
+                         device: torch.device | str = "cpu", dtype: str = "float32",
+                         rounds: int = 5, data: torch.Tensor | None = None) -> AccumulationCost:  # fmt: skip
+    """Time ``global_batch`` as one pass, as single steps of each of ``micro_sizes`` and as
+    those accumulated to the global batch (``sweep.measure_steps``, taking turns), then the
+    update alone (:func:`measure_update_seconds`, 2·rounds + 1 samples)."""
+    from labkit.batching import sweep
+
+    points = [(global_batch, 1), *((b, 1) for b in micro_sizes),
+              *((b, global_batch // b) for b in micro_sizes)]  # fmt: skip
+    steps = sweep.measure_steps(template, points, train_cfg=train_cfg, device=device, dtype=dtype,
+                                rounds=rounds, data=data)  # fmt: skip
+    update_s = measure_update_seconds(template, train_cfg=train_cfg, device=device,
+                                      rounds=2 * rounds + 1)  # fmt: skip
+    return AccumulationCost(global_batch=global_batch, micro_sizes=tuple(micro_sizes),
+                            steps=steps, update_s=tuple(update_s), memory_model=memory_model,
+                            omitted_per_sequence=omitted_per_sequence,
+                            gradient_bytes=4 * template.num_params())  # fmt: skip

@@ -38,9 +38,7 @@ import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
-import psutil
 import torch
 from torch import nn
 
@@ -62,6 +60,8 @@ from labkit.batching.trials import (
 )
 from labkit.config import ModelConfig, TrainConfig
 from labkit.errors import LabkitError
+from labkit.hardware.host import cgroup_room as _cgroup_room  # noqa: F401 (test_bad_inputs reads it)
+from labkit.hardware.host import host_memory_available as host_memory_available
 from labkit.model import GPT
 from labkit.validate import whole
 
@@ -318,70 +318,9 @@ HEADROOM = 0.9
 """The share of the free memory a capped budget takes: the rest is for what the count leaves out
 (scratch memory inside a kernel, the interpreter) and for the other processes on the machine."""
 
-_CGROUP_ROOT = Path("/sys/fs/cgroup")
-
-
 class HostMemoryError(MemoryError, LabkitError):
     """The host's allocator refused a trial's memory: the budget asked for more than this
     machine could give at that moment. The message names the batch, the bytes and the fix."""
-
-
-def host_memory_available() -> tuple[int, str]:
-    """Bytes this process can still take on the host, and where that was read: the kernel's
-    MemAvailable (``psutil.virtual_memory().available``), or, where it is lower, the room left
-    under the memory limit of this process's cgroup or one above it (a container, a SLURM job:
-    where the OOM killer acts first)."""
-    available, source = int(psutil.virtual_memory().available), "MemAvailable"
-    for folder in _cgroup_folders():
-        room = _cgroup_room(folder)
-        if room is not None and room < available:
-            available, source = room, f"the memory limit of cgroup {folder}"
-    return available, source
-
-
-def _cgroup_folders() -> list[Path]:
-    """This process's memory cgroup folders (cgroup v2 and v1), innermost first, with every
-    ancestor up to the mount: a limit on any of them holds."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return []
-    folders = []
-    for line in lines:
-        if line.count(":") < 2:
-            continue
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":  # v2: one hierarchy, mounted at the root or under unified/
-            root = next((r for r in (_CGROUP_ROOT, _CGROUP_ROOT / "unified")
-                         if (r / "cgroup.controllers").exists()), None)  # fmt: skip
-        else:
-            root = _CGROUP_ROOT / "memory" if "memory" in controllers.split(",") else None
-        if root is None:
-            continue
-        folder = root / path.lstrip("/")
-        while folder != root and root in folder.parents:
-            folders.append(folder)
-            folder = folder.parent
-        folders.append(root)
-    return [f for f in folders if f.is_dir()]
-
-
-def _cgroup_room(folder: Path) -> int | None:
-    """Bytes left under ``folder``'s memory limit (v2 memory.max, v1 memory.limit_in_bytes),
-    counting its reclaimable page cache (inactive_file) as room; None without a limit."""
-    v2 = (folder / "memory.max").exists()
-    names = (("memory.max", "memory.current", "inactive_file") if v2 else
-             ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))  # fmt: skip
-    try:
-        limit_text = (folder / names[0]).read_text().strip()
-        if limit_text == "max" or int(limit_text) >= 2**60:  # v1 writes "no limit" as ~2**63
-            return None
-        usage = int((folder / names[1]).read_text())
-        stat = (folder / "memory.stat").read_text().split()
-    except (OSError, ValueError):
-        return None
-    cache = dict(zip(stat[::2], stat[1::2], strict=False)).get(names[2], "0")
-    return max(0, int(limit_text) - usage + int(cache))
 
 
 def _size(n: float) -> str:
@@ -583,6 +522,8 @@ def predict_max_batch_tensorwise(cfg_model: ModelConfig, budget_bytes: float, *,
                                  checkpointed: bool = False) -> int:  # fmt: skip
     """The largest micro-batch whose step peak, counted tensor by tensor, fits ``budget_bytes``.
 
+    Not in :mod:`labkit.formulas`: a search over ``labkit.memory``'s model of the step's tensors.
+
     A prediction from formulas alone, independent of any measurement:
     ``labkit.memory.predicted_step_peak`` lists every tensor alive at the step's peak (model
     states, batch, saved activations, logits and the head's gradients, ...), the terms the
@@ -616,3 +557,154 @@ def predict_max_batch_tensorwise(cfg_model: ModelConfig, budget_bytes: float, *,
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
+
+
+# ----------------------------------------------------------------------------------------------
+# Notebook 05, section 2: the limit and its predictions, the found batch read against them, and
+# the trials' figure (matplotlib imported only when drawing).
+
+
+def agreement(predicted: int, found: int, *, step: str = "the step") -> str:
+    """``predicted P, found F: +d (+x%): `` and whether they agree within ±3% (at least one
+    sequence), or which way the count is off and why."""
+    near = max(1, round(0.03 * found))  # ±3%, at least one sequence
+    off = predicted - found
+    return (f"{off:+d} ({off / found:+.0%}): "
+            + (f"agrees within ±{near}" if abs(off) <= near else
+               f"too high: {step} holds memory this count leaves out" if off > 0 else
+               "too low: this count holds memory the step has already freed at its peak"))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LimitPrediction:
+    """The limit section 2's finder searches under, and the largest batch predicted in it: by
+    the memory model (where the finder starts), by every tensor alive at the step's peak, and
+    calibrated with a measured slope per sequence."""
+
+    budget: int | None
+    """The finder's ``budget_bytes``: None for the whole card."""
+    room: int
+    """The bytes the predictions are for: the limit less what this process holds."""
+    held: int
+    """CUDA: what this process already held on the card; 0 on a CPU."""
+    limit: str
+    """The limit, in words."""
+    predicted: BatchPrediction
+    tensorwise: int
+    slope: float
+    """Measured bytes per sequence (section 1)."""
+    on_gpu: bool
+
+    @property
+    def calibrated(self) -> int:
+        return math.floor((self.room - self.predicted.model_state_bytes) / self.slope)
+
+    def describe(self) -> str:
+        p = self.predicted
+        lines = [self.limit]
+        if self.held:
+            lines.append(f"this process already holds {self.held / 2**20:.1f} MiB on the card: "
+                         f"every prediction below is for the {self.room / 2**20:,.0f} MiB left, "
+                         "as the finder's")  # fmt: skip
+        why = ("(the slope comes from live tensor bytes, the limit is the CUDA allocator's: two "
+               "counts)" if self.on_gpu else "(not a test here: the slope was counted by the same "
+               "live-tensor counter that enforces the budget)")  # fmt: skip
+        lines += [f"predicted (the memory model, where the finder starts): {p.batch} "
+                  f"(model states {p.model_state_bytes / 2**20:.2f} MiB + "
+                  f"{p.bytes_per_sequence / 2**20:.3f} MiB per sequence)",
+                  "predicted (every tensor alive at the step's peak, the omissions included: "
+                  f"memory.predicted_step_peak): {self.tensorwise}",
+                  f"calibrated with section 1's measured {self.slope / 2**20:.3f} MiB per "
+                  f"sequence: {self.calibrated} " + why]  # fmt: skip
+        return "\n".join(lines)
+
+
+def limit_prediction(cfg: ModelConfig, *, device: str | torch.device, slope: float,
+                     cpu_budget_mib: float, gpu_budget_gib: float | None = None,
+                     dtype: str = "float32", seq_len: int | None = None) -> LimitPrediction:  # fmt: skip
+    """On a GPU the card (or a ``gpu_budget_gib`` card emulated on it, less what this process
+    holds, as the finder subtracts it); on a CPU a budget of ``cpu_budget_mib`` of live tensor
+    bytes, chosen, not a device limit. Then the predictions in it."""
+    device = torch.device(device)
+    on_gpu = device.type == "cuda"
+    if on_gpu:
+        budget = None if gpu_budget_gib is None else int(gpu_budget_gib * 2**30)
+        card = torch.cuda.get_device_properties(device).total_memory
+        emulated = "the whole card" if budget is None else f"a {gpu_budget_gib} GiB card emulated on"
+        limit = (f"limit: {emulated} {torch.cuda.get_device_name(device)} "
+                 f"({card / 2**30:.1f} GiB)")  # fmt: skip
+        held = torch.cuda.memory_allocated(device)  # what this process already holds on the card
+    else:
+        budget = card = int(cpu_budget_mib * 2**20)
+        limit = (f"limit: a budget of {budget / 2**20:g} MiB of live tensor bytes (chosen, not a "
+                 "device limit)")  # fmt: skip
+        held = 0
+    room = (budget or card) - held  # the finder subtracts what is held the same way
+    predicted = predict_max_batch(cfg, room, dtype=dtype, seq_len=seq_len,
+                                  dropout_mask_bytes=1 if on_gpu else 4)  # fmt: skip
+    tensorwise = predict_max_batch_tensorwise(cfg, room, dtype=dtype, seq_len=seq_len,
+                                              cuda=on_gpu)  # fmt: skip
+    return LimitPrediction(budget=budget, room=room, held=held, limit=limit, predicted=predicted,
+                           tensorwise=tensorwise, slope=slope, on_gpu=on_gpu)  # fmt: skip
+
+
+def describe_found(found: MaxBatchResult, limit: LimitPrediction) -> str:
+    """The finder's summary, and the found batch against each prediction of ``limit``."""
+    lines = [found.summary()]
+    if found.predicted != limit.predicted.batch:  # CUDA: the finder reads its baseline after a warm-up
+        lines.append(f"(the finder's own prediction is {found.predicted}: its baseline, read after "
+                     f"one warm-up step, is {found.baseline_bytes / 2**20:.1f} MiB, "
+                     f"{(found.baseline_bytes - limit.held) / 2**20:+.1f} MiB against what this "
+                     "process held before: library workspaces allocated on first use)")  # fmt: skip
+    for what, value in (("the memory model", limit.predicted.batch),
+                        ("every tensor at the peak", limit.tensorwise)):  # fmt: skip
+        lines.append(f"predicted {value} by {what}, found {found.found}: "
+                     + agreement(value, found.found))  # fmt: skip
+    lines.append(f"calibrated {limit.calibrated}: {limit.calibrated - found.found:+d}")
+    if found.baseline_bytes is not None:
+        lines.append(f"CUDA allocator back at its baseline of {found.baseline_bytes / 2**20:.1f} "
+                     f"MiB after each of the {len(found.trials)} trials (checked; "
+                     f"{found.failures} were real OOMs)")  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot_trials(found: MaxBatchResult, limit: LimitPrediction, ax: object = None) -> object:
+    """Each trial at its peak bytes (fitted, or the bytes at the failure), beside the memory
+    model, the model states plus the measured slope, the limit and the found batch."""
+    import matplotlib.pyplot as plt  # here, so that importing labkit stays light
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 3.4))
+    for t in found.trials:
+        if t.peak_bytes is not None:
+            ax.plot(t.batch, t.peak_bytes / 2**20, "o" if t.fits else "x", ms=8,
+                    c="C2" if t.fits else "C3")  # fmt: skip
+    ax.plot([], [], "o", c="C2", label="fitted (measured peak)")
+    ax.plot([], [], "x", c="C3", label="failed (bytes at the failure)")
+    top = max(t.batch for t in found.trials)
+    predicted, slope = limit.predicted, limit.slope
+    ax.plot([1, top], [predicted.peak_bytes(1) / 2**20, predicted.peak_bytes(top) / 2**20], "--",
+            c="grey", label="memory model (predicted)")  # fmt: skip
+    states = predicted.model_state_bytes
+    ax.plot([1, top], [(states + slope) / 2**20, (states + top * slope) / 2**20], ":", c="C0",
+            label="model states + section 1's measured slope (calibrated)")  # fmt: skip
+    ax.axhline(found.budget_bytes / 2**20, c="k", lw=1, label="limit")
+    ax.axvline(found.found, c="C2", ls=":", label=f"found: {found.found}")
+    ax.set(xlabel="micro-batch", ylabel="MiB", title="the finder's trials")
+    ax.legend(fontsize=8)
+    return ax
+
+
+def describe_two_searches(mine: int, found: MaxBatchResult, *, whose: str) -> str:
+    """The learner's search against the finder's, under the same limit. Near the limit a real
+    allocator's edge is not sharp (measured on an H200, 2026-12-04: 186 against the finder's
+    188): batches within a few of it fit or fail by what the earlier trials left in the caching
+    allocator."""
+    line = f"the search in largest_batch ({whose}) found {mine}; the finder found {found.found}"
+    if mine == found.found:
+        return line
+    off = abs(mine - found.found)
+    return (line + f"\nthey differ by {off} ({off / found.found:.1%}): near the limit a real "
+            "allocator's edge is not sharp: whether a batch fits depends on how earlier trials "
+            "left its memory blocks, so two searches that try different batches on the way can "
+            "end a few apart")  # fmt: skip

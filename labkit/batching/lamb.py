@@ -39,7 +39,9 @@ notebook can show what the ratio did.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -177,3 +179,116 @@ def train_with(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: RunConfi
                                  scaler=scaler, grad_clip=t.grad_clip)
         history.record(step, stats, lr=lr)
     return history
+
+
+# ----------------------------------------------------------------------------------------------
+# Notebook 05, section 5: LAMB at AdamW's linearly scaled rate, against the AdamW runs.
+
+
+@dataclass(frozen=True)
+class LambComparison:
+    """LAMB trained as one of :class:`labkit.batching.noise.LrRuns`' AdamW runs (the same
+    batch, rate, schedule, seeds and initial weights): spikes, final losses and trust ratios."""
+
+    batch: int
+    lr: float
+    seeds: tuple[int, ...]
+    histories: dict[str, dict[int, train.History]]
+    """"AdamW" and "LAMB" -> seed -> history."""
+    finals: dict[str, list[float]]
+    """Final validation loss per seed."""
+    ratio: dict[int, float]
+    """LAMB's median trust ratio at the last step, per seed."""
+
+    @property
+    def rises(self) -> dict[str, list[float]]:
+        from labkit.batching.noise import largest_rise
+
+        return {name: [largest_rise(h[s].loss) for s in self.seeds] for name, h in self.histories.items()}
+
+    @property
+    def spikes(self) -> dict[str, int]:
+        from labkit.batching.noise import SPIKE
+
+        return {name: sum(r > SPIKE for r in rises) for name, rises in self.rises.items()}
+
+    def describe(self) -> str:
+        from labkit.batching.noise import SPIKE
+
+        n = len(self.seeds)
+        lines = [f"predicted (You et al. 2017, 2019): LAMB at batch {self.batch} and lr {self.lr:.1e} "
+                 "does not spike where AdamW at the same rate does; its loss is not predicted at this rate"]  # fmt: skip
+        rises, spikes = self.rises, self.spikes
+        for name in self.histories:
+            lines.append(f"measured: {name:<5} final validation loss "
+                         + ", ".join(f"{v:.3f}" for v in self.finals[name])
+                         + "; largest rise " + ", ".join(f"{r:.3f}" for r in rises[name])
+                         + f" nats; spiked (> {SPIKE}) in {spikes[name]} of {n} runs")  # fmt: skip
+        if spikes["AdamW"] == 0:
+            lines.append("stability: not tested here. AdamW at this rate did not spike in any run, so "
+                         "there was no instability for LAMB to remove")  # fmt: skip
+        elif spikes["LAMB"] < spikes["AdamW"]:
+            lines.append(f"stability: as predicted. AdamW spiked in {spikes['AdamW']} run(s), LAMB in "
+                         f"{spikes['LAMB']}")  # fmt: skip
+        else:
+            lines.append(f"stability: NOT as predicted. LAMB spiked in {spikes['LAMB']} run(s), AdamW in "
+                         f"{spikes['AdamW']}")  # fmt: skip
+        gap = statistics.fmean(self.finals["LAMB"]) - statistics.fmean(self.finals["AdamW"])
+        if n > 1:
+            spread = max(max(v) - min(v) for v in self.finals.values())  # seed to seed, within an optimizer
+            lines.append(f"final loss: LAMB {gap:+.3f} against AdamW (mean of {n} seeds); seed "
+                         f"spread up to {spread:.3f}: "
+                         + (f"LAMB ended {'worse' if gap > 0 else 'better'}, by more than the spread"
+                            if abs(gap) > spread else "not resolved by these seeds"))  # fmt: skip
+        else:
+            lines.append(f"final loss: LAMB {gap:+.3f} against AdamW, one seed: how far a rerun would "
+                         "move it is not measured at this size (the lab size runs two)")  # fmt: skip
+        ratio = statistics.median(self.ratio.values())
+        lines.append(f"measured: LAMB's median trust ratio at the last step {ratio:.3f}: each matrix "
+                     f"moved η·‖w‖ a step, {1 / ratio:.0f}× less than a step of η·u without the ratio "
+                     "would have moved it")  # fmt: skip
+        return "\n".join(lines)
+
+
+def compare_with_adamw(runs: Any, label: str, cfg: RunConfig, train_data: torch.Tensor, *,
+                       device: Any = "cpu", dtype: str = "float32") -> LambComparison:  # fmt: skip
+    """Train LAMB (:func:`make_lamb`, :func:`train_with`) exactly as the AdamW run ``label`` of
+    ``runs`` (a :class:`labkit.batching.noise.LrRuns`) was trained, seed by seed, and evaluate
+    it on the same held-out batches."""
+    from labkit.model import GPT
+
+    b, steps, _ = runs.runs[label]
+    lr = runs.lr[label]
+    hist, val, ratio = {}, {}, {}
+    for seed in runs.seeds:
+        torch.manual_seed(seed)
+        model = GPT(cfg.model)  # the same initial weights as the AdamW run of this seed
+        run_cfg = cfg.replace(micro_batch=b, steps=steps, lr=lr, warmup_steps=max(1, steps // 10),
+                              min_lr=None, eval_every=0, seed=seed, dtype=dtype)  # fmt: skip
+        optimizer = make_lamb(model, run_cfg.train)
+        hist[seed] = train_with(model, optimizer, run_cfg, train_data, device=device)
+        val[seed] = train.evaluate(model, runs.val_batches, device=device, dtype=dtype)
+        ratio[seed] = statistics.median(trust_ratios(optimizer))
+    histories = {"AdamW": {s: runs.histories[label, s] for s in runs.seeds}, "LAMB": hist}
+    finals = {"AdamW": [runs.final_val[label, s] for s in runs.seeds], "LAMB": [val[s] for s in runs.seeds]}
+    return LambComparison(batch=b, lr=lr, seeds=runs.seeds, histories=histories, finals=finals,
+                          ratio=ratio)  # fmt: skip
+
+
+def plot_lamb(result: LambComparison, ax: Any = None) -> Any:
+    """Training loss (moving average) against the optimiser step, AdamW against LAMB."""
+    import matplotlib.pyplot as plt  # here, so that importing labkit stays light
+
+    from labkit.batching.noise import smoothed
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 3.4))
+    first = result.seeds[0]
+    for i, (name, h) in enumerate(result.histories.items()):
+        for seed in result.seeds:
+            ax.plot(h[seed].steps, smoothed(h[seed].loss, max(1, len(h[seed].loss) // 10)), c=f"C{i}",
+                    alpha=0.9 if seed == first else 0.4, label=name if seed == first else None)  # fmt: skip
+    ax.set(xlabel="optimiser step", ylabel="training loss (moving average)",
+           title=f"batch {result.batch}, lr {result.lr:.0e}: AdamW against LAMB (measured)")  # fmt: skip
+    ax.legend(fontsize=8)
+    return ax

@@ -56,7 +56,8 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable, Sequence
+import statistics
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -309,3 +310,292 @@ def measure_noise_scale(
         small += gradient_sq_norms(model, [get_batch(data, bs, seq_len, generator)])
         big += gradient_sq_norms(model, [get_batch(data, bb, seq_len, generator)])
     return estimate_noise_scale(small, big, bs, bb)
+
+
+# ----------------------------------------------------------------------------------------------
+# Notebook 05, sections 5 to 7: learning-rate runs at batch B and 4B, the noise scale measured
+# at two points in training, time to a given loss, weak scaling; their figures (matplotlib
+# imported only when drawing).
+
+SPIKE = 0.1
+"""Nats: a rise of the smoothed training loss above its lowest value so far larger than this is
+a transient divergence, not noise of the moving average."""
+
+
+def smoothed(values: Sequence[float], window: int) -> list[float]:
+    """The trailing moving average of ``values`` over ``window`` points (fewer at the start)."""
+    return [statistics.fmean(values[max(0, i - window + 1): i + 1]) for i in range(len(values))]
+
+
+def largest_rise(loss: Sequence[float]) -> float:
+    """How far the training loss, smoothed over a tenth of the run, rose above its lowest value
+    so far: the spike measure."""
+    sm = smoothed(loss, max(1, len(loss) // 10))
+    return max(v - min(sm[: j + 1]) for j, v in enumerate(sm))
+
+
+@dataclass(frozen=True)
+class LrRuns:
+    """Training runs from the same initial weights on the same tokens: label -> (batch, steps,
+    scaling rule), each for every seed, with its history and final validation loss."""
+
+    runs: dict[str, tuple[int, int, str]]
+    lr: dict[str, float]
+    seeds: tuple[int, ...]
+    histories: dict[tuple[str, int], Any]
+    final_val: dict[tuple[str, int], float]
+    val_batches: list[Batch]
+    trained: Any
+    """The first run's model at its first seed, trained (section 6 measures its noise scale)."""
+
+    @property
+    def mean_val(self) -> dict[str, float]:
+        return {label: statistics.fmean(self.final_val[label, s] for s in self.seeds) for label in self.runs}
+
+    def describe(self) -> str:
+        """One line per run: its batch, steps, rate and final validation loss per seed (the
+        lines :func:`lr_runs` prints as each run ends)."""
+        return "\n".join(_run_line(label, b, steps, self.lr[label],
+                                   [self.final_val[label, s] for s in self.seeds], self.seeds)
+                         for label, (b, steps, _) in self.runs.items())  # fmt: skip
+
+    def describe_outcome(self) -> str:
+        """Each run's spikes, the lag of the unscaled 4B run and what each scaled rate won back,
+        and whether the seeds resolve the differences (labels as notebook 05's)."""
+        lines = []
+        for label in self.runs:
+            rises = [largest_rise(self.histories[label, s].loss) for s in self.seeds]
+            lines.append(f"measured: {label:<18} largest rise of the smoothed loss above its minimum "
+                         "so far: " + ", ".join(f"{r:.3f}" for r in rises) + " nats"
+                         + (f" (spiked: above {SPIKE} in {sum(r > SPIKE for r in rises)} of "
+                            f"{len(rises)} runs)" if any(r > SPIKE for r in rises) else ""))  # fmt: skip
+        mean_val = self.mean_val
+        lag = mean_val["4B, η₀"] - mean_val["B, η₀"]
+        lines.append(f"measured: at 4B with the rate unchanged the final loss is {lag:+.4f} against batch B")
+        for label in ("4B, 4η₀ (linear)", "4B, 2η₀ (sqrt)"):
+            gained = mean_val["4B, η₀"] - mean_val[label]
+            share = f", {gained / lag:.0%} of the lag recovered" if lag > 0 and gained > 0 else ""
+            lines.append(f"measured: {label}: {mean_val[label]:.4f}, {'better' if gained > 0 else 'worse'} "
+                         f"than the unscaled rate by {abs(gained):.4f}{share}")  # fmt: skip
+        if len(self.seeds) > 1:
+            spread = max(abs(self.final_val[label, a] - self.final_val[label, b]) for label in self.runs
+                         for a in self.seeds for b in self.seeds)  # fmt: skip
+            gaps = sorted(abs(mean_val[a] - mean_val[b]) for a in self.runs for b in self.runs if a < b)
+            lines.append(f"seed-to-seed spread of one setting: up to {spread:.4f}; differences between "
+                         f"settings smaller than that are not resolved by {len(self.seeds)} seeds "
+                         f"({sum(g > spread for g in gaps)} of {len(gaps)} differences are larger)")  # fmt: skip
+        else:
+            lines.append("one seed per setting: how far a rerun would move each loss is not measured "
+                         "at this size, so small differences between settings are not resolved (the "
+                         "lab size runs two seeds)")  # fmt: skip
+        return "\n".join(lines)
+
+
+def _run_line(label: str, b: int, steps: int, lr: float, losses: Sequence[float],
+              seeds: Sequence[int]) -> str:
+    return (f"{label:<18} batch {b:>4} × {steps:>4} steps, lr {lr:.2e}: final validation loss "
+            + ", ".join(f"{v:.4f}" for v in losses)
+            + f"  (seed{'s' if len(losses) > 1 else ''} {', '.join(map(str, seeds))}; measured)")
+
+
+def lr_runs(cfg: Any, runs: dict[str, tuple[int, int, str]], *, base_lr: float, base_batch: int,
+            seeds: Sequence[int], train_data: torch.Tensor, val_data: torch.Tensor,
+            device: Any = "cpu", dtype: str = "float32",
+            progress: Callable[[str], Any] | None = print) -> LrRuns:  # fmt: skip
+    """Train labkit's GPT (``cfg``: a RunConfig) once per run and seed: label -> (batch, steps,
+    rule), the rate :func:`scaled_lr` of ``base_lr`` at ``base_batch``, a warm-up over the first
+    tenth of the steps, then held; each evaluated on the same 256 held-out sequences.
+
+    ``progress`` gets each run's line (:meth:`LrRuns.describe`'s) as soon as its seeds are done:
+    these runs take minutes at lab size, and a silent cell looks hung. None: quiet."""
+    from labkit import train  # layer 2
+    from labkit.model import GPT
+
+    device = torch.device(device)  # train.train takes a device, not its name
+
+    val_batches = [get_batch(val_data, 16, cfg.model.seq_len, torch.Generator().manual_seed(100 + i))
+                   for i in range(16)]  # the same 256 held-out sequences for every run  # fmt: skip
+    histories, final_val, lrs, trained = {}, {}, {}, None
+    for label, (b, steps, rule) in runs.items():
+        lrs[label] = lr = scaled_lr(base_lr, base_batch, b, rule)
+        for seed in seeds:
+            torch.manual_seed(seed)
+            model = GPT(cfg.model)
+            run_cfg = cfg.replace(micro_batch=b, steps=steps, lr=lr, warmup_steps=max(1, steps // 10),
+                                  min_lr=None, eval_every=0, seed=seed, dtype=dtype)  # fmt: skip
+            histories[label, seed] = train.train(model, run_cfg, train_data, device=device)
+            final_val[label, seed] = train.evaluate(model, val_batches, device=device, dtype=dtype)
+            if trained is None:
+                trained = model
+        if progress is not None:
+            progress(_run_line(label, b, steps, lr, [final_val[label, s] for s in seeds], seeds))
+    return LrRuns(runs=dict(runs), lr=lrs, seeds=tuple(seeds), histories=histories,
+                  final_val=final_val, val_batches=val_batches, trained=trained)  # fmt: skip
+
+
+def plot_lr_runs(result: LrRuns, ax: Any = None) -> Any:
+    """Training loss (moving average) against tokens seen, one colour per run (faint: later
+    seeds), each run's final validation loss as a dot."""
+    import matplotlib.pyplot as plt  # here, so that importing labkit stays light
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 3.8))
+    first = result.seeds[0]
+    for i, label in enumerate(result.runs):
+        for seed in result.seeds:
+            h = result.histories[label, seed]
+            seen = [sum(h.tokens[: j + 1]) for j in range(len(h.tokens))]
+            ax.plot(seen, smoothed(h.loss, max(1, len(h.loss) // 10)), c=f"C{i}",
+                    alpha=0.9 if seed == first else 0.4, label=label if seed == first else None)  # fmt: skip
+            ax.plot(seen[-1], result.final_val[label, seed], "o", c=f"C{i}")
+    ax.set(xlabel="tokens seen", ylabel="training loss (moving average; ● final validation)",
+           title="the same tokens at batch B and 4B (measured)")  # fmt: skip
+    ax.legend(fontsize=8)
+    return ax
+
+
+@dataclass(frozen=True)
+class NoiseScaleStudy:
+    """B_simple measured at several points in training from pairs of batches ``b_small`` and
+    ``b_big`` (:func:`estimate_noise_scale`), each with eq. A.1's prediction at ``b_mid`` held
+    against the mean squared norm measured there, and the learner's estimate beside labkit's."""
+
+    batches: tuple[int, int, int]
+    repeats: int
+    seq_len: int
+    norms: dict[str, dict[int, list[float]]]
+    scales: dict[str, NoiseScale]
+    yours: dict[str, float]
+    whose: str
+
+    def describe(self) -> str:
+        b_small, b_mid, b_big = self.batches
+        lines = []
+        for when, est in self.scales.items():
+            lo, hi = est.interval()
+            lines.append(f"{when}: B_simple = {est.b_simple:.2f} sequences ({est.b_simple * self.seq_len:,.0f} "
+                         f"tokens), 90% bootstrap interval {lo:.2f} to {hi:.2f} (measured, {self.repeats} "
+                         f"pairs of batches {b_small} and {b_big}); {self.whose} function: "
+                         f"{self.yours[when]:.2f}")  # fmt: skip
+            # eq. A.1 predicts the mean squared norm at a third batch size from the two-size estimate
+            p_lo, p_hi = est.expected_sq_norm_interval(b_mid)
+            measured_mid = statistics.fmean(self.norms[when][b_mid])
+            se_mid = statistics.stdev(self.norms[when][b_mid]) / math.sqrt(self.repeats)
+            agree = p_lo - 2 * se_mid <= measured_mid <= p_hi + 2 * se_mid
+            lines.append(f"    eq. A.1 at B = {b_mid}: predicted E|G_B|² {est.expected_sq_norm(b_mid):.4g} "
+                         f"(90% interval {p_lo:.4g} to {p_hi:.4g}), measured {measured_mid:.4g} ± "
+                         f"{se_mid:.2g} (standard error): "
+                         + ("consistent" if agree else
+                            "NOT consistent: the straight line in 1/B does not hold here"))  # fmt: skip
+        early, late = list(self.scales.values())[:2]
+        early_hi, late_lo = early.interval()[1], late.interval()[0]
+        if late.b_simple > early.b_simple and late_lo > early_hi:
+            lines.append(f"\nmeasured: the noise scale rose from {early.b_simple:.2f} to "
+                         f"{late.b_simple:.2f} sequences, and the 90% intervals do not overlap")  # fmt: skip
+        elif late.b_simple > early.b_simple:
+            lines.append(f"\nmeasured: the estimate rose from {early.b_simple:.2f} to {late.b_simple:.2f} "
+                         f"sequences, but the intervals overlap: {self.repeats} pairs do not resolve "
+                         "the change")  # fmt: skip
+        else:
+            lines.append(f"\nmeasured: the estimate did not rise ({early.b_simple:.2f} → "
+                         f"{late.b_simple:.2f}); with {self.repeats} pairs the intervals above say "
+                         "how much that means")  # fmt: skip
+        return "\n".join(lines)
+
+
+def noise_scale_study(models: dict[str, nn.Module], data: torch.Tensor, *, seq_len: int,
+                      batches: tuple[int, int, int], repeats: int, yours: Any = None,
+                      whose: str = "labkit's") -> NoiseScaleStudy:  # fmt: skip
+    """For each of ``models`` (when -> model), ``repeats`` squared gradient norms
+    (:func:`gradient_sq_norms`) at each batch size of ``batches`` = (small, mid, big), batch
+    size b drawn with a generator seeded b; B_simple from the small and big ones, and ``yours``
+    (the learner's ``noise_scale(sq_small, sq_big, b_small, b_big)``) on the same numbers."""
+    b_small, _, b_big = batches
+    norms, scales, mine = {}, {}, {}
+    for when, model in models.items():
+        norms[when] = {}
+        for b in batches:
+            g = torch.Generator().manual_seed(b)
+            norms[when][b] = gradient_sq_norms(model, (get_batch(data, b, seq_len, g) for _ in range(repeats)))
+        scales[when] = estimate_noise_scale(norms[when][b_small], norms[when][b_big], b_small, b_big)
+        fn = yours if yours is not None else (lambda *a: estimate_noise_scale(*a).b_simple)
+        mine[when] = fn(norms[when][b_small], norms[when][b_big], b_small, b_big)
+    return NoiseScaleStudy(batches=tuple(batches), repeats=repeats, seq_len=seq_len, norms=norms,
+                           scales=scales, yours=mine, whose=whose)  # fmt: skip
+
+
+def plot_noise_scale(study: NoiseScaleStudy, axes: Any = None) -> Any:
+    """Eq. A.1 per point in training: the mean squared norm (± standard error) against 1/B at
+    the three batch sizes, and the line |G|² + tr(Σ)/B from the two ends."""
+    import matplotlib.pyplot as plt  # here, so that importing labkit stays light
+
+    if axes is None:
+        fig, axes = plt.subplots(1, len(study.scales), figsize=(10, 3.4))
+    for i, (ax, (when, est)) in enumerate(zip(axes, study.scales.items(), strict=True)):
+        means = [statistics.fmean(study.norms[when][b]) for b in study.batches]
+        errors = [statistics.stdev(study.norms[when][b]) / math.sqrt(study.repeats) for b in study.batches]
+        ax.errorbar([1 / b for b in study.batches], means, yerr=errors, fmt="o", c=f"C{i}",
+                    label="measured mean ± standard error")  # fmt: skip
+        line = [k / 100 / study.batches[0] for k in range(101)]
+        ax.plot(line, [est.g2 + est.trace_sigma * x for x in line], "--", c="grey",
+                label="|G|² + tr(Σ)/B, from the two ends")  # fmt: skip
+        ax.set(xlabel="1 / batch size", ylabel="E |G_B|²", title=when, xlim=(0, None), ylim=(0, None))
+        ax.legend(fontsize=7)
+    fig = axes[0].figure
+    fig.suptitle("eq. A.1: a straight line in 1/B, intercept |G|², slope tr(Σ)", fontsize=10)
+    fig.tight_layout()
+    return axes
+
+
+def describe_time_to_loss(sweep: Any, b_noise: float, *, base_batch: int) -> str:
+    """Each swept micro-batch's steps and tokens to a given loss relative to their least
+    (eq. 2.11, B_crit taken as ``b_noise``), its measured tokens/s and its time to the loss,
+    steps × measured seconds per step, relative to the fastest; then where the noise scale and
+    the saturation batch fall, and what the model says of section 5's runs at ``base_batch`` and
+    4× it. An unresolved noise scale says so."""
+    if not (math.isfinite(b_noise) and b_noise > 0):
+        return (f"the noise scale after training is not resolved ({b_noise}): its |G|² estimate is "
+                "not positive. Raise noise_repeats (more pairs) to resolve it.")  # fmt: skip
+    rows, saturated = sweep.rows, sweep.saturation()
+    time_to_loss = {r.micro_batch: steps_and_examples(r.micro_batch, b_noise)[0] * r.median_s
+                    for r in rows}  # S/S_min × seconds per step  # fmt: skip
+    fastest = min(time_to_loss, key=time_to_loss.get)
+    lines = [f"{'batch':>6}{'steps / least':>15}{'tokens / least':>16}{'tokens/s (measured)':>21}"
+             f"{'time to a loss':>16}"]  # fmt: skip
+    for r in rows:
+        steps_x, tokens_x = steps_and_examples(r.micro_batch, b_noise)
+        lines.append(f"{r.micro_batch:>6}{steps_x:>15.2f}{tokens_x:>16.2f}{r.tokens_per_s:>21,.0f}"
+                     f"{time_to_loss[r.micro_batch] / time_to_loss[fastest]:>15.2f}×")  # fmt: skip
+    lines.append("(time to a loss relative to the fastest batch, modelled: steps × measured seconds per step)")
+    past = [r.micro_batch for r in rows if r.micro_batch > b_noise]
+    lines += ["", f"the noise scale after training is {b_noise:.1f} sequences (measured): {len(past)} of the "
+              f"{len(rows)} swept batches lie above it",
+              f"throughput saturates at {saturated.micro_batch} (measured); the fastest batch to a given "
+              f"loss is {fastest} (modelled from both): "
+              + ("the same batch" if fastest == saturated.micro_batch else
+                 "a smaller one: past the noise scale, extra throughput is spent on extra tokens"
+                 if fastest < saturated.micro_batch else "a larger one")]  # fmt: skip
+    _, e_b = steps_and_examples(base_batch, b_noise)
+    _, e_4b = steps_and_examples(4 * base_batch, b_noise)
+    lines.append(f"section 5's runs (modelled, eq. 2.11 with B_crit taken as this B_simple): batch "
+                 f"{base_batch} needs {e_b:.2f}× and batch {4 * base_batch} {e_4b:.2f}× the least tokens for a "
+                 f"given loss, so the model predicts the 4B runs would need {e_4b / e_b:.2f}× the "
+                 "tokens of the B run to reach its loss (an SGD model applied to AdamW: an estimate)")  # fmt: skip
+    return "\n".join(lines)
+
+
+def describe_weak_scaling(per_rank: int, b_noise: float,
+                          ranks: Sequence[int] = (1, 2, 8, 64, 512)) -> str:  # fmt: skip
+    """Weak scaling, modelled with eq. 2.11: each rank keeps ``per_rank`` sequences per step
+    (micro-batch × accumulation) and the ranks grow; steps and tokens relative to their least
+    against the noise scale ``b_noise``. An unresolved noise scale says so."""
+    if not (math.isfinite(b_noise) and b_noise > 0):
+        return (f"no weak-scaling table: the noise scale after training is not resolved ({b_noise}), "
+                "see section 6. Raise noise_repeats (more pairs) to resolve it.")  # fmt: skip
+    lines = [f"weak scaling from {per_rank} sequences per rank per step, against the noise scale after "
+             f"training ({b_noise:.1f} sequences, section 6; modelled with eq. 2.11):"]  # fmt: skip
+    for n in ranks:
+        s, e = steps_and_examples(per_rank * n, b_noise)
+        lines.append(f"  {n:>4} ranks: global batch {per_rank * n:>6}, steps {s:5.2f} × least, "
+                     f"tokens {e:7.2f} × least")  # fmt: skip
+    return "\n".join(lines)

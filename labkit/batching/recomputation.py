@@ -27,6 +27,9 @@ original block through ``torch.utils.checkpoint.checkpoint``.
   (torch/distributed/algorithms/_checkpoint/checkpoint_wrapper.py). So a checkpoint saved with
   or without checkpointing loads into either. ``named_parameters()`` does show the extra
   ``.block`` level: match parameters by ``state_dict`` key or by position, not by that name.
+
+Notebook 05's measurements of checkpointing and the text it prints are in
+:mod:`labkit.batching.recomputation_report`, re-exported here.
 """
 
 from __future__ import annotations
@@ -44,6 +47,19 @@ from torch.utils.checkpoint import (
 )
 
 from labkit import formulas
+
+# Notebook 05's measurements and text, from recomputation_report (see the docstring)
+from labkit.batching.recomputation_report import CheckpointingMemory as CheckpointingMemory
+from labkit.batching.recomputation_report import CheckpointingTime as CheckpointingTime
+from labkit.batching.recomputation_report import (
+    describe_checkpointed_found as describe_checkpointed_found,
+)
+from labkit.batching.recomputation_report import (
+    describe_checkpointed_peak as describe_checkpointed_peak,
+)
+from labkit.batching.recomputation_report import describe_memory_levers as describe_memory_levers
+from labkit.batching.recomputation_report import measure_checkpointing as measure_checkpointing
+from labkit.batching.recomputation_report import time_checkpointing as time_checkpointing
 from labkit.batching.trials import _dtype
 from labkit.config import ModelConfig
 from labkit.validate import whole
@@ -585,6 +601,7 @@ def predicted_checkpointed_step_peak(cfg: ModelConfig, micro_batch: int, *,
                                      dtype: str = "float32", seq_len: int | None = None) -> Any:
     """The largest of :func:`checkpointed_step_moments`: the predicted peak of a training step
     with every block checkpointed, tensor by tensor (a :class:`labkit.memory.StepPeak`; see
-    that function for what is counted, how it was checked and where it falls short)."""
+    that function for what is counted, how it was checked and where it falls short). Not in
+    :mod:`labkit.formulas`: it models this code's own tensors at each moment of the step."""
     return max(checkpointed_step_moments(cfg, micro_batch, dtype=dtype, seq_len=seq_len),
                key=lambda m: m.bytes)

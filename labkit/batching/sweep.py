@@ -23,6 +23,10 @@ prediction:
 Shapes (:func:`time_gemm_batches`, :func:`alignment_verdict`): the model's largest GEMM timed at
 batch sizes one apart around multiples of 8, and a verdict, chosen by the spread, on whether the
 multiples run faster per sequence than their neighbours (NVIDIA's tensor-core alignment rule).
+
+What notebook 05 prints and draws from these (a prediction held against the timings, the sweep
+read against the model, the alignment study, the shape trade) is in
+:mod:`labkit.batching.sweep_report`, re-exported here.
 """
 
 from __future__ import annotations
@@ -40,6 +44,23 @@ from torch import nn
 
 from labkit import formulas, hardware, timing, train, verdict
 from labkit.batching import finder, trials
+
+# Notebook 05's readings and figures of these measurements live in sweep_report (presentation);
+# the names stay importable from here, where the notebook and the tests use them.
+from labkit.batching.sweep_report import PREDICTION_TOLERANCE as PREDICTION_TOLERANCE
+from labkit.batching.sweep_report import AlignmentStudy as AlignmentStudy
+from labkit.batching.sweep_report import PredictionCheck as PredictionCheck
+from labkit.batching.sweep_report import ShapeTrade as ShapeTrade
+from labkit.batching.sweep_report import StepPrediction as StepPrediction
+from labkit.batching.sweep_report import SweepReading as SweepReading
+from labkit.batching.sweep_report import alignment_study as alignment_study
+from labkit.batching.sweep_report import check_prediction as check_prediction
+from labkit.batching.sweep_report import omitted_bytes_per_sequence as omitted_bytes_per_sequence
+from labkit.batching.sweep_report import plot_alignment as plot_alignment
+from labkit.batching.sweep_report import plot_sweep as plot_sweep
+from labkit.batching.sweep_report import read_sweep as read_sweep
+from labkit.batching.sweep_report import shape_trade as shape_trade
+from labkit.batching.sweep_report import step_prediction as step_prediction
 from labkit.config import ModelConfig, TrainConfig
 
 SATURATION = 0.9
@@ -314,92 +335,6 @@ def measure_steps(
 
 
 # ----------------------------------------------------------------------------------------------
-# A predicted time against a measured one: the sentence is chosen by the numbers.
-
-PREDICTION_TOLERANCE = 0.20
-"""How far (as a fraction of the prediction) a measured median may sit from a modelled step time
-and still "agree": the affine model t₀ + b·t₁ is fitted to one sweep on a shared machine, and
-its medians move by about this much between sections of one run (measured on the course's
-2-core CI host)."""
-
-
-@dataclass(frozen=True)
-class PredictionCheck:
-    """A predicted value against repeated measurements of it: one of three verdicts.
-
-    ``measured`` is the median of the samples, ``interval`` its notch (median ± 1.57·IQR/√n,
-    as :mod:`labkit.verdict`), ``band`` the prediction ± ``tolerance``. The outcome:
-
-    * ``"agree"``: the whole interval lies inside the band;
-    * ``"above"`` / ``"below"``: the whole interval lies outside the band, on that side;
-    * ``"noisy"``: the interval straddles an edge of the band (or too few samples).
-    """
-
-    name: str
-    predicted: float
-    measured: float
-    interval: tuple[float, float]
-    n: int
-    tolerance: float
-    outcome: str
-
-    @property
-    def band(self) -> tuple[float, float]:
-        return self.predicted * (1 - self.tolerance), self.predicted * (1 + self.tolerance)
-
-    @property
-    def off(self) -> float:
-        """(measured - predicted) / predicted."""
-        return self.measured / self.predicted - 1
-
-    @property
-    def sentence(self) -> str:
-        lo, hi = self.interval
-        head = (f"{self.name}: predicted {timing.format_seconds(self.predicted)}, measured "
-                f"median {timing.format_seconds(self.measured)} (interval "
-                f"{timing.format_seconds(lo)} to {timing.format_seconds(hi)}, {self.n} runs), "
-                f"{self.off:+.0%}: ")  # fmt: skip
-        tol = f"±{self.tolerance:.0%}"
-        if self.outcome == "agree":
-            return head + f"agrees within {tol}"
-        if self.outcome in ("above", "below"):
-            if self.outcome == "above":
-                return head + f"slower than predicted, beyond {tol}: it pays a cost the model leaves out"
-            return head + f"faster than predicted, beyond {tol}: it pays less than the model counts"
-        return head + f"too noisy to tell against {tol}: rerun, or run it alone"
-
-    def __str__(self) -> str:
-        return self.sentence
-
-
-def check_prediction(predicted: float, samples: Sequence[float], *, name: str,
-                     tolerance: float = PREDICTION_TOLERANCE,
-                     min_runs: int = 5) -> PredictionCheck:  # fmt: skip
-    """Hold a predicted time (seconds) against repeated measurements of it (seconds each)."""
-    if not (isinstance(predicted, (int, float)) and math.isfinite(predicted) and predicted > 0):
-        raise ValueError(f"predicted={predicted!r} is not allowed: a positive finite number of "
-                         "seconds")  # fmt: skip
-    if not 0 < tolerance < 1:
-        raise ValueError(f"tolerance={tolerance!r} is not allowed: a fraction in (0, 1)")
-    summary = verdict.summarize(samples, name)
-    lo, hi = summary.interval
-    b_lo, b_hi = predicted * (1 - tolerance), predicted * (1 + tolerance)
-    if summary.n < min_runs:
-        outcome = "noisy"
-    elif b_lo <= lo and hi <= b_hi:
-        outcome = "agree"
-    elif lo > b_hi:
-        outcome = "above"
-    elif hi < b_lo:
-        outcome = "below"
-    else:
-        outcome = "noisy"
-    return PredictionCheck(name=name, predicted=float(predicted), measured=summary.median,
-                           interval=(lo, hi), n=summary.n, tolerance=tolerance,
-                           outcome=outcome)  # fmt: skip
-
-
-# ----------------------------------------------------------------------------------------------
 # Shapes: batch sizes one apart around multiples of 8, timed, and a verdict on the multiples.
 #
 # NVIDIA, *Matrix Multiplication Background User's Guide*, §2.2 "Tensor Core Requirements":
@@ -604,3 +539,4 @@ def alignment_verdict(per_sample: dict[int, Sequence[float]], *, multiple: int =
                          f"in the batch sizes {sorted(per_sample)}: nothing to judge")  # fmt: skip
     return AlignmentVerdict(multiple=multiple, per_center=per_center, comparisons=comparisons,
                             tolerance=tolerance)  # fmt: skip
+

@@ -500,3 +500,16 @@ def measure_step_peak(
     with LiveTensorBytes() as counter:
         step._step(batch, grad_accum)
     return counter.peak
+
+
+def measured_step_peak(template: nn.Module, batch: int, *, device: torch.device | str,
+                       seq_len: int, dtype: str = "float32",
+                       train_cfg: TrainConfig | None = None) -> int:
+    """The measured peak of one training step at ``batch`` sequences, on whatever ``device``
+    is: on a GPU the finder's CUDA trial (:class:`CudaOOM`: ``max_memory_allocated`` over the
+    step minus what came before), on a CPU live tensor bytes (:func:`measure_step_peak`)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return CudaOOM(template, None, device=device, seq_len=seq_len, dtype=dtype,
+                       train_cfg=train_cfg)(batch)
+    return measure_step_peak(template, batch, seq_len=seq_len, dtype=dtype, train_cfg=train_cfg)

@@ -24,6 +24,9 @@ Pipeline and tensor parallelism (notebook 03; schedules and debugging in noteboo
 
     pipeline      the GPT cut into stages, one per rank, micro-batches streamed through
                   them (GPipe, 1F1B, interleaved), also over a mesh's "pp" dimension
+    pipeline_plan  what is decided before a pipeline runs: its checks, the cut into
+                  stages, the bytes a data-parallel group of stages sends
+    pipeline_p2p  the point-to-point plan: each rank's send/receive batches, deadlock check
     schedules     pipeline schedules as plain lists of actions, and an ideal-clock simulator
     timeline      each rank's timeline of a pipeline step: the bubble measured, the Gantt chart
     tensor        every layer's matrices split across ranks, Megatron-LM's f and g
@@ -38,8 +41,12 @@ strategy taking its process group from a named dimension of a device mesh:
     compose       FSDP2 x tensor parallelism on a ("dp", "tp") mesh and HSDP on a
                   ("replicate", "shard") mesh, torchtitan's order
     sequence      sequence parallelism (Korthikanti et al. 2022) from scratch, and DTensor's
+    sequence_costs  its config check, activation bytes (the paper's Table 2 and ours) and
+                  collectives predicted, and what autograd saves measured
     context       context parallelism: ring attention with the online-softmax merge
     expert        a mixture of experts, experts on ranks, tokens sent all-to-all
+    expert_report  its bytes predicted, counted and measured per rank, the load per expert,
+                  the auxiliary loss's effect: notebook 03c's readings and figures
 
 This file imports nothing on purpose: each module is imported where it is used, so importing
 one strategy never pulls in another.

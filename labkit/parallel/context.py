@@ -542,3 +542,73 @@ def ring_time_report(times: dict[int, dict[str, Any]], *, causal: bool = True) -
                  f"computed {blocks:.0f} (counted); work in half-blocks {half_blocks:.0f} "
                  f"(predicted): {where}")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# What notebook 03c prints: the predictions above, and the causal schedule, as its tables.
+
+
+@dataclass(frozen=True)
+class RingPrediction:
+    """What a ring of ``world_size`` ranks sends and holds for one attention call:
+    :func:`ring_prediction`."""
+
+    batch: int
+    heads: int
+    seq_len: int
+    head_dim: int
+    world_size: int
+    kv_bytes: dict[str, int]  # dtype -> bytes each rank sends per forward call
+    full_scores: int  # the T x T score matrix on one device (float32)
+    block_scores: int  # one (T/n) x (T/n) block of a ring step (float32)
+
+    def describe(self) -> str:
+        n, T = self.world_size, self.seq_len
+        lines = [f"attention: B={self.batch}, H={self.heads}, T={T}, D={self.head_dim}; "
+                 f"context-parallel degree n={n} (T/n = {T // n} positions per rank)"]
+        lines += [f"  predicted bytes each rank sends per forward call, {dt:>8}: {b:>10,}"
+                  for dt, b in self.kv_bytes.items()]
+        lines += [f"  predicted score matrix, one device holding T  (B·H·T²·4 bytes): "
+                  f"{self.full_scores:>12,}",
+                  f"  predicted score block, one ring step (B·H·(T/n)²·4 bytes):     "
+                  f"{self.block_scores:>12,}"]
+        return "\n".join(lines)
+
+
+def ring_prediction(batch: int, heads: int, seq_len: int, head_dim: int, world_size: int, *,
+                    dtypes: tuple[tuple[str, int], ...] = (("float32", 4), ("bfloat16", 2)),
+                    ) -> RingPrediction:  # fmt: skip
+    """:func:`ring_kv_bytes_per_rank` for each (dtype name, bytes) of ``dtypes`` and the score
+    matrices one device and one ring step hold (:func:`score_bytes`)."""
+    n = world_size
+    kv = {dt: ring_kv_bytes_per_rank(batch, heads, seq_len, head_dim, n, nbytes)
+          for dt, nbytes in dtypes}
+    return RingPrediction(batch, heads, seq_len, head_dim, n, kv,
+                          score_bytes(batch, heads, seq_len, seq_len),
+                          score_bytes(batch, heads, seq_len // n, seq_len // n))
+
+
+@dataclass(frozen=True)
+class CausalBlocks:
+    """What each rank of a causal ring with contiguous shards does with each block:
+    :func:`causal_blocks`."""
+
+    world_size: int
+    also: tuple[int, ...] = ()  # other ring sizes whose imbalance the last line gives too
+
+    def describe(self) -> str:
+        n = self.world_size
+        lines = [f"causal, contiguous shards: what rank r does with the block of rank j (n = {n}):",
+                 "        " + "".join(f"{'block ' + str(j):>11}" for j in range(n))
+                 + "   blocks computed"]  # fmt: skip
+        lines += [f"rank {r}  " + "".join(f"{block_kind(r, j, causal=True):>11}" for j in range(n))
+                  + f"   {blocks_computed(r, n, causal=True)}" for r in range(n)]
+        lines.append("busiest rank's work / mean work (half-blocks, predicted): " + ", ".join(
+            f"{causal_imbalance(m):.2f} at n = {m}" for m in (n, *self.also)))
+        return "\n".join(lines)
+
+
+def causal_blocks(world_size: int, *, also: int | tuple[int, ...] = ()) -> CausalBlocks:
+    """The causal schedule of a ring of ``world_size`` (:func:`block_kind`,
+    :func:`blocks_computed`), with the imbalance at ``world_size`` and at each size in ``also``."""
+    return CausalBlocks(world_size, (also,) if isinstance(also, int) else tuple(also))

@@ -43,7 +43,8 @@ class Bucket:
 def make_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[Bucket]:
     """Group ``params`` (in the given order) into buckets of at most ``cap_bytes`` each.
 
-    A parameter larger than the cap gets a bucket of its own.
+    A parameter larger than the cap gets a bucket of its own; ``cap_bytes=0`` gives every
+    parameter its own bucket (one all-reduce per gradient, overlapped all the same).
     """
     groups: list[list[nn.Parameter]] = [[]]
     size = 0
@@ -78,8 +79,9 @@ class BucketedDP(NaiveDP):
         bucket_cap_mb: float = 25.0,
         *,
         group: Any = None,
+        sync_in_backward: bool = True,
     ):
-        super().__init__(world_size, backend, group=group)
+        super().__init__(world_size, backend, group=group, sync_in_backward=sync_in_backward)
         self.cap_bytes = int(bucket_cap_mb * 2**20)
         self.buckets: list[Bucket] = []
         self._where: dict[int, tuple[Bucket, int]] = {}  # id(param) -> (bucket, offset)
@@ -104,11 +106,7 @@ class BucketedDP(NaiveDP):
         """Runs when ``p.grad`` is final for this backward pass (accumulation included)."""
         if not self.require_sync:
             return
-        if not self.callback_queued:
-            self.callback_queued = True
-            # Private API, not for production (see dp_naive): runs after_backward once the
-            # whole graph is done; no public, stable equivalent exists.
-            torch.autograd.Variable._execution_engine.queue_callback(self.after_backward)
+        self._on_any_grad_ready()  # after_backward once the whole graph is done
         bucket, off = self._where[id(p)]
         bucket.buffer[off : off + p.numel()].copy_(p.grad.reshape(-1))
         bucket.ready.add(id(p))

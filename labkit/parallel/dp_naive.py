@@ -33,37 +33,44 @@ from labkit.parallel import comm
 from labkit.parallel.dp_config import Strategy
 
 
-def _queue_at_end_of_backward(params: list[nn.Parameter], strategy: Strategy) -> None:
-    """Make ``strategy.after_backward`` run once when each backward pass has finished.
-
-    A hook on each parameter fires when its gradient is final for this backward; the first
-    one queues a callback that the autograd engine runs after the whole graph is done (what
-    DDP's reducer and picotron's ``DataParallelBucket`` do).
-    """
-
-    def on_grad_ready(_: torch.Tensor) -> None:
-        if strategy.require_sync and not strategy.callback_queued:
-            strategy.callback_queued = True
-            # Private API, not for production: _execution_engine.queue_callback is what DDP's
-            # own Python side uses (torch/nn/parallel/distributed.py) and has no public,
-            # stable equivalent; it may change between torch releases.
-            torch.autograd.Variable._execution_engine.queue_callback(strategy.after_backward)
-
-    for p in params:
-        p.register_post_accumulate_grad_hook(on_grad_ready)
-
-
 class NaiveDP(Strategy):
-    """All-reduce each gradient after backward; ``no_sync`` skips it (accumulation)."""
+    """All-reduce each gradient after backward; ``no_sync`` skips it (accumulation).
+
+    ``sync_in_backward=False``: nothing is queued on the autograd engine, and the caller runs
+    ``after_backward()`` itself once backward has returned (the interface of notebook 02's
+    exercises, ``finish_gradient_sync()``, whose checks use these classes as the reference).
+    """
 
     name = "naive"
     counting = "counted by our all_reduce wrapper (one call per gradient tensor)"
 
-    def __init__(self, world_size: int, backend: str = "gloo", *, group: Any = None) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        backend: str = "gloo",
+        *,
+        group: Any = None,
+        sync_in_backward: bool = True,
+    ) -> None:
         super().__init__(world_size, backend, group=group)
         self.params: list[nn.Parameter] = []
         self.require_sync = True  # False inside no_sync(): gradients stay local
+        self.sync_in_backward = sync_in_backward
         self.callback_queued = False
+
+    def _on_any_grad_ready(self, _: torch.Tensor | None = None) -> None:
+        """Make ``after_backward`` run once this backward pass has finished.
+
+        A hook on each parameter calls this when its gradient is final for this backward; the
+        first call queues a callback that the autograd engine runs after the whole graph is
+        done (what DDP's reducer and picotron's ``DataParallelBucket`` do).
+        """
+        if self.sync_in_backward and self.require_sync and not self.callback_queued:
+            self.callback_queued = True
+            # Private API, not for production: _execution_engine.queue_callback is what DDP's
+            # own Python side uses (torch/nn/parallel/distributed.py) and has no public,
+            # stable equivalent; it may change between torch releases.
+            torch.autograd.Variable._execution_engine.queue_callback(self.after_backward)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """Start every rank from rank 0's weights, then hook every trainable parameter."""
@@ -73,7 +80,8 @@ class NaiveDP(Strategy):
         comm.sync_module_states(model, src=self.src, group=self.group)
         # parameters() yields a tied tensor once; frozen ones have no gradient to share.
         self.params = [p for p in model.parameters() if p.requires_grad]
-        _queue_at_end_of_backward(self.params, self)
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_any_grad_ready)
         return model
 
     def after_backward(self) -> None:

@@ -39,6 +39,10 @@ the work while the others idle (and, under expert parallelism, one rank becomes 
 Switch's auxiliary loss ``E · sum_i f_i · P_i`` (f_i: fraction of token copies routed to expert
 i, P_i: mean router probability of expert i) is 1 when both are uniform and grows with the skew;
 adding ``alpha · aux`` (Switch: alpha = 0.01) to the loss pulls the router towards balance.
+
+Notebook 03c's readings of the layer (bytes predicted, counted and measured per rank, the load
+per expert, the auxiliary loss compared) are in :mod:`labkit.parallel.expert_report`,
+re-exported here.
 """
 
 from __future__ import annotations
@@ -53,6 +57,19 @@ from torch import nn
 from labkit import formulas
 from labkit.config import ModelConfig
 from labkit.model import MLP
+
+# Notebook 03c's readings and figures of this layer live in expert_report (presentation); the
+# names stay importable from here, where the notebook, the worker and the tests use them.
+from labkit.parallel.expert_report import AllToAllPrediction as AllToAllPrediction
+from labkit.parallel.expert_report import BalanceComparison as BalanceComparison
+from labkit.parallel.expert_report import DispatchReport as DispatchReport
+from labkit.parallel.expert_report import ExpertLoad as ExpertLoad
+from labkit.parallel.expert_report import compare_balance as compare_balance
+from labkit.parallel.expert_report import dispatch_report as dispatch_report
+from labkit.parallel.expert_report import expert_load as expert_load
+from labkit.parallel.expert_report import plot_dispatch as plot_dispatch
+from labkit.parallel.expert_report import plot_expert_load as plot_expert_load
+from labkit.parallel.expert_report import predict_alltoall as predict_alltoall
 
 # --- validation: before any process group ------------------------------------------------------
 
@@ -516,69 +533,3 @@ def _balance_run(alpha, steps, d_model, n_experts, top_k, batch_size, seq_len, l
         out["aux"].append(float(aux.detach()))
         out["loss"].append(float(loss.detach()))
     return out
-
-
-@dataclass(frozen=True)
-class DispatchReport:
-    """Cell-ready reading of ``labkit.workers.moe_train``'s per-rank results for the dispatch."""
-
-    text: str
-    sent: list[int]  # bytes each rank's dispatch was told to send to other ranks (counted)
-    extra: list[int | None]  # bytes written to sockets beyond that (measured), None if unseen
-    consistent: bool  # every receiver counted what its senders said they sent
-    matches_routing: bool  # counted == the prediction from the routing, on every rank
-    mean_over_even: float = float("nan")  # mean counted bytes over ranks / the even-router prediction
-
-
-def dispatch_report(ranks: list[dict[str, Any]], even_sent: float, n_experts: int) -> DispatchReport:
-    """Predicted (even router, and from the routing), counted and measured dispatch bytes per
-    rank, with the verdict lines chosen by comparing them. ``ranks`` sorted by rank."""
-    n = len(ranks)
-    sent_copies = [r["copies_per_rank"] for r in ranks]  # [i][j]: copies rank i sent to j
-    consistent = all(r["received_per_rank"] == [sent_copies[i][r["rank"]] for i in range(n)]
-                     for r in ranks)
-    lines = ["copies sent, rank i (row) → rank j (column), counted by the sender:"]
-    lines += [f"  rank {i}: " + "  ".join(f"{c:5d}" for c in row) + f"   (keeps {row[i]} of {sum(row)})"
-              for i, row in enumerate(sent_copies)]
-    lines += [f"→ every receiver counted what its senders sent: {consistent}", "",
-              "dispatch, bytes sent per rank:",
-              "rank | predicted (even) | predicted (routing) | counted | measured (written) | "
-              "measured − counted"]
-    sent, extra = [], []
-    for r in ranks:
-        d = r["counted"]["dispatch"]
-        w = d.get("written_bytes")
-        sent.append(d["sent_bytes"])
-        extra.append(None if w is None else w - d["sent_bytes"])
-        w_txt, x_txt = ("N/A", "N/A") if w is None else (f"{w:,}", f"{w - d['sent_bytes']:+,}")
-        lines.append(f"{r['rank']:4d} | {r['predicted_uniform_sent']:16,.0f} | "
-                     f"{r['predicted_routed_sent']['dispatch']:19,} | {d['sent_bytes']:7,} | "
-                     f"{w_txt:>18} | {x_txt:>17}")
-    matches = all(r["counted"]["dispatch"]["sent_bytes"] == r["predicted_routed_sent"]["dispatch"]
-                  for r in ranks)
-    mean_over_even = sum(sent) / len(sent) / even_sent
-    lines += ["", f"→ counted {'equals' if matches else 'DIFFERS from'} the routing's prediction on "
-              f"every rank; counted is {min(sent) / even_sent:.2f}× to {max(sent) / even_sent:.2f}× "
-              f"the even-router prediction, {mean_over_even:.2f}× on average over the ranks"]
-    if None in extra:
-        lines.append("→ measured: N/A (this backend moves the bytes without socket writes the "
-                     "process can see)")
-    else:
-        per_peer = [e / (n - 1) for e in extra]
-
-        def span(v: list[float], f: Any) -> str:
-            return f(min(v)) if min(v) == max(v) else f"{f(min(v))} to {f(max(v))}"
-
-        header = all(0 <= e <= 1024 for e in per_peer)
-        lines.append(f"→ measured − counted: {span(extra, lambda v: f'{v:,}')} B per call on every "
-                     f"rank, {span(per_peer, lambda v: f'{v:.0f}')} B per peer: "
-                     + ("gloo's message header, the payload itself agrees to the byte" if header else
-                        "MORE than a header: something else wrote during the call, or bytes were "
-                        "sent twice"))
-    four = [sum(r["counted"][k]["sent_bytes"] for k in
-                ("dispatch", "combine", "dispatch (backward)", "combine (backward)")) for r in ranks]
-    lines.append(f"four token all-to-alls per step (counted): {', '.join(f'{b:,}' for b in four)} B "
-                 f"per rank (predicted, even router: {4 * even_sent:,.0f}); plus the count exchange, "
-                 f"{n_experts} int64 = {ranks[0]['counted']['counts']['message_bytes']} B per rank, "
-                 "once per forward")
-    return DispatchReport("\n".join(lines), sent, extra, consistent, matches, mean_over_even)

@@ -106,6 +106,18 @@ class MeshSpec:
     def __str__(self) -> str:
         return " × ".join(f"{n}={s}" for n, s in self.dims)
 
+    def describe(self) -> str:
+        """Each rank's group along every dimension (``group_ranks``), one row per rank, then
+        every group of each dimension (``all_groups``): the layout predicted before any
+        process group exists."""
+        lines = [f"mesh {self}: each rank's groups, predicted by group_ranks (row-major layout)",
+                 f"{'rank':>6}" + "".join(f"{n + ' group':>12}" for n in self.names)]  # fmt: skip
+        for r in range(self.size):
+            lines.append(f"{r:>6}" + "".join(f"{group_ranks(self, n, r)!s:>12}" for n in self.names))
+        lines.append("all groups " + ", ".join(f"along {n!r}: {all_groups(self, n)}"
+                                               for n in self.names))  # fmt: skip
+        return "\n".join(lines)
+
 
 MeshLike = MeshSpec | Mapping[str, int] | Sequence[tuple[str, int]]
 
@@ -186,6 +198,39 @@ def all_groups(spec: MeshLike, dim: str) -> list[list[int]]:
     return [list(g) for g in sorted(groups)]
 
 
+def describe_refusals(
+    cases: Sequence[tuple[MeshLike, ModelConfig | None]], world_size: int, *, tp_dim: str = "tp"
+) -> str:
+    """``validate_mesh`` tried on each (mesh, model) of ``cases``: the message each refusal
+    gives, or that the mesh was accepted."""
+    lines = ["Meshes refused before anything starts:"]
+    for spec, model_cfg in cases:
+        try:
+            validate_mesh(spec, world_size, model_cfg=model_cfg, tp_dim=tp_dim)
+        except ValueError as e:
+            lines.append(f"  {spec}: {e}")
+        else:
+            lines.append(f"  {spec}: accepted (a mesh of {world_size} cells)")
+    return "\n".join(lines)
+
+
+def describe_link_times(comm_: dict[str, dict[str, Any]], links: Sequence[Any]) -> str:
+    """An "fsdp_tp" ``predict_comm`` result's bytes per rank on "tp" and "dp", and the time
+    each takes on each link (``hardware.link_bandwidth``'s: bytes over the published
+    bandwidth, no latency, no overlap: modelled), with the links' sources."""
+    lines = ["bytes sent per GPU per micro-batch (predicted), and the time on each link (modelled):"]
+    for dim, what in (("tp", "TP all-reduces"), ("dp", "FSDP gathers + reduce-scatter")):
+        sent = comm_[dim]["sent_per_rank"]
+        times = ", ".join(f"{sent / link.bytes_per_s * 1e3:,.0f} ms on {link.name}" for link in links)
+        lines.append(f"  {what:<30} {sent / 1e9:6.2f} GB: {times}")
+    lines.append(f"TP's {comm_['tp']['calls']['all_reduce']} all-reduces sit on the critical path, "
+                 "FSDP's gathers overlap computation: section 1's reason for TP on the innermost "
+                 "dimension.")  # fmt: skip
+    lines.append("Bandwidths (per GPU, each way): "
+                 + "; ".join(f"{link.name}: {link.source}" for link in links))  # fmt: skip
+    return "\n".join(lines)
+
+
 def build(spec: MeshLike, device_type: str) -> Any:
     """``init_device_mesh(device_type, shape, mesh_dim_names=names)``: one process group per
     row of every dimension. Call inside a job (a default process group must exist)."""
@@ -221,6 +266,9 @@ def predict_comm(
     reshard_after_forward: bool = True,
 ) -> dict[str, dict[str, Any]]:
     """Bytes each rank sends per training step on each mesh dimension (formula).
+
+    Not in :mod:`labkit.formulas`: it counts the parameters as this package's plans shard them
+    (the TP plan's per-rank blocks), so it lives beside those plans.
 
     ``composition``:
 
@@ -289,6 +337,9 @@ def predict_memory(
     """Bytes of parameters, gradients and optimizer state one rank holds (fp32; AdamW's m and
     v: ``optimizer_bytes`` = 8 per parameter), all sharded alike.
 
+    Not in :mod:`labkit.formulas`: it counts the parameters as this package's TP plan shards
+    them (``tensor.tp_params_per_rank``).
+
     fsdp_tp: the TP-local parameters (``tensor.tp_params_per_rank``) divided over "dp";
     hsdp: the whole model divided over "shard" (replicas each hold a full copy of the shards).
     """
@@ -313,13 +364,15 @@ def predict_memory(
 
 # op name -> (kind, how S is found): c10d ops (FSDP2's, torch.distributed's) carry tensors and a
 # ProcessGroup object; _c10d_functional ops (DTensor's) a tensor and the group's name.
+# The (kind, S argument) of each c10d op is comm.C10D_OPS's; MeshSpy counts the one-tensor
+# collectives a mesh's strategies issue, and leaves the rest (a broadcast) in ``unknown``.
 _C10D = {
-    "allreduce_": ("all_reduce", 0),
-    "_allgather_base_": ("all_gather", 0),
-    "allgather_into_tensor_coalesced_": ("all_gather", 0),
-    "_reduce_scatter_base_": ("reduce_scatter", 1),
-    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
-}
+    name: comm.C10D_OPS[name]
+    for name in ("allreduce_", "_allgather_base_", "allgather_into_tensor_coalesced_",
+                 "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_")
+}  # fmt: skip
+# Functional op names (DTensor's), a table of their own: a functional op carries one tensor and
+# the group's name, and an all-gather's S is its input times the group size (args[1]).
 _FUNCTIONAL = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
                "reduce_scatter_tensor": "reduce_scatter"}  # fmt: skip
 
@@ -349,7 +402,7 @@ class MeshSpy(TorchDispatchMode):
             kind, i = _C10D[name]
             pg = next(a for a in args if isinstance(a, torch.ScriptObject))
             group = tdist.ProcessGroup.unbox(pg).group_name
-            self._add(group, kind, comm._tensor_bytes(args[i]))
+            self._add(group, kind, comm.tensor_bytes(args[i]))
         elif func.namespace == "_c10d_functional" and name in _FUNCTIONAL:
             kind = _FUNCTIONAL[name]
             t, group = args[0], args[-1]

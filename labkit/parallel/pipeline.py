@@ -35,6 +35,11 @@ mesh itself) and the pipeline runs over that group's ranks only: with 4 ranks an
 data-parallel replica of the other (``pp_group``). Stage i is then the i-th rank of the group;
 sends, receives, the loss broadcast and the tied-embedding sum stay inside it.
 
+This module is the stage runner (one stage's module, its probe, the executor of a schedule).
+What is planned before any rank runs (checks, the dp traffic, ``partition``) is in
+``labkit.parallel.pipeline_plan``, the point-to-point plan (``p2p_plan``, ``p2p_deadlock``) in
+``labkit.parallel.pipeline_p2p``; both are re-exported here under their old names.
+
 Scope: dropout should be 0 for exact parity, and each rank builds the whole model before
 keeping its stage (fine at lab sizes; real systems build only their stage, e.g. on the meta
 device).
@@ -43,7 +48,6 @@ device).
 from __future__ import annotations
 
 import copy
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -53,262 +57,25 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.config import ModelConfig
+from labkit.parallel.pipeline_p2p import P2P as P2P
+from labkit.parallel.pipeline_p2p import Batch as Batch
+from labkit.parallel.pipeline_p2p import p2p_batches as p2p_batches
+from labkit.parallel.pipeline_p2p import p2p_deadlock as p2p_deadlock
+from labkit.parallel.pipeline_p2p import p2p_plan as p2p_plan
+from labkit.parallel.pipeline_plan import DP_SYNCS as DP_SYNCS
+from labkit.parallel.pipeline_plan import PARTITION_BY as PARTITION_BY
+from labkit.parallel.pipeline_plan import SCHEDULES as SCHEDULES
+from labkit.parallel.pipeline_plan import Bounds as Bounds
+from labkit.parallel.pipeline_plan import dp_sync_per_step as dp_sync_per_step
+from labkit.parallel.pipeline_plan import measure_unit_times as measure_unit_times
+from labkit.parallel.pipeline_plan import partition as partition
+from labkit.parallel.pipeline_plan import stage_costs as stage_costs
+from labkit.parallel.pipeline_plan import unit_param_counts as unit_param_counts
+from labkit.parallel.pipeline_plan import validate_dp_pp as validate_dp_pp
+from labkit.parallel.pipeline_plan import validate_pipeline as validate_pipeline
 from labkit.parallel.schedules import peak_in_flight, schedule_order
 from labkit.parallel.timeline import Timeline
 from labkit.timing import synchronize
-
-SCHEDULES = ("naive", "gpipe", "1f1b", "torch_gpipe", "torch_1f1b")
-PARTITION_BY = ("params", "time")
-
-Bounds = list[tuple[int, int]]  # per stage: (first block, one past the last block)
-
-
-# --- checks before anything is launched ------------------------------------------------------
-
-
-def validate_pipeline(
-    model_cfg: ModelConfig,
-    p: int,
-    batch_size: int,
-    n_microbatches: int,
-    schedule: str = "gpipe",
-) -> None:
-    """Raise ValueError, naming the argument and the fix, for a pipeline that cannot run.
-
-    Call it before ``launch.run``: a bad shape then fails in the notebook cell at once, not as
-    a traceback from every rank a few seconds later.
-    """
-    for name, value in (("p", p), ("batch_size", batch_size), ("n_microbatches", n_microbatches)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r}: need a positive integer")
-    if p > model_cfg.n_layer:
-        raise ValueError(
-            f"p={p} pipeline stages but the model has n_layer={model_cfg.n_layer} blocks: each"
-            f" stage needs at least one block; use p <= {model_cfg.n_layer} or a deeper model"
-        )
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r}: use one of {SCHEDULES}")
-    if batch_size % n_microbatches:
-        divisors = [d for d in range(1, batch_size + 1) if batch_size % d == 0]
-        raise ValueError(
-            f"n_microbatches={n_microbatches} does not divide batch_size={batch_size}: "
-            f"micro-batches must be equal for the gradient to match the whole batch's; "
-            f"use one of {divisors}"
-        )
-    if schedule == "naive" and n_microbatches != 1:
-        raise ValueError(
-            f"schedule='naive' runs the whole batch as one piece, but n_microbatches="
-            f"{n_microbatches}: pass n_microbatches=1, or use 'gpipe' or '1f1b'"
-        )
-    if schedule == "torch_1f1b" and n_microbatches < p:
-        raise ValueError(
-            f"schedule='torch_1f1b' needs n_microbatches >= p (torch's Schedule1F1B requires"
-            f" it), got n_microbatches={n_microbatches}, p={p}: use more micro-batches"
-        )
-
-
-# --- composed with data parallelism: what each stage's dp group sends per step ------------------
-
-DP_SYNCS = ("all_reduce", "per_microbatch", "zero1", "zero3")
-
-
-def dp_sync_per_step(
-    stage_params: int,
-    dp: int,
-    m: int,
-    sync: str = "all_reduce",
-    param_bytes: int = 4,
-    buffers: int = 1,
-) -> dict[str, float]:
-    """Predicted data-parallel collectives of one pipeline stage in one optimizer step.
-
-    A stage's d = ``dp`` replicas (same stage, other pipelines) must agree on its gradient.
-    S = ``stage_params`` × ``param_bytes`` (the gradient's bytes); ring costs per rank:
-    all-reduce 2(d−1)/d·S, all-gather and reduce-scatter (d−1)/d·S each.
-
-    * "all_reduce": one all-reduce after the stage's last backward of the step (the
-      gradients of the m micro-batches have accumulated locally): 1 call;
-    * "per_microbatch": the mistake, syncing after every micro-batch's backward: m calls,
-      m times the bytes, for the same result;
-    * "zero1": optimizer state sharded over the dp group (ZeRO-1): one reduce-scatter of the
-      gradients and one all-gather of the updated weights: 2 calls, the all-reduce's bytes;
-    * "zero3": parameters sharded too, naively per micro-batch: each micro-batch
-      all-gathers them for its forward and again for its backward, and reduce-scatters its
-      gradient (3 calls per micro-batch): 3m calls, 3m/2 times the all-reduce's bytes. This
-      is the bound without deferral. torch 2.13's ``PipelineStage`` turns off FSDP's
-      gradient sync and resharding after each micro-batch's backward and reduce-scatters
-      once, after the last (its ``perform_reduce_grad``); torchtitan also keeps the
-      parameters gathered after the forward (``reshard_after_forward=False``). Both pay in
-      memory: the gathered parameters stay, which is what ZeRO-3 saved.
-
-    ``buffers``: how many flat buffers each collective is split into (``zero1.ZeRO1`` keeps
-    one per optimizer group: 2, with and without weight decay): calls × buffers, same bytes.
-
-    Returns {"calls", "message_bytes" (S), "sent_per_rank"}.
-    """
-    for name, value in (("stage_params", stage_params), ("dp", dp), ("m", m),
-                        ("param_bytes", param_bytes), ("buffers", buffers)):  # fmt: skip
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r}: need a positive integer")
-    S = stage_params * param_bytes
-    share = (dp - 1) / dp * S  # one all-gather or reduce-scatter, per rank
-    calls, sent = {
-        "all_reduce": (1, 2 * share),
-        "per_microbatch": (m, 2 * share * m),
-        "zero1": (2, 2 * share),
-        "zero3": (3 * m, 3 * share * m),
-    }.get(sync, (None, None))
-    if calls is None:
-        raise ValueError(f"sync={sync!r}: use one of {DP_SYNCS}")
-    return {"calls": calls * buffers, "message_bytes": S, "sent_per_rank": sent}
-
-
-def validate_dp_pp(
-    model_cfg: ModelConfig, world_size: int, pp: int, dp: int, batch_size: int, m: int
-) -> None:
-    """Raise ValueError for a data × pipeline layout that cannot run, before any launch."""
-    for name, value in (("pp", pp), ("dp", dp), ("world_size", world_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r}: need a positive integer")
-    if pp * dp != world_size:
-        raise ValueError(
-            f"a mesh of pp={pp} × dp={dp} = {pp * dp} ranks but the job has {world_size}:"
-            f" the mesh must cover every rank (launch nproc={pp * dp})"
-        )
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size % dp:
-        raise ValueError(
-            f"batch_size={batch_size!r} does not split into dp={dp} equal replica batches:"
-            f" use a multiple of {dp}"
-        )
-    validate_pipeline(model_cfg, pp, batch_size // dp, m, "1f1b")
-
-
-# --- partition -------------------------------------------------------------------------------
-
-
-def unit_param_counts(cfg: ModelConfig) -> list[int]:
-    """Parameters of each pipeline unit: [embeddings, block 0, ..., block L−1, head].
-
-    embeddings = V·h + s·h (``wte``, ``wpe``); block = 12h² + 13h; head = 2h + V·h (``ln_f``
-    and ``lm_head``; with tied weights the last stage holds its own copy of the V·h matrix).
-    """
-    h, V, s = cfg.d_model, cfg.vocab_size, cfg.seq_len
-    return [V * h + s * h, *([12 * h * h + 13 * h] * cfg.n_layer), 2 * h + V * h]
-
-
-def partition(
-    model_cfg: ModelConfig,
-    p: int,
-    by: str = "params",
-    times: Sequence[float] | None = None,
-) -> Bounds:
-    """Split the blocks into ``p`` contiguous stages, minimising the largest stage's cost.
-
-    Args:
-        model_cfg: the model's shape.
-        p: number of stages, 1 <= p <= n_layer.
-        by: "params" balances parameter counts (memory; ``unit_param_counts``), "time"
-            balances measured seconds (speed; what sets the pipeline's pace).
-        times: for by="time", seconds per unit: either L+2 values [embeddings, block 0..L−1,
-            head] (as from ``measure_unit_times``) or L values (blocks only).
-
-    Returns:
-        [(start, end), ...], one per stage: stage i runs ``blocks[start:end]``. Stage 0 also
-        runs the embeddings and the last stage ``ln_f``, ``lm_head`` (their cost counts).
-    """
-    L = model_cfg.n_layer
-    if isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= L:
-        raise ValueError(f"p={p!r}: need an integer with 1 <= p <= n_layer={L}")
-    if by == "params":
-        if times is not None:
-            raise ValueError("times is only used with by='time'")
-        costs = [float(c) for c in unit_param_counts(model_cfg)]
-    elif by == "time":
-        if times is None:
-            raise ValueError("by='time' needs times (seconds per unit; see measure_unit_times)")
-        times = [float(t) for t in times]
-        if len(times) == L:
-            times = [0.0, *times, 0.0]
-        if len(times) != L + 2 or any(t < 0 for t in times):
-            raise ValueError(
-                f"times has {len(times)} values: need L+2={L + 2} (embeddings, each block, head)"
-                f" or L={L} (blocks only), all >= 0"
-            )
-        costs = times
-    else:
-        raise ValueError(f"by={by!r}: use one of {PARTITION_BY}")
-    embed, blocks, head = costs[0], costs[1:-1], costs[-1]
-    prefix = [0.0]
-    for c in blocks:
-        prefix.append(prefix[-1] + c)
-
-    def cost(stage: int, i: int, j: int) -> float:  # stage runs blocks i..j-1
-        extra = (embed if stage == 0 else 0.0) + (head if stage == p - 1 else 0.0)
-        return prefix[j] - prefix[i] + extra
-
-    # Dynamic programming over (stages used, blocks covered): best[k][j] is the smallest
-    # possible maximum stage cost when stages 0..k cover blocks 0..j-1.
-    inf = float("inf")
-    best = [[inf] * (L + 1) for _ in range(p)]
-    cut = [[0] * (L + 1) for _ in range(p)]
-    for j in range(1, L + 1):
-        best[0][j] = cost(0, 0, j)
-    for k in range(1, p):
-        for j in range(k + 1, L + 1):
-            for i in range(k, j):  # stage k runs blocks i..j-1, stages before it cover 0..i-1
-                c = max(best[k - 1][i], cost(k, i, j))
-                if c < best[k][j]:
-                    best[k][j], cut[k][j] = c, i
-    bounds: Bounds = []
-    j = L
-    for k in range(p - 1, 0, -1):
-        i = cut[k][j]
-        bounds.append((i, j))
-        j = i
-    bounds.append((0, j))
-    return bounds[::-1]
-
-
-def stage_costs(
-    model_cfg: ModelConfig, bounds: Bounds, times: Sequence[float] | None = None
-) -> list[float]:
-    """Cost of each stage of ``bounds``: parameters, or seconds if ``times`` (L+2 values)."""
-    units = [float(t) for t in times] if times is not None else unit_param_counts(model_cfg)
-    p = len(bounds)
-    return [
-        sum(units[1 + i : 1 + j]) + (units[0] if k == 0 else 0) + (units[-1] if k == p - 1 else 0)
-        for k, (i, j) in enumerate(bounds)
-    ]
-
-
-@torch.no_grad()
-def measure_unit_times(model: nn.Module, idx: torch.Tensor, repeats: int = 5) -> list[float]:
-    """Median forward seconds of each unit [embeddings, block 0..L−1, head] on ``idx`` (B, T).
-
-    Forward only: a unit's backward costs about twice its forward, so the proportions, which
-    are all ``partition(by="time")`` needs, hold for the whole step.
-    """
-    device = idx.device
-    samples: list[list[float]] = []
-    for _ in range(repeats):
-        row = []
-        t = time.perf_counter()
-        x = model.drop(model.wte(idx) + model.wpe(torch.arange(idx.shape[1], device=device)))
-        synchronize(device)
-        row.append(time.perf_counter() - t)
-        for block in model.blocks:
-            t = time.perf_counter()
-            x = block(x)
-            synchronize(device)
-            row.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        model.lm_head(model.ln_f(x))
-        synchronize(device)
-        row.append(time.perf_counter() - t)
-        samples.append(row)
-    return [statistics.median(col) for col in zip(*samples, strict=True)]
-
 
 # --- one stage of the model ------------------------------------------------------------------
 
@@ -474,121 +241,6 @@ class StageProbe:
         }
 
 
-# --- the point-to-point plan: which transfers each rank posts, and in which groups ------------
-
-# One transfer, as a rank sees it: ("send" or "recv", peer rank, "act" or "grad", micro-batch).
-P2P = tuple[str, int, str, int]
-Batch = list[P2P]  # posted together with one ``batch_isend_irecv``
-
-
-def _transfers(kind: str, mb: int, stage: int, p: int) -> tuple[P2P | None, P2P | None]:
-    """The receive action (``kind``, ``mb``) needs before it computes, the send it makes after.
-
-    F(mb) receives the activation from stage − 1 and sends its output to stage + 1; B(mb)
-    receives the output's gradient from stage + 1 and sends the input's to stage − 1. The
-    first stage has no one before it, the last no one after it.
-    """
-    if kind == "F":
-        recv = ("recv", stage - 1, "act", mb) if stage > 0 else None
-        send = ("send", stage + 1, "act", mb) if stage < p - 1 else None
-    else:
-        recv = ("recv", stage + 1, "grad", mb) if stage < p - 1 else None
-        send = ("send", stage - 1, "grad", mb) if stage > 0 else None
-    return recv, send
-
-
-def p2p_plan(order: Sequence[tuple[str, int]], stage: int, p: int) -> list[tuple[Batch, Batch]]:
-    """For each action of ``order``: the batch this stage posts before computing it, and after.
-
-    Why batches. NCCL runs all point-to-point traffic between two ranks in issue order on one
-    stream, and a send of more than NCCL's small internal buffer does not finish until the peer
-    has posted the matching receive (NVIDIA/nccl#783; #479 for grouping a send with a receive).
-    Posted one at a time, 1F1B's steady state deadlocks for every m >= 2: with p = 2, m = 2,
-    stage 0 posts send a0, send a1, recv g0, recv g1 and stage 1 recv a0, send g0, recv a1,
-    send g1. Send a1 waits for recv a1, queued behind send g0, which waits for recv g0, queued
-    behind send a1: a cycle. gloo buffers sends, so CPU runs never show it.
-
-    The cure is torch's own (``torch.distributed.pipelining.Schedule1F1B`` posts the forward's
-    send and the backward's receive as one ``batch_isend_irecv``, "for deadlock avoidance"): a
-    send whose very next transfer on this rank is a receive from the *same* peer is held back
-    and posted together with that receive, so each side offers both halves at once. That only
-    happens when the next action starts with that receive (F then B on the link to stage + 1,
-    B then F on the link to stage − 1), so nothing is computed in between: holding the send
-    back delays no one. Every other send goes alone right after its action.
-
-    Returns one (before, after) pair per action: ``before`` holds the action's receive, with a
-    held-back send of the previous action first; ``after`` holds its send unless it was held
-    back. Either may be empty. ``Pipeline._run_order`` executes exactly this plan, and
-    ``p2p_deadlock`` checks a plan of every rank without running anything.
-    """
-    steps = [_transfers(kind, mb, stage, p) for kind, mb in order]
-    plan: list[tuple[Batch, Batch]] = []
-    held: P2P | None = None  # the previous action's send, waiting for this action's receive
-    for i, (recv, send) in enumerate(steps):
-        before = ([held] if held else []) + ([recv] if recv else [])
-        held = None
-        after: Batch = []
-        if send is not None:
-            next_recv = steps[i + 1][0] if i + 1 < len(steps) else None
-            if next_recv is not None and next_recv[1] == send[1]:
-                held = send
-            else:
-                after = [send]
-        plan.append((before, after))
-    return plan
-
-
-def p2p_batches(schedule: str, p: int, m: int, stage: int) -> list[Batch]:
-    """The batches one stage posts during a step of ``schedule``, in order (empty ones left out)."""
-    plan = p2p_plan(schedule_order(schedule, p, m, stage), stage, p)
-    return [batch for pair in plan for batch in pair if batch]
-
-
-def p2p_deadlock(batches: Sequence[Sequence[Batch]]) -> str | None:
-    """Play every rank's batches (``batches[rank]``) with rendezvous semantics; None if all end.
-
-    The strictest model of NCCL: a rank posts its batches one after the other and a batch is
-    done only when each of its transfers has met its partner (a send finishes when the peer
-    has posted the receive, however small the tensor); between two ranks, the k-th send one
-    way meets the k-th receive (FIFO, tags are not looked at, as in NCCL). A plan that ends
-    here ends on any real transport, which can only buffer more. Returns a description of the
-    first problem: a deadlock (every unfinished rank waits), or a send met by a receive of a
-    different tensor (NCCL would deliver the wrong data silently).
-    """
-    n = len(batches)
-    pos = [0] * n  # index of the batch each rank is posting
-    open_ops = [list(b[0]) if b else [] for b in batches]  # its transfers still unmatched
-    while True:
-        progressed = False
-        for a in range(n):
-            for b in range(n):
-                # FIFO: a's first unmatched send to b meets b's first unmatched receive from
-                # a; earlier batches are done, so these are the first ones of the whole step.
-                send = next((o for o in open_ops[a] if o[0] == "send" and o[1] == b), None)
-                recv = next((o for o in open_ops[b] if o[0] == "recv" and o[1] == a), None)
-                if send is None or recv is None:
-                    continue
-                if send[2:] != recv[2:]:
-                    return (f"rank {a} sends {send[2]} {send[3]} to rank {b}, which receives "
-                            f"{recv[2]} {recv[3]} from it in that place")  # fmt: skip
-                open_ops[a].remove(send)
-                open_ops[b].remove(recv)
-                progressed = True
-        for r in range(n):  # a rank whose batch is done posts its next one
-            while not open_ops[r] and pos[r] < len(batches[r]):
-                pos[r] += 1
-                progressed = True
-                if pos[r] < len(batches[r]):
-                    open_ops[r] = list(batches[r][pos[r]])
-        if all(pos[r] >= len(batches[r]) for r in range(n)):
-            return None
-        if not progressed:
-            waiting = "; ".join(
-                f"rank {r} at batch {pos[r]} waits on {open_ops[r]}"
-                for r in range(n)
-                if pos[r] < len(batches[r])
-            )
-            return f"deadlock: {waiting}"
 
 
 def pp_group(group: Any, dim: str = "pp") -> Any:
@@ -841,3 +493,4 @@ class Pipeline:
     def activation_summary(self, schedule: str, m: int) -> dict[str, Any]:
         """Activation memory of this stage in the last step, measured and predicted."""
         return self.probe.summary(schedule, m)
+

@@ -24,6 +24,7 @@ ideal timelines go through the same analysis (``labkit.parallel.timeline``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 Action = tuple[str, int]  # ("F" or "B", micro-batch index)
@@ -376,3 +377,221 @@ def replay_overhead(
     ranks = sorted({e["rank"] for e in events})
     busy = {r: sum(e["end_s"] - e["start_s"] for e in events if e["rank"] == r) for r in ranks}
     return events, sum((span - busy[r]) / busy[r] for r in ranks) / len(ranks)
+
+
+# --- an ideal run of one schedule, as notebook 03 shows it ---------------------------------------
+
+
+@dataclass(frozen=True)
+class IdealRun:
+    """One schedule played on an ideal clock (``simulate``), with the bubble its timeline
+    shows next to the formula and the micro-batches stage 0 holds at its peak."""
+
+    name: str
+    p: int
+    m: int
+    events: list[dict[str, Any]]
+
+    @property
+    def bubble(self) -> float:
+        """The bubble of the simulated timeline, averaged over ranks."""
+        from labkit.parallel.timeline import mean_bubble  # lazy: it imports torch
+
+        return mean_bubble(self.events)
+
+    @property
+    def peak_in_flight(self) -> int:
+        """Micro-batches stage 0 holds at its peak (``peak_in_flight`` of its order)."""
+        return peak_in_flight(schedule_order(self.name, self.p, self.m, 0))
+
+    def describe(self) -> str:
+        from labkit import formulas
+
+        return (f"{self.name}: modelled bubble {self.bubble:.4f}; formula (p−1)/(m+p−1) = "
+                f"{formulas.bubble_fraction(self.p, self.m):.4f}; peak micro-batches held by "
+                f"stage 0: {self.peak_in_flight}")
+
+
+def ideal_run(name: str, p: int, m: int, *, t_f: float = 1.0, t_b: float = 2.0) -> IdealRun:
+    """``simulate(name, p, m, t_f=t_f, t_b=t_b)``, kept with its name, p and m."""
+    return IdealRun(name, p, m, simulate(name, p, m, t_f=t_f, t_b=t_b))
+
+
+def plot_ideal_runs(runs: list[IdealRun], axes: Any = None) -> Any:
+    """Each ideal run's timeline, one under the other, on a shared clock counted in forwards;
+    returns the Axes."""
+    import matplotlib.pyplot as plt  # lazy: importing labkit must stay cheap
+
+    from labkit.parallel.timeline import plot_timeline
+
+    if axes is None:
+        _, axes = plt.subplots(len(runs), 1, figsize=(10, 5), sharex=True, squeeze=False)
+        axes = axes[:, 0]
+    for ax, run in zip(axes, runs, strict=True):
+        plot_timeline(run.events, ax=ax, unit="forward",
+                      title=f"{run.name}, p = {run.p}, m = {run.m} (modelled, ideal clock)")
+    plt.tight_layout()
+    return axes
+
+
+# --- notebook 03d: torch's schedules predicted, run, replayed ------------------------------------
+
+
+@dataclass(frozen=True)
+class BubbleFormulas:
+    """Each schedule's bubble overhead (idle / busy) by its formula, for p ranks and m
+    micro-batches, equal stages and free communication (``self[name]``; None: no closed form
+    at unequal op times, as for interleaved zero bubble)."""
+
+    p: int
+    m: int
+    n_layer: int
+    overhead: dict[str, float | None]
+
+    def __getitem__(self, name: str) -> float | None:
+        return self.overhead[name]
+
+    def describe(self) -> str:
+        p, o = self.p, self.overhead
+        return (f"p = {p} ranks, m = {self.m} micro-batches, {self.n_layer} blocks: "
+                f"v = 1 -> {p} stages of {self.n_layer // p} blocks, v = 2 -> {2 * p} stages of "
+                f"{self.n_layer // (2 * p)} block{'s' if self.n_layer // (2 * p) != 1 else ''}\n"
+                f"predicted bubble overhead (idle / busy; equal stages, free communication): "
+                f"1F1B (p-1)/m = {o['1f1b']:.3f}; interleaved (p-1)/(v m) = "
+                f"{o['interleaved_1f1b']:.3f}; ZB-V 0 (needs m >= 2p-1 = {2 * p - 1}); ZB-H1 "
+                f"(not run) at T_F = T_I = T_W a third of 1F1B, {o['1f1b'] / 3:.3f}")  # fmt: skip
+
+
+def bubble_formulas(p: int, m: int, *, n_layer: int) -> BubbleFormulas:
+    """GPipe's and 1F1B's (p−1)/m, interleaving's (p−1)/(2m) (v = 2), ZB-V's 0."""
+    return BubbleFormulas(p, m, n_layer, {
+        "gpipe": (p - 1) / m, "1f1b": (p - 1) / m,
+        "interleaved_1f1b": interleaved_overhead(p, 2, m), "interleaved_zb": None, "zbv": 0.0})
+
+
+def _orders(raw: dict[Any, list[Any]]) -> dict[int, list[StageAction]]:
+    """A recorded or planned order as JSON brings it back: rank keys to int, actions to tuples."""
+    return {int(k): [tuple(a) for a in v] for k, v in raw.items()}
+
+
+@dataclass(frozen=True)
+class ScheduleRuns:
+    """The schedules job's rank 0 result (``labkit.workers.pp_compose``, part "schedules"),
+    held against the formulas and against the order each rank really ran, replayed on an ideal
+    clock with that schedule's measured median op times (``replay_overhead``)."""
+
+    p: int
+    repeats: int
+    runs: dict[str, dict[str, Any]]
+    formula: BubbleFormulas
+    order: dict[str, dict[int, list[StageAction]]]
+    """The order each rank ran its F, B (or I, W) in, read from the timed wrappers' events."""
+    planned: dict[str, dict[int, list[StageAction]]]
+    """torch's plan (``pipeline_order``), for the multi-stage schedules."""
+    same_every_step: dict[str, bool]
+    modelled: dict[str, tuple[list[dict[str, Any]], float]]
+    """Per schedule: the replay's events and its overhead."""
+
+    def describe(self) -> str:
+        """The table (a blank line first, apart from the job's progress), the op times, the
+        replays against the formulas, and the orders run against torch's plan."""
+        lines = ["", f"{'schedule':<17} {'stages/rank':<17}{'|loss diff|':>11} {'|grad diff|':>11} "
+                 f"{'overhead measured (min..max)':>29} {'formula':>8} {'modelled':>9}  measured vs both"]
+        for name, r in self.runs.items():
+            f, modelled = self.formula[name], self.modelled[name][1]
+            preds = [v for v in (f, modelled) if v is not None]
+            lo, hi = min(r["overhead_samples"]), max(r["overhead_samples"])
+            where = ("above in every step" if lo > max(preds) else "BELOW in every step (read the "
+                     "timeline: a measurement problem)" if hi < min(preds) else "its range holds them")
+            lines.append(f"{name:<17} {r['stages']!s:<17}{r['loss_error']:>11.1e} {r['grad_error']:>11.1e} "
+                         f"{r['overhead']:>14.2f} ({lo:.2f}..{hi:.2f}) "
+                         f"{'n/a' if f is None else f'{f:.3f}':>8} {modelled:>9.3f}  {where}")
+        lines.append(f"(measured: median of {self.repeats} steps, mean over ranks)")
+        lines.append("median op times measured (ms): " + "; ".join(
+            f"{n} " + ", ".join(f"{k} {1e3 * v:.2f}" for k, v in sorted(r["op_s"].items()))
+            for n, r in self.runs.items()))
+        for name in ("1f1b", "interleaved_1f1b"):  # the order torch ran, replayed, against the formula
+            if name in self.modelled:
+                got, want = self.modelled[name][1], self.formula[name]
+                lands = abs(got - want) <= 0.05 * want  # within 5 %: our threshold
+                lines.append(f"{name}: the order torch ran, replayed (modelled) {got:.3f} vs formula "
+                             f"{want:.3f}: " + ("it lands on the formula, so torch ran the schedule "
+                                                "the formula describes" if lands else "it does NOT "
+                                                "land on the formula: torch ran another order than "
+                                                "the formula's"))
+        same = [n for n in self.planned if self.order[n] == self.planned[n]]
+        lines.append(f"order run = torch's plan (pipeline_order): {', '.join(same) or 'none'}"
+                     + "".join(f"; {n} ran another order than planned" for n in self.planned if n not in same)
+                     + "".join(f"; {n} changed order between steps" for n, ok in self.same_every_step.items()
+                               if not ok))
+        return "\n".join(lines)
+
+    def interleaving(self) -> InterleavingVerdict:
+        """Interleaved 1F1B against 1F1B: step times and bubble overheads, both measured."""
+        return InterleavingVerdict(self.runs.get("interleaved_1f1b"), self.runs.get("1f1b"))
+
+
+def reconcile_runs(result: dict[str, Any], formula: BubbleFormulas, *, repeats: int) -> ScheduleRuns:
+    """``result``: rank 0's result of the schedules job (keys "runs", "orders", "recorded")."""
+    runs, planned, ran = result["runs"], result["orders"], result["recorded"]
+    order = {n: _orders(rec["order"]) for n, rec in ran.items()}
+    return ScheduleRuns(
+        p=formula.p, repeats=repeats, runs=runs, formula=formula, order=order,
+        planned={n: _orders(o) for n, o in planned.items()},
+        same_every_step={n: rec["same_every_step"] for n, rec in ran.items()},
+        modelled={n: replay_overhead(order[n], r["op_s"]) for n, r in runs.items()})  # fmt: skip
+
+
+@dataclass(frozen=True)
+class InterleavingVerdict:
+    """Whether interleaving shortened the step and the bubble here: both schedules' measured
+    step times (``verdict.compare_times``) and per-step bubble overheads."""
+
+    interleaved: dict[str, Any] | None
+    one_f_one_b: dict[str, Any] | None
+
+    def describe(self) -> str:
+        from labkit import verdict  # layer 3
+
+        if self.interleaved is None or self.one_f_one_b is None:
+            return "(1F1B and interleaved 1F1B were not both run: nothing to compare)"
+        lines = [str(verdict.compare_times(self.interleaved["step_s_samples"],
+                                           self.one_f_one_b["step_s_samples"],
+                                           names=("interleaved 1F1B step", "1F1B step")))]  # fmt: skip
+        o1, oi = self.one_f_one_b["overhead_samples"], self.interleaved["overhead_samples"]
+        ranges = (f"1F1B {min(o1):.2f}..{max(o1):.2f}, interleaved {min(oi):.2f}..{max(oi):.2f} "
+                  f"over {len(o1)} steps (measured)")
+        if max(oi) < min(o1):
+            lines.append(f"bubble overhead: interleaved below 1F1B in every step ({ranges}): the "
+                         "reduction shows here")
+        elif min(oi) > max(o1):
+            lines.append(f"bubble overhead: interleaved above 1F1B in every step ({ranges}): its "
+                         "extra messages and per-action costs outweighed its shorter fill here")
+        else:
+            lines.append(f"bubble overhead: the ranges overlap ({ranges}): the reduction "
+                         "interleaving predicts is not shown on this tier")
+        return "\n".join(lines)
+
+
+def plot_schedule_runs(runs: ScheduleRuns, names: tuple[str, ...] = ("interleaved_1f1b", "zbv"),
+                       axes: Any = None) -> Any:  # fmt: skip
+    """For each of ``names`` that ran: the replay (ideal clock, measured op times) beside the
+    measured last step, one row per schedule. Returns the Axes."""
+    import matplotlib.pyplot as plt  # lazy: importing labkit must stay cheap
+
+    from labkit.parallel.timeline import plot_timeline
+
+    show = [n for n in names if n in runs.runs]
+    if axes is None:
+        _, axes = plt.subplots(len(show), 2, figsize=(12, 2.2 * len(show)), squeeze=False)
+    for row, name in enumerate(show):
+        plot_timeline(runs.modelled[name][0], ax=axes[row][0], unit="ms",
+                      title=f"{name}: modelled (ideal clock, measured op times)")
+        plot_timeline(runs.runs[name]["events"], ax=axes[row][1], unit="ms",
+                      title=f"{name}: measured (last step)")
+        for ax in axes[row]:
+            ax.set_xlabel("time (ms); light F, dark B or I, orange W")
+            ax.set_yticks(range(runs.p), [f"rank {k} (stages {runs.runs[name]['stages'][k]})"
+                                          for k in range(runs.p)])
+    plt.tight_layout()
+    return axes

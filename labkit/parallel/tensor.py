@@ -117,7 +117,10 @@ class CommCounter:
 
 # CommDebugMode names an op by its packet: "c10d.allreduce_" for torch.distributed.all_reduce
 # (our f and g), "c10d_functional.all_reduce" for DTensor's functional collectives. One name
-# per collective, so the two can be compared.
+# per collective, so the two can be compared. A table of its own, not comm.C10D_OPS: these
+# are CommDebugMode's names (no trailing underscore, c10d and functional ops mixed) mapped to a
+# name only, for counting calls; comm's are dispatcher op names mapped to the argument whose
+# bytes are counted. Neither is torch 2.13's Python rename (comm.ALL_GATHER_NAMES).
 _COLLECTIVE_NAMES = {
     "allreduce": "all_reduce",
     "allreduce_coalesced": "all_reduce",
@@ -658,3 +661,48 @@ def tp_allreduce_bytes_per_step(
     per_call = micro_batch * cfg.seq_len * cfg.d_model * bytes_per_element
     calls = 4 * cfg.n_layer * n_microbatches
     return {"calls": calls, "message_bytes": calls * per_call, "bytes_per_call": per_call}
+
+
+@dataclass(frozen=True)
+class TPPrediction:
+    """What tensor parallelism over ``tp`` ranks should cost, predicted before anything runs:
+    the parameters one rank holds (:func:`tp_params_per_rank`) against one device's
+    (``formulas.gpt_params``), and the all-reduces of a step (:func:`tp_allreduce_bytes_per_step`)
+    with the bytes each rank sends for them in a ring (``formulas.ring_allreduce_bytes_per_rank``).
+    """
+
+    tp: int
+    n_layer: int
+    params_per_rank: int
+    params_single: int
+    calls: int
+    bytes_per_call: int
+    message_bytes: int
+    ring_bytes_per_rank: float
+
+    def describe(self) -> str:
+        return "\n".join([
+            f"predicted: {self.params_per_rank:,} parameters per rank "
+            f"({4 * self.params_per_rank / 2**20:.2f} MiB fp32) vs {self.params_single:,} on one "
+            f"device: {self.params_per_rank / self.params_single:.0%}",
+            f"predicted: {self.calls} all-reduces per step (4 per layer × {self.n_layer} layers), "
+            f"{self.bytes_per_call / 2**10:.0f} KiB each (b·s·h·4 bytes), "
+            f"{self.message_bytes / 2**20:.2f} MiB per step; each rank sends "
+            f"{self.ring_bytes_per_rank / 2**20:.2f} MiB (ring, 2(n−1)/n)",
+        ])
+
+
+def predict_tp(cfg: ModelConfig, tp: int, micro_batch: int) -> TPPrediction:
+    """:class:`TPPrediction` for ``cfg`` split over ``tp`` ranks, ``micro_batch`` sequences a step
+    (float32, one micro-batch)."""
+    from labkit import formulas  # layer 0; imported here to keep this module's imports few
+
+    comm = tp_allreduce_bytes_per_step(cfg, micro_batch)
+    return TPPrediction(
+        tp=tp, n_layer=cfg.n_layer, params_per_rank=tp_params_per_rank(cfg, tp),
+        params_single=formulas.gpt_params(vocab_size=cfg.vocab_size, d_model=cfg.d_model,
+                                          n_layer=cfg.n_layer, seq_len=cfg.seq_len),
+        calls=comm["calls"], bytes_per_call=comm["bytes_per_call"],
+        message_bytes=comm["message_bytes"],
+        ring_bytes_per_rank=formulas.ring_allreduce_bytes_per_rank(comm["message_bytes"], tp),
+    )

@@ -65,6 +65,14 @@ from labkit.parallel import comm
 from labkit.parallel.dp_config import MakeOptimizer, Strategy
 
 
+def shard_bounds(numel: int, rank: int, world_size: int) -> tuple[int, int]:
+    """[start, stop) of a flat buffer of ``numel`` elements that ``rank`` owns: every rank an
+    equal shard, the smallest that covers ``numel`` (the buffer is zero-padded at its end to
+    ``world_size`` shards), since reduce-scatter and all-gather move equal pieces."""
+    shard = -(-numel // world_size)  # ceil without floats
+    return rank * shard, (rank + 1) * shard
+
+
 @dataclass
 class _Piece:
     """The part of one parameter that lies in this rank's shard."""
@@ -131,7 +139,8 @@ class ShardedOptimizer:
     def _flatten(self, params: list[nn.Parameter]) -> _FlatGroup:
         n = self.world_size
         total = sum(p.numel() for p in params)
-        shard_numel = -(-total // n)  # ceil: pad so every rank owns an equal shard
+        lo, hi = shard_bounds(total, self.rank, n)  # pad so every rank owns an equal shard
+        shard_numel = hi - lo
         flat = torch.zeros(shard_numel * n, dtype=params[0].dtype, device=params[0].device)
         offsets, off = [], 0
         for p in params:
@@ -144,12 +153,11 @@ class ShardedOptimizer:
             p.data = flat[off : off + p.numel()].view_as(p)  # the model now reads the buffer
             offsets.append(off)
             off += p.numel()
-        lo = self.rank * shard_numel
-        shard = flat[lo : lo + shard_numel]  # a view: shares flat's memory
+        shard = flat[lo:hi]  # a view: shares flat's memory
         pieces = []
         for i, (p, start) in enumerate(zip(params, offsets, strict=True)):
-            a, b = max(start, lo), min(start + p.numel(), lo + shard_numel)
-            if a < b:  # the part of parameter i inside [lo, lo + shard_numel)
+            a, b = max(start, lo), min(start + p.numel(), hi)
+            if a < b:  # the part of parameter i inside [lo, hi)
                 pieces.append(_Piece(i, a - lo, b - lo, nn.Parameter(flat[a:b])))
         return _FlatGroup(
             params,

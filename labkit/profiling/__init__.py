@@ -23,6 +23,13 @@ One short module each, measurement apart from display:
                      its TraceDiff (before/after) and CUDA kernel launch statistics
     nsight           nsys / ncu commands, runs and CSV readers; a kernel on the roofline
     bottlenecks      planted slow-downs (data loading, launch overhead, host syncs), measured
+    step_report      a profiled step read out against its predictions: phases, FLOPs,
+                     the profiler's cost, memory (what notebook 06 prints, as describe())
+    dp_report        a data-parallel job's traces read out: per rank, the overlap bound,
+                     the straggler, naive against DDP, HTA's counts beside labkit's
+    fix_report       section 8's fixes against their predictions (data loading, compile)
+    precision_report a step per precision: timed against fp32, where its time goes (Amdahl),
+                     which case this machine is (what notebook 04 prints, as describe())
 
 Importing this package profiles nothing, touches no GPU and imports no plotting library.
 """
@@ -42,6 +49,14 @@ from labkit.profiling.capture import (
     profiler_overhead,
     quiet_kineto,
 )
+from labkit.profiling.dp_report import (
+    DpPrediction,
+    DpRuns,
+    describe_diff_counts,
+    dp_runs,
+    time_cpu_step,
+)
+from labkit.profiling.fix_report import CompileBound, LoadingFix, judge_compile, predict_loading
 from labkit.profiling.hta import HtaReport, LaunchStats, TraceDiffResult, hta_report
 from labkit.profiling.hta import launch_stats as hta_launch_stats
 from labkit.profiling.hta import side_by_side as hta_side_by_side
@@ -80,6 +95,17 @@ from labkit.profiling.overlap import (
 )
 from labkit.profiling.phases import COMMUNICATION, PHASES, nvtx_backend, phase
 from labkit.profiling.plot import plot_trace
+from labkit.profiling.step_report import (
+    MemoryPrediction,
+    OverheadReport,
+    flop_check,
+    judge_overhead,
+    net_bytes_check,
+    phase_split,
+    predict_memory,
+    run_folder,
+    tier_note,
+)
 from labkit.profiling.summary import JobSummary, summarize_job
 from labkit.profiling.trace import Span, Trace, TraceError, load_trace, load_traces, trace_files
 
@@ -89,16 +115,22 @@ __all__ = [
     "MODES",
     "PHASES",
     "Attribution",
+    "CompileBound",
+    "DpPrediction",
+    "DpRuns",
     "GpuSplit",
     "HtaReport",
     "JobSummary",
     "LaunchStats",
+    "LoadingFix",
+    "MemoryPrediction",
     "MemoryTimeline",
     "NcuCommand",
     "NotRun",
     "NsysCommand",
     "NsysTorchrunCommand",
     "Overhead",
+    "OverheadReport",
     "ProfiledRun",
     "RankTimes",
     "Span",
@@ -109,7 +141,10 @@ __all__ = [
     "attribute_step",
     "compute_and_comm",
     "counted_flops",
+    "describe_diff_counts",
+    "dp_runs",
     "find_straggler",
+    "flop_check",
     "forward_rise",
     "gpu_split",
     "gpu_work",
@@ -118,18 +153,24 @@ __all__ = [
     "hta_report",
     "hta_side_by_side",
     "hta_trace_diff",
+    "judge_compile",
+    "judge_overhead",
     "judge_prediction",
     "kind_of",
     "linear_snippet",
     "load_trace",
     "load_traces",
     "net_bytes",
+    "net_bytes_check",
     "nvtx_backend",
     "phase",
+    "phase_split",
     "place_on_roofline",
     "plot_kernel_summary",
     "plot_memory_timeline",
     "plot_trace",
+    "predict_loading",
+    "predict_memory",
     "profile_nsys",
     "profile_steps",
     "profiler_overhead",
@@ -137,9 +178,12 @@ __all__ = [
     "rank_steps",
     "rank_times",
     "record_memory_timeline",
+    "run_folder",
     "run_ncu",
     "step_snippet",
     "summarize_job",
+    "tier_note",
+    "time_cpu_step",
     "timeline_from_snapshot",
     "timeline_from_trace_events",
     "trace_files",

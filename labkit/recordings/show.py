@@ -161,3 +161,17 @@ def markdown_table(recording: Recording) -> str:
                     f"{f.unit.removeprefix('s ')} | {format_seconds(f.q1)} to "
                     f"{format_seconds(f.q3)} | {f.n} | {tokens} | {mfu} |")  # fmt: skip
     return "\n".join(rows)
+
+
+def step_times_beside(times: Mapping[str, Sequence[float]], *, preset: str, device: str,
+                      tokens_per_step: int, dtypes: Sequence[str] | None = None,
+                      recordings: Sequence[Recording] | None = None) -> str:
+    """:func:`precision_beside` for step times measured here (dtype → seconds per step, as
+    ``labkit.precision.step_times`` returns them; only ``dtypes`` if given), against the shipped
+    recordings unless ``recordings`` is given."""
+    from labkit.recordings import load_shipped
+
+    here = {dtype: measured_here(seconds, preset=preset, dtype=dtype, device=device,
+                                 tokens_per_step=tokens_per_step)
+            for dtype, seconds in times.items() if dtypes is None or dtype in dtypes}
+    return precision_beside(load_shipped() if recordings is None else recordings, here)

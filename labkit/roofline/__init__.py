@@ -20,7 +20,8 @@ Measurement apart from display, one short module each:
                 published_ceilings (datasheet references)
     sweep       matmul_sweep: fp32, tf32, bf16, fp16 matmuls timed over sizes
     cpu         cpu_precision_support: a CPU's bf16/fp16 instructions, from its flags
-    plot        plot_roofline: the figure (matplotlib imported only when drawing)
+    plot        plot_roofline, plot_sweep: the figures (matplotlib imported only when drawing)
+    placed      place_kernels: the sweep's matmuls and an elementwise kernel on the roof, told
 
 Everything public is importable from here: ``from labkit import roofline;
 roofline.measure_roofline("cpu")``. Importing this package measures nothing, touches no GPU
@@ -48,7 +49,8 @@ from labkit.roofline.model import (
     attainable,
     matmul_traffic,
 )
-from labkit.roofline.plot import plot_roofline
+from labkit.roofline.placed import PlacedKernels, place_kernels
+from labkit.roofline.plot import plot_roofline, plot_sweep
 from labkit.roofline.precisions import PRECISIONS, precision_name, tf32_matmuls
 from labkit.roofline.sweep import MatmulSweep, SweepRow, matmul_sweep
 
@@ -59,6 +61,7 @@ __all__ = [
     "Ceiling",
     "CpuPrecisionSupport",
     "MatmulSweep",
+    "PlacedKernels",
     "Point",
     "Published",
     "Roofline",
@@ -72,7 +75,9 @@ __all__ = [
     "measure_bandwidth_ceiling",
     "measure_compute_ceiling",
     "measure_roofline",
+    "place_kernels",
     "plot_roofline",
+    "plot_sweep",
     "precision_name",
     "published_ceilings",
     "tf32_matmuls",

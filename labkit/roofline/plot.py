@@ -100,3 +100,23 @@ def plot_roofline(roofline: Roofline, points: Sequence[Point] = (), ax: Any = No
             color="dimgrey")  # fmt: skip
     ax.legend(fontsize=8, loc="upper left")
     return ax
+
+
+def plot_sweep(sweep: Any, ax: Any = None) -> Any:
+    """A :class:`~labkit.roofline.MatmulSweep`: median GFLOP/s against n, one line per precision,
+    on log-log axes. Returns the Axes."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 3.4))
+    sizes = sorted({r.n for r in sweep.rows})
+    precisions = list(dict.fromkeys(r.precision for r in sweep.rows))
+    for i, p in enumerate(precisions):
+        ax.plot(sizes, [sweep.row(p, n).median_flops_per_s / 1e9 for n in sizes], "o-", c=f"C{i}",
+                label=p)
+    ax.set(xscale="log", yscale="log", xlabel="n (n×n @ n×n)",
+           ylabel="GFLOP/s (median, measured)",
+           title=f"matmul rate per precision, {sweep.device_name}")
+    ax.set_xticks(sizes, [str(n) for n in sizes])
+    ax.legend(fontsize=8)
+    return ax
