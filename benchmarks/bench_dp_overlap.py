@@ -5,7 +5,7 @@ set against the α–β model.
     python -m benchmarks.bench_dp_overlap --size smoke --rounds 6
     python -m benchmarks.bench_dp_overlap --record          # save to benchmarks/results/
 
-The job is ``labkit.course.exercises.dp_bench`` (its docstring says what is timed and modelled), run
+The job is ``labkit.course.exercises.data_parallel.bench`` (its docstring says what is timed and modelled), run
 here on labkit's reference answers to notebook 02's exercises; notebook 02 runs the same job
 on the learner's own classes. The variants alternate within each round and the result is a
 ratio of medians (see benchmarks/README.md). Nothing is asserted.
@@ -21,8 +21,8 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file: make the `benchmarks` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from labkit.course.exercises import dp_bench
-from labkit.course.exercises.dp_bench import CAP_FRACTIONS
+from labkit.course.exercises.data_parallel import bench as dp_bench
+from labkit.course.exercises.data_parallel.bench import CAP_FRACTIONS
 
 NAME = "dp_overlap"
 TARGET = 1.0  # overlapped DDP's step ÷ naive's: not slower (a report; nothing asserts it)

@@ -43,12 +43,13 @@ if __package__ in (None, ""):  # run as a file: make the `benchmarks` package im
 
 from benchmarks import _common
 from labkit.jobs import launch, runtime
+from labkit.workers.allreduce import AllReduceConfig
 
 NAME = "launch"
 TARGET = 1.05  # the launcher may cost at most 5% more wall time than bare torchrun
-MODULE = "labkit.workers.allreduce"
+MODULE = AllReduceConfig.WORKER
 NPROC = 2
-WORKER_CONFIG = {"numel": 2**16, "repeats": 3, "warmup": 1}  # small: launching is the point
+WORKER_CONFIG = AllReduceConfig(numel=2**16, repeats=3, warmup=1)  # small: launching is the point
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -56,9 +57,8 @@ def launch_labkit(job_root: Path, timeout_s: float) -> float:
     """One job through labkit.jobs.launch.run; returns its wall time seen by the caller."""
     t0 = time.perf_counter()
     res = launch.run(
-        MODULE,
+        WORKER_CONFIG,
         nproc=NPROC,
-        config=WORKER_CONFIG,
         device="cpu",
         backend="gloo",
         log_dir=job_root,
@@ -102,7 +102,8 @@ def write_spec(job_dir: Path) -> None:
     (job_dir / "tmp").mkdir(parents=True)
     runtime.write_json_atomic(job_dir / runtime.SPEC_FILE, {
         "job_id": job_dir.name, "module": MODULE, "nproc": NPROC, "backend": "gloo",
-        "device": "cpu", "pg_timeout_s": runtime.DEFAULT_PG_TIMEOUT_S, "config": WORKER_CONFIG,
+        "device": "cpu", "pg_timeout_s": runtime.DEFAULT_PG_TIMEOUT_S,
+        "config": WORKER_CONFIG.to_dict(),
     })  # fmt: skip
 
 
@@ -192,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
                                   "torchrun --standalone, alternated")  # fmt: skip
     record = _common.make_record(
         NAME, device="cpu",
-        params={"module": MODULE, "nproc": NPROC, "backend": "gloo", "config": WORKER_CONFIG,
+        params={"module": MODULE, "nproc": NPROC, "backend": "gloo",
+                "config": WORKER_CONFIG.to_dict(),
                 "rounds": args.rounds, "warmup": args.warmup, "bare_command": bare_command()[1:],
                 "order": "alternating, first mover swapped"},
         samples_s=samples, **cmp,

@@ -239,7 +239,7 @@ def test_bare_launch_gets_the_job_spec_the_launcher_would_write(tmp_path):
     bench_launch.write_spec(job)
     spec = runtime.read_json(job / runtime.SPEC_FILE)
     assert spec["backend"] == "gloo" and spec["nproc"] == bench_launch.NPROC
-    assert spec["config"] == bench_launch.WORKER_CONFIG
+    assert spec["config"] == bench_launch.WORKER_CONFIG.to_dict()
     env = bench_launch.bare_env(job)
     assert env[runtime.JOB_DIR_ENV] == str(job)
     assert "RANK" not in env

@@ -134,15 +134,22 @@ def test_the_first_divergence_of_the_plans_is_the_prediction():
 
 
 @pytest.mark.parametrize(("cfg", "world", "says"), [
-    ({"fault": "deadlock"}, 2, "use one of"),
+    ({"fault": "deadlock"}, 2, "fault='deadlock' is not allowed: one of 'none'"),
     ({"fault": "shape", "steps": 0}, 2, "steps=0"),
-    ({"fault": "shape", "steps": 2, "fault_step": 3}, 2, "fault_step <= steps"),
+    ({"fault": "shape", "steps": 2, "fault_step": 3}, 2, "at most steps"),
     ({"fault": "shape", "fault_rank": 2}, 2, "fault_rank < nproc"),
-    ({"fault": "shape"}, 1, "nproc=2"),
+    ({"fault": "shape"}, 1, "nproc=1 is not allowed: an integer >= 2"),
+    ({"fault": "shape", "faultrank": 0}, 2, r"has no field\(s\) \['faultrank'\]"),
 ])  # fmt: skip
 def test_bad_config_is_refused_naming_the_fix(cfg, world, says):
     with pytest.raises(ValueError, match=says):
-        cf.check_config(cfg, world)
+        cf.CollectiveFaultsConfig.from_dict(cfg).check_ranks(world)
+
+
+def test_run_refuses_a_config_that_cannot_plant_its_bug_before_any_launch(monkeypatch):
+    monkeypatch.setattr(cf.launch, "run", lambda *a, **k: pytest.fail("launched"))
+    with pytest.raises(ValueError, match="fault_rank < nproc"):
+        cf.run(cf.CollectiveFaultsConfig(fault="shape", fault_rank=3), nproc=2)
 
 
 def test_bad_trials_are_refused_before_any_launch():

@@ -41,13 +41,13 @@ def test_gloo_on_gpus_is_refused_before_anything_starts(no_spawn, monkeypatch):
 
 def test_the_callers_backend_reaches_the_launcher(monkeypatch):
     calls = []
-    monkeypatch.setattr(launch, "run", lambda module, **kw: calls.append((module, kw)))
+    monkeypatch.setattr(launch, "run", lambda job, **kw: calls.append((job, kw)))
     monkeypatch.setattr(launch, "visible_gpu_count", lambda: 2)
     dp_train.run(CONFIG, nproc=2, backend="nccl")
     dp_train.run(CONFIG, nproc=2, device="cpu", backend="gloo")  # CPU ranks: gloo is right
     got = [(kw["backend"], kw["device"]) for _, kw in calls]
     assert got == [("nccl", "cuda"), ("gloo", "cpu")]
-    assert {module for module, _ in calls} == {dp_train.MODULE}
+    assert [job for job, _ in calls] == [dp_train.DPTrainConfig.from_dict(CONFIG)] * 2
     monkeypatch.setattr(launch, "visible_gpu_count", lambda: 0)
     with pytest.raises(ValueError, match="backend='nccl' but no CUDA GPU"):
         dp_train.run(CONFIG, nproc=2, backend="nccl")

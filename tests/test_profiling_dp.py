@@ -60,7 +60,7 @@ def launches(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize(("config", "message"), [
-    ({"bogus": 1}, r"unknown config keys \['bogus'\]"),
+    ({"bogus": 1}, r"DPProfileConfig has no field\(s\) \['bogus'\]"),
     ({"slow_rank": 2, "runs": RUNS}, r"slow_rank=2: a rank in 0\.\.1"),
     ({"slow_rank": -1, "runs": RUNS}, r"slow_rank=-1"),
     ({"slow_rank": 1.0, "runs": RUNS}, r"slow_rank=1\.0"),
@@ -86,8 +86,8 @@ def test_a_good_config_reaches_the_launcher(launches):
     dp_profile.run(config, nproc=2, device="cpu")
     # slow_rank only matters when a run is slowed: out of range with none slowed is accepted
     dp_profile.run({"slow_rank": 5}, nproc=2)
-    assert launches == [(dp_profile.MODULE, {"nproc": 2, "config": config, "device": "cpu"}),
-                        (dp_profile.MODULE, {"nproc": 2, "config": {"slow_rank": 5}})]
+    assert launches == [(dp_profile.DPProfileConfig.from_dict(config), {"nproc": 2, "device": "cpu"}),
+                        (dp_profile.DPProfileConfig(slow_rank=5), {"nproc": 2})]
 
 
 # --- one real job: naive, DDP, DDP with a slowed rank --------------------------------------

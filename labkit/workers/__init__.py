@@ -2,15 +2,28 @@
 
 Workers must be importable modules (not functions in a notebook): torchrun starts fresh
 Python processes, which can import a module but cannot reach into the notebook's memory.
+Each declares its settings as a frozen dataclass (``allreduce.AllReduceConfig``, a
+``labkit.jobs.spec.WorkerConfig``), checked when it is built, and one ``run(config, nproc=...)``;
+every rank reads the same dataclass back from ``ctx.config``.
 
     allreduce    the first 2-process job: one all-reduce, checked, then timed (notebook 00)
     allreduce_sizes  all-reduces of a few sizes timed in turns, every sample kept (notebook 00's plan)
+    allreduce_report  notebook 00's reading of the first job in the kernel: values, bytes, time
+    multinode_report  notebook 02b's reading of a rehearsal of several nodes: places, sums, weights
+    resilient_report  notebook 02b's reading of a job killed and resumed: lost steps, restart, saves
     collectives  all-reduce, all-gather, reduce-scatter timed over message sizes (notebook 02)
     dp_train     data-parallel training with a chosen strategy, bytes and memory counted (02)
     pp_train     pipeline schedules (naive, GPipe, 1F1B, torch's) with per-micro-batch timelines (03)
     tp_train     tensor-parallel layers and GPT (Megatron f/g, and DTensor), bytes counted (03)
+    mesh_report  notebook 03b's reading of the mesh job: groups, bytes, parity, memory, step times
+    dp_pp_report  notebook 03b's data × pipeline section: prediction, counts, parity, timeline
+    job_config   what the configs share: the small GPT's fields and their checks (no torch)
+    collective_faults_config  the collective-fault job's config and plan, for collective_debug
+                 on a lower layer (no torch)
+    capstone_config  the capstone job's config, its knobs sealed, for course.capstone on a
+                 layer no lower than the workers' (no torch)
     _faults      misbehaving workers for the launcher's tests (raise, hang, ignore SIGTERM)
 
-The exercise checks' own workers live with the checks (``labkit.course.exercises.dp_worker`` and
-``mp_worker``): workers here know nothing of exercises.
+The exercise checks' own workers live with the checks (``labkit.course.exercises.data_parallel.worker`` and
+``model_parallel.worker``): workers here know nothing of exercises.
 """

@@ -1,8 +1,8 @@
 """All-reduce one tensor across ranks: report its values, time it, and time the link under it.
 
-    labkit.jobs.launch.run("labkit.workers.allreduce", nproc=2, config={"numel": 2**20})
+    allreduce.run(allreduce.AllReduceConfig(numel=2**20), nproc=2)
 
-Config (all optional):
+Config (:class:`AllReduceConfig`, every field optional):
     numel    elements in the float32 tensor each rank contributes (default 2**20 = 4 MiB)
     repeats  timed all-reduces after warm-up (default 10)
     warmup   untimed all-reduces first: connection setup and caches (default 3)
@@ -37,6 +37,10 @@ bandwidth β, from which ``formulas.ring_allreduce_time`` predicts the all-reduc
 byte the probe and the all-reduces send is counted in the result (``sent_payload_bytes``), so
 a caller counting the network interface's bytes can hold them against it.
 
+Notebook 00's sizes are :func:`preset`; what the notebook makes of the result (the value
+check, the bytes and the time reconciled, its summary) is :mod:`labkit.workers.allreduce_report`,
+re-exported here.
+
 Bytes on the wire (``labkit.metrics.net``): gloo ranks on one host talk TCP over loopback, so
 the ``lo`` counters read between two barriers around the timed loop (``wire_loop_bytes`` in
 ``wire_loop_s``) hold the warm-up and timed all-reduces of every rank, plus whatever else used
@@ -48,23 +52,102 @@ them over NVLink or PCIe; not Linux) the entries are None and ``wire_unavailable
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
 import statistics
 import time
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as tdist
 
-from labkit import formulas
-from labkit.jobs import runtime
+from labkit import formulas, validate
+from labkit.jobs import launch, runtime
+from labkit.jobs.spec import WorkerConfig
 from labkit.metrics import net
 
+# Notebook 00's reading of this worker's result runs in the kernel, not in the ranks: its own
+# module, re-exported here so that the notebook reaches the whole job as ``worker.<name>``.
+from labkit.workers.allreduce_report import FirstJobSummary as FirstJobSummary
+from labkit.workers.allreduce_report import Prediction as Prediction
+from labkit.workers.allreduce_report import TimeReconcile as TimeReconcile
+from labkit.workers.allreduce_report import ValueCheck as ValueCheck
+from labkit.workers.allreduce_report import WireReconcile as WireReconcile
+from labkit.workers.allreduce_report import check_values as check_values
+from labkit.workers.allreduce_report import count_job_wire as count_job_wire
+from labkit.workers.allreduce_report import describe_speed as describe_speed
+from labkit.workers.allreduce_report import predict as predict
+from labkit.workers.allreduce_report import reconcile_time as reconcile_time
+from labkit.workers.allreduce_report import reconcile_wire as reconcile_wire
+from labkit.workers.allreduce_report import summarize as summarize
+
 OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX}
+FAIL_HOWS = ("raise", "kill")
 PROBE_TIMES = 20  # exchanges per probe size (median): a few ms over loopback
 PROBE_MIN_BIG = 2**18  # elements (1 MiB): the big message must take clearly longer than 4 bytes
 WIRE_IDLE_MAX_S = 3.0  # the longest baseline window; its bytes are scaled to the loop's time
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AllReduceConfig(WorkerConfig):
+    """One all-reduce job (the module docstring says what each part measures)."""
+
+    WORKER: ClassVar[str] = "labkit.workers.allreduce"
+    numel: int = 2**20
+    """Elements in the float32 tensor each rank contributes (2**20: 4 MiB)."""
+    repeats: int = 10
+    """Timed all-reduces after warm-up."""
+    warmup: int = 3
+    """Untimed all-reduces first: connection setup and caches."""
+    op: str = "sum"
+    """The reduction: "sum" or "max"."""
+    expect: float | None = None
+    """The value every element is checked against (None: what ``op`` gives)."""
+    wire: bool = True
+    """Count the loopback interface's bytes around the timed all-reduces."""
+    probe: bool = True
+    """Time the link under the collective first (α and β)."""
+    fail_rank: int | None = None
+    """This rank fails before the all-reduce (None: none does)."""
+    fail_how: str = "raise"
+    """How ``fail_rank`` fails: "raise" (an exception) or "kill" (SIGKILL)."""
+
+    def __post_init__(self) -> None:
+        validate.whole("numel", self.numel, low=1)
+        validate.whole("repeats", self.repeats, low=1)
+        validate.whole("warmup", self.warmup, low=0)
+        validate.one_of("op", self.op, tuple(OPS))
+        if self.expect is not None:
+            validate.number("expect", self.expect)
+        validate.flag("wire", self.wire)
+        validate.flag("probe", self.probe)
+        if self.fail_rank is not None:
+            validate.whole("fail_rank", self.fail_rank, low=0)
+        validate.one_of("fail_how", self.fail_how, FAIL_HOWS)
+
+
+# Notebook 00's job per size: a GPU-sized message only when the ranks have GPUs (over loopback
+# it would take minutes), and enough timed repeats that the median is steady.
+PRESET_NUMEL = {"smoke": 2**16, "lab": 2**20, "gpu": 2**26}
+PRESET_REPEATS = {"smoke": 300, "lab": 300, "gpu": 500}
+PRESET_WARMUP = 3
+
+
+def preset(size: str, device: str, **fields: Any) -> AllReduceConfig:
+    """Notebook 00's all-reduce at ``size`` ("smoke", "lab" or "gpu") for ranks on ``device``
+    ("cpu" or "cuda"): the "gpu" size on CPU ranks runs the lab's message. ``fields`` set the
+    rest (``op``, ``expect``...)."""
+    validate.one_of("size", size, tuple(PRESET_NUMEL))
+    scale = "lab" if size == "gpu" and device == "cpu" else size
+    return AllReduceConfig(numel=PRESET_NUMEL[scale], warmup=PRESET_WARMUP,
+                           repeats=PRESET_REPEATS[scale], **fields)  # fmt: skip
+
+
+def run(config: AllReduceConfig, *, nproc: int = 2, **launch_options: Any) -> launch.JobResult:
+    """Launch ``config`` on ``nproc`` ranks; ``launch_options`` go to ``launch.run``."""
+    return launch.run(config, nproc=nproc, **launch_options)
 
 
 def _sync(device: torch.device) -> None:
@@ -75,24 +158,13 @@ def _sync(device: torch.device) -> None:
 
 @runtime.entrypoint
 def main(ctx: runtime.Context) -> dict:
-    numel = int(ctx.config.get("numel", 2**20))
-    repeats = int(ctx.config.get("repeats", 10))
-    warmup = int(ctx.config.get("warmup", 3))
-    if numel < 1 or repeats < 1 or warmup < 0:
-        raise ValueError(
-            f"config numel={numel}, repeats={repeats}, warmup={warmup}: need "
-            "numel >= 1, repeats >= 1, warmup >= 0"
-        )
+    cfg = AllReduceConfig.from_dict(ctx.config)
+    numel, repeats, warmup, op = cfg.numel, cfg.repeats, cfg.warmup, cfg.op
     n = ctx.world_size
-    op = ctx.config.get("op", "sum")
-    if op not in OPS:
-        raise ValueError(f"config op={op!r}: use one of {sorted(OPS)}")
-    expected = float(ctx.config.get("expect", n * (n + 1) / 2 if op == "sum" else n))
-    wire_why = _wire_unavailable(ctx) if ctx.config.get("wire", True) else "not asked (wire=False)"
+    expected = float(cfg.expect if cfg.expect is not None else n * (n + 1) / 2 if op == "sum" else n)
+    wire_why = _wire_unavailable(ctx) if cfg.wire else "not asked (wire=False)"
 
-    fail_rank, fail_how = ctx.config.get("fail_rank"), ctx.config.get("fail_how", "raise")
-    if fail_how not in ("raise", "kill"):
-        raise ValueError(f"config fail_how={fail_how!r}: use 'raise' or 'kill'")
+    fail_rank, fail_how = cfg.fail_rank, cfg.fail_how
     if fail_rank == ctx.rank and fail_how == "kill":
         time.sleep(0.5)  # let the other ranks reach the all-reduce, where they wait for us
         os.kill(os.getpid(), signal.SIGKILL)
@@ -104,7 +176,7 @@ def main(ctx: runtime.Context) -> dict:
     # (at least 1 MiB, so that its time stands clear of α even on a busy machine).
     sent = 0.0  # payload bytes this rank sends, probe and all-reduces
     probe_result: dict = {}
-    if ctx.config.get("probe", True) and n > 1:
+    if cfg.probe and n > 1:
         small, small_sent = _probe(ctx, 1, PROBE_TIMES)
         big, big_sent = _probe(ctx, max(numel // n, PROBE_MIN_BIG), PROBE_TIMES)
         sent += small_sent + big_sent

@@ -1,9 +1,8 @@
 """Time all-reduces of a few message sizes, taking turns, and keep every sample.
 
-    labkit.jobs.launch.run("labkit.workers.allreduce_sizes", nproc=2,
-                      config={"sizes": [2**18, 2**20, 2**23], "rounds": 15})
+    allreduce_sizes.run(allreduce_sizes.AllReduceSizesConfig(sizes=(2**18, 2**20, 2**23)), nproc=2)
 
-Config:
+Config (:class:`AllReduceSizesConfig`):
     sizes    message sizes in bytes (each rounded down to whole float32 elements, at least one
              per rank)
     rounds   timed rounds (default 15); each round all-reduces every size once, in turn, so a
@@ -19,22 +18,46 @@ verdict with spread (``labkit.verdict.compare_times``).
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as tdist
 
-from labkit.jobs import runtime
+from labkit import validate
+from labkit.jobs import launch, runtime
+from labkit.jobs.spec import WorkerConfig
+from labkit.workers.job_config import counts
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AllReduceSizesConfig(WorkerConfig):
+    """All-reduces of a few sizes, timed in turns."""
+
+    WORKER: ClassVar[str] = "labkit.workers.allreduce_sizes"
+    sizes: tuple[int, ...]
+    """Message sizes in bytes, at least one."""
+    rounds: int = 15
+    """Timed rounds; each all-reduces every size once."""
+    warmup: int = 2
+    """Untimed rounds first."""
+
+    def __post_init__(self) -> None:
+        counts("sizes", self.sizes, why="message sizes in bytes")
+        validate.whole("rounds", self.rounds, low=1)
+        validate.whole("warmup", self.warmup, low=0)
+
+
+def run(config: AllReduceSizesConfig, *, nproc: int = 2, **launch_options: Any) -> launch.JobResult:
+    """Launch ``config`` on ``nproc`` ranks; ``launch_options`` go to ``launch.run``."""
+    return launch.run(config, nproc=nproc, **launch_options)
 
 
 @runtime.entrypoint
 def main(ctx: runtime.Context) -> dict[str, Any]:
-    sizes = [int(s) for s in ctx.config.get("sizes", [])]
-    rounds, warmup = int(ctx.config.get("rounds", 15)), int(ctx.config.get("warmup", 2))
-    if not sizes or any(s < 1 for s in sizes) or rounds < 1 or warmup < 0:
-        raise ValueError(f"config sizes={sizes}, rounds={rounds}, warmup={warmup}: need at least "
-                         "one size >= 1 byte, rounds >= 1, warmup >= 0")  # fmt: skip
+    cfg = AllReduceSizesConfig.from_dict(ctx.config)
+    sizes, rounds, warmup = cfg.sizes, cfg.rounds, cfg.warmup
     n = ctx.world_size
     numels = [max(n, s // 4) for s in sizes]
     bufs = [torch.zeros(k, dtype=torch.float32, device=ctx.device) for k in numels]

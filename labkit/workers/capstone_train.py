@@ -1,11 +1,12 @@
 """The capstone's job: data-parallel training of the course GPT, every knob of it a setting.
 
-    labkit.jobs.launch.run("labkit.workers.capstone_train", nproc=2,
-                      config={"prepare_data": "per_item", "straggler_s": 0.1, "steps": 8})
+    capstone_train.run(CapstoneConfig(steps=8, settings={"prepare_data": "per_item",
+                                                         "straggler_s": 0.1}), nproc=2)
 
 Usually started by :func:`labkit.course.capstone.run_job`, which turns a job's settings
-(:class:`labkit.course.capstone.Settings`) into this config and passes it sealed
-(:func:`labkit.course.sealed.seal`), so the job spec on disk names no setting. This module knows
+(:class:`labkit.course.capstone.Settings`) into this config's knobs and passes them sealed
+(:class:`labkit.workers.capstone_config.CapstoneConfig`), so the job spec on disk names no
+setting. This module knows
 no fault: it trains, with whatever knobs it is given, and reports what an engineer's tools
 would show (the tools of notebooks 00–06), raw:
 
@@ -21,7 +22,8 @@ would show (the tools of notebooks 00–06), raw:
   the job was started with are not echoed back: what they do shows in the measurements and
   the trace (the dtype of each matmul, the optimizer's operators, autograd's checks).
 
-Config (all optional; defaults are the healthy job):
+Config (:class:`~labkit.workers.capstone_config.CapstoneConfig`, all optional; defaults are the
+healthy job; every field below but the last line's is a knob, in ``settings`` or ``sealed``):
     model          GPT fields (seq_len, n_layer, n_head, d_model); default the smoke model
     global_batch   sequences per optimizer step over all ranks (32)
     micro_batch    sequences per forward/backward on each rank (half a rank's share)
@@ -67,8 +69,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from labkit import data
 from labkit.config import ModelConfig, TrainConfig
-from labkit.course.sealed import unseal
-from labkit.jobs import runtime
+from labkit.jobs import launch, runtime
 from labkit.model import GPT
 from labkit.parallel import comm
 from labkit.profiling.bottlenecks import TokenizingDataset
@@ -76,19 +77,10 @@ from labkit.profiling.capture import activities, quiet_kineto
 from labkit.profiling.phases import phase
 from labkit.timing import synchronize
 from labkit.train import autocast, make_optimizer
+from labkit.workers.capstone_config import DEFAULTS as DEFAULTS
+from labkit.workers.capstone_config import SMOKE_MODEL, CapstoneConfig
 
-SMOKE_MODEL = {"seq_len": 64, "n_layer": 2, "n_head": 2, "d_model": 64}
 PHASES = ("data", "forward", "backward", "optimizer")
-DEFAULTS: dict[str, Any] = {
-    "global_batch": 32, "micro_batch": None, "prepare_data": "once", "loader_workers": 0,
-    "no_sync": True,
-    "bucket_cap_mb": 25.0, "straggler_s": 0.0, "threads": None, "anomaly_detection": False,
-    "eval_every_steps": 0, "activation_checkpointing": False, "sampler": "distributed",
-    "set_epoch": True, "zero_grad": True, "dtype": "bfloat16",
-    "loss_item_every_micro_batch": False, "optimizer": "default", "pin_memory": True,
-    "vocab_size": 320, "steps": 8, "epoch_steps": 4, "loader_passes": 200,
-    "profile_steps": 2, "eval_batches": 4, "seed": 0, "lr": 1e-3, "model": {},
-}  # fmt: skip
 ENV_SHOWN = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
 SHORT_TMP = 60  # characters of TMPDIR that leave room for multiprocessing's socket names
 
@@ -171,15 +163,10 @@ class Recording(Sampler[int]):
             yield i
 
 
-def validate(cfg: dict[str, Any], n: int) -> dict[str, Any]:
-    """The config with its defaults; an unknown key or an impossible split is refused."""
-    if "sealed" in cfg:  # labkit.course.capstone.run_job seals the settings out of the job spec's sight
-        cfg = {**{k: v for k, v in cfg.items() if k != "sealed"}, **unseal(cfg["sealed"])}
-    unknown = sorted(set(cfg) - set(DEFAULTS))
-    if unknown:
-        raise ValueError(f"config keys {unknown} are not settings of this job; it has "
-                         f"{sorted(DEFAULTS)}")  # fmt: skip
-    cfg = {**DEFAULTS, **cfg}
+def validate(config: CapstoneConfig | dict[str, Any], n: int) -> dict[str, Any]:
+    """The config, flat, with its defaults and its sealed knobs opened; an unknown key or a
+    split ``n`` ranks cannot make is refused. ``config`` may be flat too, knobs among sizes."""
+    cfg = CapstoneConfig.of(config).flat()
     g = int(cfg["global_batch"])
     if g % n:
         raise ValueError(f"global_batch={g} does not split over {n} ranks")
@@ -416,6 +403,13 @@ def main(ctx: runtime.Context) -> dict[str, Any]:
         "trace": str(trace) if trace is not None else None,
         "steps_timed": timed,
     }  # fmt: skip
+
+
+def run(config: CapstoneConfig, *, nproc: int = 2, **launch_options: Any) -> launch.JobResult:
+    """Launch ``config`` on ``nproc`` ranks (refused first if they cannot split its batch);
+    ``launch_options`` go to ``launch.run``."""
+    validate(config, nproc)
+    return launch.run(config, nproc=nproc, **launch_options)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,7 @@
 """Three classic collective bugs, planted one at a time on rank 1 of a 2-rank job.
 
-    labkit.jobs.launch.run("labkit.workers.collective_faults", nproc=2,
-                      config={"fault": "desync"}, pg_timeout_s=3, timeout_s=60,
-                      env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    collective_faults.run(CollectiveFaultsConfig(fault="desync"), nproc=2, pg_timeout_s=3,
+                          timeout_s=60, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
 
 Every rank runs ``steps`` training-like steps; each step issues two collectives, as a data-
 parallel step with logging does:
@@ -10,7 +9,8 @@ parallel step with logging does:
     all_reduce(grads)         the gradient sync, ``numel`` float32 values
     all_gather(loss)          every rank's loss, one float32 each, for the log line
 
-Config ``fault`` plants one bug at step ``fault_step`` (default 2) on rank ``fault_rank``
+Config (:class:`CollectiveFaultsConfig`, in the torch-free
+:mod:`labkit.workers.collective_faults_config`): ``fault`` plants one bug at step ``fault_step`` (default 2) on rank ``fault_rank``
 (default 1); the other ranks run the healthy program:
 
     "none"    nothing: the healthy job, for comparison
@@ -42,58 +42,26 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from labkit.jobs import runtime
+from labkit.jobs import launch, runtime
+from labkit.workers.collective_faults_config import FAULTS as FAULTS
+from labkit.workers.collective_faults_config import CollectiveFaultsConfig as CollectiveFaultsConfig
+from labkit.workers.collective_faults_config import planned as planned
 
-FAULTS = ("none", "desync", "shape", "hang")
 _FOREVER_S = 3600.0
 
 
-def check_config(cfg: dict[str, Any], world_size: int | None = None) -> dict[str, Any]:
-    """The config with its defaults, or ValueError naming the constraint and the fix."""
-    out = {"fault": cfg.get("fault", "none"), "steps": cfg.get("steps", 3),
-           "fault_step": cfg.get("fault_step", 2), "fault_rank": cfg.get("fault_rank", 1),
-           "numel": cfg.get("numel", 1024)}  # fmt: skip
-    if out["fault"] not in FAULTS:
-        raise ValueError(f"fault={out['fault']!r}: use one of {FAULTS}")
-    for key in ("steps", "fault_step", "numel"):
-        v = out[key]
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{key}={v!r}: need an integer >= 1")
-    if out["fault_step"] > out["steps"]:
-        raise ValueError(f"fault_step={out['fault_step']} > steps={out['steps']}: the fault "
-                         "would never happen; use fault_step <= steps")  # fmt: skip
-    r = out["fault_rank"]
-    if isinstance(r, bool) or not isinstance(r, int) or r < 0:
-        raise ValueError(f"fault_rank={r!r}: need a rank >= 0")
-    if world_size is not None:
-        if world_size < 2:
-            raise ValueError(f"{world_size} rank(s): a collective bug needs two ranks; nproc=2")
-        if r >= world_size:
-            raise ValueError(f"fault_rank={r} but only ranks 0..{world_size - 1} exist: use "
-                             f"fault_rank < nproc")  # fmt: skip
-    return out
-
-
-def planned(cfg: dict[str, Any], rank: int) -> list[str]:
-    """The collectives ``rank`` will issue, in order: "step 2: all_reduce [1024]"."""
-    cfg = check_config(cfg)
-    plan = []
-    for step in range(1, cfg["steps"] + 1):
-        here = rank == cfg["fault_rank"] and step == cfg["fault_step"]
-        if here and cfg["fault"] == "hang":
-            plan.append(f"step {step}: (sleeps, outside any collective)")
-            break
-        if not (here and cfg["fault"] == "desync"):
-            n = cfg["numel"] + (1 if here and cfg["fault"] == "shape" else 0)
-            plan.append(f"step {step}: all_reduce [{n}]")
-        plan.append(f"step {step}: all_gather [1]")
-    return plan
+def run(config: CollectiveFaultsConfig, *, nproc: int = 2, **launch_options: Any) -> launch.JobResult:
+    """Launch ``config`` on ``nproc`` ranks (refused first if it cannot plant its bug there);
+    ``launch_options`` go to ``launch.run``."""
+    config.check_ranks(nproc)
+    return launch.run(config, nproc=nproc, **launch_options)
 
 
 @runtime.entrypoint
 def main(ctx: runtime.Context) -> dict[str, Any]:
-    cfg = check_config(ctx.config, ctx.world_size)
-    fault = cfg["fault"]
+    cfg = CollectiveFaultsConfig.from_dict(ctx.config)
+    cfg.check_ranks(ctx.world_size)
+    fault = cfg.fault
     device = runtime.collective_device()  # NCCL takes GPU tensors, gloo CPU ones
     result = {"rank": ctx.rank, "pid": os.getpid(), "fault": fault, "backend": ctx.backend,
               "debug": os.environ.get("TORCH_DISTRIBUTED_DEBUG", "OFF"),
@@ -120,14 +88,14 @@ def _dump_flight_recorder(ctx: runtime.Context) -> None:
         f.write(_dump_fr_trace(includeCollectives=True, includeStackTraces=False, onlyActive=False))
 
 
-def _steps(ctx: runtime.Context, cfg: dict[str, Any], result: dict[str, Any],
+def _steps(ctx: runtime.Context, cfg: CollectiveFaultsConfig, result: dict[str, Any],
            device: torch.device) -> dict[str, Any]:  # fmt: skip
-    fault, steps, numel = cfg["fault"], cfg["steps"], cfg["numel"]
+    fault, steps, numel = cfg.fault, cfg.steps, cfg.numel
     losses = []
     for step in range(1, steps + 1):
         ctx.heartbeat(step=step, total=steps, phase="compute")
-        faulty = ctx.rank == cfg["fault_rank"] and step == cfg["fault_step"]
-        if step == cfg["fault_step"] and fault != "none":
+        faulty = ctx.rank == cfg.fault_rank and step == cfg.fault_step
+        if step == cfg.fault_step and fault != "none":
             # When this rank reached the bug's step: the earliest rank's time is when the bug
             # could first be seen (a wait that times out begins after it), for the time to
             # detection.

@@ -1,8 +1,8 @@
 """Time all-reduce, all-gather and reduce-scatter over message sizes, as NCCL-tests does.
 
-    labkit.jobs.launch.run("labkit.workers.collectives", nproc=2, config={"sizes": [8, 1024, 2**20]})
+    collectives.run(collectives.CollectivesConfig(sizes=(8, 1024, 2**20)), nproc=2)
 
-Config (all optional):
+Config (:class:`CollectivesConfig`, every field optional):
     sizes       message sizes S in bytes (default: powers of 4 from 8 B to 32 MiB); each is
                 rounded down to a multiple of 4 x world_size (whole float32 elements per rank)
     collectives any of "all_reduce", "all_gather", "reduce_scatter" (default: all three)
@@ -23,19 +23,49 @@ as an all-reduce plus a local chunk (pytorch #118911): that row is labelled "emu
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as tdist
 
-from labkit import formulas
-from labkit.jobs import runtime
+from labkit import formulas, validate
+from labkit.jobs import launch, runtime
+from labkit.jobs.spec import WorkerConfig
 from labkit.parallel import comm
+from labkit.workers.job_config import counts
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
-DEFAULT_SIZES = [8 * 4**k for k in range(12)]  # 8 B, 32 B, ..., 32 MiB
+DEFAULT_SIZES = tuple(8 * 4**k for k in range(12))  # 8 B, 32 B, ..., 32 MiB
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CollectivesConfig(WorkerConfig):
+    """Collectives timed over message sizes."""
+
+    WORKER: ClassVar[str] = "labkit.workers.collectives"
+    sizes: tuple[int, ...] = DEFAULT_SIZES
+    """Message sizes S in bytes (default: powers of 4 from 8 B to 32 MiB)."""
+    collectives: tuple[str, ...] = COLLECTIVES
+    """Which of COLLECTIVES to time, in this order."""
+    repeats: int = 10
+    """Timed runs per size after warm-up."""
+    warmup: int = 3
+    """Untimed runs per size first."""
+
+    def __post_init__(self) -> None:
+        counts("sizes", self.sizes, why="message sizes in bytes")
+        for kind in self.collectives:
+            validate.one_of("collectives", kind, COLLECTIVES)
+        validate.whole("repeats", self.repeats, low=1)
+        validate.whole("warmup", self.warmup, low=0)
+
+
+def run(config: CollectivesConfig, *, nproc: int = 2, **launch_options: Any) -> launch.JobResult:
+    """Launch ``config`` on ``nproc`` ranks; ``launch_options`` go to ``launch.run``."""
+    return launch.run(config, nproc=nproc, **launch_options)
 
 
 def _sync(device: torch.device) -> None:
@@ -87,18 +117,8 @@ def _check(n: int, rank: int, device: torch.device) -> None:
 
 @runtime.entrypoint
 def main(ctx: runtime.Context) -> dict[str, Any]:
-    cfg = ctx.config
-    sizes = [int(s) for s in cfg.get("sizes", DEFAULT_SIZES)]
-    kinds = list(cfg.get("collectives", COLLECTIVES))
-    repeats, warmup = int(cfg.get("repeats", 10)), int(cfg.get("warmup", 3))
-    if not sizes or any(s < 1 for s in sizes) or repeats < 1 or warmup < 0:
-        raise ValueError(
-            f"config sizes={sizes}, repeats={repeats}, warmup={warmup}: need "
-            "sizes >= 1 byte, repeats >= 1, warmup >= 0"
-        )
-    unknown = [k for k in kinds if k not in COLLECTIVES]
-    if unknown:
-        raise ValueError(f"collectives {unknown}: use any of {COLLECTIVES}")
+    cfg = CollectivesConfig.from_dict(ctx.config)
+    sizes, kinds, repeats, warmup = cfg.sizes, cfg.collectives, cfg.repeats, cfg.warmup
     n, device = ctx.world_size, ctx.device
     with ctx.phase("check"):
         _check(n, ctx.rank, device)

@@ -1,6 +1,6 @@
 """Ring attention on n ranks: parity with full attention, bytes counted, memory and time.
 
-    labkit.jobs.launch.run("labkit.workers.cp_attention", nproc=4, config={"seq_len": 256})
+    cp_attention.run(cp_attention.CPAttentionConfig(seq_len=256), nproc=4)
 
 Every rank builds the same q, k, v (B, H, T, D) from ``seed`` and keeps its contiguous shard
 of the sequence (rank r: positions [r·T/n, (r+1)·T/n)). Parts, each optional (``parts``):
@@ -20,50 +20,84 @@ of the sequence (rank r: positions [r·T/n, (r+1)·T/n)). Parts, each optional (
              log-sum-exp merge; ``set_rotate_method("alltoall")`` would make it a pass-KV ring):
              its max |error| and the exchange it used, or the exact error it raised
 
-Config (all optional): batch (2), heads (4), seq_len (256), head_dim (32), causal (true),
-dtypes (["float32", "bfloat16"]), repeats (5), seed (0), parts (all five).
+Config: :class:`CPAttentionConfig`, every field optional.
 
 Result per rank: the figures above, each with how it was obtained (counted / measured).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist_c
 import torch.nn.functional as F
 
 from labkit import memory
+from labkit import validate as checks  # `validate` is this module's own, older name
 from labkit.batching.trials import LiveTensorBytes
-from labkit.jobs import runtime
+from labkit.jobs import launch, runtime
+from labkit.jobs.spec import WorkerConfig
 from labkit.parallel import context
+from labkit.workers.job_config import some_of
 
 PARTS = ("parity", "grad", "memory", "time", "torch")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def validate(conf: dict[str, Any], world_size: int) -> dict[str, Any]:
-    """The config with defaults filled in; ValueError naming the constraint if it is bad."""
-    c = {
-        "batch": 2, "heads": 4, "seq_len": 256, "head_dim": 32, "causal": True,
-        "dtypes": ["float32", "bfloat16"], "repeats": 5, "seed": 0, "parts": list(PARTS),
-        "cpu_peak": False,
-        **conf,
-    }  # fmt: skip
-    for key in ("batch", "heads", "head_dim", "repeats"):
-        if isinstance(c[key], bool) or not isinstance(c[key], int) or c[key] < 1:
-            raise ValueError(f"{key}={c[key]!r}: give a positive integer")
-    context.validate_context_parallel(c["seq_len"], world_size)
-    bad = [d for d in c["dtypes"] if d not in DTYPES]
-    if bad:
-        raise ValueError(f"dtypes {bad} unknown: use some of {sorted(DTYPES)}")
-    bad = [p for p in c["parts"] if p not in PARTS]
-    if bad:
-        raise ValueError(f"parts {bad} unknown: use some of {list(PARTS)}")
-    return c
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CPAttentionConfig(WorkerConfig):
+    """Ring attention's inputs (B, H, T, D) and which parts to run."""
+
+    WORKER: ClassVar[str] = "labkit.workers.cp_attention"
+    batch: int = 2
+    """B, sequences."""
+    heads: int = 4
+    """H, attention heads."""
+    seq_len: int = 256
+    """T, the whole sequence; every rank keeps T/n positions."""
+    head_dim: int = 32
+    """D, features per head."""
+    causal: bool = True
+    """Causal attention (each position sees only earlier ones)."""
+    dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    """The forward's dtypes in the parity part, from DTYPES."""
+    repeats: int = 5
+    """Timed ring forwards in the time part."""
+    seed: int = 0
+    """Seeds q, k and v."""
+    parts: tuple[str, ...] = PARTS
+    """Which of PARTS to run."""
+    cpu_peak: bool = False
+    """Measure the memory part's peaks on CPU ranks too."""
+
+    def __post_init__(self) -> None:
+        for key in ("batch", "heads", "seq_len", "head_dim", "repeats"):
+            checks.whole(key, getattr(self, key), low=1)
+        checks.whole("seed", self.seed, low=0)
+        checks.flag("causal", self.causal)
+        checks.flag("cpu_peak", self.cpu_peak)
+        some_of("dtypes", self.dtypes, tuple(DTYPES))
+        some_of("parts", self.parts, PARTS)
+
+
+def validate(conf: dict[str, Any] | CPAttentionConfig, world_size: int) -> dict[str, Any]:
+    """The config as the dict the parts read, checked against ``world_size`` ranks too; an
+    error names the field and the constraint."""
+    cfg = conf if isinstance(conf, CPAttentionConfig) else CPAttentionConfig.from_dict(conf)
+    context.validate_context_parallel(cfg.seq_len, world_size)
+    return cfg.to_dict()
+
+
+def run(config: CPAttentionConfig, *, nproc: int = 2, **launch_options: Any) -> launch.JobResult:
+    """Launch ``config`` on ``nproc`` ranks (refused first unless they split its sequence);
+    ``launch_options`` go to ``launch.run``."""
+    validate(config, nproc)
+    return launch.run(config, nproc=nproc, **launch_options)
 
 
 def make_qkv(c: dict[str, Any], dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, ...]:
@@ -283,6 +317,163 @@ def _torch_cp(ctx: runtime.Context, c: dict[str, Any], qkv64) -> dict[str, Any]:
         }
     except Exception as e:
         return {"ran": False, "rotate_method": rotate, "error": f"{type(e).__name__}: {e}"}
+
+
+# --- what notebook 03c prints from a finished job ------------------------------------------------
+
+
+def _tier(r0: dict[str, Any]) -> str:
+    return "GPU ranks over NCCL" if r0["device"].startswith("cuda") else "CPU ranks over gloo"
+
+
+@dataclass(frozen=True)
+class RingParity:
+    """The ring's errors against float64 beside one device's SDPA, and the bytes each rank
+    sent, predicted and counted: :func:`parity_report`."""
+
+    ranks: tuple[dict[str, Any], ...]  # every rank's result ("parity" and "grad" parts)
+    ratio_limit: float = 2.0  # within 2x of SDPA: the same rounding, reordered (our threshold)
+
+    @property
+    def ratios(self) -> dict[str, float]:
+        """dtype -> the ring's forward error over one device's SDPA error."""
+        return {dt: p["ring_max_abs_err"] / max(p["sdpa_one_device_max_abs_err"], 1e-300)
+                for dt, p in self.ranks[0]["parity"].items()}
+
+    def describe(self) -> str:
+        r0, n = self.ranks[0], len(self.ranks)
+        lines = [f"{n} ranks, {_tier(r0)}",
+                 f"{'max |error| vs float64 (measured)':<38}{'ring attention':>16}"
+                 f"{'one device SDPA':>17}"]  # fmt: skip
+        lines += [f"{'forward, ' + dt:<38}{p['ring_max_abs_err']:>16.1e}"
+                  f"{p['sdpa_one_device_max_abs_err']:>17.1e}" for dt, p in r0["parity"].items()]
+        lines += [f"{'backward, float32, ' + name:<38}{e:>16.1e}{'':>17}"
+                  for name, e in r0["grad"]["max_abs_err"].items()]
+        worst = max(r0["parity"]["float32"]["ring_max_abs_err"], *r0["grad"]["max_abs_err"].values())
+        # float32 rounds at ~1e-7 relative; sums over thousands of keys grow that to ~1e-6..1e-5
+        lines.append(f"float32 ring within 1e-4 of float64, forward and backward: {worst < 1e-4}")
+        for dt, ratio in self.ratios.items():
+            lim = f"{self.ratio_limit:g}"
+            lines.append(f"forward, {dt}: ring error / one-device SDPA error = {ratio:.2f}: the ring "
+                         "is " + (f"within {lim}× of one device's SDPA (no extra {dt} error at that "
+                                  "resolution)" if ratio <= self.ratio_limit else
+                                  f"FURTHER from float64 than one device's SDPA (extra {dt} error)"))
+        lines += ["", f"{'bytes each rank sent':<38}{'predicted':>14}{'counted':>14}   (every rank)"]
+        for dt, p in r0["parity"].items():
+            counted = {r["parity"][dt]["sent"]["bytes"]["forward"] for r in self.ranks}
+            lines.append(f"{'forward, ' + dt:<38}{p['sent_predicted']:>14,}"
+                         f"{'/'.join(f'{c:,}' for c in counted):>14}")
+        gs = r0["grad"]["sent"]
+        lines += [f"{'float32, batch 1, ' + pas:<38}{r0['grad']['sent_predicted'][pas]:>14,}"
+                  f"{gs['bytes'][pas]:>14,}   ({gs['calls'][pas]} sends)"
+                  for pas in ("forward", "backward")]
+        return "\n".join(lines)
+
+
+def parity_report(job: Any) -> RingParity:
+    """Read the "parity" and "grad" parts of ``job`` (a :func:`run` result)."""
+    return RingParity(tuple(job.ranks))
+
+
+@dataclass(frozen=True)
+class RingMemory:
+    """What the ring sends against what it holds and saves, per rank, one attention call:
+    :func:`memory_report`."""
+
+    r0: dict[str, Any]  # rank 0's result ("parity", "grad" and "memory" parts)
+    world_size: int
+
+    @property
+    def rows(self) -> list[tuple[str, int | None, int | None, str]]:
+        """(what, predicted, counted or measured, how) per row of the table."""
+        r0, mem = self.r0, self.r0["memory"]
+        sent = r0["grad"]["sent"]["bytes"]
+        rows = [("costs: K/V sent per forward, float32", r0["parity"]["float32"]["sent_predicted"],
+                 r0["parity"]["float32"]["sent"]["bytes"]["forward"], "counted"),
+                ("costs: sent per forward+backward, batch 1", sum(r0["grad"]["sent_predicted"].values()),
+                 sent["forward"] + sent["backward"], "counted"),
+                ("holds: score matrix, one device (T x T)", mem["full_scores_predicted"], None, ""),
+                ("holds: score block, ring ((T/n)^2)", mem["ring_block_scores_predicted"], None, ""),
+                ("saves for backward: naive, one device", None, mem["one_device_naive_saved_bytes"],
+                 "measured"),
+                ("saves for backward: ring, each rank", mem["ring_saved_predicted"],
+                 mem["ring_saved_bytes"], "measured")]  # fmt: skip
+        if mem.get("peak_method"):  # a GPU rank measures the allocator's peak
+            rows += [("peak during the call: naive, one device", None,
+                      mem["one_device_naive_peak_bytes"], "measured"),
+                     ("peak during the call: ring, rank 0", None, mem["ring_peak_bytes"], "measured")]
+        return rows
+
+    def describe(self) -> str:
+        mem = self.r0["memory"]
+        lines = [f"{'per rank, one attention call, float32':<44}{'predicted':>13}"
+                 f"{'counted/measured':>18}"]
+        lines += [f"{name:<44}{(f'{pred:,}' if pred is not None else '-'):>13}"
+                  f"{(f'{got:,} ' + how if got is not None else '-'):>27}"
+                  for name, pred, got, how in self.rows]
+        if mem.get("peak_method"):
+            lines.append(f"peak / predicted score block, ring (measured / predicted): "
+                         f"{mem['ring_peak_bytes'] / mem['ring_block_scores_predicted']:.2f}: the "
+                         "scores, their masked copy and their exponentials are alive at once; a fused "
+                         "kernel keeps none of them")
+        ratio = mem["one_device_naive_saved_bytes"] / mem["ring_saved_bytes"]
+        lines += ["", f"saved for backward, naive one device / ring per rank (measured): {ratio:.1f}x"]
+        if not mem.get("peak_method"):
+            lines.append("peak bytes during a call are not measured at this size on a CPU (measuring "
+                         "them costs ~2 s per process); a GPU rank measures them with the CUDA "
+                         "allocator")
+        return "\n".join(lines)
+
+
+def memory_report(job: Any) -> RingMemory:
+    """Read the "memory" part of ``job`` (with "parity" and "grad"), rank 0's figures."""
+    return RingMemory(job.rank(0), len(job.ranks))
+
+
+def plot_memory_report(result: RingMemory, ax: Any = None) -> Any:
+    """Predicted beside counted or measured: K/V sent, the score matrices, the bytes saved for
+    backward, in MiB per rank. Returns the axes."""
+    import matplotlib.pyplot as plt  # here, so that importing labkit stays light
+    import numpy as np
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7.2, 3.0))
+    mem, rows = result.r0["memory"], result.rows
+    labels = ["K/V sent\n(forward)", "score matrix\none device", "score block\nring",
+              "saved: naive\none device", "saved: ring\nper rank"]
+    pred = [rows[0][1], mem["full_scores_predicted"], mem["ring_block_scores_predicted"], np.nan,
+            mem["ring_saved_predicted"]]
+    meas = [rows[0][2], np.nan, np.nan, mem["one_device_naive_saved_bytes"], mem["ring_saved_bytes"]]
+    xs = np.arange(len(labels))
+    ax.bar(xs - 0.2, np.array(pred) / 2**20, 0.4, label="predicted")
+    ax.bar(xs + 0.2, np.array(meas) / 2**20, 0.4, label="counted / measured")
+    ax.set_xticks(xs, labels, fontsize=8)
+    ax.set_ylabel("MiB per rank")
+    ax.set_title(f"Ring attention, n = {result.world_size}, T = {result.r0['config']['seq_len']}, "
+                 "float32: what it sends and what it holds")
+    ax.legend()
+    plt.tight_layout()
+    return ax
+
+
+def describe_torch_cp(job: Any, size: str) -> str:
+    """What the "torch" part of ``job`` found: torch's context_parallel ran (its error), did not
+    run (its error, verbatim, and why), or was not tried at notebook size ``size``."""
+    r0 = job.rank(0)
+    tc, n = r0.get("torch"), len(job.ranks)
+    if tc is None:  # the worker was not asked to try it at this size
+        return (f"not tried at size={size!r}: importing DTensor costs each rank ~2 s, more than "
+                "this size's budget; the 'lab' size runs it, and labkit's tests check what it "
+                "does here")
+    if tc["ran"]:
+        return (f"torch context_parallel ran on {n} ranks ({tc['dtype']}, K/V exchange "
+                f"{tc['rotate_method']}): max |error| vs float64 (measured) {tc['max_abs_err']:.1e}")
+    return (f"torch context_parallel (K/V exchange {tc['rotate_method']}) did NOT run on this tier "
+            f"({n} {_tier(r0)}). Its error, verbatim:\n"
+            f"  {tc.get('error')}\n"
+            "Its ring handlers cover the CUDA SDPA kernels only; on a CPU, SDPA calls the CPU flash "
+            "kernel, which has no sharding rule. It needs a GPU per rank: run this section at "
+            "size='gpu' on a machine with 4 GPUs (or at 'lab' with 2) to see it run.")
 
 
 @runtime.entrypoint

@@ -1,10 +1,10 @@
 """A data-parallel job that profiles itself: one Chrome trace per rank, per run.
 
     from labkit.workers import dp_profile
-    res = dp_profile.run({"runs": [{"name": "naive", "strategy": "naive"},
-                                   {"name": "ddp", "strategy": "ddp"},
-                                   {"name": "ddp, rank 1 slowed", "strategy": "ddp", "slow_ms": 30}],
-                          "slow_rank": 1})
+    res = dp_profile.run(dp_profile.DPProfileConfig(runs=(
+        {"name": "naive", "strategy": "naive"},
+        {"name": "ddp", "strategy": "ddp"},
+        {"name": "ddp, rank 1 slowed", "strategy": "ddp", "slow_ms": 30}), slow_rank=1))
     dp_profile.trace_paths(res, "ddp")     # [rank 0's trace, rank 1's]
 
 Each rank trains the course GPT on its own shard of the corpus under ``torch.profiler`` with
@@ -24,9 +24,10 @@ every step (a slow disk, a busy data loader); switch it off with 0. Traces are w
 active window ends; a rank that dies before that leaves no trace, and the launcher ends the
 others (``labkit.jobs.launch``), so no partial set is ever returned as complete.
 
-Config keys (all optional): model (a ModelConfig dict; default the smoke GPT), micro_batch (8),
-runs (naive then ddp, none slowed), each {"name", "strategy", "slow_ms"}; bucket_cap_mb
-(0.05), wait (1), warmup (1), active (3), slow_rank (1), seed (0), lr (1e-3).
+Config: :class:`DPProfileConfig`, every field optional (``run`` takes them as a dict too):
+model (a ModelConfig dict; default the smoke GPT), micro_batch (8), runs (naive then ddp, none
+slowed), each {"name", "strategy", "slow_ms"}; bucket_cap_mb (0.05), wait (1), warmup (1),
+active (3), slow_rank (1), profiler ("torch"), seed (0), lr (1e-3), dtype ("float32").
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ import contextlib
 import dataclasses
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.profiler import profile, schedule
@@ -45,6 +47,7 @@ from labkit import config as lk_config
 from labkit import data, train
 from labkit.config import ModelConfig
 from labkit.jobs import launch, runtime
+from labkit.jobs.spec import WorkerConfig
 from labkit.model import GPT
 from labkit.parallel.ddp import TorchDDP
 from labkit.parallel.dp_naive import NaiveDP
@@ -54,68 +57,104 @@ from labkit.profiling.phases import COMMUNICATION, phase
 
 MODULE = "labkit.workers.dp_profile"
 STRATEGIES = ("naive", "ddp")
-DEFAULTS: dict[str, Any] = {
-    "micro_batch": 8,
-    "runs": [{"name": s, "strategy": s, "slow_ms": 0.0} for s in STRATEGIES],
-    # Small buckets so that a model of 0.5 MB of gradients has several: with DDP's default
-    # 25 MB there is one bucket, ready only when backward ends, and nothing to overlap.
-    "bucket_cap_mb": 0.05,
-    "wait": 1,
-    "warmup": 1,
-    "active": 3,
-    "slow_rank": 1,
-    # "torch": torch.profiler writes the traces. "nsys": no torch.profiler (it and Nsight
-    # Systems both use CUPTI and must not run together); on CUDA the active steps are wrapped
-    # in torch.cuda.profiler.start/stop, the range nsys --capture-range=cudaProfilerApi records.
-    "profiler": "torch",
-    "seed": 0,
-    "lr": 1e-3,
-    # the forward's autocast dtype (labkit.train.autocast): the notebook's on GPU ranks, so
-    # the job profiles the step its header names; float32 on CPU ranks
-    "dtype": "float32",
-}
 
 
-def validate(config: dict[str, Any], world_size: int) -> dict[str, Any]:
-    """The config with defaults filled in; ValueError naming the bad key and what is allowed."""
-    unknown = set(config) - set(DEFAULTS) - {"model"}
-    if unknown:
-        raise ValueError(f"unknown config keys {sorted(unknown)}: allowed {sorted(DEFAULTS)} and 'model'")
-    cfg = {**DEFAULTS, **config}
-    cfg["model"] = dataclasses.asdict(ModelConfig(**config.get("model", dataclasses.asdict(lk_config.smoke().model))))
-    for key in ("micro_batch", "active"):
-        if not isinstance(cfg[key], int) or isinstance(cfg[key], bool) or cfg[key] < 1:
-            raise ValueError(f"{key}={cfg[key]!r} is not allowed: an integer >= 1 "
-                             + ("(a schedule with no active step records nothing)" if key == "active" else ""))
-    for key in ("wait", "warmup"):
-        if not isinstance(cfg[key], int) or isinstance(cfg[key], bool) or cfg[key] < 0:
-            raise ValueError(f"{key}={cfg[key]!r} is not allowed: an integer >= 0")
-    if not isinstance(cfg["runs"], list) or not cfg["runs"]:
-        raise ValueError(f"runs={cfg['runs']!r}: a non-empty list of {{'name', 'strategy', 'slow_ms'}}")
-    runs = []
-    for run in cfg["runs"]:
-        run = {"slow_ms": 0.0, **run}
-        if set(run) != {"name", "strategy", "slow_ms"}:
-            raise ValueError(f"run {run!r}: give exactly 'name', 'strategy' and optionally 'slow_ms'")
-        if run["strategy"] not in STRATEGIES:
-            raise ValueError(f"run {run['name']!r}: strategy={run['strategy']!r}, choose from {list(STRATEGIES)}")
-        if not (isinstance(run["slow_ms"], (int, float)) and run["slow_ms"] >= 0):
-            raise ValueError(f"run {run['name']!r}: slow_ms={run['slow_ms']!r}, a delay in ms >= 0")
-        runs.append(run)
-    names = [r["name"] for r in runs]
-    if len(set(names)) != len(names):
-        raise ValueError(f"runs have repeated names {names}: each names a folder of traces")
-    cfg["runs"] = runs
-    if cfg["profiler"] not in ("torch", "nsys"):
-        raise ValueError(f"profiler={cfg['profiler']!r}: 'torch' (traces) or 'nsys' (capture range)")
-    slowed = any(r["slow_ms"] for r in runs)
-    if slowed and not (isinstance(cfg["slow_rank"], int) and 0 <= cfg["slow_rank"] < world_size):
-        raise ValueError(f"slow_rank={cfg['slow_rank']!r}: a rank in 0..{world_size - 1}")
-    if not cfg["bucket_cap_mb"] > 0:
-        raise ValueError(f"bucket_cap_mb={cfg['bucket_cap_mb']!r}: a size in MB, > 0")
-    if cfg["dtype"] not in train.DTYPES:
-        raise ValueError(f"dtype={cfg['dtype']!r}: choose from {sorted(train.DTYPES)}")
-    return cfg
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DPProfileConfig(WorkerConfig):
+    """The runs to profile, one after another, and the profiler's schedule."""
+
+    WORKER: ClassVar[str] = MODULE
+    model: dict[str, Any] | None = None
+    """ModelConfig fields (None: the smoke preset's GPT)."""
+    micro_batch: int = 8
+    """Sequences per rank per step."""
+    runs: tuple[dict[str, Any], ...] = tuple({"name": s, "strategy": s, "slow_ms": 0.0}
+                                             for s in STRATEGIES)  # fmt: skip
+    """Each {"name", "strategy" (from STRATEGIES), "slow_ms" (optional, default 0)}."""
+    bucket_cap_mb: float = 0.05
+    """DDP's bucket size. Small, so that a model of 0.5 MB of gradients has several: with
+    DDP's default 25 MB there is one bucket, ready only when backward ends, and nothing to
+    overlap."""
+    wait: int = 1
+    """Profiler schedule: steps not recorded at all."""
+    warmup: int = 1
+    """Profiler schedule: steps recorded and thrown away."""
+    active: int = 3
+    """Profiler schedule: steps in the trace."""
+    slow_rank: int = 1
+    """The rank a run's ``slow_ms`` slows."""
+    profiler: str = "torch"
+    """With "torch", torch.profiler writes the traces; with "nsys", no torch.profiler (it and Nsight
+    Systems both use CUPTI and must not run together); on CUDA the active steps are wrapped in
+    torch.cuda.profiler.start/stop, the range nsys --capture-range=cudaProfilerApi records."""
+    seed: int = 0
+    """Seeds the model (the same on every rank) and each rank's batches."""
+    lr: float = 1e-3
+    """AdamW's learning rate."""
+    dtype: str = "float32"
+    """The forward's autocast dtype (labkit.train.autocast): the notebook's on GPU ranks, so
+    the job profiles the step its header names; float32 on CPU ranks."""
+
+    def __post_init__(self) -> None:
+        model = dataclasses.asdict(lk_config.smoke().model) if self.model is None else self.model
+        ModelConfig(**model)
+        for key in ("micro_batch", "active"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{key}={value!r} is not allowed: an integer >= 1 "
+                                 + ("(a schedule with no active step records nothing)" if key == "active" else ""))
+        for key in ("wait", "warmup"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{key}={value!r} is not allowed: an integer >= 0")
+        if not isinstance(self.runs, (list, tuple)) or not self.runs:
+            raise ValueError(f"runs={self.runs!r}: a non-empty list of {{'name', 'strategy', 'slow_ms'}}")
+        runs = []
+        for run in self.runs:
+            run = {"slow_ms": 0.0, **run}
+            if set(run) != {"name", "strategy", "slow_ms"}:
+                raise ValueError(f"run {run!r}: give exactly 'name', 'strategy' and optionally 'slow_ms'")
+            if run["strategy"] not in STRATEGIES:
+                raise ValueError(f"run {run['name']!r}: strategy={run['strategy']!r}, choose from {list(STRATEGIES)}")
+            if not (isinstance(run["slow_ms"], (int, float)) and run["slow_ms"] >= 0):
+                raise ValueError(f"run {run['name']!r}: slow_ms={run['slow_ms']!r}, a delay in ms >= 0")
+            runs.append(run)
+        names = [r["name"] for r in runs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"runs have repeated names {names}: each names a folder of traces")
+        object.__setattr__(self, "runs", tuple(runs))  # one shape: every run has its slow_ms
+        if self.profiler not in ("torch", "nsys"):
+            raise ValueError(f"profiler={self.profiler!r}: 'torch' (traces) or 'nsys' (capture range)")
+        if not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb!r}: a size in MB, > 0")
+        if self.dtype not in train.DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: choose from {sorted(train.DTYPES)}")
+
+    def check_ranks(self, world_size: int) -> None:
+        """Refuse a slowed run's ``slow_rank`` that is not one of ``world_size`` ranks."""
+        slowed = any(r["slow_ms"] for r in self.runs)
+        if slowed and not (isinstance(self.slow_rank, int) and 0 <= self.slow_rank < world_size):
+            raise ValueError(f"slow_rank={self.slow_rank!r}: a rank in 0..{world_size - 1}")
+
+
+DEFAULTS: dict[str, Any] = {k: v for k, v in DPProfileConfig().to_dict().items() if k != "model"}
+"""Every field's default but the model's (the notebook reads ``bucket_cap_mb`` from here)."""
+
+
+def _as_config(config: DPProfileConfig | Mapping[str, Any] | None) -> DPProfileConfig:
+    """``config``, or its fields given as a dict (the notebooks'), as a DPProfileConfig."""
+    if isinstance(config, DPProfileConfig):
+        return config
+    return DPProfileConfig.from_dict(dict(config or {}))
+
+
+def validate(config: DPProfileConfig | Mapping[str, Any], world_size: int) -> dict[str, Any]:
+    """The config with defaults filled in, checked against ``world_size`` ranks too;
+    ValueError naming the bad field and what is allowed."""
+    job = _as_config(config)
+    job.check_ranks(world_size)
+    model = dataclasses.asdict(lk_config.smoke().model) if job.model is None else job.model
+    return {**job.to_dict(), "model": dataclasses.asdict(ModelConfig(**model))}
 
 
 def forward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
@@ -224,7 +263,7 @@ def trace_paths(res: launch.JobResult, run: str) -> list[Path]:
     return paths
 
 
-def nsys_command(config: dict[str, Any] | None, *, nproc: int, out_dir: str | Path,
+def nsys_command(config: DPProfileConfig | Mapping[str, Any] | None, *, nproc: int, out_dir: str | Path,
                  python: str = sys.executable) -> tuple[NsysCommand | NsysTorchrunCommand, dict[str, str]]:
     """The ``nsys profile`` command for this job, and the environment it needs.
 
@@ -233,11 +272,11 @@ def nsys_command(config: dict[str, Any] | None, *, nproc: int, out_dir: str | Pa
     job directory under ``out_dir`` (``LABKIT_JOB_DIR``), with the torch profiler off and the
     CUDA capture range on. Writes that directory; runs nothing.
     """
-    cfg = {**(config or {}), "profiler": "nsys"}
-    validate(cfg, nproc)
+    job = dataclasses.replace(_as_config(config), profiler="nsys")
+    job.check_ranks(nproc)
     out_dir = Path(out_dir)
     job_dir = out_dir / "job"
-    runtime.write_json_atomic(job_dir / runtime.SPEC_FILE, {"config": cfg})
+    runtime.write_json_atomic(job_dir / runtime.SPEC_FILE, {"config": job.to_dict()})
     env = {runtime.JOB_DIR_ENV: str(job_dir)}
     output = out_dir / "dp_profile"
     if nproc == 1:
@@ -245,11 +284,13 @@ def nsys_command(config: dict[str, Any] | None, *, nproc: int, out_dir: str | Pa
     return NsysTorchrunCommand(module=MODULE, nproc=nproc, output=output, python=python), env
 
 
-def run(config: dict[str, Any] | None = None, *, nproc: int = 2, **launch_kwargs: Any) -> launch.JobResult:
-    """Validate ``config`` (ValueError before anything starts), then launch the job."""
-    config = {} if config is None else config
-    validate(config, nproc)
-    return launch.run(MODULE, nproc=nproc, config=config, **launch_kwargs)
+def run(config: DPProfileConfig | Mapping[str, Any] | None = None, *, nproc: int = 2,
+        **launch_kwargs: Any) -> launch.JobResult:
+    """Check ``config`` (its fields as a dict, too) against ``nproc`` ranks (ValueError before
+    anything starts), then launch the job."""
+    job = _as_config(config)
+    job.check_ranks(nproc)
+    return launch.run(job, nproc=nproc, **launch_kwargs)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,17 @@
 """Train the lab GPT with data-parallel strategies, one after another, in one job.
 
     from labkit.workers import dp_train
-    res = dp_train.run({"strategies": ["naive", "bucketed", "ddp", "zero1", "fsdp2"],
-                        "mesh": [2], "global_batch": 8}, nproc=2)
+    res = dp_train.run(dp_train.DPTrainConfig(strategies=("naive", "bucketed", "ddp", "zero1",
+                                                          "fsdp2"), mesh=[2], global_batch=8),
+                       nproc=2)
     res.result["runs"]["zero1"]["bytes"]["sent_per_rank_last_step"]
 
 Starting a job costs seconds, so one job runs every strategy asked for, in order, in the
 same process group. Each one starts from the same seed (same weights, same batches), so
 their results compare directly with each other and with :func:`train_reference`, plain
-training in one process on the whole global batch. Config keys: see
-``labkit.parallel.dp_config.validate_dp_config``.
+training in one process on the whole global batch. Config: :class:`DPTrainConfig`, whose fields
+are the keys ``labkit.parallel.dp_config.validate_dp_config`` documents (``run`` takes them as
+a dict too).
 
 Per strategy, each rank reports: the loss per step (mean over ranks), step times, the bytes
 sent (counted; see labkit.parallel.comm) beside the ring-formula prediction, and the bytes
@@ -24,16 +26,20 @@ takes rows [r·A·b, (r+1)·A·b) as A micro-batches of b rows (A = grad_accum, 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any
+import math
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as tdist
 from torch import nn
 
-from labkit import formulas
+from labkit import formulas, validate
 from labkit.config import ModelConfig, TrainConfig
 from labkit.jobs import launch, runtime
+from labkit.jobs.spec import WorkerConfig
 from labkit.memory import storage_bytes
 from labkit.metrics import net
 from labkit.model import GPT
@@ -49,6 +55,83 @@ from labkit.train import Batch, make_scaler, train_step
 MODULE = "labkit.workers.dp_train"
 # What gloo cannot do on GPU tensors that this worker does (runtime.require_gpu_backend).
 NEEDS = "ZeRO-1 and FSDP2 reduce-scatter gradients"
+AUTO = "auto"
+"""``fsdp_mixed_precision``'s default: validate_dp_config's choice from the train dtype."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DPTrainConfig(WorkerConfig):
+    """Data-parallel strategies run one after another in one job (``validate_dp_config``
+    documents every field; its defaults are these)."""
+
+    WORKER: ClassVar[str] = MODULE
+    strategies: tuple[str, ...] = ()
+    """Names from ``dp_config.STRATEGIES``, run in this order (at least one)."""
+    model: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """``ModelConfig`` fields over a 2-layer, 64-wide GPT."""
+    train: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """``TrainConfig`` fields; ``grad_clip`` defaults to None here."""
+    global_batch: int | None = None
+    """Sequences per optimizer step over all ranks (None: train's micro_batch on every rank)."""
+    optimizer: str = "adamw"
+    """One of "adamw", "sgd" (parity tests), "sgd_momentum" (PowerSGD's setting)."""
+    freeze: tuple[str, ...] = ()
+    """Parameter names to freeze."""
+    bucket_cap_mb: float | None = None
+    """Bucket size in MiB for "bucketed" and DDP (None: each one's default)."""
+    gradient_as_bucket_view: bool = True
+    """DDP's .grad as views into its buckets."""
+    powersgd_rank: int = 2
+    """PowerSGD's matrix rank."""
+    powersgd_start_iter: int = 2
+    """The step PowerSGD starts compressing at (>= 2)."""
+    mesh: list[int] | dict[str, int] | None = None
+    """[world_size] or one named dimension {"dp": world_size}; required for "fsdp2"."""
+    fsdp_mixed_precision: str | None = AUTO
+    """None, "bf16", or AUTO: "bf16" when train's dtype is bfloat16, else None."""
+    fsdp_reshard_after_forward: bool = True
+    """True: ZeRO-3; False: blocks stay gathered from forward to backward."""
+    spy: bool = False
+    """Also count every collective by interception (slower; a check)."""
+    save_params: bool = False
+    """Save each strategy's final parameters in the job directory."""
+
+    def __post_init__(self) -> None:
+        for name in ("model", "train"):
+            if not isinstance(getattr(self, name), dict):
+                raise validate.refuse(name, getattr(self, name), "a dict of fields")
+        if self.global_batch is not None:
+            validate.whole("global_batch", self.global_batch, low=1,
+                           why="sequences per step, all ranks")  # fmt: skip
+        # validate_dp_config's checks that hold on any world and device, now. What depends on
+        # the launch is left to run(): how global_batch divides among the ranks, train's
+        # device, and the size of FSDP2's mesh (the mesh's own size stands for the world).
+        fields = self.job_dict()
+        fields.pop("global_batch", None)
+        fields["train"] = {k: v for k, v in self.train.items() if k != "device"}
+        fields["mesh"] = [1] if self.mesh is None else self.mesh
+        validate_dp_config(fields, _mesh_size(self.mesh), 0, device="cpu")
+
+    def job_dict(self) -> dict[str, Any]:
+        """The fields as ``validate_dp_config`` reads them: those left to its default out."""
+        fields = self.to_dict()
+        if self.global_batch is None:
+            del fields["global_batch"]
+        if self.fsdp_mixed_precision == AUTO:
+            del fields["fsdp_mixed_precision"]
+        return fields
+
+    def checked(self, world_size: int, gpu_count: int = 0, *, device: str = "cpu") -> dict[str, Any]:
+        """The complete job for ``world_size`` ranks on ``device`` (``validate_dp_config``)."""
+        return validate_dp_config(self.job_dict(), world_size, gpu_count, device=device)
+
+
+def _mesh_size(mesh: Any) -> int:
+    """The ranks ``mesh`` covers, or 1 where it names none (or is malformed: then
+    ``validate_dp_config`` refuses it by name)."""
+    sizes = list(mesh.values()) if isinstance(mesh, dict) else mesh if isinstance(mesh, list) else []
+    whole = all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes)
+    return math.prod(sizes) if sizes and whole else 1
 
 
 # --- pieces shared by the worker and the single-process reference -----------------------------
@@ -209,6 +292,9 @@ def predicted_sent_per_rank(
 ) -> float | None:
     """Modelled bytes sent per rank per step (ring formulas, fp32 gradients, no padding).
 
+    Not in :mod:`labkit.formulas` (whose ring formulas it uses): it needs the model, to count
+    its trainable, frozen and per-block parameters.
+
     Gradients are reduced once per step whatever ``grad_accum`` (no_sync), but FSDP2 must
     all-gather the parameters for every micro-batch's forward, and with
     ``fsdp_reshard_after_forward`` again for its backward. ``fsdp_param_bytes``: bytes per
@@ -243,7 +329,8 @@ def predicted_memory(
 
     ``formulas.zero_memory_per_rank`` with param_bytes=4, grad_bytes=4 and k=8 for AdamW
     (m and v in fp32), k=4 for SGD with momentum, k=0 for plain SGD; frozen parameters add 4
-    bytes each (sharded only by FSDP2). Modelled, not measured.
+    bytes each (sharded only by FSDP2). Modelled, not measured. Not in :mod:`labkit.formulas`
+    (whose ``zero_memory_per_rank`` it uses): it needs the model, to count its parameters.
     """
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
@@ -469,8 +556,8 @@ def _one_strategy(
 @runtime.entrypoint
 def main(ctx: runtime.Context) -> dict[str, Any]:
     runtime.require_gpu_backend(ctx.backend, ctx.device.type, NEEDS)  # launched without run()
-    cfg = validate_dp_config(
-        ctx.config, ctx.world_size, torch.cuda.device_count(), device=ctx.device.type
+    cfg = DPTrainConfig.from_dict(ctx.config).checked(
+        ctx.world_size, torch.cuda.device_count(), device=ctx.device.type
     )
     batches = global_batches(cfg)
     probe = build_model(cfg)
@@ -509,19 +596,21 @@ def main(ctx: runtime.Context) -> dict[str, Any]:
 
 
 def run(
-    config: dict[str, Any],
+    config: DPTrainConfig | Mapping[str, Any],
     *,
     nproc: int = 2,
     device: str = "auto",
     backend: str = "auto",
     **launch_kwargs: Any,
 ) -> launch.JobResult:
-    """Check ``config`` and the backend (ValueError before anything starts), then launch."""
+    """Check ``config`` (its fields as a dict, too) against ``nproc`` ranks and the backend
+    (ValueError before anything starts), then launch."""
+    job = config if isinstance(config, DPTrainConfig) else DPTrainConfig.from_dict(dict(config))
     gpu_count = launch.visible_gpu_count()
     be, dev = launch.resolve_backend(nproc, device, backend, gpu_count=gpu_count)
     runtime.require_gpu_backend(be, dev, NEEDS)
-    validate_dp_config(config, nproc, gpu_count, device=dev)
-    return launch.run(MODULE, nproc=nproc, config=config, device=dev, backend=be, **launch_kwargs)
+    job.checked(nproc, gpu_count, device=dev)
+    return launch.run(job, nproc=nproc, device=dev, backend=be, **launch_kwargs)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Two-dimensional parallelism on 4 ranks: a mesh's groups, FSDP2 × TP, and HSDP.
 
-    labkit.jobs.launch.run("labkit.workers.mesh_train", nproc=4, config={"steps": 3})
+    mesh_train.run(mesh_train.MeshTrainConfig(steps=3), nproc=4)
 
 Parts (``parts``, all three by default):
 
@@ -23,30 +23,59 @@ this rank holds after the last step, measured on local shards, next to
 ``mesh.predict_memory``; and step times. Rank 0 saves the first step's gradients and the final
 parameters, gathered whole, to ``mesh_<part>_params.pt`` in the job directory.
 
-Config (all optional): model (ModelConfig fields; default seq_len 32, 2 layers, 4 heads,
-d_model 64), batch_size (global, 8), steps (3), seed (0), lr (3e-3), weight_decay (0.1),
-grad_clip (1.0 or null), parts, save (true), fsdp_tp_mesh ({"dp": 2, "tp": 2}),
-hsdp_mesh ({"replicate": 2, "shard": 2}), group_meshes ({label: mesh}: further meshes of any
-names and shape whose groups the "groups" part reads too, e.g. {"flat": {"x": 4}}).
+Config: :class:`MeshTrainConfig`, every field optional: model (ModelConfig fields; default
+seq_len 32, 2 layers, 4 heads, d_model 64), batch_size (global, 8), steps (3), seed (0), lr
+(3e-3), weight_decay (0.1), grad_clip (1.0 or None), parts, save (True), fsdp_tp_mesh
+({"dp": 2, "tp": 2}), hsdp_mesh ({"replicate": 2, "shard": 2}), group_meshes ({label: mesh}:
+further meshes of any names and shape whose groups the "groups" part reads too, e.g.
+{"flat": {"x": 4}}).
+
+Notebook 03b's reading of the job in its kernel (the prediction; the groups, bytes, parity and
+memory held against it; the step times compared) is :mod:`labkit.workers.mesh_report`, whose
+public names this module re-exports.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as tdist
 
 from labkit import data, timing
-from labkit.config import ModelConfig, RunConfig, TrainConfig
-from labkit.jobs import runtime
+from labkit.jobs import launch, runtime
 from labkit.memory import optimizer_state_tensors, storage_bytes
 from labkit.model import GPT
 from labkit.parallel import compose, mesh, tensor
 from labkit.parallel.dp_config import local
 from labkit.train import make_optimizer
+from labkit.validate import InvalidValue
+from labkit.workers.job_config import GPTTrainingConfig, some_of
+from labkit.workers.mesh_report import BytesCheck as BytesCheck
+from labkit.workers.mesh_report import ChoiceRun as ChoiceRun
+from labkit.workers.mesh_report import GroupCheck as GroupCheck
+from labkit.workers.mesh_report import MemoryCheck as MemoryCheck
+from labkit.workers.mesh_report import MeshChecks as MeshChecks
+from labkit.workers.mesh_report import MeshPrediction as MeshPrediction
+from labkit.workers.mesh_report import Parity as Parity
+from labkit.workers.mesh_report import StepComparison as StepComparison
+from labkit.workers.mesh_report import check_bytes as check_bytes
+from labkit.workers.mesh_report import check_choice as check_choice
+from labkit.workers.mesh_report import check_groups as check_groups
+from labkit.workers.mesh_report import check_memory as check_memory
+from labkit.workers.mesh_report import check_parity as check_parity
+from labkit.workers.mesh_report import compare_steps as compare_steps
+from labkit.workers.mesh_report import composition_of as composition_of
+from labkit.workers.mesh_report import describe_choice as describe_choice
+from labkit.workers.mesh_report import describe_measured as describe_measured
+from labkit.workers.mesh_report import measured as measured
+from labkit.workers.mesh_report import plot_memory as plot_memory
+from labkit.workers.mesh_report import predict as predict
+from labkit.workers.mesh_report import reconcile as reconcile
+from labkit.workers.mesh_report import reference_run as reference_run
 
 DEFAULT_MODEL = {"seq_len": 32, "n_layer": 2, "n_head": 4, "d_model": 64}
 PARTS = ("groups", "fsdp_tp", "hsdp")
@@ -69,53 +98,78 @@ def data_index(spec: mesh.MeshLike, part: str, rank: int) -> tuple[int, int]:
     return index, degree
 
 
-def validate(conf: dict[str, Any], world_size: int) -> dict[str, Any]:
-    """The job's settings, complete, or ValueError naming the field (no process group yet)."""
-    cfg = RunConfig(model=ModelConfig(**{**DEFAULT_MODEL, **conf.get("model", {})})).model
-    parts = list(conf.get("parts", PARTS))
-    bad = [p for p in parts if p not in PARTS]
-    if bad or not parts:
-        raise ValueError(f"parts={parts!r}: choose from {PARTS}")
-    B = conf.get("batch_size", 8)
-    meshes = {}
-    for part in ("fsdp_tp", "hsdp"):
-        spec = mesh.validate_mesh(conf.get(f"{part}_mesh", MESHES[part]), world_size, model_cfg=cfg)
-        missing = [d for d in MESHES[part] if d not in spec.names]
-        if missing or len(spec.names) != 2:
-            raise ValueError(
-                f"{part}_mesh={spec.as_dict()}: {part} needs the 2 dimensions "
-                f"{list(MESHES[part])} (outer first), e.g. {MESHES[part]}"
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshTrainConfig(GPTTrainingConfig):
+    """Two compositions of a 4-rank mesh, and the groups of every mesh (module docstring)."""
+
+    WORKER: ClassVar[str] = "labkit.workers.mesh_train"
+    DEFAULT_MODEL: ClassVar[dict[str, Any]] = DEFAULT_MODEL
+    batch_size: int = 8
+    """The global batch: every data-parallel shard of a mesh takes an equal share of it."""
+    parts: tuple[str, ...] = PARTS
+    """Which of PARTS to run."""
+    fsdp_tp_mesh: dict[str, int] = dataclasses.field(default_factory=lambda: dict(MESHES["fsdp_tp"]))
+    """fsdp_tp's mesh {"dp": n, "tp": n}, outer dimension first."""
+    hsdp_mesh: dict[str, int] = dataclasses.field(default_factory=lambda: dict(MESHES["hsdp"]))
+    """hsdp's mesh {"replicate": n, "shard": n}, outer dimension first."""
+    group_meshes: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
+    """{label: mesh}: further meshes of any names and shape whose groups "groups" reads too."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        some_of("parts", self.parts, PARTS)
+        B = self.batch_size
+        for part in MESHES:
+            spec = _own_world(getattr(self, f"{part}_mesh"), model_cfg=self.model_config())
+            missing = [d for d in MESHES[part] if d not in spec.names]
+            if missing or len(spec.names) != 2:
+                raise InvalidValue(
+                    f"{part}_mesh={spec.as_dict()}: {part} needs the 2 dimensions "
+                    f"{list(MESHES[part])} (outer first), e.g. {MESHES[part]}"
+                )
+            _, degree = data_index(spec, part, 0)
+            if B % degree:
+                raise InvalidValue(
+                    f"batch_size={B!r} does not divide among the {degree} data-parallel shards "
+                    f"of {part}'s mesh {spec}: use a positive multiple of {degree}"
+                )
+            object.__setattr__(self, f"{part}_mesh", spec.as_dict())  # one shape: a dict
+        extra = self.group_meshes
+        if not isinstance(extra, dict) or set(extra) & set(MESHES):
+            raise InvalidValue(
+                f"group_meshes={extra!r}: give a dict {{label: mesh}} whose labels are not "
+                f"{list(MESHES)}, e.g. {{'flat': {{'x': 4}}}}"
             )
-        _, degree = data_index(spec, part, 0)
-        if isinstance(B, bool) or not isinstance(B, int) or B < 1 or B % degree:
-            raise ValueError(
-                f"batch_size={B!r} does not divide among the {degree} data-parallel shards of "
-                f"{part}'s mesh {spec}: use a positive multiple of {degree}"
-            )
-        meshes[part] = spec
-    extra = conf.get("group_meshes", {})
-    if not isinstance(extra, dict) or set(extra) & set(MESHES):
-        raise ValueError(
-            f"group_meshes={extra!r}: give a dict {{label: mesh}} whose labels are not "
-            f"{list(MESHES)}, e.g. {{'flat': {{'x': {world_size}}}}}"
-        )
-    group_meshes = {label: mesh.validate_mesh(spec, world_size) for label, spec in extra.items()}
-    clip = conf.get("grad_clip", 1.0)
-    tcfg = TrainConfig(
-        micro_batch=B,
-        steps=int(conf.get("steps", 3)),
-        lr=float(conf.get("lr", 3e-3)),
-        weight_decay=float(conf.get("weight_decay", 0.1)),
-        grad_clip=None if clip is None else float(clip),
-        seed=int(conf.get("seed", 0)),
-    )
+        object.__setattr__(self, "group_meshes",
+                           {label: _own_world(spec).as_dict() for label, spec in extra.items()})  # fmt: skip
+
+
+def _own_world(spec: mesh.MeshLike, **checks: Any) -> mesh.MeshSpec:
+    """``spec`` checked for what holds on any world (its names and sizes, the heads its "tp"
+    splits); the world it must fill is the launch's (:func:`validate`)."""
+    return mesh.validate_mesh(spec, mesh.as_spec(spec).size, **checks)
+
+
+def validate(conf: MeshTrainConfig | dict[str, Any], world_size: int) -> dict[str, Any]:
+    """The job's settings, complete, with every mesh checked against ``world_size`` ranks too,
+    or ValueError naming the field (no process group yet)."""
+    cfg = conf if isinstance(conf, MeshTrainConfig) else MeshTrainConfig.from_dict(conf)
+    meshes = {part: mesh.validate_mesh(getattr(cfg, f"{part}_mesh"), world_size) for part in MESHES}
     return {
-        "model": cfg,
-        "train": tcfg,
-        "parts": parts,
+        "model": cfg.model_config(),
+        "train": cfg.train_config(),
+        "parts": list(cfg.parts),
         "meshes": meshes,
-        "group_meshes": group_meshes,
+        "group_meshes": {k: mesh.validate_mesh(s, world_size) for k, s in cfg.group_meshes.items()},
+        "save": cfg.save,
     }
+
+
+def run(config: MeshTrainConfig, *, nproc: int = 4, **launch_options: Any) -> launch.JobResult:
+    """Launch ``config`` on ``nproc`` ranks (refused first unless every mesh has one cell per
+    rank); ``launch_options`` go to ``launch.run``."""
+    validate(config, nproc)
+    return launch.run(config, nproc=nproc, **launch_options)
 
 
 # --- the parts --------------------------------------------------------------------------------
@@ -211,7 +265,7 @@ def main(ctx: runtime.Context) -> dict[str, Any]:
     # collectives (full_tensor of a (_StridedShard, Shard) tensor): the gathers here are for
     # the parity check only, and the per-mesh norms in clip_grad_norm_ are two scalars.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    save = bool(ctx.config.get("save", True)) and ctx.job_dir is not None
+    save = job["save"] and ctx.job_dir is not None
     tcfg = job["train"]
     batches = data.fixed_batches(job["model"].seq_len, tcfg.micro_batch, tcfg.steps, tcfg.seed)
     result: dict[str, Any] = {"rank": ctx.rank}

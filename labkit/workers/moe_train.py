@@ -1,6 +1,6 @@
 """Expert parallelism: a mixture-of-experts layer split over the ranks, checked and counted.
 
-    labkit.jobs.launch.run("labkit.workers.moe_train", nproc=4, config={"n_experts": 8, "top_k": 2})
+    moe_train.run(moe_train.MoETrainConfig(n_experts=8, top_k=2), nproc=4)
 
 Every rank holds the router and ``n_experts / world_size`` experts, routes its own batch of
 real text, dispatches the token copies to the ranks holding their experts by all-to-all, runs
@@ -15,13 +15,8 @@ every rank's tokens, as the single process sums them) and the router's gradient 
 all-reduce over ranks (the router is replicated, so its gradient is synchronised as data
 parallelism would).
 
-Config (all optional): model (ModelConfig fields; default seq_len 32, 1 layer, 4 heads, d_model
-64), batch_size (2 sequences per rank), n_experts (8), top_k (2), seed (0), impl ("ours" or
-"torch": which autograd all-to-all), check_dispatch (false: also run ``expert.dispatch`` on
-tagged tokens, ``dispatch_case``, and return what arrived and the gradients), compare_torch
-(false: also run the step through torch's autograd all-to-all and report the differences),
-save (true: write moe_rank{r}.pt with this rank's output
-and gradients).
+Config: :class:`MoETrainConfig`, every field optional (model: seq_len 32, 1 layer, 4 heads,
+d_model 64).
 
 Result per rank: the bytes each all-to-all sent, counted, beside the prediction for an even
 router and the prediction from this rank's routing; token copies per expert (this rank's
@@ -30,19 +25,61 @@ routing) and received per local expert; the parity errors; the forward+backward 
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as torch_dist
 
-from labkit import data, timing
+from labkit import data, timing, validate
 from labkit.config import ModelConfig
-from labkit.jobs import runtime
+from labkit.jobs import launch, runtime
 from labkit.model import GPT
 from labkit.parallel import expert
+from labkit.workers.job_config import GPTJobConfig
 
 DEFAULT_MODEL = {"seq_len": 32, "n_layer": 1, "n_head": 4, "d_model": 64}
+IMPLS = ("ours", "torch")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoETrainConfig(GPTJobConfig):
+    """A mixture-of-experts layer split over the ranks, checked against one process."""
+
+    WORKER: ClassVar[str] = "labkit.workers.moe_train"
+    DEFAULT_MODEL: ClassVar[dict[str, Any]] = DEFAULT_MODEL
+    ON_CORPUS: ClassVar[bool] = False  # a layer's shape: the vocabulary is the model's own
+    batch_size: int = 2
+    """Sequences per rank."""
+    n_experts: int = 8
+    """Experts in the layer, split evenly over the ranks."""
+    top_k: int = 2
+    """Experts each token is routed to."""
+    impl: str = "ours"
+    """Which autograd all-to-all: "ours" or "torch"."""
+    check_dispatch: bool = False
+    """Also run ``expert.dispatch`` on tagged tokens (``dispatch_case``) and return what arrived
+    and the gradients."""
+    compare_torch: bool = False
+    """Also run the step through torch's autograd all-to-all and report the differences."""
+    save: bool = True
+    """Write moe_rank{r}.pt with this rank's output and gradients."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        expert.validate_moe(self.n_experts, self.top_k)  # its messages name the fix
+        validate.one_of("impl", self.impl, IMPLS)
+        for name in ("check_dispatch", "compare_torch", "save"):
+            validate.flag(name, getattr(self, name))
+
+
+def run(config: MoETrainConfig, *, nproc: int = 2, **launch_options: Any) -> launch.JobResult:
+    """Launch ``config`` on ``nproc`` ranks (refused first if they cannot split its experts);
+    ``launch_options`` go to ``launch.run``."""
+    expert.validate_moe(config.n_experts, config.top_k, nproc)
+    return launch.run(config, nproc=nproc, **launch_options)
 
 
 @torch.no_grad()
@@ -112,15 +149,14 @@ def reference_moe(cfg: ModelConfig, n_experts: int, top_k: int, seed: int) -> ex
 
 @runtime.entrypoint
 def main(ctx: runtime.Context) -> dict[str, Any]:
-    conf = ctx.config
-    cfg = ModelConfig(**{**DEFAULT_MODEL, **conf.get("model", {})})
-    E, k = int(conf.get("n_experts", 8)), int(conf.get("top_k", 2))
+    job = MoETrainConfig.from_dict(ctx.config)
+    cfg = job.model_config()
+    E, k = job.n_experts, job.top_k
     expert.validate_moe(E, k, ctx.world_size)  # again here: the kernel checked before launch
-    B, seed = int(conf.get("batch_size", 2)), int(conf.get("seed", 0))
-    impl = conf.get("impl", "ours")
+    B, seed, impl = job.batch_size, job.seed, job.impl
     n, rank, dev = ctx.world_size, ctx.rank, ctx.device
     result: dict[str, Any] = {}
-    if bool(conf.get("check_dispatch", False)):
+    if job.check_dispatch:
         result["dispatch"] = _dispatch_check(ctx, seed)
     xs, grads = moe_inputs(cfg, B, n, seed)
     ref = reference_moe(cfg, E, k, seed)
@@ -160,7 +196,7 @@ def main(ctx: runtime.Context) -> dict[str, Any]:
         "router_grad": float((router_grad.cpu() - ref.router.gate.weight.grad).abs().max()),
     }
 
-    if bool(conf.get("compare_torch", False)):  # the same step through torch's all-to-all
+    if job.compare_torch:  # the same step through torch's all-to-all
         torch_ep = expert.ExpertParallelMoE.from_moe(ref, cfg, impl="torch").to(dev)
         xt = xs[rank].detach().clone().to(dev).requires_grad_()
         with ctx.phase("dispatch and combine (torch's all-to-all)"):
@@ -202,7 +238,7 @@ def main(ctx: runtime.Context) -> dict[str, Any]:
         "parity_max_abs": err,
         "step_s": step_s,
     }
-    if bool(conf.get("save", True)) and ctx.job_dir is not None:
+    if job.save and ctx.job_dir is not None:
         torch.save(
             {
                 "output": y.detach().cpu(),
@@ -224,6 +260,50 @@ def main(ctx: runtime.Context) -> dict[str, Any]:
         flush=True,
     )
     return result
+
+
+# --- what notebook 03c prints from a finished job ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MoEParity:
+    """The largest |expert-parallel − single process| over the ranks, per quantity, against a
+    tolerance: :func:`parity_report`."""
+
+    max_abs: dict[str, float]  # quantity (output, input_grad, ...) -> the largest over the ranks
+    tolerance: float
+
+    @property
+    def ok(self) -> bool:
+        return all(v <= self.tolerance for v in self.max_abs.values())
+
+    def describe(self) -> str:
+        return (
+            "largest |expert-parallel − single process| over the ranks (measured): "
+            + ", ".join(f"{k} {v:.1e}" for k, v in self.max_abs.items())
+            + f"\n→ the expert-parallel layer {'equals' if self.ok else 'DIFFERS from'} the "
+            f"single-process layer (every difference {'≤' if self.ok else 'not all ≤'} "
+            f"{self.tolerance:g})")
+
+
+def parity_report(ranks: list[dict[str, Any]], tolerance: float = 1e-4) -> MoEParity:
+    """Read every rank's ``parity_max_abs``; ``tolerance`` (fp32: the experts see their rows in
+    another batch, the router sum in another order) decides whether the layers are equal."""
+    keys = ranks[0]["parity_max_abs"]
+    return MoEParity({k: max(r["parity_max_abs"][k] for r in ranks) for k in keys}, tolerance)
+
+
+def section_summary(parity: MoEParity, report: expert.DispatchReport,
+                    load: expert.ExpertLoad) -> str:  # fmt: skip
+    """One sentence: what notebook 03c's expert-parallel section measured and whether each
+    check held."""
+    return ("measured in this section: the expert-parallel layer "
+            + ("equals" if parity.ok else "DIFFERS from") + " the single-process one; the bytes "
+            "each dispatch sent " + ("equal" if report.matches_routing else "DIFFER from")
+            + " the routing's prediction on every rank"
+            + ("" if None in report.extra else " (socket bytes against gloo's headers: above)")
+            + f"; the untrained router's imbalance over experts, {load.imbalance:.2f} (E/k = "
+            f"{expert.worst_imbalance(len(load.counts), load.top_k):.0f} at worst)")
 
 
 if __name__ == "__main__":

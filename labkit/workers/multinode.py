@@ -17,26 +17,62 @@ gradient is the mean over all ranks' batches. DDP's all-reduce averages the rank
 so one SGD step here equals one step of a single process on all the batches at once:
 ``reference_params`` computes that, and a test holds every rank's ``params`` against it.
 
-Config (all optional): ``seed`` (default 0), ``batch`` rows per rank (default 8), ``numel``
-elements in the timed all-reduce (default 2**16), ``lr`` (default 0.1), ``hold_s`` (default 0):
-after the step, every rank but rank 0 waits this long before a last barrier, where rank 0
-already waits: a job with a node to pull the plug on.
+Config: :class:`MultinodeConfig`, every field optional.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import time
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as tdist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from labkit.jobs import runtime
+from labkit import validate
+from labkit.jobs import launch, runtime
+from labkit.jobs.spec import WorkerConfig
+from labkit.workers.multinode_report import Prediction as Prediction
+from labkit.workers.multinode_report import Reconcile as Reconcile
+from labkit.workers.multinode_report import describe_rehearsal as describe_rehearsal
+from labkit.workers.multinode_report import reconcile as reconcile
 
 IN, HIDDEN = 8, 4
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MultinodeConfig(WorkerConfig):
+    """One all-reduce and one DDP step, on one machine or several."""
+
+    WORKER: ClassVar[str] = "labkit.workers.multinode"
+    seed: int = 0
+    """Seeds the model and, with the rank added, each rank's batch."""
+    batch: int = 8
+    """Rows per rank in the DDP step."""
+    numel: int = 2**16
+    """Elements in the timed all-reduce."""
+    lr: float = 0.1
+    """The SGD step's learning rate."""
+    hold_s: float = 0
+    """After the step every rank but rank 0 waits this long before a last barrier, where rank 0
+    already waits: a job with a node to pull the plug on (0: no wait, no barrier)."""
+
+    def __post_init__(self) -> None:
+        validate.whole("seed", self.seed, low=0)
+        validate.whole("batch", self.batch, low=1)
+        validate.whole("numel", self.numel, low=1)
+        validate.positive("lr", self.lr)
+        validate.number("hold_s", self.hold_s, low=0)
+
+
+def run(config: MultinodeConfig, *, nproc: int = 2, **launch_options: Any) -> launch.JobResult:
+    """Launch ``config`` on ``nproc`` ranks (per node, with ``nodes=``); ``launch_options`` go to
+    ``launch.run``."""
+    return launch.run(config, nproc=nproc, **launch_options)
 
 
 def make_model(seed: int) -> nn.Module:
@@ -75,10 +111,8 @@ def reference_params(
 
 @runtime.entrypoint
 def main(ctx: runtime.Context) -> dict:
-    seed = int(ctx.config.get("seed", 0))
-    batch = int(ctx.config.get("batch", 8))
-    lr = float(ctx.config.get("lr", 0.1))
-    numel = int(ctx.config.get("numel", 2**16))
+    cfg = MultinodeConfig.from_dict(ctx.config)
+    seed, batch, lr, numel = cfg.seed, cfg.batch, cfg.lr, cfg.numel
     host = socket.gethostname()
     ctx.print0(f"{ctx.world_size} ranks on {int(os.environ.get('GROUP_WORLD_SIZE', 1))} node(s)")
     print(f"rank {ctx.rank} is local rank {ctx.local_rank} of node {ctx.node_rank} ({host})",
@@ -100,7 +134,7 @@ def main(ctx: runtime.Context) -> dict:
     with ctx.phase("ddp_step"):
         sgd_step(ddp, xb, yb, lr)  # backward all-reduces the gradients across every node
     params = flat_params(model)
-    if hold := float(ctx.config.get("hold_s", 0)):
+    if hold := cfg.hold_s:
         if ctx.rank > 0:
             ctx.heartbeat(phase="hold")
             time.sleep(hold)
@@ -118,6 +152,20 @@ def main(ctx: runtime.Context) -> dict:
         "params": params.tolist(),
         "checksum": params.sum().item(),
     }
+
+
+# --- notebook 02b's prediction (the rest of its reading: labkit.workers.multinode_report) ----
+
+
+def predict(nodes: int, nproc_per_node: int, *, seed: int = 0, batch: int = 8,
+            lr: float = 0.1) -> Prediction:  # fmt: skip
+    """Ranks numbered node by node (``nodes.rank_range``), the all-reduce's n(n+1)/2, and one
+    process's step on all the ranks' batches, for a job of the default config's seed, batch and
+    learning rate."""
+    nodes = validate.whole("nodes", nodes, low=1)
+    nproc_per_node = validate.whole("nproc_per_node", nproc_per_node, low=1)
+    reference = reference_params(nodes * nproc_per_node, seed=seed, batch=batch, lr=lr)
+    return Prediction(nodes, nproc_per_node, reference)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Pipelines composed: data × pipeline on a 2-D mesh, and torch's multi-stage schedules.
 
-    labkit.jobs.launch.run("labkit.workers.pp_compose", nproc=4, config={"part": "dp_pp"})
-    labkit.jobs.launch.run("labkit.workers.pp_compose", nproc=2, config={"part": "schedules"})
-    labkit.jobs.launch.run("labkit.workers.pp_compose", nproc=4, config={"part": "layouts"})
+    pp_compose.run(pp_compose.PPComposeConfig(part="dp_pp"), nproc=4)
+    pp_compose.run(pp_compose.PPComposeConfig(part="schedules"), nproc=2)
+    pp_compose.run(pp_compose.PPComposeConfig(part="layouts"), nproc=4)
 
 part="dp_pp" (pp × dp ranks, default 2 × 2). A mesh ("pp", "dp"): rank = stage·dp + replica,
 so ranks {0, 2} are one pipeline and {1, 3} the other. Each pipeline runs its half of the
@@ -39,33 +39,120 @@ Every layout starts from the same weights and steps on the same batch, so their 
 step by step (the first with one process's). Each step is timed from a common start to the
 end of the slowest rank's optimizer step.
 
-Config (all optional): part, model (ModelConfig fields), batch_size (global, default 8),
-microbatches (m, default 4), seed, warmup/repeats (untimed and timed steps, default 1/3),
-pp and dp (dp_pp), schedules (list of names from ``schedules.TORCH_SCHEDULES``),
-layouts ([[pp, dp], ...], default [[1, n], [2, n/2]]) and micro_batch (rows, default 1).
+Config: :class:`PPComposeConfig`, every field optional: part, model (ModelConfig fields),
+batch_size (global, default 8), microbatches (m, default 4), seed, warmup/repeats (untimed and
+timed steps, default 1/3), pp and dp (dp_pp), schedules (names from
+``schedules.TORCH_SCHEDULES``), layouts (((pp, dp), ...), default ((1, n), (2, n/2))) and
+micro_batch (rows, default 1).
+
+Notebook 03b's reading of the "dp_pp" part in its kernel (the prediction from the stage sizes,
+the counts and parity held against it, the timeline) is :mod:`labkit.workers.dp_pp_report`,
+whose public names this module re-exports.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import statistics
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as tdist
 
-from labkit.config import ModelConfig, RunConfig, TrainConfig
-from labkit.jobs import runtime
+from labkit import validate
+from labkit.config import ModelConfig, TrainConfig
+from labkit.jobs import launch, runtime
 from labkit.memory import optimizer_state_tensors, storage_bytes
 from labkit.parallel import comm, pipeline, schedules
 from labkit.parallel.timeline import bubble_from_events, common_t0
 from labkit.parallel.zero1 import ShardedOptimizer
 from labkit.timing import synchronize
 from labkit.train import make_optimizer
+from labkit.workers.dp_pp_report import DpPpCheck as DpPpCheck
+from labkit.workers.dp_pp_report import DpPpPrediction as DpPpPrediction
+from labkit.workers.dp_pp_report import check_dp_pp as check_dp_pp
+from labkit.workers.dp_pp_report import plot_dp_pp as plot_dp_pp
+from labkit.workers.dp_pp_report import predict_dp_pp as predict_dp_pp
+from labkit.workers.job_config import GPTJobConfig, some_of
 from labkit.workers.pp_train import DEFAULT_MODEL, build_model, make_batch
 
 PARTS = ("dp_pp", "schedules", "layouts")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PPComposeConfig(GPTJobConfig):
+    """One of the composed pipelines (the module docstring says what each part does). No
+    training fields: every part takes one AdamW step of ``TrainConfig``'s defaults, the step
+    its single-process reference takes."""
+
+    WORKER: ClassVar[str] = "labkit.workers.pp_compose"
+    DEFAULT_MODEL: ClassVar[dict[str, Any]] = DEFAULT_MODEL
+    part: str = "dp_pp"
+    """One of PARTS."""
+    batch_size: int = 8
+    """The global batch, in sequences."""
+    microbatches: int = 4
+    """m, micro-batches per pipeline step (dp_pp, schedules)."""
+    warmup: int = 1
+    """Untimed steps before the timed ones (schedules, layouts)."""
+    repeats: int = 3
+    """Timed steps (schedules, layouts)."""
+    pp: int = 2
+    """Pipeline stages of dp_pp's mesh."""
+    dp: int = 2
+    """Data-parallel replicas of dp_pp's mesh."""
+    schedules: tuple[str, ...] = tuple(schedules.TORCH_SCHEDULES)
+    """Names from ``schedules.TORCH_SCHEDULES``, run in this order (schedules)."""
+    layouts: tuple[tuple[int, int], ...] | None = None
+    """(pp, dp) of each layout to time (layouts); None: (1, n) and, for an even n, (2, n/2)."""
+    micro_batch: int = 1
+    """Rows per micro-batch (layouts)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        validate.one_of("part", self.part, PARTS)
+        for name in ("microbatches", "repeats", "pp", "dp", "micro_batch"):
+            validate.whole(name, getattr(self, name), low=1)
+        validate.whole("warmup", self.warmup, low=0)
+        some_of("schedules", self.schedules, schedules.TORCH_SCHEDULES)
+        if self.layouts is not None:
+            if isinstance(self.layouts, str) or not self.layouts:
+                raise validate.refuse("layouts", self.layouts, "a non-empty list of (pp, dp) pairs")
+            pairs = []
+            for lay in self.layouts:
+                if isinstance(lay, str) or len(lay) != 2:
+                    raise validate.refuse("layouts", lay, "a (pp, dp) pair of positive integers")
+                pairs.append((validate.whole("pp", lay[0], low=1), validate.whole("dp", lay[1], low=1)))
+            object.__setattr__(self, "layouts", tuple(pairs))  # one shape: a tuple of pairs
+
+    def layouts_on(self, world_size: int) -> list[tuple[int, int]]:
+        """The (pp, dp) layouts the layouts part times on ``world_size`` ranks."""
+        if self.layouts is not None:
+            return list(self.layouts)
+        n = world_size
+        return [(1, n), (2, n // 2)] if n % 2 == 0 else [(1, n)]
+
+    def check_ranks(self, world_size: int) -> None:
+        """Refuse a job of ``world_size`` ranks this part cannot run on (before launch, and
+        again first thing on the rank)."""
+        cfg, B, m = self.model_config(), self.batch_size, self.microbatches
+        if self.part == "dp_pp":
+            pipeline.validate_dp_pp(cfg, world_size, self.pp, self.dp, B, m)
+        elif self.part == "schedules":
+            for name in self.schedules:
+                schedules.validate_torch_schedule(name, world_size, m, B, cfg.n_layer)
+        else:
+            validate_layouts(cfg, world_size, self.layouts_on(world_size), B, self.micro_batch)
+
+
+def run(config: PPComposeConfig, *, nproc: int, **launch_options: Any) -> launch.JobResult:
+    """Launch ``config`` on ``nproc`` ranks (refused first if its part cannot run on them);
+    ``launch_options`` go to ``launch.run``. No default ``nproc``: each part wants its own
+    (dp_pp pp × dp, schedules 2, layouts 4)."""
+    config.check_ranks(nproc)
+    return launch.run(config, nproc=nproc, **launch_options)
 
 
 def reference(cfg: ModelConfig, x: torch.Tensor, y: torch.Tensor, seed: int) -> dict[str, Any]:
@@ -100,16 +187,11 @@ def max_error(module: torch.nn.Module, ref: dict[str, torch.Tensor], what: str) 
 # --- part 1: data × pipeline ---------------------------------------------------------------------
 
 
-def _dp_pp(ctx: runtime.Context, cfg: ModelConfig, conf: dict[str, Any]) -> dict[str, Any]:
+def _dp_pp(ctx: runtime.Context, cfg: ModelConfig, job: PPComposeConfig) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    pp, dp = int(conf.get("pp", 2)), int(conf.get("dp", 2))
-    B, m, seed = (
-        int(conf.get("batch_size", 8)),
-        int(conf.get("microbatches", 4)),
-        int(conf.get("seed", 0)),
-    )
-    pipeline.validate_dp_pp(cfg, ctx.world_size, pp, dp, B, m)  # again, first thing on the rank
+    pp, dp = job.pp, job.dp
+    B, m, seed = job.batch_size, job.microbatches, job.seed
     mesh = init_device_mesh(ctx.device.type, (pp, dp), mesh_dim_names=("pp", "dp"))
     dp_group, dp_rank = mesh.get_group("dp"), mesh.get_local_rank("dp")
     stage_index = mesh.get_local_rank("pp")
@@ -225,19 +307,13 @@ def _sum_tied(mods: list[torch.nn.Module], vocab: int, d: int) -> None:
         w.grad.copy_(buf)
 
 
-def _schedules(ctx: runtime.Context, cfg: ModelConfig, conf: dict[str, Any]) -> dict[str, Any]:
+def _schedules(ctx: runtime.Context, cfg: ModelConfig, job: PPComposeConfig) -> dict[str, Any]:
     import torch.distributed.pipelining as tpp
 
     p = ctx.world_size
-    B, m, seed = (
-        int(conf.get("batch_size", 8)),
-        int(conf.get("microbatches", 4)),
-        int(conf.get("seed", 0)),
-    )
-    names = list(conf.get("schedules", schedules.TORCH_SCHEDULES))
-    for name in names:  # again, first thing on the rank
-        schedules.validate_torch_schedule(name, p, m, B, cfg.n_layer)
-    warmup, repeats = int(conf.get("warmup", 1)), int(conf.get("repeats", 3))
+    B, m, seed = job.batch_size, job.microbatches, job.seed
+    names = list(job.schedules)
+    warmup, repeats = job.warmup, job.repeats
     x, y = make_batch(cfg, B, seed)
     ref = reference(cfg, x, y, seed)
     model = build_model(cfg, seed)
@@ -367,15 +443,13 @@ def validate_layouts(cfg: ModelConfig, world_size: int, layouts: list[Any], batc
     return out
 
 
-def _layouts(ctx: runtime.Context, cfg: ModelConfig, conf: dict[str, Any]) -> dict[str, Any]:
+def _layouts(ctx: runtime.Context, cfg: ModelConfig, job: PPComposeConfig) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     n = ctx.world_size
-    B, b, seed = (int(conf.get("batch_size", 8)), int(conf.get("micro_batch", 1)),
-                  int(conf.get("seed", 0)))  # fmt: skip
-    default = [[1, n], [2, n // 2]] if n % 2 == 0 else [[1, n]]
-    layouts = validate_layouts(cfg, n, conf.get("layouts", default), B, b)  # again, on the rank
-    warmup, repeats = int(conf.get("warmup", 1)), int(conf.get("repeats", 3))
+    B, b, seed = job.batch_size, job.micro_batch, job.seed
+    layouts = job.layouts_on(n)
+    warmup, repeats = job.warmup, job.repeats
     x, y = make_batch(cfg, B, seed)
     ref_loss = reference(cfg, x, y, seed)["loss"]
     model = build_model(cfg, seed)
@@ -426,18 +500,60 @@ def _layouts(ctx: runtime.Context, cfg: ModelConfig, conf: dict[str, Any]) -> di
     return {"rank": ctx.rank, "reference_loss": ref_loss, "warmup": warmup, "layouts": out}
 
 
+@dataclasses.dataclass(frozen=True)
+class LayoutRuns:
+    """The layouts job's rank 0 result (part "layouts") against the planner's step per layout
+    (``predicted``, seconds, modelled): the table, whether every layout trained the same model
+    (losses within float32 rounding, the first step against one process's), and whether the
+    measured order holds the predicted one (``verdict.compare_ranking``)."""
+
+    predicted: dict[str, float]
+    runs: dict[str, dict[str, Any]]
+    reference_loss: float
+    repeats: int
+
+    @property
+    def order(self) -> list[str]:
+        """The layouts, fastest predicted first."""
+        return sorted(self.predicted, key=self.predicted.get)
+
+    def describe(self) -> str:
+        from labkit import verdict  # layer 3
+
+        order, runs = self.order, self.runs
+        lines = ["", f"{'layout':<10}{'m per replica':>14}{'predicted':>11}{'measured median':>17}{'ratio':>7}"]
+        for name in order:
+            r, want = runs[name], self.predicted[name]
+            lines.append(f"{name:<10}{r['microbatches']:>14}{1e3 * want:>8.1f} ms{1e3 * r['step_s']:>14.1f} ms"
+                         f"{r['step_s'] / want:>6.1f}x")  # fmt: skip
+        losses = [runs[n]["losses"] for n in order]
+        spread = max(abs(a - b) for ls in zip(*losses, strict=True) for a in ls for b in ls)
+        same = spread < 1e-4 and abs(losses[0][0] - self.reference_loss) < 1e-4
+        lines.append(f"losses: first step {losses[0][0]:.5f} (one process {self.reference_loss:.5f}); the "
+                     f"layouts differ by at most {spread:.1e} over {len(losses[0])} steps: "
+                     + ("float32 rounding, the same training" if same
+                        else "MORE than float32 rounding: one layout does not train the same model"))
+        lines += [f"(predicted: modelled, as above; measured: {self.repeats} steps each after one "
+                  "untimed, common start to the slowest rank's optimizer step)", "",
+                  str(verdict.compare_ranking(order, {n: runs[n]["step_s_samples"] for n in order}))]
+        return "\n".join(lines)
+
+
+def layout_runs(result: dict[str, Any], predicted: dict[str, float], *, repeats: int) -> LayoutRuns:
+    """``result``: rank 0's result of the layouts job; ``predicted``: layout name -> step (s)."""
+    return LayoutRuns(predicted=dict(predicted), runs=result["layouts"],
+                      reference_loss=result["reference_loss"], repeats=repeats)  # fmt: skip
+
+
 @runtime.entrypoint
 def main(ctx: runtime.Context) -> dict[str, Any]:
-    conf = ctx.config
-    part = conf.get("part", "dp_pp")
-    if part not in PARTS:
-        raise ValueError(f"part={part!r}: use one of {PARTS}")
-    cfg = RunConfig(model=ModelConfig(**{**DEFAULT_MODEL, **conf.get("model", {})})).model
+    job = PPComposeConfig.from_dict(ctx.config)
+    job.check_ranks(ctx.world_size)  # again, first thing on the rank
     runtime.require_gpu_backend(ctx.backend, ctx.device.type, "pipeline stages exchange "
                              "activations with send/recv")  # fmt: skip
     torch.manual_seed(0)
-    run = {"dp_pp": _dp_pp, "schedules": _schedules, "layouts": _layouts}[part]
-    return run(ctx, cfg, conf)
+    part = {"dp_pp": _dp_pp, "schedules": _schedules, "layouts": _layouts}[job.part]
+    return part(ctx, job.model_config(), job)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Train through a failure: checkpoint every few steps, lose a rank, restart, resume.
 
     from labkit.workers import resilient_train
-    res = resilient_train.run({"steps": 12, "every": 4, "kill_rank": 1, "kill_at_step": 6},
+    res = resilient_train.run(resilient_train.ResilientTrainConfig(steps=12, every=4, kill_rank=1,
+                                                                   kill_at_step=6),
                               nproc=2, max_restarts=1)
     res.result["lost_steps"], res.result["attempts"]        # 2, 2
 
@@ -31,20 +32,24 @@ Files in the job folder, for the notebook:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import signal
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as tdist
 
 from labkit.config import ModelConfig, TrainConfig
 from labkit.data import fixed_batches
+from labkit.formulas.checkpoints import predicted_lost_steps as predicted_lost_steps
 from labkit.jobs import checkpoint, launch, runtime
+from labkit.jobs.spec import WorkerConfig
 from labkit.model import GPT
 from labkit.train import lr_at, make_optimizer, set_lr, train_step
 
@@ -55,49 +60,86 @@ LOSSES = "losses.jsonl"
 EVENTS = "events.jsonl"
 FINAL_PARAMS = "final_params.pt"
 
-DEFAULTS: dict[str, Any] = {
-    # a GPT small enough for a CPU test; dropout on, so the saved RNG states matter
-    "model": {"seq_len": 32, "n_layer": 2, "n_head": 2, "d_model": 64, "dropout": 0.1},
-    "seed": 0,
-    "steps": 12,
-    "every": 4,  # checkpoint every this many steps
-    "keep": 2,  # complete checkpoints kept
-    "global_batch": 8,  # sequences per step, split evenly over the ranks
-    "lr": 3e-3,
-    "grad_clip": 1.0,
-    "kill_rank": None,  # the planted failure: this rank SIGKILLs itself ...
-    "kill_at_step": None,  # ... once this many steps are done (once per job)
-    "checkpoint_dir": None,  # default: <job folder>/checkpoints
-}
+DEFAULT_MODEL: dict[str, Any] = {"seq_len": 32, "n_layer": 2, "n_head": 2, "d_model": 64,
+                                 "dropout": 0.1}  # fmt: skip
+"""A GPT small enough for a CPU test; dropout on, so the saved RNG states matter."""
 
 
-def validate(config: dict[str, Any], world_size: int) -> dict[str, Any]:
-    """``config`` over ``DEFAULTS``, checked: ValueError naming the key and the fix."""
-    unknown = sorted(set(config) - set(DEFAULTS))
-    if unknown:
-        raise ValueError(
-            f"unknown config key(s) {unknown}: resilient_train takes {sorted(DEFAULTS)}"
-        )
-    cfg = {**DEFAULTS, **config, "model": {**DEFAULTS["model"], **config.get("model", {})}}
-    ModelConfig(**cfg["model"])  # its own checks
-    for key in ("steps", "every", "keep", "global_batch"):
-        v = cfg[key]
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{key}={v!r}: need an integer >= 1")
-    if cfg["global_batch"] % world_size:
-        raise ValueError(f"global_batch={cfg['global_batch']} does not split over {world_size} "
-                         "ranks: make it a multiple of nproc")  # fmt: skip
-    planted = (cfg["kill_rank"], cfg["kill_at_step"])
-    if (planted[0] is None) != (planted[1] is None):
-        raise ValueError("kill_rank and kill_at_step go together: both (a planted failure) or "
-                         "neither")  # fmt: skip
-    if planted[0] is not None:
-        if not (isinstance(planted[0], int) and 0 <= planted[0] < world_size):
-            raise ValueError(f"kill_rank={planted[0]!r}: a rank of this job, 0..{world_size - 1}")
-        if not (isinstance(planted[1], int) and 1 <= planted[1] < cfg["steps"]):
-            raise ValueError(f"kill_at_step={planted[1]!r}: a step count in 1..{cfg['steps'] - 1} "
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ResilientTrainConfig(WorkerConfig):
+    """A DDP training job that checkpoints, and the failure planted in it (if any)."""
+
+    WORKER: ClassVar[str] = MODULE
+    model: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """ModelConfig fields over DEFAULT_MODEL."""
+    seed: int = 0
+    """Seeds the weights, the batches and each rank's dropout."""
+    steps: int = 12
+    """Optimizer steps."""
+    every: int = 4
+    """Checkpoint every this many steps."""
+    keep: int = 2
+    """Complete checkpoints kept."""
+    global_batch: int = 8
+    """Sequences per step, split evenly over the ranks."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    grad_clip: float | None = 1.0
+    """Gradient-norm clip (None: no clipping)."""
+    kill_rank: int | None = None
+    """The planted failure: this rank SIGKILLs itself ..."""
+    kill_at_step: int | None = None
+    """... once this many steps are done (once per job)."""
+    checkpoint_dir: str | None = None
+    """Where the checkpoints go (None: <job folder>/checkpoints)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, dict):
+            raise ValueError(f"model={self.model!r}: need a dict of ModelConfig fields")
+        ModelConfig(**self.model_fields())  # its own checks
+        for key in ("steps", "every", "keep", "global_batch"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{key}={v!r}: need an integer >= 1")
+        if (self.kill_rank is None) != (self.kill_at_step is None):
+            raise ValueError("kill_rank and kill_at_step go together: both (a planted failure) "
+                             "or neither")  # fmt: skip
+        at = self.kill_at_step
+        if at is not None and not (isinstance(at, int) and 1 <= at < self.steps):
+            raise ValueError(f"kill_at_step={at!r}: a step count in 1..{self.steps - 1} "
                              "(steps done when the rank dies)")  # fmt: skip
-    return cfg
+
+    def model_fields(self) -> dict[str, Any]:
+        """The GPT's ModelConfig fields: ``model`` over DEFAULT_MODEL."""
+        return {**DEFAULT_MODEL, **self.model}
+
+    def check_ranks(self, world_size: int) -> None:
+        """Refuse a job of ``world_size`` ranks that cannot split the batch or has no
+        ``kill_rank``."""
+        if self.global_batch % world_size:
+            raise ValueError(f"global_batch={self.global_batch} does not split over {world_size} "
+                             "ranks: make it a multiple of nproc")  # fmt: skip
+        rank = self.kill_rank
+        if rank is not None and not (isinstance(rank, int) and 0 <= rank < world_size):
+            raise ValueError(f"kill_rank={rank!r}: a rank of this job, 0..{world_size - 1}")
+
+
+DEFAULTS: dict[str, Any] = {**ResilientTrainConfig().to_dict(), "model": DEFAULT_MODEL}
+"""Every field's default, the model's fields included (the notebook reads them here)."""
+
+
+def validate(config: ResilientTrainConfig | Mapping[str, Any], world_size: int) -> dict[str, Any]:
+    """``config`` (its fields as a dict, too) complete and checked against ``world_size`` ranks:
+    ValueError naming the field and the fix."""
+    job = _as_config(config)
+    job.check_ranks(world_size)
+    return {**job.to_dict(), "model": job.model_fields()}
+
+
+def _as_config(config: ResilientTrainConfig | Mapping[str, Any]) -> ResilientTrainConfig:
+    if isinstance(config, ResilientTrainConfig):
+        return config
+    return ResilientTrainConfig.from_dict(dict(config))
 
 
 def check_shared_root(cfg: dict[str, Any], agents: int) -> None:
@@ -109,12 +151,6 @@ def check_shared_root(cfg: dict[str, Any], agents: int) -> None:
             "config checkpoint_dir, a folder on a file system every node sees, so that every "
             "rank writes the same checkpoint"
         )
-
-
-def predicted_lost_steps(kill_at_step: int, every: int) -> int:
-    """Steps trained again after a kill once ``kill_at_step`` steps were done: those since the
-    last checkpoint, taken every ``every`` steps."""
-    return kill_at_step % every
 
 
 def weights_checksum(params: dict[str, torch.Tensor]) -> str:
@@ -292,14 +328,15 @@ def main(ctx: runtime.Context) -> dict[str, Any]:
     }
 
 
-def run(config: dict[str, Any], *, nproc: int = 2, max_restarts: int = 1,
+def run(config: ResilientTrainConfig | Mapping[str, Any], *, nproc: int = 2, max_restarts: int = 1,
         **launch_kwargs: Any) -> launch.JobResult:  # fmt: skip
-    """Check ``config`` (ValueError before anything starts), then launch with torchrun allowed
-    ``max_restarts`` restarts (the launcher gives each attempt its own rendezvous store).
+    """Check ``config`` (its fields as a dict, too; ValueError before anything starts), then
+    launch with torchrun allowed ``max_restarts`` restarts (the launcher gives each attempt
+    its own rendezvous store).
     """
-    validate(config, nproc)
-    return launch.run(MODULE, nproc=nproc, config=config, max_restarts=max_restarts,
-                      **launch_kwargs)  # fmt: skip
+    job = _as_config(config)
+    job.check_ranks(nproc)
+    return launch.run(job, nproc=nproc, max_restarts=max_restarts, **launch_kwargs)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Tensor-parallel GPT: parallel linear layers checked, then k training steps, ours and DTensor's.
 
-    labkit.jobs.launch.run("labkit.workers.tp_train", nproc=2, config={"steps": 3})
+    tp_train.run(tp_train.TPTrainConfig(steps=3), nproc=2)
 
 Three parts, each optional (``parts``):
 
@@ -18,9 +18,8 @@ CommDebugMode (``tensor.count_collectives``), which counts the collectives each
 implementation issues by pass: the same counter for ours and DTensor's, so the two can be
 compared call for call ("collectives" in the result).
 
-Config (all optional): model (ModelConfig fields; default seq_len 32, 2 layers, 4 heads,
-d_model 64), batch_size (4), steps (3), seed (0), lr (3e-3), weight_decay (0.1),
-grad_clip (1.0; null for none), parts (all three), save (true: write the files above).
+Config: :class:`TPTrainConfig`, every field optional (model: seq_len 32, 2 layers, 4 heads,
+d_model 64).
 
 Result per rank: losses per step, all-reduce calls and bytes per step counted next to the
 formula, the collectives CommDebugMode counted in the first step, parameter bytes on this
@@ -31,19 +30,41 @@ warms up and runs under CommDebugMode; the first alone if there is one step).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from labkit import data, timing
-from labkit.config import ModelConfig, RunConfig, TrainConfig
-from labkit.jobs import runtime
+from labkit.config import TrainConfig
+from labkit.jobs import launch, runtime
 from labkit.model import GPT
 from labkit.parallel import tensor
 from labkit.train import make_optimizer
+from labkit.workers.job_config import GPTTrainingConfig, some_of
 
 DEFAULT_MODEL = {"seq_len": 32, "n_layer": 2, "n_head": 4, "d_model": 64}
+PARTS = ("linear", "gpt", "dtensor")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TPTrainConfig(GPTTrainingConfig):
+    """Tensor-parallel layers and GPT (the module docstring says what each part does)."""
+
+    WORKER: ClassVar[str] = "labkit.workers.tp_train"
+    DEFAULT_MODEL: ClassVar[dict[str, Any]] = DEFAULT_MODEL
+    parts: tuple[str, ...] = PARTS
+    """Which of PARTS to run."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        some_of("parts", self.parts, PARTS)
+
+
+def run(config: TPTrainConfig, *, nproc: int = 2, **launch_options: Any) -> launch.JobResult:
+    """Launch ``config`` on ``nproc`` ranks; ``launch_options`` go to ``launch.run``."""
+    return launch.run(config, nproc=nproc, **launch_options)
 LINEAR_SHAPE = (16, 24)  # in_features, out_features of the layer the linear part splits
 LINEAR_INPUT = (3, 5, 16)  # (B, T, in_features)
 
@@ -163,24 +184,13 @@ def _fmt_counts(counts: dict[str, dict[str, int]]) -> str:
 
 @runtime.entrypoint
 def main(ctx: runtime.Context) -> dict[str, Any]:
-    conf = ctx.config
-    cfg = RunConfig(model=ModelConfig(**{**DEFAULT_MODEL, **conf.get("model", {})})).model
+    job = TPTrainConfig.from_dict(ctx.config)
+    cfg = job.model_config()
     tensor.validate_tensor_parallel(cfg, ctx.world_size)
-    B, steps, seed = (
-        int(conf.get("batch_size", 4)),
-        int(conf.get("steps", 3)),
-        int(conf.get("seed", 0)),
-    )
-    tcfg = TrainConfig(
-        micro_batch=B,
-        steps=steps,
-        lr=float(conf.get("lr", 3e-3)),
-        weight_decay=float(conf.get("weight_decay", 0.1)),
-        grad_clip=conf.get("grad_clip", 1.0),
-        seed=seed,
-    )
-    parts = list(conf.get("parts", ["linear", "gpt", "dtensor"]))
-    save = bool(conf.get("save", True)) and ctx.job_dir is not None
+    B, steps, seed = job.batch_size, job.steps, job.seed
+    tcfg = job.train_config()
+    parts = job.parts
+    save = job.save and ctx.job_dir is not None
     batches = data.fixed_batches(cfg.seq_len, B, steps, seed)
     result: dict[str, Any] = {"rank": ctx.rank, "tp": ctx.world_size}
 
@@ -239,6 +249,146 @@ def main(ctx: runtime.Context) -> dict[str, Any]:
             f"CommDebugMode {_fmt_counts(run['collectives'])}"
         )
     return result
+
+
+# --- what notebook 03 shows of a finished job -------------------------------------------------
+#
+# Read in the notebook's kernel, never on a rank: each result holds what the job returned and
+# the figures the notebook prints (``describe()``).
+
+
+def _collective_line(counts: dict[str, dict[str, int]]) -> str:
+    """'all_reduce 4 forward + 4 backward; ...', one entry per collective CommDebugMode counted."""
+    ops = sorted(set(counts["forward"]) | set(counts["backward"]))
+    return "; ".join(f"{op} {counts['forward'].get(op, 0)} forward + "
+                     f"{counts['backward'].get(op, 0)} backward" for op in ops)
+
+
+@dataclasses.dataclass(frozen=True)
+class TPRun:
+    """Our tensor-parallel GPT and DTensor's, from one ``parts=("gpt", "dtensor")`` job: losses,
+    parameter bytes and all-reduces measured against the prediction (``tensor.predict_tp``),
+    the collectives CommDebugMode counted for both, and their step times."""
+
+    ours: dict[str, Any]
+    dtensor: dict[str, Any]
+    predicted: tensor.TPPrediction
+    device: str = "cpu"
+    backend: str = "gloo"
+
+    @classmethod
+    def from_job(cls, job: Any, predicted: tensor.TPPrediction) -> TPRun:
+        result = job.rank(0)
+        return cls(result["gpt"], result["dtensor"], predicted, job.device, job.backend)
+
+    @property
+    def comm(self) -> dict[str, int]:
+        """The all-reduces f and g counted in our last step: calls and bytes, by pass."""
+        return self.ours["comm_per_step"][-1]
+
+    @property
+    def collectives(self) -> dict[str, dict[str, dict[str, int]]]:
+        """{"ours", "DTensor"}: the collectives CommDebugMode counted in the first step."""
+        return {"ours": self.ours["collectives"], "DTensor": self.dtensor["collectives"]}
+
+    @property
+    def loss_gap(self) -> float:
+        """The largest difference between our losses and DTensor's, step by step."""
+        return max(abs(a - b) for a, b in
+                   zip(self.ours["losses"], self.dtensor["losses"], strict=True))
+
+    def check(self) -> None:
+        """Raise AssertionError unless the counts equal the prediction, the collectives match
+        call for call and the losses agree (to rounding: 1e-5 on CPU, 1e-3 on a GPU)."""
+        comm, predicted = self.comm, self.predicted
+        assert self.ours["param_bytes"] == 4 * predicted.params_per_rank, (
+            "parameters per rank = the formula")
+        assert comm["forward_calls"] + comm["backward_calls"] == predicted.calls
+        assert comm["forward_bytes"] + comm["backward_bytes"] == predicted.message_bytes
+        assert self.collectives["ours"] == self.collectives["DTensor"], (
+            "compare the plan with section 5's table")
+        assert self.loss_gap < (1e-5 if self.device == "cpu" else 1e-3), "same split, same sums"
+
+    def describe(self) -> str:
+        ours, dtensor, comm, predicted = self.ours, self.dtensor, self.comm, self.predicted
+        return "\n".join([
+            f"losses, ours:    {[round(v, 4) for v in ours['losses']]}",
+            f"losses, DTensor: {[round(v, 4) for v in dtensor['losses']]}",
+            f"measured: {ours['param_bytes'] / 2**20:.2f} MiB of parameters per rank (ours), "
+            f"{dtensor['param_bytes'] / 2**20:.2f} MiB (DTensor), "
+            f"{ours['param_bytes_single_process'] / 2**20:.2f} MiB on one device; "
+            f"predicted {4 * predicted.params_per_rank / 2**20:.2f} MiB",
+            f"counted:  {comm['forward_calls']} all-reduces forward + {comm['backward_calls']} "
+            f"backward, {(comm['forward_bytes'] + comm['backward_bytes']) / 2**20:.2f} MiB per "
+            f"step; predicted {predicted.calls} and {predicted.message_bytes / 2**20:.2f} MiB",
+            *(f"CommDebugMode, first step ({who}): {_collective_line(c)}"
+              for who, c in self.collectives.items()),
+            "-> the same collectives, call for call"
+            + (" (checked)" if self.collectives["ours"] == self.collectives["DTensor"]
+               else ": NOT the same"),
+            f"measured: ours and DTensor's losses differ by at most {self.loss_gap:.1e}",
+            f"measured: {ours['step_s'] * 1e3:.1f} ms per step (ours), "
+            f"{dtensor['step_s'] * 1e3:.1f} ms (DTensor), on {self.backend}/{self.device}",
+        ])
+
+
+@dataclasses.dataclass(frozen=True)
+class TPCommCost:
+    """The all-reduces of a tensor-parallel step, timed here: one all-reduce of a (b, s, h)
+    activation measured (``labkit.workers.allreduce``) times the calls counted, held against a
+    measured step (``verdict.share``)."""
+
+    allreduce_s: float
+    """Median time of one all-reduce."""
+    busbw_GBps: float
+    backend: str
+    bytes_per_call: int
+    calls: int
+    step_s: float
+    """A measured tensor-parallel step of ours."""
+
+    @classmethod
+    def from_job(cls, job: Any, run: TPRun) -> TPCommCost:
+        """From a finished ``allreduce`` job of one call's message and the TP run it prices."""
+        r0 = job.rank(0)
+        return cls(r0["median_s"], r0["busbw_GBps"], job.backend,
+                   run.predicted.bytes_per_call, run.predicted.calls, run.ours["step_s"])
+
+    @property
+    def comm_s(self) -> float:
+        """The all-reduces of one step: measured all-reduce time × counted calls."""
+        return self.calls * self.allreduce_s
+
+    def describe(self) -> str:
+        from labkit import verdict
+
+        # Measured in two separate jobs, at two moments of a shared machine: a share above
+        # 100% says that, not that communication outlasted the step that contains it.
+        share = verdict.share(self.comm_s, self.step_s,
+                              part_name="the tensor-parallel all-reduces' time",
+                              whole_name="a measured step of ours",
+                              fmt=lambda s: f"{s * 1e3:.1f} ms",
+                              if_over="the all-reduce was timed at a busier moment than the steps")
+        return "\n".join([
+            f"measured here: one all-reduce of {self.bytes_per_call / 2**10:.0f} KiB takes "
+            f"{self.allreduce_s * 1e3:.2f} ms over {self.backend} (busbw "
+            f"{self.busbw_GBps:.2f} GB/s)",
+            f"so the {self.calls} all-reduces of a tensor-parallel step cost about "
+            f"{self.comm_s * 1e3:.1f} ms (measured all-reduce time × counted calls)",
+            str(share),
+        ])
+
+
+def describe_closing(run: TPRun) -> str:
+    """Notebook 03's closing note for tensor parallelism: the collectives CommDebugMode counted,
+    and the all-reduces and bytes per step counted against the formula."""
+    comm, predicted = run.comm, run.predicted
+    lines = [f"CommDebugMode ({who}): {c['forward']} forward, {c['backward']} backward"
+             for who, c in run.collectives.items()]
+    lines.append(f"tensor parallel: {comm['forward_calls'] + comm['backward_calls']} all-reduces "
+                 f"and {(comm['forward_bytes'] + comm['backward_bytes']):,} bytes per step "
+                 f"counted; formula {predicted.calls} and {predicted.message_bytes:,}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
