@@ -29,6 +29,9 @@ import torch.distributed as tdist
 
 from labkit.course import exercises as ex
 from labkit.course.exercises import data_parallel as exdp
+from labkit.course.exercises import leftovers
+from labkit.course.exercises.data_parallel import check_tools as dp_check_tools
+from labkit.course.exercises.data_parallel import runner as dp_runner
 from labkit.jobs import diagnosis, launch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,18 +76,18 @@ def _write_ledger(folder: Path, rank: int, entries: list[dict]) -> None:
 
 
 def _learner_call(n: int, line: int, op: str = "all_reduce") -> dict:
-    return {"n": n, "op": op, "file": "/home/me/.cache/labkit/course/exercises/02/dp_overlap.py",
+    return {"n": n, "op": op, "file": "/home/me/.cache/labkit/exercises/02/dp_overlap.py",
             "line": line, "func": "_on_grad_ready", "code": "dist.all_reduce(p.grad)",
             "yours": True}  # fmt: skip
 
 
 def _check_call(n: int, op: str = "all_gather_object") -> dict:
-    return {"n": n, "op": op, "file": exdp.__file__, "line": 375, "func": "_agree",
+    return {"n": n, "op": op, "file": dp_check_tools.__file__, "line": 55, "func": "_agree",
             "code": "tdist.all_gather_object(found, problem)", "yours": False}  # fmt: skip
 
 
 def _job_result(tmp_path: Path) -> launch.JobResult:
-    return launch.JobResult(module="labkit.course.exercises.dp_worker", job_id="j", nproc=2,
+    return launch.JobResult(module="labkit.course.exercises.data_parallel.worker", job_id="j", nproc=2,
                             backend="gloo", device="cpu", ranks=[{}, {}], wall_s=42.0,
                             log_dir=tmp_path, status="failed", returncode=1)  # fmt: skip
 
@@ -102,7 +105,7 @@ def test_a_collective_only_rank_0_called_is_named_from_the_ledgers_not_the_echo(
     _write_ledger(tmp_path, 0, [*shared, _learner_call(3, 15), {"end": "raised"}])
     _write_ledger(tmp_path, 1, [*shared, _check_call(3), {"end": "raised"}])
     failed = launch.JobFailed(
-        "labkit.course.exercises.dp_worker failed on rank 0", result=_job_result(tmp_path), rank=0,
+        "labkit.course.exercises.data_parallel.worker failed on rank 0", result=_job_result(tmp_path), rank=0,
         exc_type="RuntimeError", kind="raised",
         exc_message="[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:598] Application "
                     "timeout caused pair closure",
@@ -127,7 +130,7 @@ def test_a_rank_that_reported_a_mistake_and_left_comes_first(tmp_path):
     reports = {1: "on rank 1: wte.weight was never all-reduced"}
     text = ex.explain_job_error(failed, reports)
     assert text.startswith("on rank 1: wte.weight was never all-reduced. Then rank 0 waited in "
-                           "the check's own dist.all_gather_object (data_parallel.py, line 375, "
+                           "the check's own dist.all_gather_object (check_tools.py, line 55, "
                            "in _agree), which rank 1 never called."), text  # fmt: skip
 
 
@@ -210,7 +213,7 @@ def test_a_data_parallel_all_reduce_on_rank_0_only_names_the_rank_that_never_cal
 ):
     """2 real gloo ranks; the learner's hook all-reduces on rank 0 only. Before: 'the check
     job failed on rank 0: RuntimeError: ... Timed out waiting 30000ms for recv' after ~34 s."""
-    monkeypatch.setattr(exdp, "PG_TIMEOUT_S", 5.0)  # the mismatch is certain: no need to wait
+    monkeypatch.setattr(dp_runner, "PG_TIMEOUT_S", 5.0)  # the mismatch is certain: no need to wait
     path = tmp_path / "dp_rank0.py"
     path.write_text(textwrap.dedent("""
         import torch.distributed as dist
@@ -285,7 +288,7 @@ def test_a_check_stopped_at_its_limit_stops_the_process_too_even_one_ignoring_si
     one_second_limit, started, monkeypatch, capsys
 ):
     """Before: 'Nothing else needs stopping' while the child ran on."""
-    monkeypatch.setattr(ex, "GRACE_S", 0.5)
+    monkeypatch.setattr(leftovers, "GRACE_S", 0.5)
     stubborn = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
                 "signal.SIG_IGN); print(flush=True); time.sleep(60)"]  # fmt: skip
 
@@ -348,7 +351,7 @@ def test_a_process_that_ends_by_itself_during_the_check_keeps_its_exit_code(
 ):
     """A child that ends while the check waits for it to settle is not the check's to reap
     either. Before: psutil.wait_procs reaped it, and its Popen read 0 instead of 3."""
-    monkeypatch.setattr(ex, "SETTLE_S", 10.0)  # it ends well within: no stop, no note
+    monkeypatch.setattr(leftovers, "SETTLE_S", 10.0)  # it ends well within: no stop, no note
     reference = ex.get("01.adam_bytes").reference
     kept: list[subprocess.Popen] = []
     brief = [sys.executable, "-c", "import sys, time; time.sleep(1); sys.exit(3)"]

@@ -16,7 +16,7 @@ from labkit import timing
 from labkit.config import ModelConfig
 from labkit.course import exercises as ex
 from labkit.course import nbgen
-from labkit.course.exercises import single_gpu
+from labkit.course.exercises import feedback, single_gpu
 
 # --------------------------------------------------------------------------- reference answers,
 # written the way the solution notebook marks them, so the same source yields the stub.
@@ -195,7 +195,7 @@ def test_a_passing_answer_is_what_later_cells_use_and_it_says_so(capsys):
 
 
 def test_hints_come_in_steps_ending_with_the_recipe(capsys, monkeypatch):
-    monkeypatch.setattr(ex, "_HINTS_SHOWN", {})
+    monkeypatch.setattr(feedback, "_HINTS_SHOWN", {})
     hints = ex.get("01.timed").hints
     ex.hint("01.timed")
     first = capsys.readouterr().out
@@ -211,7 +211,7 @@ def test_hints_come_in_steps_ending_with_the_recipe(capsys, monkeypatch):
 
 
 def test_not_done_counts_as_the_first_hint_shown(capsys, monkeypatch):
-    monkeypatch.setattr(ex, "_HINTS_SHOWN", {})
+    monkeypatch.setattr(feedback, "_HINTS_SHOWN", {})
     ex.check("01.param_count", run_cell(stub_of(SOLUTIONS["01.param_count"])))
     capsys.readouterr()
     ex.hint("01.param_count")

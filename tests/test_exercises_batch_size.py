@@ -9,9 +9,13 @@ import pytest
 import torch
 from exercise_cells import assert_check_passes, assert_stub_is_not_done
 
+from labkit import verdict
 from labkit.batching import finder, noise, trials
 from labkit.course import exercises as ex
 from labkit.course.exercises import batch_size as exbs
+from labkit.course.exercises.batch_size import accumulation as bs_accumulation
+from labkit.course.exercises.batch_size import max_batch as bs_max_batch
+from labkit.course.exercises.batch_size import noise_scale as bs_noise_scale
 
 # --------------------------------------------------------------------------- solutions, written
 # the way the solution notebook marks them (these are its cells, less the ex.check line), so
@@ -254,7 +258,7 @@ def test_accumulation_names_each_mistake(wrong, message):
 
 
 def test_accumulation_with_gradients_that_start_as_zeros_says_none_arrived(monkeypatch):
-    monkeypatch.setattr(exbs, "ACCUM_RUNS", ((4, True),))  # .grad starts as zeros
+    monkeypatch.setattr(bs_accumulation, "ACCUM_RUNS", ((4, True),))  # .grad starts as zeros
     with pytest.raises(ex.ExerciseFailed, match=r"with k=4 .*every parameter's \.grad is still "
                                                 r"zero"):  # fmt: skip
         ex.verify("05.accumulation", autograd_grad)
@@ -271,15 +275,15 @@ def test_accumulation_accepts_other_correct_spellings():
 
 
 def test_accumulation_compares_with_one_backward_and_its_mistakes_are_distinct():
-    case = exbs._accum_case()
-    whole = exbs._flat(case.whole)
+    case = bs_accumulation._accum_case()
+    whole = bs_accumulation._flat(case.whole)
     for k in exbs.ACCUM_KS:
-        wrongs = [w for w, _ in exbs._accum_mistakes(case, k)]
-        assert all(exbs._rel(w, whole) > 0.1 for w in wrongs)  # none is the right answer
+        wrongs = [w for w, _ in bs_accumulation._accum_mistakes(case, k)]
+        assert all(bs_accumulation._rel(w, whole) > 0.1 for w in wrongs)  # none is the right answer
         for i, a in enumerate(wrongs):
-            assert all(exbs._rel(a, b) > 0.01 for b in wrongs[i + 1:])  # each names one mistake
+            assert all(bs_accumulation._rel(a, b) > 0.01 for b in wrongs[i + 1:])  # each names one mistake
         # the micro-batch gradients really average to the whole batch's
-        assert exbs._rel(sum(exbs._flat(m) for m in case.micro[k]) / k, whole) < 1e-6
+        assert bs_accumulation._rel(sum(bs_accumulation._flat(m) for m in case.micro[k]) / k, whole) < 1e-6
 
 
 # --------------------------------------------------------------------------- 05.max_batch
@@ -462,11 +466,11 @@ def test_max_batch_says_when_memory_is_not_back_to_its_baseline(monkeypatch):
 
 
 def test_max_batch_real_case_is_a_budget_between_two_measured_peaks():
-    case = exbs._real_case()
+    case = bs_max_batch._real_case()
     low, high = case.peaks
     assert low < case.budget_bytes < high  # measured, deterministic on a CPU
     assert case.answer == exbs.REAL_BETWEEN[0]
-    device = exbs._budgeted(case.model, case.budget_bytes)
+    device = bs_max_batch._budgeted(case.model, case.budget_bytes)
     with pytest.raises(torch.OutOfMemoryError):
         device(exbs.REAL_BETWEEN[1])
     device.recover()
@@ -480,7 +484,7 @@ def test_the_trial_bound_holds_for_the_reference_search(start, max_batch):
     for fits_up_to in sorted({1, 2, 3, max_batch - 1, max_batch, *range(1, max_batch, 37)}):
         if fits_up_to < 1:
             continue
-        rec = exbs._Recorded(exbs._synthetic(fits_up_to))
+        rec = bs_max_batch._Recorded(bs_max_batch._synthetic(fits_up_to))
         assert exbs.reference_largest_batch(rec.trial, rec.recover, start, max_batch) == min(
             fits_up_to, max_batch)  # fmt: skip
         assert len(rec.calls) <= exbs.trial_bound(max_batch)
@@ -491,7 +495,7 @@ def test_the_synthetic_cases_tell_the_usual_searches_apart():
     # linear search is caught by the count on at least one case, and only there
     counts = []
     for _, fits_up_to, start, max_batch in exbs.SEARCH_CASES:
-        rec = exbs._Recorded(exbs._synthetic(fits_up_to))
+        rec = bs_max_batch._Recorded(bs_max_batch._synthetic(fits_up_to))
         linear(rec.trial, rec.recover, start, max_batch)
         counts.append(len(rec.calls) > exbs.trial_bound(max_batch))
     assert any(counts)
@@ -567,7 +571,7 @@ def test_noise_scale_names_each_mistake(wrong, message):
 
 
 def test_noise_scale_cases_separate_every_mistake_and_are_resolved():
-    cases = [*exbs.NOISE_KNOWN, exbs._real_noise_case()]
+    cases = [*exbs.NOISE_KNOWN, bs_noise_scale._real_noise_case()]
     for _, bs, bb, small, big in cases:
         estimate = noise.estimate_noise_scale(small, big, bs, bb)
         assert estimate.g2 > 0 and math.isfinite(estimate.b_simple)  # the signal is resolved
@@ -812,7 +816,7 @@ def test_the_plan_run_reads_its_verdict_against_the_sweep():
     fast, slow = [0.10] * 5, [0.20] * 5
 
     def run(plan_s, alt_s):
-        c = exbs.verdict.compare_times(plan_s, alt_s, names=("4 × 2", "2 × 4"))
+        c = verdict.compare_times(plan_s, alt_s, names=("4 × 2", "2 × 4"))
         return exbs.PlanRun(inputs, (4, 2, False), (2, 4), True, 1, "a budget",
                             {"4 × 2": plan_s, "2 × 4": alt_s}, c)  # fmt: skip
 

@@ -34,7 +34,8 @@ def test_the_notebook_cell_is_the_one_tested():
     from pathlib import Path
 
     nb = json.loads((Path(__file__).parents[1] / "solutions" / "03_model_parallelism.ipynb").read_text())
-    cell = next(c["source"] for c in nb["cells"] if "def choose_m(" in c["source"])
+    sources = ["".join(c["source"]) for c in nb["cells"]]  # a cell's source: a str or its lines
+    cell = next(s for s in sources if "def choose_m(" in s)
     body = SOLUTION.strip().removesuffix("answer = choose_m").strip()
     assert body in cell
 

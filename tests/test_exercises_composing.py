@@ -5,7 +5,7 @@ The solutions are the ``%%writefile`` cells of ``solutions/03b_composing_paralle
 (``labkit.course.exercises.composing``) and ``solutions/03c_long_sequences_and_experts.ipynb``
 (``labkit.course.exercises.sequences_experts``), the stubs what ``labkit.course.nbgen`` makes of them. The
 kernel side runs in process with the launch replaced by a recorder; one real 4-rank launch of
-``labkit.course.exercises.mp_worker`` runs the rank-side checks of both notebooks on the three
+``labkit.course.exercises.model_parallel.worker`` runs the rank-side checks of both notebooks on the three
 solutions and on two wrong dispatches together.
 """
 
@@ -21,8 +21,9 @@ from exercise_cells import assert_check_passes, assert_stub_is_not_done
 from labkit import ids
 from labkit.course import exercises as ex
 from labkit.course import nbgen
-from labkit.course.exercises import composing, sequences_experts
+from labkit.course.exercises import composing, rank_checks, sequences_experts
 from labkit.course.exercises import model_parallel as exmp
+from labkit.course.exercises.sequences_experts import sequence_plan as se_sequence_plan
 from labkit.jobs import launch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,7 +112,7 @@ def launches(monkeypatch):
         calls.append((exmp.answer_spec(exercise_id, objs), nproc))
         return "(ranks not launched in this test)"
 
-    monkeypatch.setattr(exmp, "run_in_workers", fake)
+    monkeypatch.setattr(rank_checks, "run_in_workers", fake)
     return calls
 
 
@@ -284,9 +285,9 @@ def test_the_decisions_cases_give_every_answer_and_the_notebooks_own_case_is_amo
     meshes = {tuple(composing.reference_choose_mesh(m, b) or ()) for m, b, _ in composing._mesh_cases()}
     assert answers == {True, False} and {("replicate", "shard"), ("dp", "tp")} <= meshes
     plans = [sequences_experts.reference_plan_sequence(s, b, m)
-             for m, s, b, _ in sequences_experts._sequence_cases()]  # fmt: skip
+             for m, s, b, _ in se_sequence_plan._sequence_cases()]  # fmt: skip
     assert set(plans) == set(sequences_experts.SEQ_ANSWERS)
     # notebook 03c's lab scenario (256 tokens, 42 MiB) is a case, and its answer is neither the
     # least-memory layout nor the one the unscaled measurement would give
-    lab = [c for c in sequences_experts._sequence_cases() if c[1] == 256 and c[2] == 42 * 2**20]
+    lab = [c for c in se_sequence_plan._sequence_cases() if c[1] == 256 and c[2] == 42 * 2**20]
     assert [sequences_experts.reference_plan_sequence(s, b, m) for m, s, b, _ in lab] == ["sp_keep_gathered"]

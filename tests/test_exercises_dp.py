@@ -23,6 +23,9 @@ from exercise_cells import assert_check_passes, assert_stub_is_not_done, stub_of
 
 from labkit.course import exercises as ex
 from labkit.course.exercises import data_parallel as exdp
+from labkit.course.exercises.data_parallel import check_ddp as dp_check_ddp
+from labkit.course.exercises.data_parallel import reference as dp_reference
+from labkit.course.exercises.data_parallel import strategy as dp_strategy
 from labkit.jobs import launch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -275,10 +278,10 @@ def test_the_bucket_order_check_tells_forward_from_reverse_on_the_check_model():
     cap; the notebook's solution (reverse) must give the reverse grouping."""
     import torch
 
-    params = [p for _, p in exdp._trainable(exdp._model(0, torch.device("cpu")))]
+    params = [p for _, p in dp_reference._trainable(dp_reference._model(0, torch.device("cpu")))]
     cap = int(exdp.BUCKET_CAP_MB * 2**20)
-    reverse = exdp._greedy_bucket_bytes(reversed(params), cap)
-    forward = exdp._greedy_bucket_bytes(params, cap)
+    reverse = dp_check_ddp._greedy_bucket_bytes(reversed(params), cap)
+    forward = dp_check_ddp._greedy_bucket_bytes(params, cap)
     assert sorted(reverse) != sorted(forward)
     assert sum(reverse) == sum(forward) == sum(p.numel() * 4 for p in params)
     assert all(b <= cap for b in reverse) and reverse[-1] < cap / 2  # the small last bucket
@@ -447,10 +450,10 @@ def test_the_reference_gradients_are_torch_ddps(group):
     torch._dynamo: seconds every check job would pay); here, torch DDP itself agrees."""
     import torch
 
-    model = exdp._model(3, torch.device("cpu"))
-    batches = exdp._batches(0, 1, torch.device("cpu"))
-    mine, mine_model = exdp._reference_ddp(model, batches)
-    torchs, torch_model = exdp._reference_ddp(model, batches, exdp.BUCKET_CAP_MB, use_torch_ddp=True)
+    model = dp_reference._model(3, torch.device("cpu"))
+    batches = dp_reference._batches(0, 1, torch.device("cpu"))
+    mine, mine_model = dp_reference._reference_ddp(model, batches)
+    torchs, torch_model = dp_reference._reference_ddp(model, batches, exdp.BUCKET_CAP_MB, use_torch_ddp=True)
     assert len(mine) == len(torchs) == exdp.STEPS
     for a, b in zip(mine, torchs, strict=True):
         assert a.keys() == b.keys() and "wpe.weight" not in a
@@ -638,7 +641,7 @@ def test_the_benchmark_times_the_learners_class_and_counts_the_messages_it_sends
     """Notebook 02 times the learner's own classes: a file whose OverlapDDP sends all the
     gradients in one message must show up as one message (counted from the all_reduce
     calls in the ranks, not read from the class), and the reference stays for the other."""
-    from labkit.course.exercises import dp_bench
+    from labkit.course.exercises.data_parallel import bench as dp_bench
 
     path = tmp_path / "one_message.py"
     path.write_text(
@@ -662,7 +665,7 @@ def test_a_busy_moment_that_defeats_the_alpha_beta_fit_is_named_not_raised(monke
     carry on with a labelled fallback, not stop the notebook cell."""
     import torch
 
-    from labkit.course.exercises import dp_bench
+    from labkit.course.exercises.data_parallel import bench as dp_bench
 
     times = iter([0.004, 0.003] * 3)  # small slower than large, three times over
     monkeypatch.setattr(dp_bench, "_time_allreduce", lambda numel, device, repeats: next(times))
@@ -698,7 +701,7 @@ STEADY = [100.0, 100.5, 99.5, 100.2, 99.8, 100.1, 99.9]
 
 def test_a_flat_prediction_is_said_to_predict_no_difference():
     """Review N02-3: predictions that tie must not crown a "predicted best"."""
-    from labkit.course.exercises import dp_bench
+    from labkit.course.exercises.data_parallel import bench as dp_bench
 
     res = _sweep({51: 379.6, 22: 379.6, 5: 379.6, 1: 382.2},
                  {k: [t + d for t in STEADY] for k, d in ((51, 0), (22, 0.3), (5, 0.1), (1, 0.2))})
@@ -710,7 +713,7 @@ def test_a_flat_prediction_is_said_to_predict_no_difference():
 
 
 def test_a_shaped_prediction_names_its_best_and_meets_the_measurement():
-    from labkit.course.exercises import dp_bench
+    from labkit.course.exercises.data_parallel import bench as dp_bench
 
     res = _sweep({51: 160.0, 22: 120.0, 5: 100.0, 1: 140.0},
                  {51: [t * 1.6 for t in STEADY], 22: [t * 1.2 for t in STEADY],
@@ -904,10 +907,10 @@ def test_the_notebooks_case_is_tried_first_and_only_inside_the_block():
         assert ex.verify("02.choose_strategy", exdp.reference_choose_strategy).startswith(
             "reference_choose_strategy chose the fastest strategy whose measured peak fits each "
             "per-rank budget, or None when none does, on this notebook's measurements and 6 other")
-    assert exdp._NOTEBOOK_CASE == []  # nothing left behind
+    assert dp_strategy._NOTEBOOK_CASE == []  # nothing left behind
     with pytest.raises(RuntimeError), exdp.checking_on(mine, budget):
         raise RuntimeError("a cell that fails")
-    assert exdp._NOTEBOOK_CASE == []
+    assert dp_strategy._NOTEBOOK_CASE == []
 
 
 def test_the_learners_function_cannot_change_the_cases():

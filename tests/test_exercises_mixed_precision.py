@@ -12,6 +12,7 @@ from exercise_cells import assert_check_passes, assert_stub_is_not_done
 from labkit import recipes
 from labkit.course import exercises as ex
 from labkit.course.exercises import mixed_precision as exmp
+from labkit.course.exercises.mixed_precision import choose_recipe as choose
 from labkit.formulas import OPTIMIZER_STATES, dtype_bytes
 
 # --------------------------------------------------------------------------- solutions, written
@@ -563,7 +564,7 @@ def test_choose_recipe_accepts_any_recipe_the_measurements_cannot_tell_apart():
     # equal step and fp32 weights: amp_bf16 is as right as bf16_master where both fit
     def prefer_amp(s):
         best = plan(s)
-        if best is not None and "amp_bf16" in exmp._acceptable(s):
+        if best is not None and "amp_bf16" in choose._acceptable(s):
             return "amp_bf16"
         return best
 
@@ -572,9 +573,9 @@ def test_choose_recipe_accepts_any_recipe_the_measurements_cannot_tell_apart():
 
 def test_each_plan_mistake_is_wrong_somewhere_and_told_apart():
     seen = {}
-    for mistake, said in exmp._PLAN_MISTAKES:
-        chosen = tuple(exmp._plan(c, **mistake) for c in exmp.PLAN_CASES)
-        assert any(g not in exmp._acceptable(c) for g, c in zip(chosen, exmp.PLAN_CASES,
+    for mistake, said in choose._PLAN_MISTAKES:
+        chosen = tuple(choose._plan(c, **mistake) for c in exmp.PLAN_CASES)
+        assert any(g not in choose._acceptable(c) for g, c in zip(chosen, exmp.PLAN_CASES,
                                                                   strict=True)), said  # fmt: skip
         assert chosen not in seen, (said, seen.get(chosen))
         seen[chosen] = said

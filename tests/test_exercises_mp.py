@@ -3,7 +3,7 @@
 The solutions are the ``%%writefile`` cells of ``solutions/03_model_parallelism.ipynb``, and
 the stubs are what ``labkit.course.nbgen`` makes of those cells, so the tests follow the notebook.
 Everything the kernel checks runs in process, with the launch replaced by a recorder; one
-real 2-rank launch of ``labkit.course.exercises.mp_worker`` runs the rank-side checks on solutions,
+real 2-rank launch of ``labkit.course.exercises.model_parallel.worker`` runs the rank-side checks on solutions,
 a stub and wrong answers together.
 """
 
@@ -20,6 +20,10 @@ from test_exercises import code_like  # the rule the last hints obey: words, not
 from labkit.course import exercises as ex
 from labkit.course import nbgen
 from labkit.course.exercises import model_parallel as exmp
+from labkit.course.exercises import rank_checks
+from labkit.course.exercises.model_parallel import column_parallel as mp_column_parallel
+from labkit.course.exercises.model_parallel import f_and_g as mp_f_and_g
+from labkit.course.exercises.model_parallel import pipeline_order as mp_pipeline_order
 from labkit.jobs import launch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +62,7 @@ def launches(monkeypatch):
         calls.append(exmp.answer_spec(exercise_id, objs))
         return "(ranks not launched in this test)"
 
-    monkeypatch.setattr(exmp, "run_in_workers", fake)
+    monkeypatch.setattr(rank_checks, "run_in_workers", fake)
     return calls
 
 
@@ -127,7 +131,7 @@ def test_a_rewritten_file_is_loaded_afresh(tmp_path):
 
 
 def _warmup(p, m, stage, w):
-    return exmp._warmup_order(p, m, w)
+    return mp_pipeline_order._warmup_order(p, m, w)
 
 
 WRONG_ORDERS = [
@@ -138,10 +142,10 @@ WRONG_ORDERS = [
     (lambda p, m, s: [("F", j) for j in range(p - 1 - s)]
      + [a for j in range(m - (p - 1 - s)) for a in (("F", p - 1 - s + j), ("B", j))]
      + [("B", j) for j in range(max(0, m - (p - 1 - s)), m)], "min(p−1−stage, m)"),
-    (lambda p, m, s: exmp._reference_order(p, m, s)[::-1], "before ('F'"),
+    (lambda p, m, s: mp_pipeline_order._reference_order(p, m, s)[::-1], "before ('F'"),
     (lambda p, m, s: [("F", j) for j in range(m)] + [("B", j) for j in reversed(range(m))],
      "oldest first"),
-    (lambda p, m, s: [(k, j) for k, j in exmp._reference_order(p, m, s) if j > 0], "exactly one"),
+    (lambda p, m, s: [(k, j) for k, j in mp_pipeline_order._reference_order(p, m, s) if j > 0], "exactly one"),
     (lambda p, m, s: "F0 F1 B0", "return a list of"),
     (lambda p, m, s: [["F", 0.0]], "each entry is a pair"),
 ]  # fmt: skip
@@ -203,7 +207,7 @@ def test_wrong_column_parallel_answers_are_diagnosed(wrong, diagnosis, launches)
 
 
 def test_a_slice_of_the_wrong_dimension_of_a_square_layer_is_named():
-    lin, x = exmp._column_case(12, 12, True)
+    lin, x = mp_column_parallel._column_case(12, 12, True)
     cols = slice(0, 6)
     sliced_columns = x @ lin.weight[:, cols] + lin.bias[cols]  # right shape, wrong values
     assert "you sliced the input dimension of linear.weight" in exmp.column_diagnosis(
@@ -347,7 +351,7 @@ def _rank_results(rank: int = 0, n: int = 2):
 
     mlp, x, grad_out = exmp.tp_mlp_case()
     whole = copy.deepcopy(mlp)
-    ref = exmp._tp_forward_backward(whole, x, grad_out)
+    ref = mp_f_and_g._tp_forward_backward(whole, x, grad_out)
     k = whole.fc.out_features // n
     units = slice(rank * k, (rank + 1) * k)
     grads = {"fc.weight": whole.fc.weight.grad[units], "fc.bias": whole.fc.bias.grad[units],

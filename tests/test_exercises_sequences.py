@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from labkit.course import exercises as ex
-from labkit.course.exercises import model_parallel as exmp
+from labkit.course.exercises import rank_checks
 from labkit.course.exercises import sequences_experts as se
 from labkit.parallel import context
 
@@ -132,7 +132,7 @@ def launches(monkeypatch):
         calls.append((exercise_id, nproc))
         return "(ranks not launched in this test)"
 
-    monkeypatch.setattr(exmp, "run_in_workers", fake)
+    monkeypatch.setattr(rank_checks, "run_in_workers", fake)
     return calls
 
 

@@ -55,7 +55,7 @@ def test_old_names_work_in_a_fresh_interpreter():
 
 
 def test_new_name_maps_prefixes_only_at_a_dot():
-    assert _moved.new_name("labkit.exercises.dp_worker") == "labkit.course.exercises.dp_worker"
+    assert _moved.new_name("labkit.exercises.dp_worker") == "labkit.course.exercises.data_parallel.worker"
     assert _moved.new_name("labkit.recordings") is None  # not labkit.record
     assert _moved.new_name("labkit.timing") is None  # not labkit.timings
     assert _moved.new_name("labkit.distx") is None

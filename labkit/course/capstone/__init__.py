@@ -11,7 +11,11 @@ wrong), with faults planted from a seed, and the measurements that find each one
     evidence   Evidence: what the job measured and says about itself, raw, with the tables
                and trace readers to study it
     trials     one_at_a_time(job, found, changes, diagnose): each fix tried on top of those
-               kept, re-run for real, kept or dropped by a verdict on the measurement
+               kept, re-run for real, kept or dropped by a verdict on the measurement;
+               plot_fixes(fixes, prediction): each trial's tokens/s against the prediction
+    prediction  predict(nproc, device): one rank's step timed here, the tokens/s it predicts;
+                the job against it, Reconcile (fixed job, healthy job, prediction), the summary
+    handout    describe_handout(code, ...): the job as notebook 07 hands it out, in words
 
 Importing this package launches nothing.
 """
@@ -28,11 +32,14 @@ from labkit.course.capstone.faults import (
     SeedError,
     available,
     describe,
+    describe_catalogue,
+    describe_left_out,
     new_seed,
     parse_seed,
     plan,
     reveal,
 )
+from labkit.course.capstone.handout import describe_handout
 from labkit.course.capstone.job import (
     EXAMPLE_FAULTS,
     CapstoneRun,
@@ -46,8 +53,15 @@ from labkit.course.capstone.job import (
     tier_for,
 )
 from labkit.course.capstone.keys import CapstoneKeyError
+from labkit.course.capstone.prediction import (
+    JobAgainstPrediction,
+    Prediction,
+    Reconcile,
+    describe_summary,
+    predict,
+)
 from labkit.course.capstone.settings import FIXES, Settings, faults_in
-from labkit.course.capstone.trials import FixSequence, Trial, one_at_a_time
+from labkit.course.capstone.trials import FixSequence, Trial, one_at_a_time, plot_fixes
 
 __all__ = [
     "BY_ID",
@@ -61,11 +75,18 @@ __all__ = [
     "Evidence",
     "Fault",
     "FixSequence",
+    "JobAgainstPrediction",
+    "Prediction",
+    "Reconcile",
     "SeedError",
     "Settings",
     "Trial",
     "available",
     "describe",
+    "describe_catalogue",
+    "describe_handout",
+    "describe_left_out",
+    "describe_summary",
     "example_code",
     "faults_in",
     "given_job",
@@ -76,6 +97,8 @@ __all__ = [
     "parse_seed",
     "placement",
     "plan",
+    "plot_fixes",
+    "predict",
     "rerun",
     "reveal",
     "run_job",

@@ -292,6 +292,29 @@ def available(tier: str) -> tuple[Fault, ...]:
     return tuple(f for f in FAULTS if tier in f.tiers)
 
 
+def describe_catalogue(tier: str) -> str:
+    """The suspects a job on ``tier`` can carry, as notebook 07 lists them: each fault's id, kind,
+    subtlety and title, its symptom, where to look, and why its cost is small in this job where
+    it is. The public catalogue: it says nothing of which faults a job carries."""
+    lines = []
+    for f in available(tier):
+        lines += [f"{f.id}  ({f.kind}, subtlety {f.subtlety}): {f.title}",
+                  f"    symptom: {f.symptom}", f"    look at: {f.where}"]  # fmt: skip
+        if f.small_here:
+            lines.append(f"    in this job: {f.small_here}")
+    return "\n".join(lines)
+
+
+def describe_left_out(tier: str) -> str:
+    """The faults ``tier`` never plants, each with why it has no signature there ("" when the
+    tier can show them all)."""
+    left_out = [f for f in FAULTS if f not in available(tier)]
+    if not left_out:
+        return ""
+    return "\n".join([f"Not planted on the {tier} tier (no signature here):",
+                      *(f"  {f.title}: {f.why_not}" for f in left_out)])  # fmt: skip
+
+
 def parse_level(level: str) -> str:
     if level not in LEVELS:
         raise ValueError(f"level={level!r} is not allowed: one of {list(LEVELS)} "

@@ -30,9 +30,9 @@ from labkit.course.capstone import attempts, keys
 from labkit.course.capstone import settings as st
 from labkit.course.capstone.evidence import Evidence, median
 from labkit.course.capstone.faults import BY_ID, DEFAULT_LEVEL, new_seed, plan
-from labkit.course.sealed import seal
+from labkit.workers.capstone_config import CapstoneConfig
 
-MODULE = "labkit.workers.capstone_train"
+MODULE = CapstoneConfig.WORKER
 SIZES: dict[str, dict[str, Any]] = {
     "smoke": {"steps": 8, "epoch_steps": 4, "loader_passes": 200},
     "lab": {"steps": 16, "epoch_steps": 4, "loader_passes": 200},
@@ -125,9 +125,9 @@ def run_job(faults: Sequence[str] = (), *, settings: st.Settings | None = None,
         settings = st.given(faults, cores=cores)
     # The worker's settings travel sealed: the job spec the launcher writes where the learner
     # can read it (labkit_home()/runs) names no fault and no setting in plain form.
-    config = {**SIZES[size], **overrides,
-              "sealed": seal(st.worker_config(settings, tier=tier, cores=cores, nproc=nproc))}
-    res = launch.run(MODULE, nproc=nproc, device=device, config=config, timeout_s=timeout_s,
+    config = CapstoneConfig.sealing(st.worker_config(settings, tier=tier, cores=cores, nproc=nproc),
+                                    **SIZES[size], **overrides)  # fmt: skip
+    res = launch.run(config, nproc=nproc, device=device, timeout_s=timeout_s,
                      stream=stream, observers=list(observers), oversubscribe=False,
                      env=st.worker_env(settings, tier=tier) or None)  # fmt: skip
     present = st.faults_in(settings, tier=tier, cores=cores, nproc=nproc)

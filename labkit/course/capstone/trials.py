@@ -68,6 +68,41 @@ class FixSequence:
         return "\n".join(lines)
 
 
+def plot_fixes(fixes: FixSequence, prediction: Any, *, title: str | None = None, ax: Any = None):
+    """Every trial of ``fixes``, kept or not, beside the baseline, as tokens/s from its median
+    step; the bars span its steps' middle half (one rank's steps: every rank waits for the
+    slowest); blue kept, red not. The dashed line is ``prediction``'s tokens/s
+    (:class:`labkit.course.capstone.Prediction`: one rank's step). Returns the figure."""
+    import statistics
+
+    import matplotlib.pyplot as plt
+
+    per_step = prediction.tokens_per_step
+
+    def tps(s: list[float]) -> float:
+        return per_step / statistics.median(s)
+
+    runs = [("baseline", fixes.job, True)] + [(f"{'+' if t.kept else '✗'} {t.fault}", t.after, t.kept)
+                                              for t in fixes.trials]  # fmt: skip
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(7.5, 3.4))
+    else:
+        fig = ax.figure
+    for i, (_, run, keep) in enumerate(runs):
+        s = sorted(run.ranks[0]["step_s"][1:])
+        q1, q3 = s[len(s) // 4], s[(3 * len(s)) // 4]
+        ax.bar(i, tps(s), color="#bbbbbb" if i == 0 else ("#3182bd" if keep else "#fcae91"),
+               yerr=[[tps(s) - per_step / q3], [per_step / q1 - tps(s)]], capsize=3)  # fmt: skip
+    ax.axhline(prediction.tokens_per_s, ls="--", c="C3", label="predicted (one rank's step, section 2)")
+    ax.set_xticks(range(len(runs)), [label for label, _, _ in runs], rotation=15, fontsize=8)
+    job = f"job {fixes.job.code}" if fixes.job.code else "the job"
+    ax.set(ylabel="tokens/s (measured)",
+           title=title or f"{job}: each fix on top of those kept (blue kept, red not)")  # fmt: skip
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 def _judge(fault: str, before: CapstoneRun, after: CapstoneRun, gone: bool) -> tuple[bool, str]:
     cmp = verdict.compare_times(steps(after), steps(before), names=("after", "before"))
     said = cmp.sentence.removeprefix(verdict.PREFIX)

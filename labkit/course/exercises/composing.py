@@ -1,11 +1,12 @@
 """Exercise checks for notebook 03b (composing parallelisms), in the kernel and in real ranks.
 
-As in notebook 03 (:mod:`labkit.course.exercises.model_parallel`, whose machinery this module reuses),
-the learner writes each answer to a file with ``%%writefile`` and checks it with
-``ex.check_in_workers``: first what the kernel can check (every rank of several meshes), then a
-launch of ``labkit.course.exercises.mp_worker``, whose ranks import the same file and run the
-rank-side check (:func:`rank_check`). Notebook 03c's checks (ring attention's merge, the
-experts' dispatch) work the same way in :mod:`labkit.course.exercises.sequences_experts`.
+As in notebook 03 (:mod:`labkit.course.exercises.model_parallel`; the machinery both use is
+:mod:`labkit.course.exercises.rank_checks`), the learner writes each answer to a file with
+``%%writefile`` and checks it with ``ex.check_in_workers``: first what the kernel can check
+(every rank of several meshes), then a launch of ``labkit.course.exercises.model_parallel.worker``, whose
+ranks import the same file and run the rank-side check (:func:`rank_check`). Notebook 03c's
+checks (ring attention's merge, the experts' dispatch) work the same way in
+:mod:`labkit.course.exercises.sequences_experts`.
 
 Exercises (``EXERCISES``: id -> the names the learner's file defines):
 
@@ -35,8 +36,14 @@ from typing import Any
 
 import torch
 
-from labkit.course.exercises import ExerciseFailed, _require_callable, call, exercise, short_repr
-from labkit.course.exercises import model_parallel as mp
+from labkit.course.exercises import (
+    ExerciseFailed,
+    _require_callable,
+    call,
+    exercise,
+    rank_checks,
+    short_repr,
+)
 
 EXERCISES: dict[str, tuple[str, ...]] = {
     "03b.mesh_groups": ("groups_of",),
@@ -50,7 +57,7 @@ def verify_file(exercise_id: str, path: str | Path) -> tuple[str, str]:
     """Check the learner's file ``path`` for ``exercise_id``, in the kernel and in ranks (what
     ``ex.check_in_workers`` calls)."""
     __tracebackhide__ = True
-    return mp.verify_file(exercise_id, path, EXERCISES, nproc=NPROC.get(exercise_id, 2))
+    return rank_checks.verify_file(exercise_id, path, EXERCISES, nproc=NPROC.get(exercise_id, 2))
 
 
 def rank_check(exercise_id: str, objs: Sequence[Any], ctx: Any) -> dict[str, Any]:
@@ -58,7 +65,7 @@ def rank_check(exercise_id: str, objs: Sequence[Any], ctx: Any) -> dict[str, Any
     checks: dict[str, Callable[..., str]] = {
         "03b.mesh_groups": _rank_mesh_groups,
     }
-    return mp.run_rank_check(exercise_id, checks, objs, ctx)
+    return rank_checks.run_rank_check(exercise_id, checks, objs, ctx)
 
 
 # --------------------------------------------------------------------------- 03b.mesh_groups
@@ -151,7 +158,7 @@ def check_groups(fn: Any) -> str:
 )
 def _verify_mesh_groups(answer: Any) -> str:
     said = check_groups(answer)
-    return f"{said}; {mp.run_in_workers('03b.mesh_groups', [answer], nproc=NPROC['03b.mesh_groups'])}"
+    return f"{said}; {rank_checks.run_in_workers('03b.mesh_groups', [answer], nproc=NPROC['03b.mesh_groups'])}"
 
 
 def _rank_mesh_groups(ctx: Any, fn: Callable[[dict[str, int], int], Any]) -> str:

@@ -312,14 +312,15 @@ def run_bucket_plan(size_bytes: float, n_ranks: int, share: float,
     of a message 8 times larger, taking turns on ``n_ranks`` ranks
     (:mod:`labkit.workers.allreduce_sizes`), judged by :func:`judge_bucket_plan`."""
     from labkit.jobs import launch
+    from labkit.workers import allreduce_sizes
 
     if not (isinstance(size_bytes, numbers.Real) and math.isfinite(size_bytes)) or size_bytes <= 0:
         return f"the plan is {size_bytes!r} bytes, which no all-reduce can have: nothing run"
     chosen = int(min(max(size_bytes, 16 * n_ranks), BUCKET_MAX_BYTES / BUCKET_BIG))
     sizes = [max(chosen // 4, 4 * n_ranks), chosen, chosen * BUCKET_BIG]
-    job = launch.run("labkit.workers.allreduce_sizes", nproc=n_ranks, timeout_s=180, stream=False,
-                     config={"sizes": sizes, "rounds": rounds},
-                     observers=[launch.ProgressLines("bucket timing job")])  # fmt: skip
+    job = allreduce_sizes.run(allreduce_sizes.AllReduceSizesConfig(sizes=tuple(sizes), rounds=rounds),
+                              nproc=n_ranks, timeout_s=180, stream=False,
+                              observers=[launch.ProgressLines("bucket timing job")])  # fmt: skip
     r0 = job.rank(0)
     note = "" if chosen == int(size_bytes) else f" (the plan, {size_bytes:,.0f} B, clipped)"
     return (f"ran on {n_ranks} ranks over {job.backend}: {rounds} rounds of all-reduces of "

@@ -1,76 +1,36 @@
-"""Exercise checks for notebook 03c (long sequences and many experts), in the kernel and in ranks.
+"""Notebook 03c's ``03c.ring_loop``: one rank's loop of ring attention.
 
-As in notebooks 03 and 03b (:mod:`labkit.course.exercises.model_parallel`, whose machinery this module
-reuses), the learner writes each answer to a file with ``%%writefile`` and checks it with
-``ex.check_in_workers``: first what the kernel can check (the ring loop on simulated rings),
-then a launch of ``labkit.course.exercises.mp_worker``, whose ranks import the same file
-and run the rank-side check (:func:`rank_check`).
-
-Exercises (``EXERCISES``: id -> the names the learner's file defines):
-
-* ``03c.ring_loop``: ``ring_loop(q, k, v, ring, *, causal) -> (out, lse)``, one rank's loop of
-  ring attention: which rank's K/V block is in hand at each step, which blocks a causal mask
-  hides entirely (skipped, still passed on), the running (output, log-sum-exp) merged with
-  labkit's ``merge``. The reference is labkit's own
-  :func:`labkit.parallel.context.ring_attention_blocks`. Checked in the kernel on every rank of
-  simulated rings of 1 to 4 ranks, causal and not, against SDPA over the whole sequence, with
-  each hop checked and ``block_attention`` and ``merge`` traced, so that a mistake is named
-  (a hidden block merged, a block merged twice, a wasted block, a stale log-sum-exp); then on
-  a real 2-rank ring (:class:`labkit.parallel.context.P2PRing`).
-* ``03c.moe_dispatch``: ``dispatch(x, dest, group=None) -> (received, recv_counts)``, the
-  all-to-all that sends each token to the rank holding its expert. Checked in 2 ranks: the
-  tokens each rank receives and their order, the counts, and the bytes the collectives moved
-  (counted by a dispatch mode that sees every collective): one all-to-all of the tokens, not
-  a gather of all of them.
-* ``03c.sequence_plan`` (in the kernel, ``ex.check``): ``plan_sequence(seq_len, budget_bytes,
-  measured)``, which of section 1's layouts ("tp", "sp_keep_gathered", "sp") to run a longer
-  sequence with, from their measured saved activations and traffic, or "cp" when none fits.
-  Checked on what the notebook measures for its model at two sizes (:func:`sequence_measurements`)
-  in seven cases; a learner whose answers all follow one usual wrong rule (``WRONG_RULES``) gets
-  that rule named. The notebook then runs the three layouts at the new length for real.
-
-Importing this module registers the exercises and has no other effect.
+``ring_loop(q, k, v, ring, *, causal) -> (out, lse)``: which rank's K/V block is in hand at
+each step, which blocks a causal mask hides entirely (skipped, still passed on), the running
+(output, log-sum-exp) merged with labkit's ``merge``. The reference is labkit's own
+:func:`labkit.parallel.context.ring_attention_blocks`. Checked in the kernel on every rank of
+simulated rings of 1 to 4 ranks, causal and not, against SDPA over the whole sequence, with each
+hop checked and ``block_attention`` and ``merge`` traced, so that a mistake is named (a
+hidden block merged, a block merged twice, a wasted block, a stale log-sum-exp); then on a real
+2-rank ring (:class:`labkit.parallel.context.P2PRing`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import functools
 import inspect
 import math
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from labkit.course.exercises import ExerciseFailed, _require_callable, call, exercise, short_repr
-from labkit.course.exercises import model_parallel as mp
+from labkit.course.exercises import (
+    ExerciseFailed,
+    _require_callable,
+    call,
+    exercise,
+    rank_checks,
+    short_repr,
+)
 
-EXERCISES: dict[str, tuple[str, ...]] = {
-    "03c.ring_loop": ("ring_loop",),
-    "03c.moe_dispatch": ("dispatch",),
-}
-"""Exercise id -> the names the learner's file must define."""
-NPROC = {"03c.ring_loop": 2, "03c.moe_dispatch": 2}
-"""Ranks each exercise's rank-side check runs on."""
-
-
-def verify_file(exercise_id: str, path: str | Path) -> tuple[str, str]:
-    """Check the learner's file ``path`` for ``exercise_id``, in the kernel and in ranks (what
-    ``ex.check_in_workers`` calls)."""
-    __tracebackhide__ = True
-    return mp.verify_file(exercise_id, path, EXERCISES, nproc=NPROC.get(exercise_id, 2))
-
-
-def rank_check(exercise_id: str, objs: Sequence[Any], ctx: Any) -> dict[str, Any]:
-    """Inside a worker rank: run ``exercise_id``'s rank-side check, reported, never raised."""
-    checks: dict[str, Callable[..., str]] = {
-        "03c.ring_loop": _rank_ring_loop,
-        "03c.moe_dispatch": _rank_moe_dispatch,
-    }
-    return mp.run_rank_check(exercise_id, checks, objs, ctx)
+NPROC = 2
+"""Ranks the rank-side check runs on."""
 
 
 # --------------------------------------------------------------------------- 03c.ring_loop
@@ -489,7 +449,7 @@ def check_ring_loop(fn: Any) -> str:
 )
 def _verify_ring_loop(answer: Any) -> str:
     said = check_ring_loop(answer)
-    return f"{said}; {mp.run_in_workers('03c.ring_loop', [answer], nproc=NPROC['03c.ring_loop'])}"
+    return f"{said}; {rank_checks.run_in_workers('03c.ring_loop', [answer], nproc=NPROC)}"
 
 
 RING_SHAPE = (1, 2, 4, 8)  # (B, H, Tl, D) of each rank's shard in the ranks' check
@@ -526,268 +486,5 @@ def _rank_ring_loop(ctx: Any, fn: Callable[..., Any]) -> str:
             f"SDPA's, causal and not, with {n - 1} hop{'s' * (n > 2)} each" if r == 0 else "ok")  # fmt: skip
 
 
-# --------------------------------------------------------------------------- 03c.moe_dispatch
-
-DISPATCH_TOKENS, DISPATCH_H = 7, 4  # tokens per rank, features per token
-
-
-def _tokens(rank: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``rank``'s tokens, each tagged with (source rank, index), and their destinations
-    (uneven and unsorted, so a missing sort or a swapped split shows)."""
-    idx = torch.arange(DISPATCH_TOKENS, dtype=torch.float32)
-    x = torch.stack([torch.full_like(idx, rank), idx, idx * 0 + 7, idx * 0 - 1], dim=1)
-    g = torch.Generator().manual_seed(100 + rank)
-    dest = torch.randint(0, n, (DISPATCH_TOKENS,), generator=g)
-    dest[0], dest[1] = n - 1, 0  # every rank sends to the last rank and to rank 0
-    return x, dest
-
-
-def expected_dispatch(rank: int, n: int) -> tuple[torch.Tensor, list[int]]:
-    """The tokens ``rank`` must receive: by source rank, each source's in its own order."""
-    rows, counts = [], []
-    for src in range(n):
-        x, dest = _tokens(src, n)
-        mine = x[dest == rank]
-        rows.append(mine)
-        counts.append(mine.shape[0])
-    return torch.cat(rows), counts
-
-
-def _c10d_calls() -> Any:
-    """A dispatch mode recording every c10d collective as (name, bytes of the tensor it sends)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Seen(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.calls: list[tuple[str, int]] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.namespace == "c10d" and func._opname not in ("barrier", "monitored_barrier_"):
-                # alltoall_base_(output, input, ...): the tensor sent is the second argument
-                sent = args[1] if func._opname == "alltoall_base_" else args[0]
-                size = sum(t.numel() * t.element_size() for t in
-                           (sent if isinstance(sent, (list, tuple)) else [sent])
-                           if isinstance(t, torch.Tensor))  # fmt: skip
-                self.calls.append((func._opname.rstrip("_"), size))
-            return func(*args, **(kwargs or {}))
-
-    return Seen()
-
-
-def _rank_moe_dispatch(ctx: Any, fn: Callable[..., Any]) -> str:
-    n, r = ctx.world_size, ctx.rank
-    x, dest = _tokens(r, n)
-    want, want_counts = expected_dispatch(r, n)
-    seen = _c10d_calls()
-    with seen:
-        got = call(fn, x.clone(), dest.clone(), None)
-    if not (isinstance(got, tuple) and len(got) == 2):
-        raise ExerciseFailed(f"dispatch returned {short_repr(got)}: return (received, recv_counts)")
-    received, recv_counts = got
-    recv_counts = [int(c) for c in torch.as_tensor(recv_counts).reshape(-1).tolist()]
-    if recv_counts != want_counts:
-        raise ExerciseFailed(
-            f"rank {r} should receive {want_counts} tokens from ranks 0..{n - 1}; your counts "
-            f"say {recv_counts}. Likely: the receive counts are what the *other* ranks send here "
-            "(exchange the send counts with an all-to-all first), not this rank's send counts"
-        )
-    if not isinstance(received, torch.Tensor) or received.shape != want.shape:
-        raise ExerciseFailed(
-            f"rank {r} should receive a tensor of shape {tuple(want.shape)}; got "
-            f"{short_repr(received)}"
-        )
-    if not torch.equal(received, want):
-        pairs = [(int(a), int(b)) for a, b in received[:, :2].tolist()]
-        raise ExerciseFailed(
-            f"rank {r} received the tokens (source, index) {pairs}, expected "
-            f"{[(int(a), int(b)) for a, b in want[:, :2].tolist()]}. Likely: the tokens were "
-            "not sorted by destination before the all-to-all, which sends the first send[0] rows "
-            "to rank 0, the next send[1] to rank 1, and so on (sort stably to keep their order)"
-        )
-    others = sorted({name for name, _ in seen.calls if name != "alltoall_base"})
-    token_bytes = x.numel() * x.element_size()
-    biggest = max((b for name, b in seen.calls if name == "alltoall_base"), default=0)
-    if others or biggest != token_bytes:
-        raise ExerciseFailed(
-            f"rank {r} called {[name for name, _ in seen.calls]}, the largest all-to-all sending "
-            f"{biggest} B; its {DISPATCH_TOKENS} tokens are {token_bytes} B. Send each token "
-            "once, to its own rank, with all_to_all_single (an all-gather sends every token to "
-            "every rank)"
-        )
-    count_bytes = sum(b for _, b in seen.calls) - token_bytes
-    return (f"on {n} real ranks every token reached its rank in order; counted on rank 0: "
-            f"{len(seen.calls)} all-to-all calls, {token_bytes} B of tokens (each sent once) and "
-            f"{count_bytes} B of counts" if r == 0 else "ok")  # fmt: skip
-
-
-@exercise(
-    "03c.moe_dispatch",
-    "Dispatch tokens to the ranks of their experts with one all-to-all",
-    hints=(
-        "An all-to-all sends a different slice of one tensor to each rank. Before the tokens "
-        "can move, every rank must know how many it will receive from each of the others.",
-        "Count the tokens per destination (torch.bincount), exchange those counts with an "
-        "all_to_all_single of n integers, then sort the tokens by destination so that each "
-        "rank's tokens form one contiguous slice.",
-        "recipe: order this rank's tokens by destination with a stable sort (keeping each "
-        "rank's tokens in their original order); count how many go to each rank; exchange "
-        "those counts with one all-to-all of n integers, so that each rank learns how many it "
-        "will receive from every other; make an output with room for their sum; then send the "
-        "sorted tokens with one all-to-all, giving it the counts to receive as the output "
-        "split sizes and the counts to send as the input split sizes; return the output and "
-        "the received counts.",
-    ),
-)
-def _verify_moe_dispatch(answer: Any) -> str:
-    _require_callable(answer, "dispatch")
-    return mp.run_in_workers("03c.moe_dispatch", [answer], nproc=NPROC["03c.moe_dispatch"])
-
-
-# --------------------------------------------------------------------------- 03c.sequence_plan
-#
-# A longer sequence on the same two tensor-parallel ranks, the batch fixed, no recomputation:
-# plain TP, TP+SP keeping the gathered inputs, TP+SP re-gathering them, or, if none of them
-# fits, context parallelism (the sequence split over more ranks).
-
-SEQ_LAYOUTS = ("tp", "sp_keep_gathered", "sp")
-"""The layouts of notebook 03c's section 1, as ``sequence.MODES`` names them."""
-SEQ_ANSWERS = (*SEQ_LAYOUTS, "cp")
-
-
-def _scaled(m: dict[str, Any], seq_len: int, power: int = 1) -> float:
-    return m["saved_bytes"] * (seq_len / m["seq_len"]) ** power
-
-
-def _plan(measured: dict[str, Any], seq_len: int, budget: float, *, power: int = 1,
-          fit: bool = True, by: str = "sent_bytes") -> str:  # fmt: skip
-    """The reference (power 1, fit, by bytes sent) and the usual wrong rules."""
-    fits = [k for k in SEQ_LAYOUTS if not fit or _scaled(measured[k], seq_len, power) <= budget]
-    if not fits:
-        return "cp"
-    if by == "saved_bytes":
-        return min(fits, key=lambda k: measured[k]["saved_bytes"])
-    return min(fits, key=lambda k: (measured[k]["sent_bytes"], measured[k]["saved_bytes"]))
-
-
-def reference_plan_sequence(seq_len: int, budget_bytes: float, measured: dict[str, Any]) -> str:
-    """What later cells use while the learner's answer is not done or wrong: of the layouts
-    whose saved activations, grown linearly from the measured length to ``seq_len``, fit the
-    budget, the one that sends the fewest bytes; "cp" if none fits."""
-    return _plan(measured, seq_len, budget_bytes)
-
-
-def sequence_measurements(cfg: Any, batch: int, tp: int = 2) -> dict[str, Any]:
-    """What notebook 03c's section 1 measures for ``cfg`` (it finds the saved bytes equal to
-    these predictions on CPU ranks, to the byte, and counts the collectives): per layout, the
-    sequence length, the bytes autograd saves per rank in one forward and the bytes a rank sends
-    per training step."""
-    from labkit.parallel import sequence
-
-    return {mode: {"seq_len": cfg.seq_len,
-                   "saved_bytes": sum(sequence.predicted_activations_per_rank(
-                       cfg, batch, tp, mode=mode).values()),
-                   "sent_bytes": sum(r["sent_per_rank"] for r in sequence.collectives_per_step(
-                       cfg, batch, tp, mode=mode).values())}
-            for mode in SEQ_LAYOUTS}  # fmt: skip
-
-
-@functools.cache
-def _sequence_cases() -> tuple[tuple[dict[str, Any], int, float, str], ...]:
-    """(measured, seq_len, budget_bytes, what) on notebook 03c's model at its lab and smoke
-    sizes: every answer occurs, and each usual mistake gives another one somewhere."""
-    from labkit.config import ModelConfig
-
-    lab = ModelConfig(seq_len=128, n_layer=4, n_head=4, d_model=128)
-    smoke = ModelConfig(seq_len=32, n_layer=4, n_head=4, d_model=64)
-    out = []
-    for cfg, batch, seq_len, budget_mib in ((lab, 8, 256, 21), (lab, 8, 256, 42), (lab, 8, 256, 38),
-                                            (lab, 8, 512, 100), (lab, 8, 512, 60),
-                                            (smoke, 4, 128, 5), (lab, 8, 128, 20)):  # fmt: skip
-        what = (f"the GPT of d {cfg.d_model}, {cfg.n_layer} layers measured at {cfg.seq_len} "
-                f"tokens × {batch} sequences, asked for {seq_len} tokens in {budget_mib} MiB "
-                "per rank")  # fmt: skip
-        out.append((sequence_measurements(cfg, batch), seq_len, budget_mib * 2**20, what))
-    return tuple(out)
-
-
-WRONG_RULES = {"unscaled": {"power": 0}, "squared": {"power": 2},
-               "least memory": {"by": "saved_bytes"}, "budget ignored": {"fit": False}}  # fmt: skip
-"""The usual wrong plans, as settings of :func:`_plan`: a learner's answers that match one of
-them on every case get that mistake named."""
-
-
-def plan_diagnosis(measured: dict[str, Any], seq_len: int, budget: float, got: str,
-                   rule: str | None = None) -> str:  # fmt: skip
-    """Why ``got`` is wrong in this case; ``rule``: the usual wrong rule (``WRONG_RULES``)
-    that gave all the learner's answers, if one did."""
-    want = _plan(measured, seq_len, budget)
-    s0 = next(iter(measured.values()))["seq_len"]
-    need = {k: _scaled(measured[k], seq_len) / 2**20 for k in SEQ_LAYOUTS}
-    sizes = ", ".join(f"{k} {v:.1f} MiB" for k, v in need.items())
-    if rule == "unscaled":
-        return (f"you compared the bytes measured at {s0} tokens with the budget. Activations "
-                f"grow with the sequence: at {seq_len} tokens each layout saves {seq_len / s0:g}× "
-                "what was measured")  # fmt: skip
-    if rule == "squared":
-        return (f"you grew the activations with the square of the length. This GPT's fused "
-                "attention keeps no s × s matrix, only a log-sum-exp per row (section 1 "
-                f"counted every saved tensor): they grow linearly, to {sizes} at {seq_len} "
-                "tokens")  # fmt: skip
-    if got != "cp" and need[got] * 2**20 > budget:
-        return (f"{got} does not fit: {need[got]:.1f} MiB at {seq_len} tokens against a budget "
-                f"of {budget / 2**20:.1f} MiB. Keep only the layouts that fit"
-                + (", and if none does, split the sequence over more ranks ('cp')"
-                   if want == "cp" else ""))  # fmt: skip
-    if got == "cp":
-        return (f"{want} fits ({sizes} at {seq_len} tokens, budget {budget / 2**20:.1f} MiB): "
-                "context parallelism adds ranks only when no layout of the tensor-parallel "
-                "group fits")  # fmt: skip
-    if want == "cp":
-        return (f"no layout fits ({sizes} at {seq_len} tokens, budget {budget / 2**20:.1f} MiB): "
-                "the sequence must be split over more ranks, 'cp'")  # fmt: skip
-    if measured[got]["saved_bytes"] < measured[want]["saved_bytes"]:
-        return (f"{got} saves less memory, but {want} fits too ({need[want]:.1f} MiB) and "
-                f"sends fewer bytes per step ({measured[want]['sent_bytes'] / 2**20:.2f} MiB "
-                f"against {measured[got]['sent_bytes'] / 2**20:.2f} MiB at the measured length): "
-                "among the layouts that fit, choose the one that costs the least traffic")  # fmt: skip
-    return "among the layouts that fit the budget, choose the one that sends the fewest bytes"
-
-
-@exercise(
-    "03c.sequence_plan",
-    "Choose tensor, sequence or context parallelism for a longer sequence",
-    hints=(
-        "Two questions for each layout of section 1: will its activations fit at the new "
-        "length, and what does it cost in communication? Less memory always costs more "
-        "traffic here.",
-        "You measured at one length and are asked about another. How do the bytes autograd "
-        "saves grow with the sequence in this GPT, whose attention keeps no s × s matrix? "
-        "Section 1 counted every saved tensor.",
-        "When none of the tensor-parallel group's layouts fits, the only lever left here (the "
-        "batch fixed, no recomputation) is to split the sequence over more ranks.",
-        "recipe: for each of the three layouts, grow its measured saved bytes in proportion to "
-        "the new length and keep it if that fits the budget; of those kept, answer the one "
-        "whose measured traffic is smallest; if none is kept, answer context parallelism.",
-    ),
-    reference=reference_plan_sequence,
-)
-def _verify_sequence_plan(answer: Any) -> str:
-    fn = _require_callable(answer, "plan_sequence(seq_len, budget_bytes, measured) -> str")
-    cases = _sequence_cases()
-    gots = []
-    for measured, seq_len, budget, what in cases:
-        got = call(fn, seq_len, budget, copy.deepcopy(measured))
-        if got not in SEQ_ANSWERS:
-            raise ExerciseFailed(f"{what}: you returned {short_repr(got)}: return one of "
-                                 f"{list(SEQ_ANSWERS)}")  # fmt: skip
-        gots.append(got)
-    rule = next((name for name, kw in WRONG_RULES.items()
-                 if all(_plan(m, s, b, **kw) == g for (m, s, b, _), g in zip(cases, gots, strict=True))),
-                None)  # fmt: skip
-    for (measured, seq_len, budget, what), got in zip(cases, gots, strict=True):
-        if got != _plan(measured, seq_len, budget):
-            raise ExerciseFailed(f"{what}: you chose {got!r}. "
-                                 f"{plan_diagnosis(measured, seq_len, budget, got, rule)}")  # fmt: skip
-    return ("your plan is right on the measurements of this notebook's model at two sizes, "
-            "seven cases in all (each answer occurs); the next cell runs it for real")
+RANK_CHECKS: dict[str, Callable[..., str]] = {"03c.ring_loop": _rank_ring_loop}
+"""This exercise's rank-side check, for :func:`labkit.course.exercises.sequences_experts.rank_check`."""

@@ -1,7 +1,7 @@
 """Run a learner's exercise code inside real ranks (notebooks 03, 03b and 03c) and report what
 each rank saw.
 
-    labkit.jobs.launch.run("labkit.course.exercises.mp_worker", nproc=2, config={"cases": [
+    labkit.jobs.launch.run("labkit.course.exercises.model_parallel.worker", nproc=2, config={"cases": [
         {"exercise": "03.f_and_g", "path": ".../mp_fg.py", "module": "mp_fg",
          "names": ["Enter", "Leave", "TensorParallelMLP"]},
     ]})
@@ -9,12 +9,12 @@ each rank saw.
 The notebook's checks (``labkit.course.exercises.model_parallel`` for 03, ``labkit.course.exercises.composing``
 for 03b, ``labkit.course.exercises.sequences_experts`` for 03c: the module that registered the
 exercise) build each case from the learner's objects; this worker imports the learner's file
-itself (``model_parallel.resolve``), because a process cannot import code that exists only in
+itself (``rank_checks.resolve``), because a process cannot import code that exists only in
 the notebook kernel. Several cases run one after the other in one launch (the tests use that to
 check a solution, a stub and a wrong answer at the cost of one start-up).
 
 Config:
-    cases   list of {"exercise", "path", "module", "names"} (see ``model_parallel.answer_spec``)
+    cases   list of {"exercise", "path", "module", "names"} (see ``rank_checks.answer_spec``)
 
 Result per rank: {"rank", "cases": [{"exercise", "status", "message"}, ...]}, status "ok",
 "incomplete" (the stub) or "failed" (with the likely mistake). A learner's mistake is a result,
@@ -27,7 +27,7 @@ import importlib
 from typing import Any
 
 from labkit import ids
-from labkit.course.exercises import MODULES, collective_ledger, model_parallel
+from labkit.course.exercises import MODULES, collective_ledger, rank_checks
 from labkit.jobs import runtime
 
 
@@ -42,7 +42,7 @@ def main(ctx: runtime.Context) -> dict[str, Any]:
     with collective_ledger(ctx):  # which rank called which collective, for a check that hangs
         for i, spec in enumerate(cases):
             try:
-                objs = model_parallel.resolve(spec)
+                objs = rank_checks.resolve(spec)
             except Exception as err:  # the learner's file does not import: report, do not crash
                 res = {"exercise": spec.get("exercise"), "status": "failed",
                        "message": f"importing {spec.get('path')} raised {type(err).__name__}: {err}"}  # fmt: skip

@@ -1,6 +1,6 @@
 """Check a learner's data-parallel exercise inside real ranks.
 
-    labkit.jobs.launch.run("labkit.course.exercises.dp_worker", nproc=2,
+    labkit.jobs.launch.run("labkit.course.exercises.data_parallel.worker", nproc=2,
                       config={"exercises": ["02.allreduce_grads"],
                               "module": "dp_overlap", "module_dir": "/path/to/folder"})
 
