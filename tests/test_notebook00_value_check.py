@@ -12,6 +12,7 @@ import pytest
 
 from labkit import verdict
 from labkit.jobs import launch
+from labkit.workers import allreduce as worker
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "solutions" / "00_setup_and_first_job.ipynb"
 
@@ -32,7 +33,7 @@ def test_the_max_demo_fails_the_check_with_a_count_that_agrees_with_the_values(c
     assert [r["wrong_elements"] for r in result.ranks] == [numel, numel]
     assert "1024 of 1024 elements differ from the expected 3" in result.log(0)
     ns = {"result": result, "expected_value": expected_value, "numel": numel, "nproc": nproc,
-          "reduce_op": "max"}
+          "reduce_op": "max", "worker": worker}
     exec(cell("nb00-13"), ns)  # the value check
     out = capsys.readouterr().out
     assert "{0: (2.0, 2.0), 1: (2.0, 2.0)}" in out  # a max of 1 and 2 holds 2 everywhere
@@ -42,8 +43,11 @@ def test_the_max_demo_fails_the_check_with_a_count_that_agrees_with_the_values(c
     assert verdict.contradictions(out) == []
 
     # the summary at the end says the same, not "every element as predicted"
-    exec(cell("nb00-16c"), ns | {"tier": SimpleNamespace(tier="cpu"), "rank_device": "cpu",
-                                 "why_not_counted": "not asked", "alpha_s": None, "extra": None})
+    exec(cell("nb00-16c"), ns | {"tier": SimpleNamespace(tier="cpu"),
+                                 "wire_bytes": worker.reconcile_wire(result, None,
+                                                                     predicted_per_rank=4 * numel,
+                                                                     whose="the reference"),
+                                 "timing": worker.reconcile_time(result)})  # fmt: skip
     summary = capsys.readouterr().out
     assert "values: elements differ from the predicted 3 on rank(s) 0, 1 ('max' all-reduce)" in summary
     assert "every element as predicted" not in summary
