@@ -67,6 +67,8 @@ def _texts() -> list[tuple[str, str]]:
            for p in sorted(PACKAGE.rglob("*.py"))]  # fmt: skip
     out += [(str(p.relative_to(ROOT)), p.read_text(encoding="utf-8"))
             for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))] if p.exists()]  # fmt: skip
+    out += [(str(p.relative_to(ROOT)), p.read_text(encoding="utf-8"))
+            for p in sorted((PACKAGE / "course" / "quizbank").glob("*.json"))]  # explanations cite files
     for nb in sorted((ROOT / "solutions").glob("*.ipynb")):
         cells = json.loads(nb.read_text(encoding="utf-8"))["cells"]
         out += [(f"{nb.name} cell {i}", "".join(c["source"])) for i, c in enumerate(cells)]
@@ -110,3 +112,17 @@ def test_links_into_a_fast_moving_repository_are_pinned_to_a_commit():
     of February 2026): a link to ``blob/main`` turns into a 404, a link to a commit does not."""
     unpinned = [f"{where}: {url}" for where, text in _texts() for url in MOVING.findall(text)]
     assert not unpinned, "pin these to a commit (blob/<sha>/path):\n" + "\n".join(unpinned)
+
+
+def test_the_readme_module_table_matches_the_tree():
+    """README's table of labkit (first column) names every top-level module and folder once,
+    folders with a trailing slash, and nothing that does not exist."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = text[text.index("| where | what |"):]
+    table = table[: table.index("\n\n")]
+    named = [n for row in table.splitlines()[2:] for n in re.findall(r"`([\w/]+)`", row.split(" | ")[0])]
+    real = {p.stem for p in PACKAGE.glob("*.py") if p.stem not in {"__init__", "_moved"}}
+    real |= {p.parent.name + "/" for p in PACKAGE.glob("*/__init__.py")}
+    assert len(named) == len(set(named)), "a unit is named twice in the README's table"
+    assert sorted(set(named) - real) == [], "README's table names what labkit does not have"
+    assert sorted(real - set(named)) == [], "README's table leaves these out"
