@@ -33,6 +33,7 @@ NAMES_ALLOWED = {
     "00": (9, "the exercise cell imports its own check module"),
     "01": (19, "the single-GPU lab teaches ten modules (config, data, formulas, hardware, memory, "
                "timing, train, verdict, throughput, the model) and replays three recordings"),
+    "02": (9, "the lab's plan, its bench and the exercises' module, beside the jobs it launches"),
     "02b": (11, "three sections, each with its own subsystem (multinode, slurm, checkpoint)"),
     "03": (14, "three parallel modules taught, three workers launched"),
     "03c": (10, "three sections, each teaching one parallel module and launching one worker"),
