@@ -39,6 +39,7 @@ layer may be a decimal (2.5): a module slotted between two layers.
     -1   validate              argument checks with one message style, raising errors' classes
     -1   dtypes                the number formats' names, spellings and bytes, in one table
     -1   ids                   how notebooks, exercises and quiz questions are named
+    -1   tables                the one HTML table every _repr_html_ builds, each cell escaped
     -1   jobs.nodes            where this machine sits in a multi-node job; torchrun's flags
     0    jobs.spec             a job before it runs: a worker's typed config; its folder (no torch)
     0    config                typed, validated configurations and the learner's size presets

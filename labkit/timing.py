@@ -14,7 +14,6 @@ ran on and the method it used.
 
 from __future__ import annotations
 
-import html
 import platform
 import statistics
 import time
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 
+from labkit.tables import html_table
 from labkit.validate import whole
 
 
@@ -141,10 +141,7 @@ class Table:
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
-        head = "".join(f"<th>{h}</th>" for h in self._HEAD)
-        body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
-                       for row in self._rows())
-        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+        return html_table(self._HEAD, self._rows())
 
 
 def table(results: Sequence[TimingResult]) -> Table:

@@ -63,6 +63,7 @@ from labkit.errors import LabkitError
 from labkit.hardware.host import cgroup_room as _cgroup_room  # noqa: F401 (test_bad_inputs reads it)
 from labkit.hardware.host import host_memory_available as host_memory_available
 from labkit.model import GPT
+from labkit.tables import html_table
 from labkit.validate import whole
 
 __all__ = [  # the finder's API; the trials' names are re-exported for finder.X callers
@@ -440,14 +441,11 @@ class MaxBatchResult:
                 f"{self.failures} recovered from; limit: {self.limit}")  # fmt: skip
 
     def _repr_html_(self) -> str:
-        rows = "".join(
-            f"<tr><td>{t.phase}</td><td>{t.batch}</td><td>{'fits' if t.fits else 'OOM'}</td>"
-            f"<td>{'' if t.peak_bytes is None else _mib(t.peak_bytes)}</td>"
-            f"<td>{t.seconds:.3f}</td></tr>" for t in self.trials
-        )
-        return (f"<p>{html.escape(self.summary())}</p><table><thead><tr><th>phase</th>"
-                f"<th>batch</th><th>result</th><th>peak (measured)</th><th>s</th></tr></thead>"
-                f"<tbody>{rows}</tbody></table><p>{html.escape(self.method)}</p>")  # fmt: skip
+        rows = [[t.phase, t.batch, "fits" if t.fits else "OOM",
+                 "" if t.peak_bytes is None else _mib(t.peak_bytes), f"{t.seconds:.3f}"]
+                for t in self.trials]  # fmt: skip
+        table = html_table(["phase", "batch", "result", "peak (measured)", "s"], rows)
+        return f"<p>{html.escape(self.summary())}</p>{table}<p>{html.escape(self.method)}</p>"
 
 
 def find_max_batch(

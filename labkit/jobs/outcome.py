@@ -21,6 +21,7 @@ from labkit.jobs import diagnosis
 from labkit.jobs.diagnosis import rank_log_path
 from labkit.jobs.nodes import Nodes, rank_range
 from labkit.jobs.observers import Job
+from labkit.tables import html_table
 
 # --- results and errors -----------------------------------------------------------------------
 
@@ -143,19 +144,14 @@ class JobResult:
     def _repr_html_(self) -> str:
         common, cols = self._split_keys()
         esc = html.escape
-        head = "".join(f"<th>{esc(c)}</th>" for c in ["rank", *cols])
-        body = "".join(
-            "<tr>"
-            + f"<td>{r}</td>"
-            + "".join(f"<td>{esc(_fmt(res.get(c)))}</td>" for c in cols)
-            + "</tr>"
-            for r, res in self._rows()
+        table = html_table(
+            ["rank", *cols], [[r, *(_fmt(res.get(c)) for c in cols)] for r, res in self._rows()]
         )
         shared = ", ".join(f"{esc(k)}={esc(_fmt(v))}" for k, v in common.items())
         return (
             f"<div><b>{esc(self.module)}</b> {esc(self._summary().split(': ', 1)[1])}"
             + (f"<br>all ranks: {shared}" if shared else "")
-            + f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
+            + f"{table}</div>"
         )
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from labkit.tables import html_table
 from labkit.train import Batch, autocast
 
 
@@ -65,11 +66,9 @@ class MemoryMeasurement:
                 "optimizer state": self.optimizer_state, "activations": self.activations}
 
     def _repr_html_(self) -> str:
-        rows = "".join(f"<tr><td>{k}</td><td>{v / 2**20:,.2f} MiB</td></tr>"
-                       for k, v in self.as_dict().items())
-        return (f"<table><thead><tr><th>part</th><th>measured</th></tr></thead>"
-                f"<tbody>{rows}</tbody></table><p>{html.escape(self.method)} on "
-                f"{html.escape(self.device)}</p>")
+        rows = [[k, f"{v / 2**20:,.2f} MiB"] for k, v in self.as_dict().items()]
+        where = f"<p>{html.escape(self.method)} on {html.escape(self.device)}</p>"
+        return html_table(["part", "measured"], rows) + where
 
 
 def measure_training_memory(

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from labkit.metrics import METRICS, Sample
+from labkit.tables import html_table
 
 # Panels shown by default, per backend kind. On the GPU tiers: is a kernel running, how full
 # is memory, how hard is the board working, and, on Hopper and newer, how busy the SMs and
@@ -113,6 +114,8 @@ class Summary:
             + (f"; last steps: {steps}" if steps else ""),
         ]
 
+    _HEAD = ("source", "metric", "unit", "mean", "max", "samples", "N/A")
+
     def _cells(self) -> list[list[str]]:
         return [
             [r.source, r.metric, r.unit, _num(r.mean), _num(r.max), str(r.n), str(r.n_na)]
@@ -120,22 +123,15 @@ class Summary:
         ]
 
     def __str__(self) -> str:
-        rows = [["source", "metric", "unit", "mean", "max", "samples", "N/A"], *self._cells()]
+        rows = [list(self._HEAD), *self._cells()]
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         table = ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in rows]
         return "\n".join([*self._header(), *table])
 
     def _repr_html_(self) -> str:
-        esc = html.escape
-        head = "".join(
-            f"<th>{h}</th>" for h in ("source", "metric", "unit", "mean", "max", "samples", "N/A")
-        )
-        body = "".join(
-            "<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in self._cells()
-        )
-        top = "<br>".join(esc(s) for s in self._header())
-        return (f"<div class='labkit-monitor-summary'>{top}<table><thead><tr>{head}</tr></thead>"
-                f"<tbody>{body}</tbody></table></div>")
+        top = "<br>".join(html.escape(s) for s in self._header())
+        table = html_table(self._HEAD, self._cells())
+        return f"<div class='labkit-monitor-summary'>{top}{table}</div>"
 
 
 def _num(v: float | None) -> str:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from labkit.profiling.nsight_runs import CsvFormatError, ToolRun
+from labkit.tables import html_table
 from labkit.validate import whole
 
 _THOUSANDS = re.compile(r"-?\d{1,3}(,\d{3})+(\.\d+)?")  # "1,234,567.8": nsys and ncu print these
@@ -358,12 +359,8 @@ class SummaryTable:
     def _repr_html_(self) -> str:
         if not self.rows:
             return f"<p>{html.escape(str(self))}</p>"
-        head, body = self._cells()
-        h = "".join(f"<th>{html.escape(c)}</th>" for c in head)
-        b = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
-                    for row in body)  # fmt: skip
         return (f"<p><b>{html.escape(self.title)}</b> (Nsight Systems)</p>"
-                f"<table><thead><tr>{h}</tr></thead><tbody>{b}</tbody></table>")  # fmt: skip
+                + html_table(*self._cells()))  # fmt: skip
 
 
 @dataclass(frozen=True)

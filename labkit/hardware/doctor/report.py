@@ -19,6 +19,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from labkit.tables import Html, html_table
+
 VERDICTS = ("ok", "info", "warning", "fail")
 SYMBOLS = {"ok": "✓", "info": "i", "warning": "!", "fail": "✗"}
 ASCII_SYMBOLS = {"ok": "+", "info": "i", "warning": "!", "fail": "x"}  # for a non-UTF-8 terminal
@@ -120,24 +122,19 @@ class Report:
     def _repr_html_(self) -> str:
         colour = {"ok": "#1a7f37", "info": "#57606a", "warning": "#9a6700", "fail": "#cf222e"}
         esc = html.escape
-        top = "vertical-align:top"
         rows = []
         for c in self.checks:
             fix = f"<br><i>fix: {esc(c.fix)}</i>" if c.fix and c.verdict != "ok" else ""
-            rows.append(
-                f"<tr class='labkit-doctor-{c.verdict}'>"
-                f"<td style='color:{colour[c.verdict]};font-weight:bold;{top}' "
-                f"title='{c.verdict}'>{SYMBOLS[c.verdict]}</td>"
-                f"<td style='white-space:nowrap;{top}'>{esc(c.name)}</td>"
-                f"<td style='text-align:left;white-space:pre-wrap;{top}'>{esc(c.detail)}{fix}</td>"
-                "</tr>"
-            )
-        return (
-            "<div class='labkit-doctor'><table><thead><tr><th></th><th>item</th>"
-            "<th style='text-align:left'>found</th></tr></thead><tbody>"
-            + "".join(rows)
-            + f"</tbody></table><p><b>{esc(self.summary())}</b></p></div>"
-        )
+            symbol = f"<span style='color:{colour[c.verdict]}' title='{c.verdict}'>"
+            rows.append([Html(f"{symbol}{SYMBOLS[c.verdict]}</span>"), c.name,
+                         Html(f"{esc(c.detail)}{fix}")])  # fmt: skip
+        # JupyterLab centres cells and right-aligns them: the free text reads top-left instead.
+        top = "vertical-align:top"
+        styles = [f"font-weight:bold;{top}", f"white-space:nowrap;{top}",
+                  f"text-align:left;white-space:pre-wrap;{top}"]  # fmt: skip
+        table = html_table(["", "item", "found"], rows, styles=styles,
+                           row_classes=[f"labkit-doctor-{c.verdict}" for c in self.checks])  # fmt: skip
+        return f"<div class='labkit-doctor'>{table}<p><b>{esc(self.summary())}</b></p></div>"
 
 
 # What a check returns; the runner (labkit.hardware.doctor) fills in the item's name.

@@ -26,6 +26,7 @@ from labkit import timing, verdict
 from labkit.config import RunConfig
 from labkit.model import GPT
 from labkit.profiling.phases import phase
+from labkit.tables import html_table
 from labkit.train import autocast, make_optimizer, resolve_device
 
 
@@ -141,13 +142,9 @@ class BeforeAfter:
         return "\n".join([self._header(), *table, *self._footer()])
 
     def _repr_html_(self) -> str:
-        rows = self._table()
-        head = "".join(f"<th>{html.escape(c)}</th>" for c in rows[0])
-        body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>"
-                       for r in rows[1:])  # fmt: skip
+        head, *body = self._table()
         foot = "".join(f"<p>{html.escape(line)}</p>" for line in self._footer())
-        return (f"<p><b>{html.escape(self._header())}</b></p><table><thead><tr>{head}</tr>"
-                f"</thead><tbody>{body}</tbody></table>{foot}")
+        return f"<p><b>{html.escape(self._header())}</b></p>{html_table(head, body)}{foot}"
 
 
 def step_tokens(cfg: RunConfig) -> int:
