@@ -48,7 +48,7 @@ MOVED: dict[str, str] = {
 
 def new_name(old: str) -> str | None:
     """Where ``old`` lives now (``labkit.exercises.dp_worker`` → ``labkit.course.exercises.
-    dp_worker``), or None when it did not move."""
+    data_parallel.worker``), or None when it did not move."""
     for prefix in sorted(MOVED, key=len, reverse=True):  # the most specific entry wins
         if old == prefix or old.startswith(prefix + "."):
             return MOVED[prefix] + old[len(prefix):]

@@ -249,3 +249,13 @@ def test_describe_measurements():
         "step and bytes measured, predicted modelled)",
         "ddp              17.0         1.840         2.300      1.840",
         "zero1            14.6         1.380     (= after)      1.380"])
+
+
+def test_a_slower_bucketed_step_is_explained_only_on_the_tier_that_explains_it():
+    runs = _runs()
+    runs["bucketed"]["step_s"] = [0.2, 0.15, 0.151, 0.152, 0.153, 0.154]
+    runs["naive"]["step_s"] = [0.2, 0.08, 0.081, 0.082, 0.083, 0.084]
+    on_cpu = dp_lab.bucket_payoff(runs, 1e-3, "cpu").describe()
+    on_gpu = dp_lab.bucket_payoff(runs, 1e-3, "cuda").describe()
+    assert "gloo threads" in on_cpu and "gloo" not in on_gpu
+    assert "which this run does not explain" in on_gpu

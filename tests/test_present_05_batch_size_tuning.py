@@ -366,3 +366,19 @@ def test_every_batching_module_loads_lazily_by_name():
     folder = Path(batching.__file__).parent
     assert set(batching.SUBMODULES) == {p.stem for p in folder.glob("*.py")} - {"__init__"}
     assert batching.sweep_report.read_sweep is sweep.read_sweep
+
+
+def test_the_alignment_sentence_follows_the_sequence_length():
+    """M = b·s is a multiple of 8 when b is a multiple of 8 / gcd(s, 8): every b at s = 64,
+    even b at s = 100 (the old sentence said 'a multiple of 8, and no other' for any s)."""
+    batches = tuple(sweep.alignment_batches([8]))
+    results = {s: sweep.AlignmentSweep(seconds={b: (b * 1e-5,) * 3 for b in batches}, seq_len=s,
+                                       k=64, n=256, dtype="float32", device="cpu", inner={})
+               for s in (64, 100, 63)}  # fmt: skip
+    study = sweep.AlignmentStudy(gemm=("output head", 64, 256), centers=(8,), batches=batches,
+                                 results=results, dtype="float32", device_name="Test CPU",
+                                 on_gpu=False)  # fmt: skip
+    text = study.describe()
+    assert "M = b·64 is a multiple of 8 for every b;" in text
+    assert "M = b·100 is a multiple of 8 for b a multiple of 2, and no other;" in text
+    assert "M = b·63 is a multiple of 8 for b a multiple of 8, and no other;" in text

@@ -291,7 +291,8 @@ class AlignmentStudy:
         lines = [f"the {name}: (b·s × {k}) @ ({k} × {n}) in {self.dtype} on "
                  f"{self.device_name[:40]}, b = 8k-2 … 8k+2 around {list(self.centers)}"]  # fmt: skip
         for s, result in self.results.items():
-            which = "every b" if s % ALIGNMENT == 0 else "b a multiple of 8, and no other"
+            step = ALIGNMENT // math.gcd(s, ALIGNMENT)  # b·s is a multiple of 8 iff step divides b
+            which = "every b" if step == 1 else f"b a multiple of {step}, and no other"
             lines += ["", f"s = {s}: M = b·{s} is a multiple of 8 for {which}; µs per sequence, "
                       f"median of {len(result.seconds[self.batches[0]])} rounds (measured):"]  # fmt: skip
             for c in self.centers:

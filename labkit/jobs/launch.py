@@ -1,7 +1,8 @@
 """Run a multi-process job from a notebook cell, and never leave a process behind.
 
     from labkit.jobs import launch
-    res = launch.run("labkit.workers.allreduce", nproc=2, config={"numel": 2**20})
+    from labkit.workers.allreduce import AllReduceConfig
+    res = launch.run(AllReduceConfig(numel=2**20), nproc=2)  # the config names its worker
     res.ranks          # [rank 0's result dict, rank 1's result dict]
 
 ``run`` starts ``python -m torch.distributed.run`` (torchrun) as a subprocess on an importable

@@ -11,6 +11,17 @@ Backends (``base.Backend``): ``NvmlBackend`` (per-GPU readings from the NVIDIA d
 (a recording made on real hardware by ``Recorder``, labelled as such). Every metric, with
 its unit, meaning, window and nvidia-smi equivalent, is in ``METRICS`` (``metric_table()``
 prints it). Importing this package starts nothing and loads no driver library.
+
+Its modules:
+
+    base               what every metrics backend shares: the metric table, the Sample record, the
+                       interface
+    cpu                CPU backend: each rank's process tree and the host, from psutil
+    net                bytes on the wire: a network interface's traffic counters, read around a job
+    nvml               NVML backend: what the NVIDIA driver reports about each GPU the job uses
+    replay             recordings of real GPU runs, and their replay on machines without a GPU
+    sampler            sampling a backend on a schedule: in a thread, or driven by the caller's own
+                       loop
 """
 
 from labkit.metrics.base import (

@@ -222,11 +222,9 @@ class Monitor:
             # exited between two ticks): read them from the job directory once more.
             beats = job.heartbeats
             if getattr(job, "job_dir", None) is not None:
-                from labkit.jobs import (
-                    runtime,  # the launcher's on-disk protocol; loaded with launch
-                )
+                from labkit.jobs import spec  # the job folder's layout, torch-free
 
-                beats = runtime.read_heartbeats(job.job_dir, job.nproc) or beats
+                beats = spec.read_heartbeats(job.job_dir, job.nproc) or beats
             self._note_heartbeats(beats)
         finally:
             self._finish(getattr(result, "status", "ok"))

@@ -2,32 +2,42 @@
 
 One short module each, measurement apart from display:
 
-    phases           phase(name): a record_function range and an NVTX range with one name
-    capture          profile_steps (a schedule, tables, one trace per active window),
-                     counted_flops and net_bytes (the tables' FLOP and memory columns) and
-                     profiler_overhead (the cost of looking, measured)
-    attribution      attribute_step: a step's time by kind of operator (matmul, attention,
-                     optimizer, ...), from the profiler's self times
-    trace            load_trace / load_traces: exported Chrome traces, refused when truncated,
-                     missing or not a trace
-    overlap          compute vs communication per rank (hidden, exposed), find_straggler,
-                     diagnose (a rank's longest phase and what took its time);
-                     on a GPU, kernels counted in the step that launched them (gpu_work) and
-                     the GPU's time split by kind of kernel (gpu_split)
-    summary          summarize_job: a multi-rank job's traces in tables (per rank, the
-                     collectives and their kernels) and the straggler question, answered
-    plot             plot_trace: a per-thread (per-stream) timeline drawn from the trace files
-    memory_timeline  memory over time: the profiler's categories (CPU), the allocator's
-                     history snapshot (CUDA), drawn with the phases shaded
-    hta              Holistic Trace Analysis on a job's traces, and what it could not do;
-                     its TraceDiff (before/after) and CUDA kernel launch statistics
-    nsight           nsys / ncu commands, runs and CSV readers; a kernel on the roofline
-    bottlenecks      planted slow-downs (data loading, launch overhead, host syncs), measured
-    step_report      a profiled step read out against its predictions: phases, FLOPs,
-                     the profiler's cost, memory (what notebook 06 prints, as describe())
-    dp_report        a data-parallel job's traces read out: per rank, the overlap bound,
-                     the straggler, naive against DDP, HTA's counts beside labkit's
-    fix_report       section 8's fixes against their predictions (data loading, compile)
+    phases             phase(name): a record_function range and an NVTX range with one name
+    capture            profile_steps (a schedule, tables, one trace per active window),
+                       counted_flops and net_bytes (the tables' FLOP and memory columns) and
+                       profiler_overhead (the cost of looking, measured)
+    attribution        attribute_step: a step's time by kind of operator (matmul, attention,
+                       optimizer, ...), from the profiler's self times
+    trace              load_trace / load_traces: exported Chrome traces, refused when truncated,
+                       missing or not a trace
+    overlap            compute vs communication per rank (hidden, exposed), find_straggler, diagnose
+                       (a rank's longest phase and what took its time); on a GPU, kernels counted in
+                       the step that launched them (gpu_work) and the GPU's time split by kind of
+                       kernel (gpu_split)
+    summary            summarize_job: a multi-rank job's traces in tables (per rank, the collectives
+                       and their kernels) and the straggler question, answered
+    plot               plot_trace: a per-thread (per-stream) timeline drawn from the trace files
+    memory_timeline    memory over time: the profiler's categories (CPU), the allocator's history
+                       snapshot (CUDA), drawn with the phases shaded
+    hta                holistic Trace Analysis on a job's traces, and what it could not do; its
+                       TraceDiff (before/after) and CUDA kernel launch statistics
+    nsight             nsys / ncu commands, runs and CSV readers; a kernel on the roofline
+    bottlenecks        planted slow-downs (data loading, launch overhead, host syncs), measured
+    step_report        a profiled step read out against its predictions: phases, FLOPs, the
+                       profiler's cost, memory (what notebook 06 prints, as describe())
+    dp_report          a data-parallel job's traces read out: per rank, the overlap bound, the
+                       straggler, naive against DDP, HTA's counts beside labkit's
+    fix_report         section 8's fixes against their predictions (data loading, compile)
+    ncu_reports        nsight Compute's results read back: ncu --csv --page details as kernel
+                       records, and a profiled kernel placed on notebook 04's roofline
+    nsight_commands    the exact nsys and ncu command lines, built and validated before anything
+                       runs
+    nsight_runs        what running an Nsight tool ends as: a ToolRun, a NotRun, or an error
+    nsys_reports       nsight Systems' statistics read back: the CSV of nsys stats as tables, and a
+                       figure
+    precision_report   a training step per precision, read out: its speed, where its time goes,
+                       which case this machine is (what notebook 04's section 7 prints, as
+                       describe())
     precision_report a step per precision: timed against fp32, where its time goes (Amdahl),
                      which case this machine is (what notebook 04 prints, as describe())
 

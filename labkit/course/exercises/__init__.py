@@ -45,6 +45,42 @@ The machinery, one concern a module (this package re-exports what notebooks and 
 - :mod:`.leftovers`: the processes the learner's code left running, named and stopped;
 - :mod:`.worker_jobs`: files checked on several ranks, and what a broken check job means;
 - :mod:`.rank_checks`: the learner's file imported and checked inside worker ranks (03, 03b, 03c).
+
+Its modules:
+
+    batch_size         notebook 05's exercises (batch-size tuning), checked in the kernel
+    capstone           notebook 07's exercise (the capstone), checked in the kernel
+    composing          exercise checks for notebook 03b (composing parallelisms), in the kernel and
+                       in real ranks
+    data_parallel      exercise checks for notebook 02 (data parallelism): three run inside worker
+                       processes, one decision in the kernel
+    feedback           what a learner reads: the one line a check prints, the hints in steps, whose
+                       answer ran
+    first_job          exercise checks for notebook 00 (setup and a first job), run in the kernel
+    learner_code       the learner's code as a check sees it: still a stub or not, called safely,
+                       its lines named
+    leftovers          the processes the learner's code starts in the kernel and leaves running:
+                       named and stopped
+    mixed_precision    notebook 04's exercises (mixed precision), checked in the kernel
+    model_parallel     exercise checks for notebook 03 (model parallelism), run in the kernel and
+                       inside worker ranks
+    planning           exercise checks for notebook 03d (schedules, debugging, planning), run in the
+                       kernel
+    profiling          notebook 06's exercises (profiling), checked in the kernel
+    rank_checks        checks that run the learner's file inside real ranks (notebooks 03, 03b and
+                       03c)
+    registry           the exercise registry: what exercises exist, their hints, and how each is
+                       verified
+    resilience         exercise checks for notebook 02b (beyond one machine), run in the kernel
+    running            the check runner: run the learner's answer under a time limit, print one
+                       line, never stop Run All
+    sequences_experts  exercise checks for notebook 03c (long sequences and many experts), in the
+                       kernel and in ranks
+    single_gpu         exercise checks for notebook 01 (single-GPU training), run in the kernel
+    time_limits        time limits for the learner's code run in the kernel: a loop that never ends
+                       fails its check
+    worker_jobs        checks whose code runs on several ranks: their files, and what a broken check
+                       job means
 """
 
 from __future__ import annotations

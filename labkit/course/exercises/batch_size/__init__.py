@@ -29,6 +29,17 @@ Each exercise's check lives in a module of its own (:mod:`.accumulation`,
 :mod:`.max_batch`, :mod:`.noise_scale`, and :mod:`.batch_plan` with
 :mod:`.plan_run`); this module imports them, which registers the exercises, and re-exports
 the names the notebook and the tests use.
+
+Its modules:
+
+    accumulation       notebook 05's 05.accumulation: gradient accumulation over k micro-batches
+    batch_plan         notebook 05's 05.batch_plan, the decision: how each rank runs a global batch
+    max_batch          notebook 05's 05.max_batch: the largest batch that fits, by doubling and
+                       bisection
+    noise_scale        notebook 05's 05.noise_scale: the simple noise scale B_simple from gradient
+                       norms
+    plan_run           notebook 05's 05.batch_plan, checked and run: the plan on the notebook's own
+                       machine
 """
 
 from __future__ import annotations

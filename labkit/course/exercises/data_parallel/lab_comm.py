@@ -118,6 +118,7 @@ class BucketPayoff:
     calls: Mapping[str, int]  # messages per step: naive, bucketed
     extra_s: float  # predicted: naive's extra messages times α
     comparison: verdict.Comparison
+    device: str = "cpu"  # where the ranks ran: the explanation of a slower bucketed step is the tier's
 
     def describe(self) -> str:
         c, extra_s, buckets = self.calls, self.extra_s, self.comparison
@@ -130,11 +131,15 @@ class BucketPayoff:
             lines.append(f"Buckets paid off here: {buckets.difference * 1e3:.1f} ms per step, "
                          f"against {extra_s * 1e3:.1f} ms predicted from α alone (bucketed also "
                          "overlaps its all-reduces with the backward pass).")
-        elif buckets.outcome == "faster":
+        elif buckets.outcome == "faster" and self.device == "cpu":
             lines.append("Naive was faster here. On the CPU tier bucketed copies every gradient "
                          "into its buckets, and its all-reduces\nrun on gloo threads that "
                          "compete with the backward pass for the same cores: that can cost "
                          "more than the\nlatency it saves.")
+        elif buckets.outcome == "faster":
+            lines.append("Naive was faster here, which this run does not explain: the bucket "
+                         "copies and NCCL kernels competing with the\nbackward pass's are the "
+                         "candidates; notebook 06's profiler shows which.")
         elif buckets.outcome == "agree":
             lines.append(f"No difference beyond {100 * buckets.tolerance:g}% of a step: the "
                          f"{extra_s * 1e3:.1f} ms of latency saved is small next to a step of "
@@ -145,15 +150,15 @@ class BucketPayoff:
         return "\n".join(lines)
 
 
-def bucket_payoff(runs: Mapping[str, Any], latency_s: float) -> BucketPayoff:
+def bucket_payoff(runs: Mapping[str, Any], latency_s: float, device: str = "cpu") -> BucketPayoff:
     """Naive's extra messages priced at α, against the ladder's measured naive and bucketed
-    steps (``verdict.compare_times``)."""
+    steps (``verdict.compare_times``), run on ``device`` ("cpu" or "cuda")."""
     calls = {n: runs[n]["bytes"]["last_step"]["all_reduce"]["calls"]
              for n in ("naive", "bucketed")}
     extra_s = (calls["naive"] - calls["bucketed"]) * latency_s
     cmp = verdict.compare_times(step_times_s(runs["bucketed"]), step_times_s(runs["naive"]),
                                 names=("bucketed step", "naive step"))
-    return BucketPayoff(calls, extra_s, cmp)
+    return BucketPayoff(calls, extra_s, cmp, device)
 
 
 # ---------------------------------------------------------------- section 6: scaling
@@ -321,8 +326,8 @@ def overlap(scaling_result: Scaling, *, sent_per_rank: float, busbw: float, mode
 
 
 H100 = "NVIDIA H100 80GB HBM3"
-NVLINK_BYTES_PER_S = 450e9
-"""NVLink's bandwidth per direction per H100 SXM GPU (https://jax-ml.github.io/scaling-book/gpus/)."""
+NVLINK_BYTES_PER_S = hardware.link_bandwidth("NVLink 4").bytes_per_s
+"""NVLink 4's bandwidth per direction per H100 SXM GPU, from the sourced link table."""
 
 
 def node_overlap(tokens: Sequence[int] = (512, 1024, 2048, 4096),
