@@ -27,10 +27,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from labkit.dtypes import TRAINING as DTYPES
 from labkit.validate import shown
 
 SIZES = ("smoke", "lab", "gpu")
-DTYPES = ("float32", "bfloat16", "float16")
 CORPUS_VOCAB_SIZE = 256
 """Token ids in the course's corpus: it is tokenised as raw bytes, 0..255 (:mod:`labkit.data`),
 so a model trained on it needs ``vocab_size >= 256``."""

@@ -27,6 +27,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+TRAINING = ("float32", "bfloat16", "float16")
+"""The dtypes a labkit training run takes (``config.DTYPES``): fp32, or autocast to bf16 or fp16."""
+
 
 @dataclass(frozen=True)
 class Format:

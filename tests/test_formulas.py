@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 
@@ -610,3 +611,99 @@ def test_youngs_interval_balances_saving_against_losing_work():
         best + 600 / mtbf)
     with pytest.raises(ValueError, match="mtbf_s"):
         f.young_checkpoint_interval(60.0, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Recomputation and the largest micro-batch (formulas.recompute, formulas.max_batch), from
+# plain sizes: no ModelConfig, as a layer-0 formula takes them.
+
+TINY = types.SimpleNamespace(n_layer=4, n_head=2, d_model=8, seq_len=16, vocab_size=256,
+                             dropout=0.0, tie_weights=True)  # fmt: skip
+
+
+def test_the_moved_predictions_are_the_ones_their_old_modules_export():
+    from labkit.batching import finder, recomputation
+
+    for name in ("AC_MODES", "ELEMENTWISE_FLOPS_PER_TOKEN_PER_LAYER", "CheckpointPrediction",
+                 "RecomputePrediction", "predict_checkpointing", "predict_recompute",
+                 "paper_bytes_per_layer", "segment_checkpoint_bytes", "one_f_one_b_in_flight"):
+        assert getattr(recomputation, name) is getattr(f, name)
+    for name in ("OMISSIONS", "BatchPrediction", "predict_max_batch"):
+        assert getattr(finder, name) is getattr(f, name)
+
+
+def test_a_formula_refuses_a_dtype_no_run_trains_in():
+    from labkit import config, dtypes
+    from labkit.formulas.activations import _training_dtype
+
+    assert config.DTYPES is dtypes.TRAINING  # one table: config and the formulas read it
+    assert _training_dtype("bfloat16") == "bfloat16"
+    with pytest.raises(ValueError, match=r"dtype='fp8' is not allowed: give one of \('float32'"):
+        _training_dtype("fp8")
+
+
+def test_checkpointing_every_other_block_keeps_two_inputs_instead_of_two_layers():
+    # Chen et al. 2016: a checkpointed block keeps only its input, the float32 residual s·b·h·4.
+    p = f.predict_checkpointing(TINY, 2, 2)
+    per_layer = f.activation_bytes_per_layer(16, 2, 8, 2, bytes_per_element=4, dropout=False,
+                                             attention="flash")  # fmt: skip
+    assert (p.checkpointed, p.input_bytes, p.per_layer_bytes) == (2, 16 * 2 * 8 * 4, per_layer)
+    assert p.saved_bytes == 2 * per_layer + 2 * 1024
+    assert p.saving_bytes == 2 * (per_layer - 1024)
+    assert p.recompute_fraction == 0.5
+    assert f.predict_checkpointing(TINY, 2, None).saving_bytes == 0
+    with pytest.raises(ValueError, match="the model's context is 16 tokens"):
+        f.predict_checkpointing(TINY, 2, 1, seq_len=17)
+    with pytest.raises(ValueError, match="dtype='fp16' is not allowed"):
+        f.predict_checkpointing(TINY, 2, 1, dtype="fp16")
+
+
+def test_full_recompute_keeps_the_block_input_and_reruns_all_but_the_last_matmul():
+    s, b, h, layers = 16, 2, 8, 4
+    p = f.predict_recompute(TINY, b, "full")
+    assert p.per_layer_bytes == 4 * s * b * h
+    assert p.recompute_flops_per_token == layers * (16 * h * h + 4 * h * s)
+    step = f.flops_per_token(f.gpt_params(256, h, layers, tied=True), layers, h, s,
+                             attention="full")  # fmt: skip
+    assert p.flops_factor == 1 + p.recompute_flops_per_token / step
+    sel = f.predict_recompute(TINY, b, "selective")
+    assert sel.recompute_flops_per_token == layers * f.ELEMENTWISE_FLOPS_PER_TOKEN_PER_LAYER * h
+    assert f.predict_recompute(TINY, b, "none").saving_bytes == 0
+    with pytest.raises(ValueError, match="mode='partial' is not allowed"):
+        f.predict_recompute(TINY, b, "partial")
+
+
+def test_korthikanti_bytes_per_layer_under_each_mode():
+    # arXiv 2205.05198, section 4: s·b·h·(34 + 5·a·s/h), 34·s·b·h selective, 2·s·b·h full.
+    s, b, h, a = 16, 2, 8, 2
+    assert f.paper_bytes_per_layer(s, b, h, a, "none") == s * b * h * (34 + 5 * a * s / h)
+    assert f.paper_bytes_per_layer(s, b, h, a, "selective") == 34 * s * b * h
+    assert f.paper_bytes_per_layer(s, b, h, a, "full") == 2 * s * b * h
+
+
+def test_segments_of_sqrt_n_layers_hold_k_inputs_and_one_segment():
+    # Chen et al. 2016, section 4: k·input + ⌈n/k⌉·layer; 9 layers in 3 segments.
+    assert f.segment_checkpoint_bytes(9, 10, 1, 3) == 3 * 1 + 3 * 10
+    assert f.segment_checkpoint_bytes(9, 10, 1, None) == 90
+    assert f.segment_checkpoint_bytes(9, 10, 1, 4) == 4 * 1 + 3 * 10
+
+
+def test_one_f_one_b_stages_hold_p_minus_i_micro_batches():
+    # Narayanan et al. 2021, section 2.2: stage i runs p - i forwards before its first backward.
+    assert f.one_f_one_b_in_flight(4, 8) == [4, 3, 2, 1]
+    assert f.one_f_one_b_in_flight(4, 2) == [2, 2, 2, 1]
+
+
+def test_the_predicted_max_batch_is_the_last_that_fits_its_affine_peak():
+    budget = 2**22
+    p = f.predict_max_batch(TINY, budget)
+    states = f.memory_breakdown(f.gpt_params(256, 8, 4, seq_len=16, tied=True),
+                                param_dtype="float32", optimizer="adamw").total  # fmt: skip
+    assert p.model_state_bytes == states
+    assert p.logits_bytes_per_sequence == 16 * 256 * 4
+    assert p.batch >= 1 and p.peak_bytes(p.batch) <= budget < p.peak_bytes(p.batch + 1)
+    assert p.omissions == f.OMISSIONS
+    with pytest.raises(ValueError, match="is below one micro-batch"):
+        f.predict_max_batch(TINY, states)
+    with pytest.raises(ValueError, match="the model's context is seq_len=16 tokens"):
+        f.predict_max_batch(TINY, budget, seq_len=17)

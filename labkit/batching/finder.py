@@ -3,9 +3,9 @@
 Lightning's ``BatchSizeFinder`` and Accelerate's ``find_executable_batch_size`` both search by
 running steps until one fails with an out-of-memory error. This finder adds what a lab needs:
 
-1. **a prediction first** (:func:`predict_max_batch`), from :mod:`labkit.formulas`: model states
-   (parameters, gradients, AdamW's two moments) plus the activations autograd keeps per
-   sequence, so the search starts near the answer and the notebook can reconcile the two;
+1. **a prediction first** (:func:`predict_max_batch`, from :mod:`labkit.formulas.max_batch`):
+   model states (parameters, gradients, AdamW's two moments) plus the activations autograd keeps
+   per sequence, so the search starts near the answer and the notebook can reconcile the two;
 2. **a search** (:func:`search_max_batch`): double from the predicted batch until a trial fails,
    then bisect between the last fit and the first failure (halve down first if the predicted
    batch itself fails); each batch is tried at most once, and the answer is exact for any
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from labkit import formulas, train
+from labkit import train
 from labkit.batching.trials import (
     PHASES,
     BudgetedCPU,
@@ -60,6 +60,12 @@ from labkit.batching.trials import (
 )
 from labkit.config import ModelConfig, TrainConfig
 from labkit.errors import LabkitError
+
+# The prediction, closed-form: in labkit.formulas.max_batch (sizes and a budget in, a batch out)
+from labkit.formulas.max_batch import OMISSIONS as OMISSIONS
+from labkit.formulas.max_batch import BatchPrediction as BatchPrediction
+from labkit.formulas.max_batch import _prediction
+from labkit.formulas.max_batch import predict_max_batch as predict_max_batch
 from labkit.hardware.host import cgroup_room as _cgroup_room  # noqa: F401 (test_bad_inputs reads it)
 from labkit.hardware.host import host_memory_available as host_memory_available
 from labkit.model import GPT
@@ -89,20 +95,6 @@ __all__ = [  # the finder's API; the trials' names are re-exported for finder.X 
 
 GiB = 2**30
 
-OMISSIONS = (
-    "not predicted: the logits, which train_step's forward result keeps alive through the "
-    "backward pass, and the two s·V float32 gradients the loss's backward makes (with the saved "
-    "log-softmax the head then holds 4·s·V·4 bytes per sequence); the inputs of the final "
-    "LayerNorm and of the output head (2·s·h·e); LayerNorm's per-token mean and rstd "
-    "(8·s bytes per LayerNorm); the token ids; optimizer temporaries; scratch memory inside a "
-    "single kernel; on CUDA the caching allocator's rounding and the CUDA context. Counted but "
-    "not all present at the peak: the gradients, which grow as the activations are freed"
-)
-"""What the prediction leaves out (labkit.formulas.activation_bytes_per_layer lists the same).
-``labkit.memory.predicted_step_peak`` counts all of it, tensor by tensor, at the moment the step
-peaks (dropout off); this affine model is the one the search starts from."""
-
-
 # ----------------------------------------------------------------------------------------------
 # Input validation: errors name the argument, the value and what is allowed (the shared checks
 # are in labkit.batching.trials).
@@ -121,102 +113,7 @@ def _max_batch(value: object) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# 1. The prediction.
-
-
-@dataclass(frozen=True)
-class BatchPrediction:
-    """The largest micro-batch the memory model says fits in ``budget_bytes`` (modelled).
-
-    Predicted peak of a training step at micro-batch b::
-
-        model_state_bytes + fixed_activation_bytes + b · (activation + logits bytes per sequence)
-
-    model states: parameters + gradients + AdamW's exp_avg and exp_avg_sq, all float32
-    (``formulas.memory_breakdown``), all present at once in steady-state training. Activations:
-    ``formulas.activation_bytes`` for the GPT's blocks (its ``fixed`` part is autocast's cache of
-    16-bit weights, zero in float32). Logits: the float32 log-softmax cross-entropy saves, s·V·4
-    bytes per sequence, which the formula leaves out and which is large for a small model.
-    """
-
-    batch: int
-    """Largest b whose predicted peak fits (0: not even one sequence fits)."""
-    budget_bytes: int
-    model_state_bytes: float
-    fixed_activation_bytes: float
-    activation_bytes_per_sequence: float
-    logits_bytes_per_sequence: float
-    seq_len: int
-    dtype: str
-    omissions: str = OMISSIONS
-
-    @property
-    def bytes_per_sequence(self) -> float:
-        return self.activation_bytes_per_sequence + self.logits_bytes_per_sequence
-
-    def peak_bytes(self, batch: int) -> float:
-        """Predicted peak bytes of one training step at micro-batch ``batch``."""
-        b = whole("batch", batch, low=1)
-        return self.model_state_bytes + self.fixed_activation_bytes + b * self.bytes_per_sequence
-
-
-def _prediction(cfg: ModelConfig, budget: int, seq_len: int, dtype: str, attention: str,
-                dropout_mask_bytes: int) -> BatchPrediction:  # fmt: skip
-    n_params = formulas.gpt_params(cfg.vocab_size, cfg.d_model, cfg.n_layer,
-                                   seq_len=cfg.seq_len, tied=cfg.tie_weights)  # fmt: skip
-    # labkit trains float32 parameters with AdamW; bf16/fp16 is autocast over them
-    states = formulas.memory_breakdown(n_params, param_dtype="float32", optimizer="adamw").total
-    low = dtype != "float32"
-
-    def activations(b: int) -> float:
-        return formulas.activation_bytes(
-            cfg.n_layer, seq_len, b, cfg.d_model, cfg.n_head,
-            bytes_per_element=2 if low else 4, autocast=low, attention=attention,
-            dropout=cfg.dropout > 0, dropout_mask_bytes=dropout_mask_bytes,
-        )  # fmt: skip
-
-    # the formula is affine in b: a per-sequence slope plus autocast's weight cache
-    per_seq = activations(2) - activations(1)
-    fixed = activations(1) - per_seq
-    logits = seq_len * cfg.vocab_size * 4  # cross_entropy on float32 logits saves log_softmax
-    room = budget - states - fixed
-    batch = max(0, math.floor(room / (per_seq + logits)))
-    return BatchPrediction(batch=batch, budget_bytes=budget, model_state_bytes=states,
-                           fixed_activation_bytes=fixed, activation_bytes_per_sequence=per_seq,
-                           logits_bytes_per_sequence=logits, seq_len=seq_len, dtype=dtype)  # fmt: skip
-
-
-def predict_max_batch(
-    cfg_model: ModelConfig,
-    budget_bytes: float,
-    *,
-    dtype: str = "float32",
-    seq_len: int | None = None,
-    attention: str = "flash",
-    dropout_mask_bytes: int = 1,
-) -> BatchPrediction:
-    """The largest micro-batch whose predicted training-step peak fits ``budget_bytes``.
-
-    ``attention="flash"``: the GPT calls ``scaled_dot_product_attention``, which runs a fused
-    kernel that keeps no s×s matrix on CPU and CUDA; pass "materialized" for the math kernel.
-    ``dropout_mask_bytes``: 1 for CUDA's fused dropout; PyTorch's CPU dropout keeps its mask in
-    the activation dtype (4 in float32). Only used when ``cfg_model.dropout > 0``.
-
-    Raises ValueError for a budget <= 0, a seq_len beyond the model's context, and a budget in
-    which not even one sequence is predicted to fit (naming what one sequence needs).
-    """
-    budget = _budget(budget_bytes)
-    p = _prediction(cfg_model, budget, _seq_len(cfg_model, seq_len), _dtype(dtype), attention,
-                    dropout_mask_bytes)  # fmt: skip
-    if p.batch < 1:
-        need = p.peak_bytes(1)
-        raise ValueError(
-            f"budget_bytes={budget} ({_mib(budget)}) is below one micro-batch: the model states "
-            f"need {_mib(p.model_state_bytes)} and one sequence of {p.seq_len} tokens "
-            f"{_mib(need - p.model_state_bytes)} more (predicted, {dtype}); give "
-            f"budget_bytes >= {math.ceil(need)}, a shorter seq_len or a smaller model"
-        )
-    return p
+# 1. The prediction: closed-form, so it lives in labkit.formulas.max_batch (imported above).
 
 
 # ----------------------------------------------------------------------------------------------

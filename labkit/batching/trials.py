@@ -46,7 +46,10 @@ from torch.utils._pytree import tree_leaves
 from labkit import config, train
 from labkit.config import ModelConfig, TrainConfig
 from labkit.errors import LabkitError
-from labkit.validate import positive, whole
+from labkit.formulas.max_batch import checked_budget as _budget
+from labkit.formulas.max_batch import checked_seq_len as _seq_len
+from labkit.formulas.max_batch import mib as _mib
+from labkit.validate import whole
 
 # ----------------------------------------------------------------------------------------------
 # Input validation, shared with the finder: errors name the argument, the value and what is
@@ -59,30 +62,10 @@ def _dtype(value: Any) -> str:
     return value
 
 
-def _seq_len(cfg: ModelConfig | None, value: Any) -> int:
-    """``value`` checked against the model's context; None means the whole context."""
-    if value is None:
-        if cfg is None:
-            raise ValueError("seq_len=None is not allowed for a model without a ModelConfig "
-                             "(.cfg): give the sequence length in tokens")  # fmt: skip
-        return cfg.seq_len
-    s = whole("seq_len", value, low=1)
-    if cfg is not None and s > cfg.seq_len:
-        raise ValueError(
-            f"seq_len={s} is not allowed: the model's context is seq_len={cfg.seq_len} tokens "
-            f"(its position table has that many rows); give 1..{cfg.seq_len}"
-        )
-    return s
-
-
 def _model_cfg(model: nn.Module) -> ModelConfig | None:
     """The ``ModelConfig`` of a labkit GPT (its ``.cfg``); None for any other module."""
     cfg = getattr(model, "cfg", None)
     return cfg if isinstance(cfg, ModelConfig) else None
-
-
-def _mib(n: float) -> str:
-    return f"{n / 2**20:,.2f} MiB"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -416,11 +399,6 @@ def _cuda_warmup(trials: CudaOOM) -> Trial:
     trials.baseline_bytes = torch.cuda.memory_allocated(trials.device)
     return Trial(batch=1, fits=True, peak_bytes=peak, seconds=time.perf_counter() - t0,
                  phase="warm-up")  # fmt: skip
-
-
-def _budget(value: Any) -> int:
-    positive("budget_bytes", value, why="bytes, e.g. budget_bytes=16 * 2**30 for a 16 GiB card")
-    return int(value)
 
 
 @contextlib.contextmanager

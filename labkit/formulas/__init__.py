@@ -13,9 +13,11 @@ labkit write ``formulas.<name>`` whatever module holds it)::
 
     state_bytes    a dtype's bytes; parameters, gradients, optimizer state; ZeRO
     activations    what the backward keeps, per layer and outside; labkit's GPT term by term
+    recompute      what checkpointed blocks and each recompute mode keep, and the FLOPs re-run
+    max_batch      the largest micro-batch a memory budget holds (model states + activations)
     flops          parameter counts, training FLOPs, MFU, the roofline, GEMM tiles
     communication  collectives' bytes and bandwidths, α–β times, DDP buckets and overlap
-    pipeline       pipeline bubbles, under both conventions; a pipeline step's time
+    pipeline       pipeline bubbles, under both conventions; a pipeline step's time; 1F1B
     link_costs     one layer's compute against TP, PP and DP communication over named links
     multinode      an all-reduce across nodes, flat and two-level, over node counts
     checkpoints    a checkpoint's bytes; how often to write one (Young, Daly); steps lost
@@ -39,6 +41,8 @@ Sources the modules cite:
     [ml-eng]       stas00/ml-engineering, training/performance/README.md
                    ("Anatomy of Model's Memory Usage").
     [scaling-book] jax-ml/scaling-book, training.md (section 5) and gpus.md, roofline.md.
+    [Chen]         Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost",
+                   arXiv 1604.06174 (checkpointed segments).
     [Korthikanti]  Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
                    Models", arXiv 2205.05198, section 4.1.
     [NCCL-tests]   NVIDIA/nccl-tests, doc/PERFORMANCE.md.
@@ -101,6 +105,11 @@ from labkit.formulas.link_costs import (
     LinkCosts,
     link_costs,
 )
+from labkit.formulas.max_batch import (
+    OMISSIONS,
+    BatchPrediction,
+    predict_max_batch,
+)
 from labkit.formulas.multinode import (
     MultinodeAllreduce,
     multinode_allreduce_sweep,
@@ -109,7 +118,18 @@ from labkit.formulas.multinode import (
 from labkit.formulas.pipeline import (
     bubble_fraction,
     bubble_overhead,
+    one_f_one_b_in_flight,
     predicted_step,
+)
+from labkit.formulas.recompute import (
+    AC_MODES,
+    ELEMENTWISE_FLOPS_PER_TOKEN_PER_LAYER,
+    CheckpointPrediction,
+    RecomputePrediction,
+    paper_bytes_per_layer,
+    predict_checkpointing,
+    predict_recompute,
+    segment_checkpoint_bytes,
 )
 from labkit.formulas.state_bytes import (
     BYTES_PER_PARAM_CONVENTIONS,
@@ -133,14 +153,19 @@ from labkit.formulas.step_time import (
 )
 
 __all__ = [
+    "AC_MODES",
     "ATTENTION_KINDS",
     "BYTES_PER_PARAM_CONVENTIONS",
     "COLLECTIVES",
     "DTYPE_BYTES",
+    "ELEMENTWISE_FLOPS_PER_TOKEN_PER_LAYER",
     "FLOP_ATTENTION_CONVENTIONS",
+    "OMISSIONS",
     "OPTIMIZER_STATES",
     "ZERO_STAGES",
+    "BatchPrediction",
     "BytesPerParamConvention",
+    "CheckpointPrediction",
     "GPTShape",
     "GemmQuantization",
     "LinkCosts",
@@ -148,6 +173,7 @@ __all__ = [
     "MultinodeAllreduce",
     "OmittedActivations",
     "PrecisionRecipe",
+    "RecomputePrediction",
     "activation_bytes",
     "activation_bytes_omitted",
     "activation_bytes_per_layer",
@@ -182,8 +208,13 @@ __all__ = [
     "model_state_bytes",
     "multinode_allreduce_sweep",
     "multinode_allreduce_time",
+    "one_f_one_b_in_flight",
+    "paper_bytes_per_layer",
     "plot_multinode_allreduce",
     "predict_accumulated_seconds",
+    "predict_checkpointing",
+    "predict_max_batch",
+    "predict_recompute",
     "predicted_activations",
     "predicted_breakdown",
     "predicted_bytes_per_param",
@@ -194,6 +225,7 @@ __all__ = [
     "ring_allreduce_bytes_per_rank",
     "ring_allreduce_time",
     "roofline_attainable_flops",
+    "segment_checkpoint_bytes",
     "training_flops",
     "young_checkpoint_interval",
     "zero_memory_per_rank",

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from labkit.dtypes import TRAINING
 from labkit.formulas.state_bytes import dtype_bytes
 from labkit.validate import one_of, whole
 
@@ -269,6 +270,16 @@ class GPTShape(Protocol):
     seq_len: int
     vocab_size: int
     dropout: float
+    tie_weights: bool
+
+
+
+
+def _training_dtype(value: Any) -> str:
+    """``value``, if it is a run's dtype (``TrainConfig.dtype``); the finder's message."""
+    if value not in TRAINING:
+        raise ValueError(f"dtype={value!r} is not allowed: give one of {TRAINING}")
+    return value
 
 
 def predicted_activations(

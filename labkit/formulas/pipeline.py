@@ -2,7 +2,8 @@
 
 GPipe's (the bubble as a share of the whole step) and Narayanan et al.'s (relative to the
 ideal step), each under its own name; neither is "the" bubble. And the step time they imply
-with a cost per micro-batch (:func:`predicted_step`), the model notebook 03's exercise fits.
+with a cost per micro-batch (:func:`predicted_step`), the model notebook 03's exercise fits;
+and the micro-batches each stage holds at once under 1F1B (:func:`one_f_one_b_in_flight`).
 """
 
 from __future__ import annotations
@@ -47,3 +48,16 @@ def predicted_step(m: int, p: int, T: float, c: float) -> float:
     c more often: the step is least near m = √((p − 1)·T/c).
     """
     return (m + p - 1) * (T / m + c)
+
+
+def one_f_one_b_in_flight(stages: int, micro_batches: int) -> list[int]:
+    """Micro-batches each pipeline stage holds at once under 1F1B: min(p - i, m) for stage i.
+
+    Stage i runs p - i forwards before its first backward (PipeDream-Flush, Narayanan et al.
+    2021, arXiv 2104.04473, section 2.2), then one backward frees one micro-batch for each new
+    forward. So the first stage holds p micro-batches' activations, the last one; GPipe holds
+    all m on every stage.
+    """
+    p = whole("stages", stages, low=1)
+    m = whole("micro_batches", micro_batches, low=1)
+    return [min(p - i, m) for i in range(p)]
