@@ -777,7 +777,7 @@ def test_batch_plan_decides_on_the_notebook_measurements_and_runs_the_plan(capsy
         assert run.fits and run.alternative == (2, 4) and run.peak_bytes > 0
         assert [len(v) for v in run.seconds.values()] == [5, 5]
         assert run.outcome() in ("as the sweep said", "gap not repeated", "against the sweep",
-                                 "noisy")  # fmt: skip
+                                 "gap the sweep did not see", "noisy")  # fmt: skip
         # the notebook's cell prints the check's run: nothing runs twice
         assert here.run((4, 2, False)) is run
         text = str(run)
@@ -827,3 +827,15 @@ def test_the_plan_run_reads_its_verdict_against_the_sweep():
     assert run([0.1, 0.3, 0.1, 0.3, 0.2], [0.3, 0.1, 0.3, 0.1, 0.2]).outcome() == "noisy"
     assert "a right plan does not fail on noise" in run([0.1, 0.3, 0.1, 0.3, 0.2],
                                                         [0.3, 0.1, 0.3, 0.1, 0.2]).time_sentence()
+
+
+def test_a_gap_the_sweep_did_not_measure_is_not_called_as_the_sweep_said():
+    """The sweep measured 4 and 2 within 10% of each other; a run that finds the plan clearly
+    faster contradicts that, and the sentence must say so (it said 'as the sweep said')."""
+    inputs = exbs.PlanInputs(8, 1, 4, {1: 1e3, 2: 2.0e3, 4: 2.1e3}, 3.0)  # 2 within 10% of 4
+    c = verdict.compare_times([0.10] * 5, [0.20] * 5, names=("4 × 2", "2 × 4"))
+    run = exbs.PlanRun(inputs, (4, 2, False), (2, 4), True, 1, "a budget",
+                       {"4 × 2": [0.10] * 5, "2 × 4": [0.20] * 5}, c)  # fmt: skip
+    assert run.outcome() == "gap the sweep did not see"
+    assert run.time_sentence().startswith(
+        "the plan ran faster than the sweep said (the sweep measured the two within 10%; now 4 × 2 is faster)")

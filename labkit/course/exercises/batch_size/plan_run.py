@@ -72,7 +72,8 @@ class PlanRun:
 
     def outcome(self) -> str:
         """The run against the decision: "fits", "over" (did not fit), then the time verdict
-        against what the sweep said ("as the sweep said", "against the sweep", "noisy")."""
+        against what the sweep said ("as the sweep said", "against the sweep", "gap not
+        repeated", "gap the sweep did not see", "noisy")."""
         if not self.fits:
             return "over"
         if self.comparison is None:
@@ -86,6 +87,8 @@ class PlanRun:
             return "against the sweep"
         if self._expected() == "faster" and c.outcome == "agree":
             return "gap not repeated"
+        if self._expected() == "as fast" and plan_faster:
+            return "gap the sweep did not see"
         return "as the sweep said"
 
     def memory_sentence(self) -> str:
@@ -108,6 +111,9 @@ class PlanRun:
             "as the sweep said": f"as the sweep said ({said})",
             "gap not repeated": (f"the sweep's gap did not repeat ({said}; now they agree): at "
                                  f"this size the gap was within what a shared machine moves"),
+            "gap the sweep did not see": (f"the plan ran faster than the sweep said ({said}; now "
+                                          f"{self.name} is faster): at this size the sweep's rates "
+                                          f"were within what a shared machine moves"),
             "against the sweep": (f"against the sweep ({said}): {alt} ran faster now. The plan "
                                   f"followed the measurements it was given; rerun the sweep and "
                                   f"this cell when the machine is quieter to see which holds"),
