@@ -82,6 +82,7 @@ layer may be a decimal (2.5): a module slotted between two layers.
     3    precision             number formats, underflow, loss scaling, autocast
     3    roofline              this machine's measured ceilings and kernels placed under them
     3    course.exam           the mock exam over every quiz bank
+    3    course.hosted         a hosted notebook's setup: labkit and its pins into the kernel
     3    jobs.checkpoint       atomic DCP checkpoints a restarted job resumes from
     3.5  hardware.doctor.host  the doctor's checks of the host: versions, CPU, memory, disk, a job
     3.5  workers.collective_faults_config  the collective-fault job's config and plan (no torch)

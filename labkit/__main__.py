@@ -20,6 +20,8 @@
                        their own job's key, and the record says so
     labkit timings     each notebook's run time, per section, and peak memory on this machine
     labkit slurm       an sbatch script that runs a worker on a SLURM cluster's nodes
+    labkit hosted-check  what this machine shows the course (versions, tier, training dtype,
+                       what is missing), as a hosted notebook's setup cell prints it
 """
 
 from __future__ import annotations
@@ -143,6 +145,7 @@ DELEGATED: dict[str, tuple[str, str]] = {
     "launch": ("labkit.jobs.launch", "run a worker, alone or as one node of several"),
     "timings": ("labkit.course.timings", "time every notebook, per section, with peak memory"),
     "slurm": ("labkit.jobs.slurm", "an sbatch script for a job on a SLURM cluster"),
+    "hosted-check": ("labkit.course.hosted", "what a hosted notebook's machine shows the course"),
 }
 
 

@@ -593,3 +593,19 @@ def test_sdpa_on_the_gpu_runs_a_fused_kernel_in_the_default_dtype():
     check = hw.sdpa_backend(seq_len=512, head_dim=64, n_head=8, device="cuda",
                             dtype=choice.dtype)
     assert check.backend != "math", check
+
+
+class FakeT4(FakeCuda):
+    def get_device_properties(self, i: int) -> SimpleNamespace:
+        return SimpleNamespace(**{**vars(super().get_device_properties(i)), "major": 7, "minor": 5})
+
+
+def test_a_tier_before_compute_capability_8_says_bf16_and_tf32_are_not_on_tensor_cores():
+    t4 = hw.describe_tier(cuda=FakeT4(["Tesla T4"]))
+    assert t4.tier == "single-gpu"
+    assert not any("tf32, bf16" in s for s in t4.can_show)
+    assert any("fp32 and fp16 (bf16 only emulated)" in s for s in t4.can_show)
+    assert any("compute capability 7.5 has none" in s and "loss scaler" in s for s in t4.cannot_show)
+    h200 = hw.describe_tier(cuda=FakeCuda(["NVIDIA H200"]))  # 9.0: the table's own line
+    assert any("fp32, tf32, bf16, fp16" in s for s in h200.can_show)
+    assert not any("compute capability" in s for s in h200.cannot_show)

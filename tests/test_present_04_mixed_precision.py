@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from labkit import config, data, fp8, precision, recipes, roofline
+from labkit import config, data, fp8, hardware, precision, recipes, roofline
 from labkit.model import GPT
 from labkit.precision import ScalerStep
 from labkit.profiling import precision_report as step_speed
@@ -83,8 +83,13 @@ def test_describe_here_says_what_each_tier_shows():
     cpu = precision.describe_here("cpu", ("bf16", "fp16"), tier="TIER")
     assert cpu.startswith("TIER\n\nautocast on cpu accepts: bf16, fp16\nThis tier shows the numerics")
     assert "tf32 and fp8 training need an NVIDIA GPU." in cpu
-    gpu = precision.describe_here("cuda", ("bf16",), tier="T")
-    assert gpu.splitlines()[-1].startswith("This tier shows real GPU numerics and speed")
+    h100 = precision.describe_here("cuda", ("bf16", "fp16"), tier="T", choice=hardware.autocast_dtype_for((9, 0)))
+    assert h100.splitlines()[-2].startswith("training dtype bfloat16: compute capability 9.0")
+    assert h100.splitlines()[-1].startswith("This tier shows real GPU numerics and speed")
+    assert "(tf32 included)" in h100
+    t4 = precision.describe_here("cuda", ("bf16", "fp16"), tier="T", choice=hardware.autocast_dtype_for((7, 5)))
+    assert "training dtype float16, with a loss scaler" in t4 and "no bf16 ones" in t4
+    assert "bf16 runs are emulated, without tensor cores" in t4 and "tf32" not in t4
 
 
 # -- precision: training runs -------------------------------------------------------------------

@@ -8,6 +8,7 @@
     record       record notebook 01's run on a GPU for learners without one
     nbgen        the learners' notebooks, generated from the solutions
     timings      each notebook's run time per section, for a workshop's plan
+    hosted       a hosted notebook's setup cell: labkit and its pins into a running kernel
 
 Importing this folder imports none of them: ``from labkit.course import quiz``.
 """

@@ -42,6 +42,15 @@ class AutocastChoice(NamedTuple):
     scaler: bool
     reason: str
 
+    def describe(self) -> str:
+        """The line a notebook prints where it picks its training dtype: what, and why.
+
+        >>> print(autocast_dtype_for((8, 9)).describe().split(":")[0])
+        training dtype bfloat16
+        """
+        scaling = ", with a loss scaler (torch.amp.GradScaler)" if self.scaler else ""
+        return f"training dtype {self.dtype}{scaling}: {self.reason}"
+
 
 def _check_capability(capability: Any) -> tuple[int, int] | None:
     if capability is None:

@@ -17,9 +17,13 @@ from typing import Any
 
 import torch
 
+from labkit.hardware.capabilities import BF16_MIN_CAPABILITY
 from labkit.hardware.gpus import GpuInfo, gpu_info
 
 TIERS = ("cpu", "single-gpu", "multi-gpu")
+
+_PRECISION = "precision effects on tensor cores: fp32, tf32, bf16, fp16"
+_PRECISION_BEFORE_BF16 = "precision effects on tensor cores: fp32 and fp16 (bf16 only emulated)"
 
 _TIER_CAN = {
     "cpu": (
@@ -30,7 +34,7 @@ _TIER_CAN = {
     ),
     "single-gpu": (
         "real GPU speed, memory and utilisation (NVML)",
-        "precision effects on tensor cores: fp32, tf32, bf16, fp16",
+        _PRECISION,
         "profiling with torch.profiler, NVTX and Nsight",
         "multi-process correctness over gloo, as on the CPU tier",
     ),
@@ -110,11 +114,15 @@ def describe_tier(*, cuda: Any | None = None, nvml: Any | None = None) -> TierIn
             f"NVML sees {len(gpus)} GPU(s) but torch {torch.__version__} cannot use them: "
             "install a CUDA build of torch to run the GPU tiers"
         )
-    return TierInfo(
-        tier=name,
-        gpus=gpus,
-        can_show=_TIER_CAN[name],
-        cannot_show=_TIER_CANNOT[name],
-        notes=tuple(notes),
-    )
+    can, cannot = _TIER_CAN[name], _TIER_CANNOT[name]
+    before_bf16 = sorted({g.compute_capability for g in gpus if g.compute_capability
+                          and g.compute_capability < BF16_MIN_CAPABILITY})  # fmt: skip
+    if name != "cpu" and before_bf16:
+        # A T4 (7.5) or V100 (7.0): fp16 tensor cores only; bf16 and tf32 would be emulated.
+        major, minor = before_bf16[0]
+        can = tuple(_PRECISION_BEFORE_BF16 if s == _PRECISION else s for s in can)
+        cannot = (*cannot, f"bf16 or tf32 on tensor cores: compute capability {major}.{minor} "
+                           "has none (they arrived with 8.0); notebooks train in fp16 with a loss "
+                           "scaler here and say so")  # fmt: skip
+    return TierInfo(tier=name, gpus=gpus, can_show=can, cannot_show=cannot, notes=tuple(notes))
 

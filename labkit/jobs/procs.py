@@ -14,7 +14,9 @@ import os
 import re
 import shutil
 import stat
+import tempfile
 import time
+import warnings
 from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Any
@@ -37,10 +39,45 @@ STARTING_GRACE_S = 60.0
 
 
 def labkit_home() -> Path:
-    """labkit's cache folder: $LABKIT_HOME, else $XDG_CACHE_HOME/labkit or ~/.cache/labkit."""
+    """labkit's cache folder: $LABKIT_HOME, else $XDG_CACHE_HOME/labkit or ~/.cache/labkit.
+
+    Where that folder can be neither used nor made (a read-only or missing home, as a hosted
+    notebook may have), a folder of this user's in the temporary directory instead: said once,
+    and put in LABKIT_HOME so that the jobs this process launches use it too, silently.
+    """
     if os.environ.get("LABKIT_HOME"):
         return Path(os.environ["LABKIT_HOME"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "labkit"
+    try:
+        home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "labkit"
+    except RuntimeError:  # no HOME, and no password-file entry to find one in
+        return _temporary_home("there is no home folder")
+    if _usable(home):
+        return home
+    return _temporary_home(f"{home} can be neither written nor made (a read-only home?)")
+
+
+def _usable(folder: Path) -> bool:
+    """Whether ``folder`` can be written, or made: it, or its nearest existing parent, is a
+    folder this process may write in (probed without making anything)."""
+    for path in (folder, *folder.parents):
+        if path.exists():
+            return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
+    return False
+
+
+def _temporary_home(why: str) -> Path:
+    folder = Path(tempfile.gettempdir()) / f"labkit-{os.getuid()}"
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        ours = not folder.is_symlink() and folder.stat().st_uid == os.getuid()
+    except OSError:
+        ours = False
+    if not ours:  # a shared temporary folder where another user took the name first
+        folder = Path(tempfile.mkdtemp(prefix="labkit-"))
+    os.environ["LABKIT_HOME"] = str(folder)
+    warnings.warn(f"labkit: {why}: job logs and exercise files go to {folder} instead "
+                  "(set LABKIT_HOME to choose the folder)", stacklevel=3)
+    return folder
 
 
 def registry_dir() -> Path:

@@ -225,17 +225,26 @@ def describe_dtypes(rows: Sequence[DtypeRow], *, device_type: str, dtype: str) -
     return "\n".join(lines)
 
 
-def describe_here(device_type: str, formats: Sequence[str], tier: Any = None) -> str:
+def describe_here(device_type: str, formats: Sequence[str], tier: Any = None,
+                  choice: Any = None) -> str:
     """What notebook 04 can show on this machine: the tier (``labkit.hardware.describe_tier``
-    unless given), the formats autocast accepts here, and which figures are real on this tier."""
-    if tier is None:
-        from labkit import hardware  # a lower layer; imported here, where it is needed
+    unless given), the formats autocast accepts here, and which figures are real on this tier.
+    On a GPU, also the training dtype its compute capability calls for and why
+    (``choice``: ``labkit.hardware.default_autocast_dtype`` unless given): on a T4 or V100,
+    autocast accepts bf16 but runs it without tensor cores."""
+    from labkit import hardware  # a lower layer; imported here, where it is needed
 
+    if tier is None:
         tier = hardware.describe_tier()
     lines = [str(tier), f"\nautocast on {device_type} accepts: {', '.join(formats)}"]
     if device_type == "cuda":
+        choice = hardware.default_autocast_dtype("cuda") if choice is None else choice
+        lines.append(choice.describe())
+        # a GPU before compute capability 8.0 gets fp16 by default: it has no bf16 or tf32 units
+        which = ("fp32 and fp16; bf16 runs are emulated, without tensor cores"
+                 if choice.dtype == "float16" else "tf32 included")  # fmt: skip
         lines.append("This tier shows real GPU numerics and speed: tensor-core matmuls per "
-                     "precision (tf32 included), memory, and fp8 training if the GPU has compute "
+                     f"precision ({which}), memory, and fp8 training if the GPU has compute "
                      "capability ≥ 8.9.")
     else:
         lines.append(
