@@ -103,6 +103,7 @@ layer may be a decimal (2.5): a module slotted between two layers.
     6    hardware.doctor       is this machine ready for the course?
     7    course.nbgen          the learners' notebooks, generated from the solutions
     7    course.timings        each notebook's run time per section, for a workshop's plan
+    7.5  course.book           the rendered course: learners' notebooks executed, as a static site
     8    __main__              the command line: ``python -m labkit <command>``
 """
 

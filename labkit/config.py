@@ -402,6 +402,8 @@ ENVIRONMENT: dict[str, str] = {
     "LABKIT_TEST_SESSION": "set by the test suite (internal)",
     "LABKIT_SLURM_TEST": "set by the SLURM test on its cluster's daemons (internal)",
     "LABKIT_EXPECT_SOLVED": "1: every exercise check must pass (complete notebooks)",
+    "LABKIT_EXECUTED_DIR": "where the test suite also saves each learner's notebook it "
+                           "executed, for ./course book --executed (CI sets it)",
 }
 """Every ``LABKIT_*`` environment variable labkit reads, with what it sets. There is one size
 switch, ``LABKIT_SIZE``; another spelling (``LABKIT_SMOKE=1``) would be silently ignored, so

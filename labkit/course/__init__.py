@@ -9,6 +9,7 @@
     nbgen        the learners' notebooks, generated from the solutions
     timings      each notebook's run time per section, for a workshop's plan
     hosted       a hosted notebook's setup cell: labkit and its pins into a running kernel
+    book         the rendered course: learners' notebooks executed, as a static site
 
 Importing this folder imports none of them: ``from labkit.course import quiz``.
 """

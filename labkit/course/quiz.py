@@ -10,7 +10,8 @@ nothing selected. A wrong choice says why *that* choice is wrong and leaves the 
 again; the full explanation appears only with the right answer, or when the learner presses
 "Show answer". Where widgets cannot render (a terminal, a headless run under papermill or nbval)
 the quiz prints as plain text, questions first and an "Answers" section after them; a displayed
-widget also carries that text as its ``text/plain`` fallback.
+widget also carries that text as its ``text/plain`` fallback, and for a static page (the
+rendered course, ``./course book``) the quiz as HTML, each answer folded (:func:`as_html`).
 
 A bank is ``labkit/course/quizbank/NN.json``::
 
@@ -354,6 +355,27 @@ def as_text(bank: Bank | str | int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def as_html(bank: Bank | str | int) -> str:
+    """The quiz as static HTML, for a page where no kernel runs (the rendered course): numbered
+    questions and lettered choices, each answer folded under its question in a
+    ``<details>`` element, so a reader tries before unfolding it. Unfolded, it says what the
+    text quiz's "Answers" section says: the right choice, the explanation, why each other
+    choice is wrong."""
+    bank = _bank(bank)
+    parts = [f'<div class="labkit-quiz-static"><h3>Quiz {bank.notebook}: '
+             f"{html.escape(bank.title)}</h3><ol>"]  # fmt: skip
+    for q in bank.questions:
+        choices = "".join(f"<li>{_html(c)}</li>" for c in q.choices)
+        wrong = "".join(f"<li>Not {LETTERS[i]}): {_html(why)}</li>"
+                        for i, why in enumerate(q.why_wrong) if why is not None)  # fmt: skip
+        parts.append(
+            f'<li><p>{_html(q.question)} <small>[{html.escape(q.domain)}]</small></p>'
+            f'<ol type="a">{choices}</ol>'
+            f"<details><summary>Answer</summary>{reveal(q)}<ul>{wrong}</ul></details></li>"
+        )
+    return "".join(parts) + "</ol></div>"
+
+
 def question_heading(question: Question, number: int, *, tag: bool = True) -> Any:
     """The question's text as an HTML widget: its number, the question and, with ``tag``, its
     sub-topic (the mock exam hides it while it runs, as a certification exam does)."""
@@ -477,10 +499,12 @@ def widget(bank: Bank | str | int) -> Any:
 
 
 class QuizView:
-    """What :func:`show` displays: the widget, with the text quiz as its plain-text fallback.
+    """What :func:`show` displays: the widget, with :func:`as_html` and :func:`as_text` as its
+    fallbacks.
 
-    Front ends that render widgets pick the widget; everything else (nbval, a notebook viewed
-    where no kernel runs) falls back to ``text/plain``.
+    Front ends that render widgets pick the widget; a static page of the executed notebook (the
+    rendered course, a notebook viewer) shows ``text/html``, answers folded; nbval and a
+    terminal read ``text/plain``.
     """
 
     def __init__(self, bank: Bank) -> None:
@@ -490,6 +514,9 @@ class QuizView:
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict:
         data = dict(self.widget._repr_mimebundle_(include=include, exclude=exclude) or {})
         data["text/plain"] = as_text(self.bank)
+        # Where widgets cannot render but HTML can (a static page of the executed notebook),
+        # the quiz stays readable with its answers folded; a live front end picks the widget.
+        data["text/html"] = as_html(self.bank)
         return data
 
     def __repr__(self) -> str:
