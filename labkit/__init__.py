@@ -21,6 +21,7 @@ The tree, by subsystem:
     monitor/      live plots of a job's metrics under the cell, and the final figure
     profiling/    traces, phases, overlap, Nsight, planted bottlenecks, HTA
     batching/     batch-size tuning and activation recomputation
+    tabular/      the data scientist's models: Dask workers, XGBoost across them, RAPIDS
     roofline/     this machine's measured ceilings
     workers/      the modules every rank of a launched job runs
     recordings/   what real GPUs measured, shipped for learners without one
@@ -90,6 +91,7 @@ layer may be a decimal (2.5): a module slotted between two layers.
     4    parallel              data, pipeline, tensor, sequence, context and expert parallelism
     4    monitor               live plots of a job's metrics under the cell
     4    batching              batch-size tuning: what fits, how fast, how large is useful
+    4    tabular               Dask workers, XGBoost across them, the bytes per round, RAPIDS
     4    recipes               mixed-precision recipes: bytes per parameter, predicted, measured
     4    fp8                   fp8 casts on real tensors, and fp8 training where it runs
     4    profiling             traces, phases, overlap, memory timelines, Nsight commands, HTA

@@ -59,7 +59,8 @@ def normal(name: str) -> str:
 def cuda_only(name: str) -> bool:
     """The CUDA libraries and Triton a GPU build of torch pulls in: never locked, so the same
     lock serves the CPU wheel CI tests and the CUDA build a GPU machine installs."""
-    return normal(name).startswith("nvidia-") or normal(name) == "triton"
+    # nvidia-ml-py is NVML's Python binding, a direct pin of requirements.txt, not a CUDA library
+    return (normal(name).startswith("nvidia-") and normal(name) != "nvidia-ml-py") or normal(name) == "triton"
 
 
 def render(pins: dict[str, str]) -> str:

@@ -22,6 +22,7 @@ labkit write ``formulas.<name>`` whatever module holds it)::
     multinode      an all-reduce across nodes, flat and two-level, over node counts
     checkpoints    a checkpoint's bytes; how often to write one (Young, Daly); steps lost
     step_time      step times from measured parts (gradient accumulation)
+    boosting       boosted trees across workers: histogram all-reduce bytes per round, matrices
 
 Notation (Korthikanti et al. 2022, arXiv 2205.05198; the Ultra-Scale Playbook):
       N  parameters           L  layers              h  hidden size (d_model)
@@ -53,6 +54,7 @@ Sources the modules cite:
 
 from __future__ import annotations
 
+from labkit.formulas import boosting as boosting
 from labkit.formulas.activations import (
     ATTENTION_KINDS,
     GPTShape,

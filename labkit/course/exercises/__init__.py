@@ -52,6 +52,7 @@ Its modules:
     capstone           notebook 07's exercise (the capstone), checked in the kernel
     composing          exercise checks for notebook 03b (composing parallelisms), in the kernel and
                        in real ranks
+    data_science       notebook 08's exercises (multi-GPU training for data science), in the kernel
     data_parallel      exercise checks for notebook 02 (data parallelism): three run inside worker
                        processes, one decision in the kernel
     feedback           what a learner reads: the one line a check prints, the hints in steps, whose

@@ -31,6 +31,7 @@ MODULES: dict[str, str] = {
     "03c": "labkit.course.exercises.sequences_experts",
     "03d": "labkit.course.exercises.planning",
     "07": "labkit.course.exercises.capstone",
+    "08": "labkit.course.exercises.data_science",
 }
 """Notebook -> the module that registers its exercises."""
 
