@@ -3,7 +3,7 @@
     python -m benchmarks.bench_launch                  # 5 pairs of 2-rank launches
     python -m benchmarks.bench_launch --record         # save to benchmarks/results/
 
-Times ``labkit.jobs.launch.run("labkit.workers.allreduce", nproc=2, ...)`` against
+Times ``labkit.jobs.launch.run(AllReduceConfig(...), nproc=2, ...)`` against
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 -m labkit.workers.allreduce
 

@@ -36,11 +36,13 @@ layer may be a decimal (2.5): a module slotted between two layers.
 
   layer  unit                  what it is
     -2   errors                LabkitError, the one base of every exception labkit raises
-    -2   _moved                the old flat module names, mapped to their folders
+    -2   _moved                the old flat module names, mapped to their folders; a folder's
+                               modules imported on first use (``labkit.workers.pp_train``)
     -1   validate              argument checks with one message style, raising errors' classes
     -1   dtypes                the number formats' names, spellings and bytes, in one table
     -1   ids                   how notebooks, exercises and quiz questions are named
     -1   tables                the one HTML table every _repr_html_ builds, each cell escaped
+    -1   op_kinds              which kind of work an ATen operator does (matmul, attention...)
     -1   jobs.nodes            where this machine sits in a multi-node job; torchrun's flags
     0    jobs.spec             a job before it runs: a worker's typed config; its folder (no torch)
     0    config                typed, validated configurations and the learner's size presets
@@ -85,7 +87,6 @@ layer may be a decimal (2.5): a module slotted between two layers.
     3    course.exam           the mock exam over every quiz bank
     3    course.hosted         a hosted notebook's setup: labkit and its pins into the kernel
     3    jobs.checkpoint       atomic DCP checkpoints a restarted job resumes from
-    3.5  hardware.doctor.host  the doctor's checks of the host: versions, CPU, memory, disk, a job
     3.5  workers.collective_faults_config  the collective-fault job's config and plan (no torch)
     3.5  workers.capstone_config  the capstone job's config: sizes plain, knobs sealed (no torch)
     4    parallel              data, pipeline, tensor, sequence, context and expert parallelism
@@ -100,6 +101,7 @@ layer may be a decimal (2.5): a module slotted between two layers.
     5    workers               the modules every rank of a launched job runs
     5    course.capstone       notebook 07's slow job: faults, seeds, the job, its evidence
     5    recordings            figures and profiles recorded on real GPUs, shipped for everyone
+    5.5  hardware.doctor.host  the doctor's checks of the host: versions, CPU, memory, disk, a job
     6    course.exercises      the exercise registry, graded hints and the checks
     6    course.record         record notebook 01's run on a GPU for learners without one
     6    hardware.doctor       is this machine ready for the course?

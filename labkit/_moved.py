@@ -9,6 +9,11 @@ repository to that.
 
 :func:`install` adds one finder to ``sys.meta_path``. It answers only for the names in
 :data:`MOVED` and imports nothing until such a name is asked for.
+
+A folder that imports none of its modules up front (so that importing one never pulls in the
+others) can still be used as one name: :func:`submodules_on_demand` is its ``__getattr__``, so
+``from labkit import workers`` and then ``workers.pp_train.run(...)`` imports ``pp_train`` where
+it is first named.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
+from collections.abc import Callable
 from types import ModuleType
 
 MOVED: dict[str, str] = {
@@ -78,3 +84,19 @@ def install() -> None:
     otherwise load a second copy of a moved package's submodule under the old name."""
     if _FINDER not in sys.meta_path:
         sys.meta_path.insert(0, _FINDER)
+
+
+def submodules_on_demand(package: str) -> Callable[[str], ModuleType]:
+    """A package's module ``__getattr__`` (PEP 562): ``package.name`` imports the submodule
+    ``name`` the first time it is named. Nothing is imported before; a name that is not a
+    submodule stays an AttributeError. In the folder's ``__init__.py``::
+
+        __getattr__ = submodules_on_demand(__name__)
+    """
+
+    def __getattr__(name: str) -> ModuleType:
+        if not name.startswith("__") and importlib.util.find_spec(f"{package}.{name}") is not None:
+            return importlib.import_module(f"{package}.{name}")
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__

@@ -19,7 +19,6 @@ import difflib
 import functools
 import json
 import math
-import numbers
 import os
 import types
 import typing
@@ -28,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from labkit.dtypes import TRAINING as DTYPES
-from labkit.validate import shown
+from labkit.validate import is_integer, is_real, shown
 
 SIZES = ("smoke", "lab", "gpu")
 CORPUS_VOCAB_SIZE = 256
@@ -78,9 +77,9 @@ def _checked(f: dataclasses.Field, hint: Any, value: Any) -> Any:
     if hint is bool:
         ok = isinstance(value, bool)
     elif hint is int:
-        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        ok = is_integer(value)
     elif hint is float:
-        ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        ok = is_real(value)  # NaN and infinities too: refused below, as not finite
     elif hint is str or dataclasses.is_dataclass(hint):
         ok = isinstance(value, hint)
     else:

@@ -28,8 +28,8 @@ from typing import Any, TypeVar
 
 from labkit.errors import LabkitError
 
-__all__ = ["InvalidValue", "flag", "is_finite", "number", "one_of", "positive", "refuse", "shown",
-           "whole"]
+__all__ = ["InvalidValue", "flag", "is_finite", "is_integer", "is_real", "number", "one_of",
+           "positive", "refuse", "shown", "whole"]
 
 T = TypeVar("T")
 
@@ -68,6 +68,18 @@ def is_finite(value: Real) -> bool:
         return math.isfinite(value)
     except OverflowError:
         return False
+
+
+def is_integer(value: Any) -> bool:
+    """Whether ``value`` is an integer (a numpy one too), never a bool: :func:`whole`'s type
+    test, for a caller that words its own refusal."""
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def is_real(value: Any) -> bool:
+    """Whether ``value`` is a real number (NaN and infinities included), never a bool:
+    :func:`number`'s type test, for a caller that words its own refusal."""
+    return isinstance(value, Real) and not isinstance(value, bool)
 
 
 def _bounds(low: float | None, high: float | None) -> str:

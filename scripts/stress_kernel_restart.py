@@ -36,8 +36,9 @@ from pathlib import Path
 
 import psutil
 
+from labkit.jobs.spec import JOB_DIR_ENV  # torch-free: the kernel is the one to import torch
+
 REPO = Path(__file__).resolve().parents[1]
-JOB_DIR_ENV = "LABKIT_JOB_DIR"  # labkit.jobs.runtime.JOB_DIR_ENV (not imported: that pulls in torch)
 
 # The job the kernel runs: ~60 s of heartbeats on each rank; rank 0 first starts a child with
 # SIGTERM ignored (set before the fork, restored after: the child inherits SIG_IGN).
@@ -52,7 +53,7 @@ def main(ctx):
         before = signal.signal(signal.SIGTERM, signal.SIG_IGN)
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         signal.signal(signal.SIGTERM, before)
-    if ctx.config.get("ranks_ignore_sigterm"):
+    if os.environ.get("RANKS_IGNORE_SIGTERM") == "1":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ctx.write_result({"pid": os.getpid(), "child_pid": child.pid if child else None})
     for step in range(600):
@@ -67,8 +68,8 @@ CELL = """
 import sys
 sys.path.insert(0, {folder!r})
 from labkit.jobs import launch
-launch.run("restart_victim", nproc=2, config={{"ranks_ignore_sigterm": {ignore}}},
-           timeout_s=90, stream=False)
+launch.run("restart_victim", nproc=2, env={{"RANKS_IGNORE_SIGTERM": "{ignore:d}"}}, timeout_s=90,
+           stream=False)
 """
 
 

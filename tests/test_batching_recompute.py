@@ -194,3 +194,21 @@ def test_refuses_bad_input():
     with pytest.raises(ValueError, match="inputs is empty"):
         ck.measure_in_flight_bytes(torch.nn.Identity(), [])
     assert ck.apply_ac(_model(), "none") == []
+
+
+def test_the_selective_policy_keeps_what_op_kinds_calls_matmul_or_attention():
+    # One classifier (labkit.op_kinds) decides; the ops it keeps are the ones the policy kept
+    # when it listed them by hand: the four matmuls and the fused attention kernels.
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten = torch.ops.aten
+    kept = [aten.mm, aten.addmm, aten.bmm, aten.baddbmm,
+            aten._scaled_dot_product_flash_attention_for_cpu,
+            aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_efficient_attention,
+            aten._scaled_dot_product_cudnn_attention]  # fmt: skip
+    recomputed = [aten.native_layer_norm, aten.gelu, aten.add, aten.view, aten.t,
+                  aten.native_dropout, aten._log_softmax]  # fmt: skip
+    for packet in kept:
+        assert ck.selective_policy(None, packet.default) == CheckpointPolicy.MUST_SAVE, packet
+    for packet in recomputed:
+        assert ck.selective_policy(None, packet.default) == CheckpointPolicy.PREFER_RECOMPUTE, packet

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from labkit import config, formulas, hardware
-from labkit.batching import finder, sweep, trials
+from labkit.batching import finder, sweep, sweep_report, trials
 from labkit.model import GPT
 
 SMOKE = config.preset("smoke")
@@ -115,22 +115,22 @@ def test_sweep_keeps_the_models_dtype_choice():
 
 def test_check_prediction_chooses_its_sentence_from_the_numbers():
     tight = [0.100, 0.101, 0.099, 0.100, 0.102, 0.098, 0.100]  # median 0.100, narrow notch
-    agree = sweep.check_prediction(0.105, tight, name="8 × 4")
+    agree = sweep_report.check_prediction(0.105, tight, name="8 × 4")
     assert agree.outcome == "agree" and "agrees within ±20%" in agree.sentence
     assert agree.off == pytest.approx(0.100 / 0.105 - 1)
-    slower = sweep.check_prediction(0.070, tight, name="8 × 4")  # measured 43% above
+    slower = sweep_report.check_prediction(0.070, tight, name="8 × 4")  # measured 43% above
     assert slower.outcome == "above" and "slower than predicted" in slower.sentence
-    faster = sweep.check_prediction(0.150, tight, name="8 × 4")  # measured 33% below
+    faster = sweep_report.check_prediction(0.150, tight, name="8 × 4")  # measured 33% below
     assert faster.outcome == "below" and "faster than predicted" in faster.sentence
     wide = [0.05, 0.10, 0.15, 0.08, 0.12, 0.20, 0.06]  # the notch straddles the band's edge
-    assert sweep.check_prediction(0.1, wide, name="x").outcome == "noisy"
-    assert sweep.check_prediction(0.1, tight[:3], name="x").outcome == "noisy"  # too few runs
-    assert sweep.check_prediction(0.09, tight, name="x", tolerance=0.05).outcome == "above"
+    assert sweep_report.check_prediction(0.1, wide, name="x").outcome == "noisy"
+    assert sweep_report.check_prediction(0.1, tight[:3], name="x").outcome == "noisy"  # too few runs
+    assert sweep_report.check_prediction(0.09, tight, name="x", tolerance=0.05).outcome == "above"
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="predicted"):
-            sweep.check_prediction(bad, tight, name="x")
+            sweep_report.check_prediction(bad, tight, name="x")
     with pytest.raises(ValueError, match="tolerance"):
-        sweep.check_prediction(0.1, tight, name="x", tolerance=1.5)
+        sweep_report.check_prediction(0.1, tight, name="x", tolerance=1.5)
 
 
 # --- batch sizes around multiples of 8: the sizes, the GEMM timing, the verdict on fixed numbers

@@ -132,9 +132,9 @@ def test_the_worker_knows_settings_not_faults_and_refuses_an_unknown_one():
     source = Path(capstone_train.__file__).read_text()
     assert not [f for f in capstone.BY_ID if re.search(rf"\b{f}\b", source)]
     with pytest.raises(ValueError, match=r"config keys \['gremlins'\] are not settings"):
-        capstone_train.validate({"gremlins": 1}, 2)
+        capstone_train.CapstoneConfig.of({"gremlins": 1})
     with pytest.raises(ValueError, match="micro_batch=3 does not divide a rank's 16"):
-        capstone_train.validate({"micro_batch": 3}, 2)
+        capstone_train.run(capstone_train.CapstoneConfig.of({"micro_batch": 3}), nproc=2)
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ import torch.distributed as tdist
 from labkit.course import exercises as ex
 from labkit.course.exercises import data_parallel as exdp
 from labkit.course.exercises import leftovers
+from labkit.course.exercises import registry as exercise_registry
 from labkit.course.exercises.data_parallel import check_tools as dp_check_tools
 from labkit.course.exercises.data_parallel import runner as dp_runner
 from labkit.jobs import diagnosis, launch
@@ -52,7 +53,7 @@ def _child_pids_alive(pids: list[int]) -> list[int]:
 @pytest.fixture
 def one_second_limit(monkeypatch):
     """01.adam_bytes with a 1 s time limit (its check calls the answer a few times)."""
-    monkeypatch.setitem(ex._REGISTRY, "01.adam_bytes",
+    monkeypatch.setitem(exercise_registry._REGISTRY, "01.adam_bytes",
                         dataclasses.replace(ex.get("01.adam_bytes"), time_limit_s=1.0))  # fmt: skip
 
 
@@ -82,7 +83,7 @@ def _learner_call(n: int, line: int, op: str = "all_reduce") -> dict:
 
 
 def _check_call(n: int, op: str = "all_gather_object") -> dict:
-    return {"n": n, "op": op, "file": dp_check_tools.__file__, "line": 55, "func": "_agree",
+    return {"n": n, "op": op, "file": dp_check_tools.__file__, "line": 55, "func": "agree_on_problem",
             "code": "tdist.all_gather_object(found, problem)", "yours": False}  # fmt: skip
 
 
@@ -131,7 +132,7 @@ def test_a_rank_that_reported_a_mistake_and_left_comes_first(tmp_path):
     text = ex.explain_job_error(failed, reports)
     assert text.startswith("on rank 1: wte.weight was never all-reduced. Then rank 0 waited in "
                            "the check's own dist.all_gather_object (check_tools.py, line 55, "
-                           "in _agree), which rank 1 never called."), text  # fmt: skip
+                           "in agree_on_problem), which rank 1 never called."), text  # fmt: skip
 
 
 def test_ledgers_that_agree_leave_the_other_evidence_in_charge(tmp_path):

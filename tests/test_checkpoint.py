@@ -264,11 +264,10 @@ def test_a_rank_whose_files_are_elsewhere_fails_the_save_and_publishes_nothing(t
 def test_a_job_across_nodes_must_name_a_shared_checkpoint_folder():
     from labkit.workers import resilient_train as rt
 
-    cfg = rt.validate({}, 2)
-    rt.check_shared_root(cfg, 1)  # one machine: its job folder will do
-    rt.check_shared_root({**cfg, "checkpoint_dir": "/shared/ckpt"}, 2)
+    rt.ResilientTrainConfig().check_shared_root(1)  # one machine: its job folder will do
+    rt.ResilientTrainConfig(checkpoint_dir="/shared/ckpt").check_shared_root(2)
     with pytest.raises(ValueError, match=r"spans 2 agents.*checkpoint_dir"):
-        rt.check_shared_root(cfg, 2)
+        rt.ResilientTrainConfig().check_shared_root(2)
 
 
 # --- resharding and asynchronous saves ------------------------------------------------------------

@@ -26,11 +26,10 @@ def test_default_sizes_are_powers_of_four_from_8_bytes_to_32_mib():
 @pytest.mark.slow
 def test_smoke_launch_reports_every_collective_and_size():
     res = launch.run(
-        "labkit.workers.collectives",
+        collectives.CollectivesConfig(sizes=SIZES, repeats=3, warmup=1),
         nproc=2,
         device="cpu",
         stream=False,
-        config={"sizes": SIZES, "repeats": 3, "warmup": 1},
         timeout_s=120,
     )
     out = res.rank(0)

@@ -144,7 +144,7 @@ N = 2
 @pytest.fixture(scope="module")
 def job():
     return launch.run(
-        "labkit.workers.cp_attention", nproc=N, config=CONF, timeout_s=180, stream=False
+        cp_attention.CPAttentionConfig(**CONF), nproc=N, timeout_s=180, stream=False
     )
 
 

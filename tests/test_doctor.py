@@ -24,6 +24,7 @@ from labkit.hardware import doctor
 from labkit.hardware.doctor import gpu as doctor_gpu
 from labkit.hardware.doctor import host as doctor_host
 from labkit.jobs import launch
+from labkit.workers.allreduce import AllReduceConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -165,9 +166,9 @@ def test_allreduce_failure_is_a_fail_with_the_error_and_a_fix(monkeypatch, tmp_p
     assert "Traceback" not in check.detail
     assert "labkit cleanup" in check.fix and str(tmp_path) in check.fix
     ((module, kw),) = calls
-    assert module == "labkit.workers.allreduce" and kw["nproc"] == 2 and kw["stream"] is False
-    assert kw["config"] == {"numel": 2**18, "repeats": doctor.ALLREDUCE_REPEATS, "probe": False,
-                            "wire": False}  # connect and agree: no link probe, no wire count
+    assert kw["nproc"] == 2 and kw["stream"] is False and "config" not in kw
+    assert module == AllReduceConfig(numel=2**18, repeats=doctor.ALLREDUCE_REPEATS, probe=False,
+                                     wire=False)  # connect and agree: no link probe, no wire count
     if not torch.cuda.is_available():
         assert kw["device"] == "cpu"
 

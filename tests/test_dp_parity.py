@@ -24,7 +24,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from labkit.parallel.dp_config import validate_dp_config
+from labkit.parallel.dp_config import DPJob
 from labkit.workers import dp_train
 
 MODEL = {"seq_len": 16, "n_layer": 2, "n_head": 2, "d_model": 32}
@@ -43,8 +43,13 @@ def config(**extra) -> dict:
     }
 
 
+def resolved(cfg: dict) -> DPJob:
+    """The job ``cfg`` is on 2 CPU ranks, as the worker resolves it: the reference's input."""
+    return dp_train.DPTrainConfig(**cfg).resolve(2)
+
+
 def launch(cfg: dict):
-    res = dp_train.run(cfg, nproc=2, device="cpu", stream=False, timeout_s=180)
+    res = dp_train.run(dp_train.DPTrainConfig(**cfg), nproc=2, device="cpu", stream=False, timeout_s=180)
     saved = [torch.load(res.log_dir / f"params_rank{r}.pt") for r in range(2)]
     return res, saved
 
@@ -60,13 +65,13 @@ def test_tolerance_catches_a_summed_gradient():
     """A 2-rank sum instead of a mean doubles every SGD step: far outside SGD_ATOL. Under AdamW
     the same bug moves parameters ~1000x less (Adam divides the scale away), which is why the
     exactness launch below uses SGD."""
-    sgd = validate_dp_config(
-        config(strategies=["naive"], optimizer="sgd", global_batch=4, train={"lr": 0.5}), 2, 0
+    sgd = resolved(
+        config(strategies=["naive"], optimizer="sgd", global_batch=4, train={"lr": 0.5})
     )
     good, _ = dp_train.train_reference(sgd)
     summed, _ = dp_train.train_reference(sgd, grad_scale=2.0)
     assert max_diff(good, summed) > 1e4 * SGD_ATOL
-    adamw = validate_dp_config(config(strategies=["naive"], global_batch=4), 2, 0)
+    adamw = resolved(config(strategies=["naive"], global_batch=4))
     good, _ = dp_train.train_reference(adamw)
     summed, _ = dp_train.train_reference(adamw, grad_scale=2.0)
     assert 1e-5 < max_diff(good, summed, skip="attn.k.bias") < 1e-2
@@ -85,7 +90,7 @@ def sgd_job():
         train={"lr": 0.5, "grad_accum": 2, "steps": 3},
     )
     res, saved = launch(cfg)
-    ref, ref_loss = dp_train.train_reference(validate_dp_config(cfg, 2, 0))
+    ref, ref_loss = dp_train.train_reference(resolved(cfg))
     return res, saved, ref, ref_loss
 
 
@@ -166,7 +171,7 @@ def adamw_job():
         train={"steps": 4},
     )
     res, saved = launch(cfg)
-    ref, ref_loss = dp_train.train_reference(validate_dp_config(cfg, 2, 0))
+    ref, ref_loss = dp_train.train_reference(resolved(cfg))
     return res, saved, ref, ref_loss
 
 
@@ -220,8 +225,8 @@ def test_fsdp2_bf16_policy_and_no_reshard_send_what_the_formula_says():
         fsdp_reshard_after_forward=False,
         train={"steps": 2, "dtype": "bfloat16"},
     )
-    checked = validate_dp_config(cfg, 2, 0)
-    assert checked["fsdp_mixed_precision"] == "bf16"
+    checked = resolved(cfg)
+    assert checked.fsdp_mixed_precision == "bf16"
     res, _ = launch(cfg)
     run = res.rank(0)["runs"]["fsdp2"]
     sent = run["bytes"]["sent_per_rank_last_step"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from labkit.jobs import launch
+from labkit.jobs import launch, supervisor
 from labkit.workers import dp_train
 
 CONFIG = {
@@ -13,6 +13,7 @@ CONFIG = {
     "model": {"seq_len": 16, "n_layer": 2, "n_head": 2, "d_model": 32},
     "mesh": [2],
 }
+TYPED = dp_train.DPTrainConfig(**CONFIG)
 
 
 @pytest.fixture
@@ -24,7 +25,7 @@ def no_spawn(tmp_path, monkeypatch):
     def refuse(self):
         raise AssertionError("dp_train.run started a job it should have refused")
 
-    monkeypatch.setattr(launch._Supervisor, "start", refuse)
+    monkeypatch.setattr(supervisor.Supervisor, "start", refuse)
     return home
 
 
@@ -33,9 +34,9 @@ def test_gloo_on_gpus_is_refused_before_anything_starts(no_spawn, monkeypatch):
     # (ZeRO-1, FSDP2). The old run() resolved "auto" whatever the caller passed and launched.
     monkeypatch.setattr(launch, "visible_gpu_count", lambda: 2)
     with pytest.raises(ValueError, match=r"backend='gloo' with device='cuda'.*device='cpu'"):
-        dp_train.run(CONFIG, nproc=2, backend="gloo")
+        dp_train.run(TYPED, nproc=2, backend="gloo")
     with pytest.raises(ValueError, match=r"backend='gloo' with device='cuda'"):
-        dp_train.run(CONFIG, nproc=2, device="cuda", backend="gloo")
+        dp_train.run(TYPED, nproc=2, device="cuda", backend="gloo")
     assert not (no_spawn / "runs").exists(), "no job directory may be created"
 
 
@@ -43,14 +44,14 @@ def test_the_callers_backend_reaches_the_launcher(monkeypatch):
     calls = []
     monkeypatch.setattr(launch, "run", lambda job, **kw: calls.append((job, kw)))
     monkeypatch.setattr(launch, "visible_gpu_count", lambda: 2)
-    dp_train.run(CONFIG, nproc=2, backend="nccl")
-    dp_train.run(CONFIG, nproc=2, device="cpu", backend="gloo")  # CPU ranks: gloo is right
+    dp_train.run(TYPED, nproc=2, backend="nccl")
+    dp_train.run(TYPED, nproc=2, device="cpu", backend="gloo")  # CPU ranks: gloo is right
     got = [(kw["backend"], kw["device"]) for _, kw in calls]
     assert got == [("nccl", "cuda"), ("gloo", "cpu")]
     assert [job for job, _ in calls] == [dp_train.DPTrainConfig.from_dict(CONFIG)] * 2
     monkeypatch.setattr(launch, "visible_gpu_count", lambda: 0)
     with pytest.raises(ValueError, match="backend='nccl' but no CUDA GPU"):
-        dp_train.run(CONFIG, nproc=2, backend="nccl")
+        dp_train.run(TYPED, nproc=2, backend="nccl")
     assert len(calls) == 2
 
 
@@ -63,7 +64,7 @@ def wire_job():
 
     if (why := net.unavailable("lo")) is not None:
         pytest.skip(f"no loopback counters: {why}")
-    cfg = {**CONFIG, "train": {"steps": 4, "grad_accum": 2}, "global_batch": 8}
+    cfg = TYPED.replace(train={"steps": 4, "grad_accum": 2}, global_batch=8)
     res = dp_train.run(cfg, nproc=2, device="cpu", stream=False, timeout_s=180)
     return res.rank(0)
 
@@ -136,10 +137,10 @@ def test_sgd_with_momentum_is_a_config_option_with_its_own_state_count():
     import torch
 
     from labkit.config import TrainConfig
-    from labkit.parallel.dp_config import optimizer_factory, validate_dp_config
+    from labkit.parallel.dp_config import optimizer_factory
 
-    cfg = validate_dp_config({**CONFIG, "optimizer": "sgd_momentum"}, 2, 0)
-    assert cfg["optimizer"] == "sgd_momentum"
+    job = dp_train.DPTrainConfig(**{**CONFIG, "optimizer": "sgd_momentum"}).resolve(2)
+    assert job.optimizer == "sgd_momentum"
     model = torch.nn.Linear(4, 3)
     opt = optimizer_factory("sgd_momentum", TrainConfig(lr=0.1))(model)
     assert isinstance(opt, torch.optim.SGD)
@@ -148,4 +149,17 @@ def test_sgd_with_momentum_is_a_config_option_with_its_own_state_count():
     assert dp_train.predicted_memory("ddp", model, 2, "sgd_momentum")["model_states"] == 12 * psi
     assert dp_train.predicted_memory("ddp", model, 2, "adamw")["model_states"] == 16 * psi
     with pytest.raises(ValueError, match="optimizer='adam' is not allowed"):
-        validate_dp_config({**CONFIG, "optimizer": "adam"}, 2, 0)
+        dp_train.DPTrainConfig(**{**CONFIG, "optimizer": "adam"})
+
+
+def test_run_takes_only_the_typed_config(no_spawn):
+    with pytest.raises(ValueError, match=r"config=\{.*is not allowed: a DPTrainConfig"):
+        dp_train.run(CONFIG, nproc=2, device="cpu")
+    assert not no_spawn.exists()  # nothing launched, nothing written
+
+
+def test_replace_gives_a_checked_typed_copy():
+    wider = TYPED.replace(strategies=["ddp"], mesh=[4])
+    assert wider.strategies == ("ddp",) and TYPED.strategies == ("ddp", "zero1", "fsdp2")
+    with pytest.raises(ValueError, match=r"strategies=\(\) is not allowed"):
+        TYPED.replace(strategies=[])

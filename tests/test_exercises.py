@@ -17,6 +17,7 @@ from labkit.config import ModelConfig
 from labkit.course import exercises as ex
 from labkit.course import nbgen
 from labkit.course.exercises import feedback, single_gpu
+from labkit.course.exercises import registry as exercise_registry
 
 # --------------------------------------------------------------------------- reference answers,
 # written the way the solution notebook marks them, so the same source yields the stub.
@@ -476,7 +477,7 @@ def test_an_exercise_id_that_is_not_a_string_or_not_known_is_named(capsys):
 def test_a_learner_function_that_never_returns_is_stopped_by_the_checks_time_limit(
     monkeypatch, capsys
 ):
-    monkeypatch.setitem(ex._REGISTRY, "01.param_count",
+    monkeypatch.setitem(exercise_registry._REGISTRY, "01.param_count",
                         dataclasses.replace(ex.get("01.param_count"), time_limit_s=1.0))  # fmt: skip
     # pytest-timeout's own SIGALRM timer (when it uses one) must survive the check's.
     handler_before, timer_before = signal.getsignal(signal.SIGALRM), signal.getitimer(signal.ITIMER_REAL)
@@ -573,7 +574,7 @@ def test_a_worker_check_that_did_not_finish_is_worded_from_the_most_telling_evid
 def test_code_that_swallows_every_exception_is_stopped_again_and_again(monkeypatch, capsys):
     """A bare `except:` catches the first stop; the time limit raises again every RETRY_S, so
     a learner's loop over such blocks still ends, and the learner is told why once."""
-    monkeypatch.setitem(ex._REGISTRY, "01.param_count",
+    monkeypatch.setitem(exercise_registry._REGISTRY, "01.param_count",
                         dataclasses.replace(ex.get("01.param_count"), time_limit_s=1.0))  # fmt: skip
 
     def count_params(cfg):

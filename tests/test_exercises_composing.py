@@ -173,8 +173,8 @@ def test_the_rank_checks_pass_the_solutions_and_catch_an_unsorted_or_gathering_d
     for name, text in [("cp_unsorted", UNSORTED_DISPATCH), ("cp_gather", GATHER_DISPATCH)]:
         cases.append({"exercise": "03c.moe_dispatch", "module": name, "names": ["dispatch"],
                       "path": str(write(tmp_path, name, text))})  # fmt: skip
-    job = launch.run(exmp.WORKER, nproc=4, device="cpu", config={"cases": cases},
-                     timeout_s=180, stream=False)  # fmt: skip
+    job = launch.run(exmp.CasesConfig(cases=cases), nproc=4, device="cpu", timeout_s=180,
+                     stream=False)  # fmt: skip
     for rank, res in enumerate(job.ranks):
         ok, gather = res["cases"][:3], res["cases"][4]
         assert [c["status"] for c in ok] == ["ok"] * 3, (rank, ok)

@@ -23,6 +23,7 @@ from exercise_cells import assert_check_passes, assert_stub_is_not_done, stub_of
 
 from labkit.course import exercises as ex
 from labkit.course.exercises import data_parallel as exdp
+from labkit.course.exercises import registry as exercise_registry
 from labkit.course.exercises.data_parallel import check_ddp as dp_check_ddp
 from labkit.course.exercises.data_parallel import reference as dp_reference
 from labkit.course.exercises.data_parallel import strategy as dp_strategy
@@ -278,7 +279,7 @@ def test_the_bucket_order_check_tells_forward_from_reverse_on_the_check_model():
     cap; the notebook's solution (reverse) must give the reverse grouping."""
     import torch
 
-    params = [p for _, p in dp_reference._trainable(dp_reference._model(0, torch.device("cpu")))]
+    params = [p for _, p in dp_reference.trainable_params(dp_reference.check_model(0, torch.device("cpu")))]
     cap = int(exdp.BUCKET_CAP_MB * 2**20)
     reverse = dp_check_ddp._greedy_bucket_bytes(reversed(params), cap)
     forward = dp_check_ddp._greedy_bucket_bytes(params, cap)
@@ -450,10 +451,10 @@ def test_the_reference_gradients_are_torch_ddps(group):
     torch._dynamo: seconds every check job would pay); here, torch DDP itself agrees."""
     import torch
 
-    model = dp_reference._model(3, torch.device("cpu"))
-    batches = dp_reference._batches(0, 1, torch.device("cpu"))
-    mine, mine_model = dp_reference._reference_ddp(model, batches)
-    torchs, torch_model = dp_reference._reference_ddp(model, batches, exdp.BUCKET_CAP_MB, use_torch_ddp=True)
+    model = dp_reference.check_model(3, torch.device("cpu"))
+    batches = dp_reference.rank_batches(0, 1, torch.device("cpu"))
+    mine, mine_model = dp_reference.reference_ddp(model, batches)
+    torchs, torch_model = dp_reference.reference_ddp(model, batches, exdp.BUCKET_CAP_MB, use_torch_ddp=True)
     assert len(mine) == len(torchs) == exdp.STEPS
     for a, b in zip(mine, torchs, strict=True):
         assert a.keys() == b.keys() and "wpe.weight" not in a
@@ -482,13 +483,12 @@ def test_in_two_worker_processes_the_multi_rank_mistakes_are_caught(tmp_path):
     )  # fmt: skip
     write(tmp_path, "dp_mixed", "import torch\n" + source)
     res = launch.run(
-        exdp.WORKER,
+        exdp.DPChecksConfig(exercises=sorted(exdp.EXERCISES), module="dp_mixed",
+                            module_dir=str(tmp_path)),
         nproc=2,
         device="cpu",
         stream=False,
         timeout_s=120,
-        config={"exercises": sorted(exdp.EXERCISES), "module": "dp_mixed",
-                "module_dir": str(tmp_path)},
     )  # fmt: skip
     assert [r["world_size"] for r in res.ranks] == [2, 2]
     messages = {}
@@ -596,7 +596,7 @@ def test_a_file_whose_top_level_never_finishes_is_stopped_by_the_time_limit(
 ):
     """The kernel imports the learner's file (to spot a stub) before any job starts: a loop at
     its top level must not hang the cell."""
-    monkeypatch.setitem(ex._REGISTRY, "02.allreduce_grads",
+    monkeypatch.setitem(exercise_registry._REGISTRY, "02.allreduce_grads",
                         dataclasses.replace(ex.get("02.allreduce_grads"), time_limit_s=1.0))  # fmt: skip
     path = write(tmp_path, "dp_toplevel", """
         while True:

@@ -460,8 +460,8 @@ def ranks(tmp_path_factory):
               "path": str(write(folder, module, files[module])),
               "names": list(exmp.EXERCISES[exercise_id])}
              for exercise_id, module in cases.values()]  # fmt: skip
-    job = launch.run(exmp.WORKER, nproc=2, device="cpu", config={"cases": specs},
-                     timeout_s=180, pg_timeout_s=30, stream=False)  # fmt: skip
+    job = launch.run(exmp.CasesConfig(cases=specs), nproc=2, device="cpu", timeout_s=180,
+                     pg_timeout_s=30, stream=False)  # fmt: skip
     return {key: [r["cases"][i] for r in job.ranks] for i, key in enumerate(cases)}
 
 

@@ -102,8 +102,8 @@ def test_tokens_per_expert_and_imbalance():
         (6, 2, 4, r"n_experts=6 is not divisible by world_size=4.*use 4 or 8 experts"),
         (2, 1, 4, r"n_experts=2 < world_size=4.*2 rank\(s\) would hold none"),
         (4, 5, 1, r"top_k=5 > n_experts=4.*use top_k <= 4"),
-        (4, 0, 1, r"top_k=0: need a positive integer"),
-        (4, True, 1, r"top_k=True: need a positive integer"),
+        (4, 0, 1, r"top_k=0 is not allowed: a positive integer"),
+        (4, True, 1, r"top_k=True is not allowed: a positive integer"),
     ],
 )
 def test_validation_names_the_constraint_and_the_fix(n_experts, top_k, world, match):
@@ -146,10 +146,9 @@ MODEL = {"seq_len": 16, "n_layer": 1, "n_head": 2, "d_model": 32}
 @pytest.fixture(scope="module")
 def job():
     return launch.run(
-        "labkit.workers.moe_train",
+        moe_train.MoETrainConfig(model=MODEL, n_experts=E, top_k=K, batch_size=B, seed=SEED,
+                                 check_dispatch=True, compare_torch=True),
         nproc=N,
-        config={"model": MODEL, "n_experts": E, "top_k": K, "batch_size": B, "seed": SEED,
-                "check_dispatch": True, "compare_torch": True},
         timeout_s=180,
         stream=False,
     )  # fmt: skip

@@ -64,6 +64,23 @@ def test_gpt_params_equals_a_real_module_count():
     assert f.gpt_params(v, h, n, seq_len=s) == embeddings + n * per_block + final_norm
 
 
+@pytest.mark.parametrize("tie_weights", [True, False])
+def test_gpt_parameter_counts_are_labkit_gpts_tensors(tie_weights):
+    # One entry per tensor of the real model, in its order, for two shapes (tied and untied).
+    pytest.importorskip("torch")
+    from labkit.config import ModelConfig
+    from labkit.model import GPT
+
+    for cfg in (ModelConfig(n_layer=2, n_head=2, d_model=32, seq_len=16, vocab_size=50,
+                            tie_weights=tie_weights),
+                ModelConfig(n_layer=3, n_head=4, d_model=48, seq_len=24, vocab_size=96,
+                            tie_weights=tie_weights)):  # fmt: skip
+        counts = f.gpt_parameter_counts(cfg)
+        assert counts == [p.numel() for p in GPT(cfg).parameters()]
+        assert sum(counts) == f.gpt_params(cfg.vocab_size, cfg.d_model, cfg.n_layer,
+                                           seq_len=cfg.seq_len, tied=tie_weights)
+
+
 # ---------------------------------------------------------------------------------------------
 # FLOPs and MFU
 
@@ -623,23 +640,25 @@ TINY = types.SimpleNamespace(n_layer=4, n_head=2, d_model=8, seq_len=16, vocab_s
 
 def test_the_moved_predictions_are_the_ones_their_old_modules_export():
     from labkit.batching import finder, recomputation
+    from labkit.formulas import max_batch, pipeline, recompute
 
     for name in ("AC_MODES", "ELEMENTWISE_FLOPS_PER_TOKEN_PER_LAYER", "CheckpointPrediction",
                  "RecomputePrediction", "predict_checkpointing", "predict_recompute",
-                 "paper_bytes_per_layer", "segment_checkpoint_bytes", "one_f_one_b_in_flight"):
-        assert getattr(recomputation, name) is getattr(f, name)
+                 "paper_bytes_per_layer", "segment_checkpoint_bytes"):
+        assert getattr(recomputation, name) is getattr(recompute, name)
+    assert recomputation.one_f_one_b_in_flight is pipeline.one_f_one_b_in_flight
     for name in ("OMISSIONS", "BatchPrediction", "predict_max_batch"):
-        assert getattr(finder, name) is getattr(f, name)
+        assert getattr(finder, name) is getattr(max_batch, name)
 
 
 def test_a_formula_refuses_a_dtype_no_run_trains_in():
     from labkit import config, dtypes
-    from labkit.formulas.activations import _training_dtype
+    from labkit.formulas.activations import training_dtype
 
     assert config.DTYPES is dtypes.TRAINING  # one table: config and the formulas read it
-    assert _training_dtype("bfloat16") == "bfloat16"
+    assert training_dtype("bfloat16") == "bfloat16"
     with pytest.raises(ValueError, match=r"dtype='fp8' is not allowed: give one of \('float32'"):
-        _training_dtype("fp8")
+        training_dtype("fp8")
 
 
 def test_checkpointing_every_other_block_keeps_two_inputs_instead_of_two_layers():

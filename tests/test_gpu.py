@@ -14,6 +14,7 @@ import torch
 from labkit import config, data, hardware, memory, timing, train
 from labkit.jobs import launch
 from labkit.model import GPT
+from labkit.workers.allreduce import AllReduceConfig
 
 pytestmark = [
     pytest.mark.gpu,
@@ -62,8 +63,7 @@ def test_the_device_is_named_and_has_a_sourced_peak_or_a_reason():
 
 def test_nccl_allreduce_through_the_launcher():
     n = min(torch.cuda.device_count(), 2)
-    result = launch.run("labkit.workers.allreduce", nproc=n, config={"numel": 2**20},
-                        timeout_s=120, stream=False)
+    result = launch.run(AllReduceConfig(numel=2**20), nproc=n, timeout_s=120, stream=False)
     assert result.backend == "nccl"
     assert all(r["value"] == n * (n + 1) / 2 for r in result.ranks)
 
@@ -91,12 +91,11 @@ def test_pipeline_schedules_over_nccl_with_large_messages():
     b = PP_BATCH // PP_M
     assert b * PP_MODEL["seq_len"] * PP_MODEL["d_model"] * 4 > 4 * 2**20
     result = launch.run(
-        "labkit.workers.pp_train",
+        pp_train.PPTrainConfig(model=PP_MODEL, batch_size=PP_BATCH, microbatches=PP_M,
+                               schedules=("1f1b", "gpipe"), warmup=1, repeats=1,
+                               save_grads=True, seed=0),
         nproc=2,
         device="cuda",
-        config={"model": PP_MODEL, "batch_size": PP_BATCH, "microbatches": PP_M,
-                "schedules": ["1f1b", "gpipe"], "warmup": 1, "repeats": 1,
-                "save_grads": True, "seed": 0},
         **HANG,
     )  # fmt: skip
     assert result.backend == "nccl"
@@ -128,7 +127,7 @@ def test_every_data_parallel_strategy_trains_over_nccl():
     cfg = {"strategies": DP_STRATEGIES, "mesh": [2], "global_batch": 8,
            "model": {"seq_len": 64, "n_layer": 2, "n_head": 2, "d_model": 64},
            "train": {"steps": 4}, "bucket_cap_mb": 0.05}  # fmt: skip
-    result = dp_train.run(cfg, nproc=2, device="cuda", **HANG)
+    result = dp_train.run(dp_train.DPTrainConfig(**cfg), nproc=2, device="cuda", **HANG)
     assert result.backend == "nccl"
     for r in range(2):
         assert result.ranks[r]["backend"] == "nccl"
@@ -150,10 +149,9 @@ def test_tensor_parallel_ours_and_dtensor_over_nccl():
     from labkit.workers import tp_train
 
     result = launch.run(
-        "labkit.workers.tp_train",
+        tp_train.TPTrainConfig(batch_size=4, steps=3, seed=0, parts=("linear", "gpt", "dtensor")),
         nproc=2,
         device="cuda",
-        config={"batch_size": 4, "steps": 3, "seed": 0, "parts": ["linear", "gpt", "dtensor"]},
         **HANG,
     )
     assert result.backend == "nccl"

@@ -35,9 +35,11 @@ from labkit.jobs import (
     spec,
 )
 from labkit.jobs.supervisor import Echo, Supervisor
+from labkit.workers._faults import FaultsConfig as Faults
+from labkit.workers.allreduce import AllReduceConfig
 
 REPO = Path(__file__).resolve().parents[1]
-FAULTS = "labkit.workers._faults"
+FAULTS = Faults.WORKER
 
 
 # --- helpers -------------------------------------------------------------------------------------
@@ -131,45 +133,48 @@ def no_spawn(home, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("job", "kwargs", "match"),
     [
+        ("labkit.workers.no_such_worker", {}, "no module named 'labkit.workers.no_such_worker'.*importable"),
+        ("no_such_package.worker", {}, "no module named 'no_such_package.worker'"),
+        ("labkit.workers.allreduce", {}, r"takes its settings typed; launch it as run\(AllReduceConfig"),
+        (3, {}, "need a worker's config"),
+        (AllReduceConfig(), {"nproc": 0}, "nproc=0"),
+        (AllReduceConfig(), {"timeout_s": 0}, "timeout_s=0"),
+        (AllReduceConfig(), {"device": "tpu"}, "device='tpu'"),
+        (AllReduceConfig(), {"env": {"X": 1}}, "env takes a dict of str to str"),
+        (AllReduceConfig(), {"timeout_s": True}, "timeout_s=True"),
+        (AllReduceConfig(), {"timeout_s": float("inf")}, "timeout_s=inf"),
+        (AllReduceConfig(), {"pg_timeout_s": float("nan")}, "pg_timeout_s=nan"),
         (
-            {"module": "labkit.workers.no_such_worker"},
-            "no module named 'labkit.workers.no_such_worker'.*importable",
-        ),
-        ({"module": "no_such_package.worker"}, "no module named 'no_such_package.worker'"),
-        ({"module": "labkit.workers.allreduce", "nproc": 0}, "nproc=0"),
-        ({"module": "labkit.workers.allreduce", "config": {"t": object()}}, "JSON-serialisable"),
-        ({"module": "labkit.workers.allreduce", "config": [1]}, "config must be a dict"),
-        ({"module": "labkit.workers.allreduce", "timeout_s": 0}, "timeout_s=0"),
-        ({"module": "labkit.workers.allreduce", "device": "tpu"}, "device='tpu'"),
-        ({"module": "labkit.workers.allreduce", "env": {"X": 1}}, "env takes a dict of str to str"),
-        ({"module": "labkit.workers.allreduce", "timeout_s": True}, "timeout_s=True"),
-        ({"module": "labkit.workers.allreduce", "timeout_s": float("inf")}, "timeout_s=inf"),
-        ({"module": "labkit.workers.allreduce", "pg_timeout_s": float("nan")}, "pg_timeout_s=nan"),
-        (
-            {"module": "labkit.workers.allreduce", "nproc": 10_000},
+            AllReduceConfig(), {"nproc": 10_000},
             r"nproc=10000 CPU ranks on \d+ cores?: at most \d+ .*oversubscribe=True",
         ),
     ],
 )
-def test_bad_input_fails_before_spawning(no_spawn, kwargs, match):
+def test_bad_input_fails_before_spawning(no_spawn, job, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        launch.run(**kwargs)
+        launch.run(job, **kwargs)
     assert not (no_spawn / "runs").exists(), "no job directory may be created for bad input"
+
+
+def test_the_config_keyword_is_gone(no_spawn):
+    """One way to give a worker its settings: its typed config, first and alone."""
+    with pytest.raises(TypeError, match="config"):
+        launch.run(Faults.WORKER, config={"mode": "ok"})  # type: ignore[call-arg]
 
 
 def test_gpu_checks_use_the_visible_gpu_count(no_spawn, monkeypatch):
     monkeypatch.setattr(launch, "visible_gpu_count", lambda: 1)
     with pytest.raises(ValueError, match=r"more ranks \(2\) than GPUs \(1\).*device='cpu'"):
-        launch.run("labkit.workers.allreduce", nproc=2, device="cuda")
+        launch.run(AllReduceConfig(), nproc=2, device="cuda")
     with pytest.raises(ValueError, match=r"more ranks \(2\) than GPUs \(1\)"):
-        launch.run("labkit.workers.allreduce", nproc=2, backend="nccl")
+        launch.run(AllReduceConfig(), nproc=2, backend="nccl")
     monkeypatch.setattr(launch, "visible_gpu_count", lambda: 0)
     with pytest.raises(ValueError, match="device='cuda' but no CUDA GPU"):
-        launch.run("labkit.workers.allreduce", nproc=1, device="cuda")
+        launch.run(AllReduceConfig(), nproc=1, device="cuda")
     with pytest.raises(ValueError, match="backend='nccl' but no CUDA GPU"):
-        launch.run("labkit.workers.allreduce", nproc=1, backend="nccl")
+        launch.run(AllReduceConfig(), nproc=1, backend="nccl")
 
 
 def test_resolve_backend():
@@ -400,9 +405,8 @@ def test_cleanup_ends_jobs_whose_owner_died_and_spares_live_ones(home):
 def test_allreduce_job_returns_per_rank_results_and_logs(home, capsys):
     rec = Recorder()
     res = launch.run(
-        "labkit.workers.allreduce",
+        AllReduceConfig(numel=1000, repeats=3),
         nproc=2,
-        config={"numel": 1000, "repeats": 3},
         observers=[rec, Broken()],
         timeout_s=120,
     )
@@ -441,7 +445,7 @@ def test_allreduce_job_returns_per_rank_results_and_logs(home, capsys):
 @pytest.mark.slow
 def test_failing_rank_is_named_with_its_exception(home, capsys):
     with pytest.raises(launch.JobFailed) as info:
-        launch.run(FAULTS, nproc=2, config={"mode": "raise", "fail_rank": 1}, timeout_s=120)
+        launch.run(Faults(mode="raise", fail_rank=1), nproc=2, timeout_s=120)
     err = info.value
     # Under the cell, each rank's traceback appears once it is complete, as an excerpt, the
     # one that began first (rank 1's, the cause) first.
@@ -475,9 +479,8 @@ def test_hung_rank_is_named_not_its_victim(home):
     rank 0 (its collective times out first); the heartbeats must blame rank 1."""
     with pytest.raises(launch.JobTimeout) as info:
         launch.run(
-            FAULTS,
+            Faults(mode="hang", hang_rank=1, spawn_child=True),
             nproc=2,
-            config={"mode": "hang", "hang_rank": 1, "spawn_child": True},
             heartbeat_timeout_s=2,
             timeout_s=120,
             stream=False,
@@ -502,7 +505,7 @@ def test_collective_timeout_blames_the_hung_rank_too(home):
     rank 0 (what torchrun reports), but the message must point at rank 1, which hung."""
     with pytest.raises(launch.JobFailed) as info:
         launch.run(
-            FAULTS, nproc=2, config={"mode": "hang"}, pg_timeout_s=2, timeout_s=120, stream=False
+            Faults(mode="hang"), nproc=2, pg_timeout_s=2, timeout_s=120, stream=False
         )
     err = info.value
     assert err.rank == 0 and err.hung_ranks == [1]
@@ -515,9 +518,8 @@ def test_outer_timeout_kills_workers_that_ignore_sigterm(home):
     t0 = time.monotonic()
     with pytest.raises(launch.JobTimeout, match=r"timed out after .* \(timeout_s=8\)") as info:
         launch.run(
-            FAULTS,
+            Faults(mode="hang", ignore_sigterm=True),
             nproc=2,
-            config={"mode": "hang", "ignore_sigterm": True},
             timeout_s=8,
             stream=False,
         )
@@ -538,7 +540,7 @@ def test_keyboard_interrupt_ends_the_job_and_is_reraised(home, capsys):
 
     with pytest.raises(KeyboardInterrupt):
         launch.run(
-            FAULTS, nproc=2, config={"mode": "hang"}, observers=[Interrupter()], timeout_s=120
+            Faults(mode="hang"), nproc=2, observers=[Interrupter()], timeout_s=120
         )
     out = capsys.readouterr().out
     assert "labkit: interrupted; ended" in out
@@ -552,8 +554,8 @@ def test_killed_launcher_leaves_no_orphans(home):
     """SIGKILL to the launching process (a Jupyter kernel restart) must take the job down:
     the agent's and the workers' parent-death signals do it, without any cleanup code."""
     code = (
-        f"from labkit import launch; launch.run({FAULTS!r}, nproc=2, "
-        "config={'mode': 'hang'}, timeout_s=300)"
+        "from labkit.jobs import launch; from labkit.workers._faults import FaultsConfig; "
+        "launch.run(FaultsConfig(mode='hang'), nproc=2, timeout_s=300)"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO), "LABKIT_HOME": str(home)}
     owner = subprocess.Popen(
@@ -591,7 +593,7 @@ def test_two_jobs_at_once_do_not_collide(home):
     def job(i: int) -> None:
         try:
             results[i] = launch.run(
-                FAULTS, nproc=2, config={"mode": "ok"}, stream=False, timeout_s=120
+                Faults(mode="ok"), nproc=2, stream=False, timeout_s=120
             )
         except Exception as e:
             results[i] = e
@@ -617,7 +619,7 @@ def test_rank_pids_are_known_before_the_first_heartbeat(home):
         def on_tick(self, job):
             seen.append((dict(job.heartbeats), job.rank_pids()))
 
-    result = launch.run(FAULTS, nproc=2, config={"mode": "ok", "steps": 2}, timeout_s=60,
+    result = launch.run(Faults(mode="ok", steps=2), nproc=2, timeout_s=60,
                         stream=False, observers=[Watcher()])
     early = [pids for beats, pids in seen if not beats and len(pids) == 2]
     assert early, "no tick saw both ranks' PIDs before their heartbeats"
@@ -673,7 +675,7 @@ def _assert_dead_rank_is_the_cause(err: launch.JobFailed, how: str) -> str:
 @pytest.mark.slow
 def test_a_rank_that_exits_is_the_cause_not_its_survivor(home):
     with pytest.raises(launch.JobFailed) as info:
-        launch.run(FAULTS, nproc=2, config={"mode": "exit", "code": 3}, stream=False,
+        launch.run(Faults(mode="exit", code=3), nproc=2, stream=False,
                    timeout_s=120)  # fmt: skip
     assert info.value.exitcode == 3 and info.value.exc_type == ""
     _assert_dead_rank_is_the_cause(
@@ -684,7 +686,7 @@ def test_a_rank_that_exits_is_the_cause_not_its_survivor(home):
 @pytest.mark.slow
 def test_a_killed_rank_is_named_with_its_signal_and_what_it_usually_means(home):
     with pytest.raises(launch.JobFailed) as info:
-        launch.run(FAULTS, nproc=2, config={"mode": "kill"}, stream=False, timeout_s=120)
+        launch.run(Faults(mode="kill"), nproc=2, stream=False, timeout_s=120)
     assert info.value.exitcode == -9
     msg = _assert_dead_rank_is_the_cause(info.value, "the process was killed by SIGKILL")
     assert "most often the out-of-memory killer" in msg and "`dmesg`" in msg
@@ -747,10 +749,10 @@ def test_out_of_memory_inside_a_real_memory_limit_is_named(home):
     SIGKILL; under RLIMIT_AS (where this machine allows no cgroup) the allocation fails and
     torch raises. Either way the message must name rank 1 and say it ran out of memory."""
     with memory_cgroup(256) as cgroup:
-        config = {"mode": "oom", "chunk_mb": 32}
-        config |= {"cgroup": str(cgroup)} if cgroup else {"rlimit_as_mb": 256}
+        limit = {"cgroup": str(cgroup)} if cgroup else {"rlimit_as_mb": 256}
         with pytest.raises(launch.JobFailed) as info:
-            launch.run(FAULTS, nproc=2, config=config, stream=False, timeout_s=120)
+            launch.run(Faults(mode="oom", chunk_mb=32, **limit), nproc=2, stream=False,
+                       timeout_s=120)  # fmt: skip
         err = info.value
         if cgroup:
             assert _oom_kills(cgroup) in (None, 1), "the kernel's OOM killer did not act"
@@ -798,7 +800,7 @@ def test_a_second_interrupt_does_not_cut_the_cleanup_short(home, capsys, monkeyp
                 raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        launch.run(FAULTS, nproc=2, config={"mode": "hang", "ignore_sigterm": True},
+        launch.run(Faults(mode="hang", ignore_sigterm=True), nproc=2,
                    observers=[Interrupter()], timeout_s=120)  # fmt: skip
     out = capsys.readouterr().out
     (job_dir,) = (home / "runs").iterdir()
@@ -855,7 +857,7 @@ for port in range(low, high + 1):  # take every port of the (narrowed) ephemeral
     s.listen()
     held.append(s)
 try:
-    launch.run("labkit.workers._faults", nproc=2, config={"mode": "ok"}, timeout_s=120)
+    launch.run(Faults(mode="ok"), nproc=2, timeout_s=120)
 except launch.LaunchError as e:
     print("LaunchError:", e)
 """
@@ -957,7 +959,7 @@ def test_a_full_disk_is_named_with_its_path_and_ways_out(small_disk, monkeypatch
     _fill(small_disk / "someone-elses-file")  # nothing labkit may delete
     for _ in (1, 2):  # and again: a full disk stays full
         with pytest.raises(launch.LaunchError) as info:
-            launch.run(FAULTS, nproc=2, config={"mode": "ok"}, timeout_s=120)
+            launch.run(Faults(mode="ok"), nproc=2, timeout_s=120)
         msg = str(info.value)
         assert f"the disk holding {small_disk / 'labkit'}" in msg, msg
         assert "No space left on device" in msg
@@ -974,7 +976,7 @@ def test_a_disk_full_of_old_job_folders_is_tidied_to_make_room(small_disk, monke
         old.mkdir(parents=True)
         (old / runtime.SPEC_FILE).write_text("{}")
     _fill(olds[0] / "agent.log")  # ...whose logs fill the disk
-    res = launch.run(FAULTS, nproc=2, config={"mode": "ok"}, timeout_s=120, stream=False)
+    res = launch.run(Faults(mode="ok"), nproc=2, timeout_s=120, stream=False)
     assert res.status == "ok" and [r["sum"] for r in res.ranks] == [2.0, 2.0]
     out = capsys.readouterr().out
     assert f"labkit: the disk holding {home / 'runs'} is full; deleted 3 old job folder(s)" in out
@@ -1018,7 +1020,7 @@ def test_a_rank_that_calls_sys_exit_is_named_with_the_call_and_its_line(home):
         ("I give up", "SystemExit: sys.exit('I give up') called at _faults.py, line"),
     ):
         with pytest.raises(launch.JobFailed) as info:
-            launch.run(FAULTS, nproc=2, config={"mode": "sysexit", "code": code}, stream=False,
+            launch.run(Faults(mode="sysexit", code=code), nproc=2, stream=False,
                        timeout_s=120)  # fmt: skip
         msg = str(info.value)
         assert info.value.rank == 1 and f"failed on rank 1: {headline}" in msg, msg
@@ -1032,7 +1034,7 @@ def test_mismatched_collectives_show_what_native_code_said_and_the_line(home):
     distributed collective mismatch") and the line the rank was on must be shown, not the
     tail of Python's thread dump."""
     with pytest.raises(launch.JobFailed) as info:
-        launch.run(FAULTS, nproc=2, config={"mode": "mismatch"}, stream=False, timeout_s=120)
+        launch.run(Faults(mode="mismatch"), nproc=2, stream=False, timeout_s=120)
     msg = str(info.value)
     assert "was killed by SIGABRT" in msg, msg
     assert "collective mismatch" in msg or "doesn't match" in msg
@@ -1045,7 +1047,7 @@ def test_mismatched_collectives_show_what_native_code_said_and_the_line(home):
 def test_a_child_started_just_before_a_job_ends_is_ended_with_it(home):
     """Rank 0 starts a child and the job finishes at once: the child is orphaned (adopted by
     PID 1) before any tree scan saw it; it carries the job's LABKIT_JOB_DIR all the same."""
-    res = launch.run(FAULTS, nproc=2, config={"mode": "ok", "spawn_child": True, "steps": 1},
+    res = launch.run(Faults(mode="ok", spawn_child=True, steps=1), nproc=2,
                      stream=False, timeout_s=120)  # fmt: skip
     child = res.rank(0)["child_pid"]
     assert_no_survivors(res.log_dir, [child])
@@ -1072,7 +1074,7 @@ def test_a_disk_that_fills_during_a_job_is_named_and_the_job_tidied(small_disk, 
     home = small_disk / "labkit"
     monkeypatch.setenv("LABKIT_HOME", str(home))
     with pytest.raises((launch.JobFailed, launch.LaunchError)) as info:
-        launch.run(FAULTS, nproc=2, config={"mode": "fill"}, stream=False, timeout_s=120)
+        launch.run(Faults(mode="fill"), nproc=2, stream=False, timeout_s=120)
     msg = str(info.value)
     assert "No space left on device" in msg and "python -m labkit cleanup --runs 0" in msg, msg
     assert not list((home / "jobs").glob("*.json")), "the registry record is removed"

@@ -25,6 +25,7 @@ import pytest
 
 from labkit.jobs import launch, nodes, observers, preflight, procs, runtime, spawn, supervisor
 from labkit.jobs.nodes import Nodes
+from labkit.workers._faults import FaultsConfig
 
 REPO = Path(__file__).resolve().parents[1]
 LINUX = sys.platform.startswith("linux")
@@ -178,7 +179,7 @@ def test_a_rendezvous_port_held_by_another_program_is_named_at_once(no_spawn):
         held.listen()
         port = held.getsockname()[1]
         with pytest.raises(launch.LaunchError) as info:
-            launch.run("labkit.workers._faults", nproc=1, stream=False,
+            launch.run(FaultsConfig(), nproc=1, stream=False,
                        nodes=Nodes(2, endpoint=f"127.0.0.1:{port}"))  # fmt: skip
     msg = str(info.value)
     assert f"rendezvous port {port} of endpoint '127.0.0.1:{port}' is already taken" in msg, msg
@@ -267,7 +268,7 @@ def test_a_leftover_job_on_the_rendezvous_port_is_ended_before_the_port_is_judge
         monkeypatch.setattr(supervisor.Supervisor, "start", start)
         layout = Nodes(2, endpoint=f"127.0.0.1:{port}", node_rank=node_rank)
         with pytest.raises(Started):
-            launch.run("labkit.workers._faults", nproc=1, stream=False, nodes=layout)
+            launch.run(FaultsConfig(), nproc=1, stream=False, nodes=layout)
         assert judged == [False], "the endpoint was judged while the leftover job still held it"
         assert "ended 1 leftover process(es) of job leftover" in capsys.readouterr().out
     finally:
@@ -277,7 +278,7 @@ def test_a_leftover_job_on_the_rendezvous_port_is_ended_before_the_port_is_judge
 
 def test_an_unresolvable_endpoint_host_fails_at_once_naming_it(no_spawn):
     with pytest.raises(launch.LaunchError) as info:
-        launch.run("labkit.workers._faults", nproc=1, stream=False,
+        launch.run(FaultsConfig(), nproc=1, stream=False,
                    nodes=Nodes(2, endpoint="nonexistent.invalid:29400"))  # fmt: skip
     msg = str(info.value)
     assert "host 'nonexistent.invalid', which does not resolve to an address" in msg, msg
@@ -494,13 +495,13 @@ def test_an_unserialisable_object_leaves_no_file(tmp_path):
 
 def test_a_timeout_too_large_for_a_float_is_named_not_overflowed(no_spawn):
     with pytest.raises(ValueError, match=r"timeout_s=an int of about 5001 digits.*seconds > 0"):
-        launch.run("labkit.workers._faults", nproc=1, timeout_s=10**5000)
+        launch.run(FaultsConfig(), nproc=1, timeout_s=10**5000)
 
 
 @pytest.mark.parametrize("env", [["X=1"], "X=1", {"X": 1}, {1: "x"}])
 def test_env_of_the_wrong_type_is_named(no_spawn, env):
     with pytest.raises(ValueError) as info:
-        launch.run("labkit.workers._faults", nproc=1, env=env)
+        launch.run(FaultsConfig(), nproc=1, env=env)
     msg = str(info.value)
     assert msg.startswith(f"env={env!r}: env takes a dict of str to str"), msg
     assert "e.g. env={'OMP_NUM_THREADS': '1'}" in msg

@@ -32,7 +32,7 @@ def test_names_must_be_unique_and_non_empty_and_sizes_positive():
         mesh.validate_mesh([("dp", 2), ("dp", 2)], 4)
     with pytest.raises(ValueError, match="non-empty string"):
         mesh.validate_mesh({"": 4}, 4)
-    with pytest.raises(ValueError, match=r"'tp' has size 0: need a positive integer"):
+    with pytest.raises(ValueError, match=r"size=0 is not allowed: a positive integer \(of mesh dimension 'tp'\)"):
         mesh.validate_mesh({"dp": 4, "tp": 0}, 4)
     with pytest.raises(ValueError, match="no dimensions"):
         mesh.validate_mesh({}, 4)
@@ -105,7 +105,7 @@ def test_group_ranks_on_a_2x3_mesh():
     assert mesh.group_ranks({"tp": 3, "dp": 2}, "tp", 0) == [0, 2, 4]
     with pytest.raises(ValueError, match=r"no dimension 'pp'"):
         mesh.group_ranks(spec, "pp", 0)
-    with pytest.raises(ValueError, match=r"rank=6: need an integer in 0..5"):
+    with pytest.raises(ValueError, match=r"rank=6 is not allowed: an integer from 0 to 5"):
         mesh.group_ranks(spec, "dp", 6)
 
 
@@ -193,18 +193,21 @@ def test_mesh_spy_files_each_collective_under_its_group(world):
 
 
 def test_dp_config_accepts_one_named_dimension_and_explains_two():
-    from labkit.parallel.dp_config import validate_dp_config
+    from labkit.parallel.dp_config import DPSettings
 
-    base = {"strategies": ["naive", "fsdp2"], "model": {"seq_len": 16, "n_layer": 1,
-                                                       "n_head": 2, "d_model": 16}}  # fmt: skip
-    assert validate_dp_config({**base, "mesh": {"dp": 2}}, 2, 0)["mesh"] == {"dp": 2}
-    assert validate_dp_config({**base, "mesh": [2]}, 2, 0)["mesh"] == [2]  # as before
+    def settings(mesh):
+        return DPSettings(strategies=("naive", "fsdp2"), mesh=mesh,
+                          model={"seq_len": 16, "n_layer": 1, "n_head": 2, "d_model": 16})  # fmt: skip
+
+    assert settings({"dp": 2}).resolve(2).mesh == {"dp": 2}
+    assert settings([["dp", 2]]).mesh == {"dp": 2}  # JSON's pairs: one shape, a dict
+    assert settings([2]).resolve(2).mesh == [2]  # as before
     with pytest.raises(ValueError, match=r"mesh=\[1, 2\].*needs names"):
-        validate_dp_config({**base, "mesh": [1, 2]}, 2, 0)
+        settings([1, 2])  # refused when built: no world makes it right
     with pytest.raises(ValueError, match=r"2 = 2 cells but the job has world_size=4"):
-        validate_dp_config({**base, "mesh": {"dp": 2}}, 4, 0)
+        settings({"dp": 2}).resolve(4)
     with pytest.raises(ValueError, match=r"labkit.parallel.compose.*mesh_train"):
-        validate_dp_config({**base, "mesh": {"replicate": 2, "shard": 2}}, 4, 0)
+        settings({"replicate": 2, "shard": 2})
 
 
 def test_strategies_communicate_in_the_named_dimensions_group(world):

@@ -31,15 +31,9 @@ EXTRA = {"a": 2, "b": 1, "c": 2}  # a 3-D mesh with a size-1 dimension, for the 
 @pytest.fixture(scope="module")
 def job():
     return launch.run(
-        "labkit.workers.mesh_train",
+        mesh_train.MeshTrainConfig(batch_size=B, steps=STEPS, seed=SEED, grad_clip=1.0,
+                                   group_meshes={"three_d": EXTRA}),
         nproc=N,
-        config={
-            "batch_size": B,
-            "steps": STEPS,
-            "seed": SEED,
-            "grad_clip": 1.0,
-            "group_meshes": {"three_d": EXTRA},
-        },
         timeout_s=240,
         stream=False,
     )

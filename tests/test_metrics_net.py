@@ -82,8 +82,8 @@ def test_a_gloo_job_puts_at_least_its_payload_on_loopback():
     from labkit.workers import allreduce
 
     with net.count_wire("lo") as wire:
-        res = launch.run("labkit.workers.allreduce", nproc=2, timeout_s=120, stream=False,
-                         config={"numel": 2**14, "repeats": 5, "warmup": 1, "op": "max"})  # fmt: skip
+        res = launch.run(allreduce.AllReduceConfig(numel=2**14, repeats=5, warmup=1, op="max"),
+                         nproc=2, timeout_s=120, stream=False)  # fmt: skip
     r0, r1 = res.ranks
     # op="max" of 1 and 2 is 2: the worker reports what it holds instead of raising on a
     # value that is not the sum, so a caller's check of the sum (notebook 00's) can fail

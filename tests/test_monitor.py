@@ -1,6 +1,6 @@
 """labkit.monitor: live plots driven by the launcher's loop or a thread; one final figure.
 
-Displays are captured by replacing ``_display`` (the one function the monitor shows things
+Displays are captured by replacing ``show_bundle`` (the one function the monitor shows things
 with) where the Monitor looks it up, ``labkit.monitor.watch``, so each test can count figures
 and tables exactly.
 """
@@ -26,6 +26,8 @@ from labkit.jobs import launch
 from labkit.metrics import Backend, BackendUnavailable, NvmlBackend, ReplayBackend, Sample
 from labkit.model import GPT
 from labkit.monitor import Monitor, display, watch
+from labkit.workers._faults import FaultsConfig
+from labkit.workers.allreduce import AllReduceConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,7 +49,7 @@ class FakeHandle:
 class Shown:
     """Everything the monitor displayed, and the cell's output area as Jupyter keeps it.
 
-    Also the kernel's display publisher (``watch._display_publisher``): like ipykernel's
+    Also the kernel's display publisher (``watch.display_publisher``): like ipykernel's
     ``ZMQDisplayPublisher``, ``clear_output`` passes its message through the registered hooks
     before it is sent. Like JupyterLab's output area and nbclient, a clear removes every
     output of the cell and forgets their display ids, so a removed handle's updates change
@@ -111,8 +113,8 @@ def auto_live(monkeypatch):
 @pytest.fixture
 def shown(monkeypatch) -> Shown:
     rec = Shown()
-    monkeypatch.setattr(watch, "_display", rec)
-    monkeypatch.setattr(watch, "_display_publisher", lambda: rec)
+    monkeypatch.setattr(watch, "show_bundle", rec)
+    monkeypatch.setattr(watch, "display_publisher", lambda: rec)
     return rec
 
 
@@ -502,8 +504,8 @@ def test_with_block_live_redraws_from_the_sampler_thread(shown):
 def test_a_two_rank_job_is_sampled_per_rank_with_step_events(shown):
     mon = Monitor(period_s=0.2, live=False)
     # ~1-2 s of all-reduces on 2 cores: long enough for several samples of each rank.
-    res = launch.run("labkit.workers.allreduce", nproc=2, config={"numel": 2**22, "repeats": 120},
-                     observers=[mon], stream=False)  # fmt: skip
+    res = launch.run(AllReduceConfig(numel=2**22, repeats=120), nproc=2, observers=[mon],
+                     stream=False)  # fmt: skip
     assert res.status == "ok" and mon.status == "ok"
     summary = mon.summary()
     assert {"rank0", "rank1", "host"} <= set(summary.sources)
@@ -521,7 +523,7 @@ def test_a_two_rank_job_is_sampled_per_rank_with_step_events(shown):
 def test_a_failed_job_still_stops_sampling_and_shows_the_figure(shown):
     mon = Monitor(period_s=0.2, live=False)
     with pytest.raises(launch.JobFailed):
-        launch.run("labkit.workers._faults", nproc=2, config={"mode": "raise"},
+        launch.run(FaultsConfig(mode="raise"), nproc=2,
                    observers=[mon], stream=False)  # fmt: skip
     assert mon.status == "failed" and mon.sampler.state == "stopped"
     assert len(shown.figures()) == 1 and "failed" in shown.tables()[0]["text/plain"]
@@ -805,7 +807,7 @@ def test_the_data_parallel_ladder_reports_steps_over_the_whole_job(shown):
     cfg = {"strategies": ["naive", "ddp"], "mesh": [2], "global_batch": 4,
            "model": {"seq_len": 16, "n_layer": 1, "n_head": 2, "d_model": 32},
            "train": {"steps": 2}}  # fmt: skip
-    res = dp_train.run(cfg, nproc=2, device="cpu", observers=[mon], stream=False)
+    res = dp_train.run(dp_train.DPTrainConfig(**cfg), nproc=2, device="cpu", observers=[mon], stream=False)
     assert res.status == "ok"
     for rank in (0, 1):
         assert [e.step for e in mon.steps if e.rank == rank][-1] == 4

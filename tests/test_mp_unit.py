@@ -42,7 +42,7 @@ def test_microbatches_that_do_not_divide_the_batch_are_rejected():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"p": 0}, r"p=0: need a positive integer"),
+        ({"p": 0}, r"p=0 is not allowed: a positive integer"),
         ({"schedule": "zb"}, r"schedule='zb'"),
         ({"schedule": "naive"}, r"n_microbatches=1"),
         ({"schedule": "torch_1f1b", "n_microbatches": 1}, r"n_microbatches >= p"),

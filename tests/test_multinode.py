@@ -32,12 +32,12 @@ NODE = textwrap.dedent(
     import json, sys
     from labkit.jobs import launch
     from labkit.jobs.nodes import Nodes
+    from labkit.workers.multinode import MultinodeConfig
 
     args = json.loads(sys.argv[1])
     try:
-        res = launch.run("labkit.workers.multinode", nproc=1, timeout_s=args["timeout_s"],
-                         pg_timeout_s=args["pg_timeout_s"], config=args["config"],
-                         nodes=Nodes(**args["nodes"]))
+        res = launch.run(MultinodeConfig(**args["config"]), nproc=1, timeout_s=args["timeout_s"],
+                         pg_timeout_s=args["pg_timeout_s"], nodes=Nodes(**args["nodes"]))
         out = {"ok": True, "node_rank": res.node_rank, "local_ranks": res.local_ranks,
                "world_size": res.world_size, "results": {r: res.rank(r) for r in res.local_ranks},
                "summary": repr(res).splitlines()[0], "log_dir": str(res.log_dir)}
@@ -197,9 +197,9 @@ def test_launch_refuses_a_layout_that_is_not_nodes_and_negative_restarts():
     from labkit.jobs import launch
 
     with pytest.raises(ValueError, match=r"labkit\.jobs\.nodes\.Nodes"):
-        launch.run("labkit.workers.multinode", nodes={"count": 2})
+        launch.run(multinode.MultinodeConfig(), nodes={"count": 2})
     with pytest.raises(ValueError, match="max_restarts=-1"):
-        launch.run("labkit.workers.multinode", max_restarts=-1)
+        launch.run(multinode.MultinodeConfig(), max_restarts=-1)
 
 
 def test_launch_command_refuses_half_a_layout(capsys):
@@ -209,3 +209,54 @@ def test_launch_command_refuses_half_a_layout(capsys):
     assert "--nodes and --endpoint go together" in capsys.readouterr().err
     assert main(["launch", "labkit.workers.multinode", "--nodes", "2", "--endpoint", "h:0"]) == 2
     assert "cannot be 0" in capsys.readouterr().err
+
+
+def test_the_launch_command_builds_the_workers_own_config(capsys):
+    from labkit.__main__ import main
+    from labkit.jobs import cli
+
+    # --config JSON becomes the worker's WorkerConfig, each field checked there.
+    assert cli.typed_config("labkit.workers.multinode", {"numel": 64}) == multinode.MultinodeConfig(numel=64)
+    assert main(["launch", "labkit.workers.multinode", "--config", '{"numell": 64}']) == 2
+    assert "MultinodeConfig has no field(s) ['numell']" in capsys.readouterr().err
+    # A module of one's own, without a config class, runs by name and takes no fields.
+    assert cli.typed_config("my_tests.worker", {}) == "my_tests.worker"
+    with pytest.raises(ValueError, match="has no config class"):
+        cli.typed_config("my_tests.worker", {"n": 1})
+
+
+def test_a_rehearsal_gives_every_node_the_same_typed_config(monkeypatch, tmp_path):
+    """This node runs the config object; the others get it as --config JSON (no job starts:
+    the agents are stand-ins, and this node's run stops at once)."""
+    from labkit.jobs import cli, procs
+
+    commands: list[list[str]] = []
+
+    class Agent:  # stands in for a background node's `python -m labkit launch ...`
+        pid = os.getpid()
+
+        def __init__(self, cmd, **_):
+            commands.append(cmd)
+
+        def wait(self, timeout=None):
+            return 0
+
+    class Ran(Exception):
+        pass
+
+    ran = []
+
+    def run(config, **kwargs):
+        ran.append((config, kwargs))
+        raise Ran
+
+    monkeypatch.setattr(cli.subprocess, "Popen", Agent)
+    monkeypatch.setattr(procs, "labkit_home", lambda: tmp_path)
+    cfg = multinode.MultinodeConfig(numel=64)
+    with pytest.raises(Ran):
+        cli.rehearse_nodes(run, cfg, nodes=3, nproc=1, device="cpu")
+    assert len(commands) == 2 and all(
+        "labkit.workers.multinode" in cmd and f"--config={json.dumps(cfg.to_dict())}" in cmd
+        for cmd in commands)  # fmt: skip
+    ((config, kwargs),) = ran
+    assert config is cfg and "config" not in kwargs and kwargs["nodes"].count == 3

@@ -30,17 +30,20 @@ MAX_LINES = 30
 NAMES = 8
 NAMES_ALLOWED = {
     # notebook: (names, why more than NAMES)
-    "00": (9, "the exercise cell imports its own check module"),
-    "01": (19, "the single-GPU lab teaches ten modules (config, data, formulas, hardware, memory, "
-               "timing, train, verdict, throughput, the model) and replays three recordings"),
-    "02": (9, "the lab's plan, its bench and the exercises' module, beside the jobs it launches"),
-    "02b": (11, "three sections, each with its own subsystem (multinode, slurm, checkpoint)"),
-    "03": (14, "three parallel modules taught, three workers launched"),
-    "03c": (10, "three sections, each teaching one parallel module and launching one worker"),
-    "03d": (13, "four sections: recomputation, schedules, collective debugging, the planner"),
-    "04": (14, "precision, recipes, fp8 and the roofline taught, with the recordings shown"),
-    "05": (9, "the sweep's saturation constant is read by the exercise"),
-    "06": (16, "profiling's tools, the bottlenecks, the DP job and the recorded GPU evidence"),
+    "01": (15, "the single-GPU lab teaches nine top-level modules (config, data, formulas, hardware, "
+               "memory, throughput, timing, train, verdict) and the model, then shows the monitor, "
+               "the recordings and the batch finder's trial step"),
+    "02b": (11, "three sections, each with its own part of jobs/ (launch, slurm, checkpoint), one "
+                "worker each; the resilient job's worker and its reading keep short names"),
+    "03": (9, "the launcher's progress lines and the monitor beside the strategies (parallel) and "
+              "the jobs that run them (workers)"),
+    "03d": (11, "four sections: recomputation (batching), schedules, collective debugging, the "
+                "planner, with the GPT, the launcher and the workers they run"),
+    "04": (13, "precision, recipes, fp8 and the roofline taught; a step's profile "
+               "(profiling.precision_report) and the GPU recordings shown"),
+    "06": (15, "profiling's tools, the batch finder, the DP job, the recorded GPU evidence and the "
+               "roofline; the two exercises import their own tools (phase, overlap), as their "
+               "hints name them"),
 }  # fmt: skip
 IMPORT = re.compile(r"^\s*from (labkit[\w.]*) import ([^\n#]+)|^\s*import (labkit[\w.]*)", re.M)
 

@@ -14,7 +14,7 @@ from torch.utils.data import DistributedSampler
 from labkit import formulas
 from labkit.parallel import comm
 from labkit.parallel.dp_bucketed import BucketedDP, make_buckets
-from labkit.parallel.dp_config import optimizer_factory, validate_dp_config
+from labkit.parallel.dp_config import DPSettings, optimizer_factory
 from labkit.parallel.dp_naive import NaiveDP
 from labkit.parallel.zero1 import ZeRO1
 from labkit.workers import dp_train
@@ -26,29 +26,37 @@ def base(**extra):
     return {"strategies": ["naive"], "model": TINY, **extra}
 
 
+def settings(**extra) -> DPSettings:
+    """The checked settings of ``base(**extra)``: what holds on any world is refused here."""
+    return DPSettings(**base(**extra))
+
+
 # --- bad input: ValueError before anything starts ---------------------------------------------
 
 
 def test_global_batch_must_divide_by_world_size_times_accumulation():
     with pytest.raises(ValueError, match=r"global_batch=10 does not divide by world_size=4"):
-        validate_dp_config(base(global_batch=10), world_size=4, gpu_count=0)
+        settings(global_batch=10).resolve(world_size=4, gpu_count=0)
     with pytest.raises(ValueError, match=r"grad_accum=2 = 8"):
-        validate_dp_config(base(global_batch=12, train={"grad_accum": 2}), 4, 0)
-    cfg = validate_dp_config(base(global_batch=16, train={"grad_accum": 2}), 4, 0)
-    assert cfg["train"]["micro_batch"] == 2 and cfg["global_batch"] == 16
+        settings(global_batch=12, train={"grad_accum": 2}).resolve(4)
+    job = settings(global_batch=16, train={"grad_accum": 2}).resolve(4)
+    assert job.train.micro_batch == 2 and job.global_batch == 16
 
 
 def test_more_ranks_than_gpus_on_cuda_is_refused():
     with pytest.raises(ValueError, match=r"world_size=4 is larger than the 2 visible GPU"):
-        validate_dp_config(base(), world_size=4, gpu_count=2, device="cuda")
-    validate_dp_config(base(), world_size=4, gpu_count=2, device="cpu")  # gloo: fine
+        settings().resolve(world_size=4, gpu_count=2, device="cuda")
+    settings().resolve(world_size=4, gpu_count=2, device="cpu")  # gloo: fine
 
 
 def test_fsdp_needs_an_explicit_mesh():
-    with pytest.raises(ValueError, match=r"mesh=None with strategy 'fsdp2'.*mesh=\[2\]"):
-        validate_dp_config(base(strategies=["fsdp2"]), 2, 0)
+    # Refused when built: no world size makes a missing or 2-D unnamed mesh right.
+    with pytest.raises(ValueError, match=r"mesh=None is not allowed: a mesh with strategy 'fsdp2'.*mesh=\[2\]"):
+        settings(strategies=["fsdp2"])
     with pytest.raises(ValueError, match=r"mesh=\[1, 2\]"):
-        validate_dp_config(base(strategies=["fsdp2"], mesh=[1, 2]), 2, 0)
+        settings(strategies=["fsdp2"], mesh=[1, 2])
+    with pytest.raises(ValueError, match=r"mesh=\[4\] is not allowed: \[2\]"):
+        settings(strategies=["fsdp2"], mesh=[4]).resolve(2)  # the launch's world
     from labkit.config import ModelConfig
     from labkit.model import GPT
     from labkit.parallel.fsdp import apply_fsdp2
@@ -61,11 +69,11 @@ def test_compression_hooks_on_gloo():
     # fp16 and PowerSGD run on gloo; bf16 too (gloo all-reduces bf16 CPU tensors; only DDP's
     # name check on torch's own hook refuses it on builds without CUDA+NCCL: see parallel/ddp).
     for name in ("ddp_fp16", "ddp_bf16", "ddp_powersgd"):
-        assert validate_dp_config(base(strategies=[name]), 2, 0)["backend"] == "gloo"
+        assert settings(strategies=[name]).resolve(2).backend == "gloo"
     with pytest.raises(ValueError, match=r"powersgd_start_iter=1.*>= 2"):
-        validate_dp_config(base(strategies=["ddp_powersgd"], powersgd_start_iter=1), 2, 0)
+        settings(strategies=["ddp_powersgd"], powersgd_start_iter=1)
     with pytest.raises(ValueError, match="ddp_int8"):
-        validate_dp_config(base(strategies=["ddp_int8"]), 2, 0)
+        settings(strategies=["ddp_int8"])
     from labkit.parallel.ddp import TorchDDP
 
     with pytest.raises(ValueError, match="compression='int8'"):
@@ -74,15 +82,19 @@ def test_compression_hooks_on_gloo():
 
 def test_other_bad_configs_name_the_field():
     with pytest.raises(ValueError, match=r"train.grad_clip=1.0 .*zero1"):
-        validate_dp_config(base(strategies=["zero1"], train={"grad_clip": 1.0}), 2, 0)
-    with pytest.raises(ValueError, match=r"unknown config key\(s\) \['steps'\]"):
-        validate_dp_config(base(steps=3), 2, 0)
-    with pytest.raises(ValueError, match=r"freeze=\['nope'\]"):
-        validate_dp_config(base(freeze=["nope"]), 2, 0)
+        settings(strategies=["zero1"], train={"grad_clip": 1.0})
+    with pytest.raises(ValueError, match=r"DPSettings has no field\(s\) \['steps'\]"):
+        DPSettings.from_dict(base(steps=3))
+    with pytest.raises(ValueError, match=r"freeze='nope' is not allowed: one of 'wte.weight'"):
+        settings(freeze=["nope"])
     with pytest.raises(ValueError, match="optimizer='lamb'"):
-        validate_dp_config(base(optimizer="lamb"), 2, 0)
-    with pytest.raises(ValueError, match="strategies=\\[\\]"):
-        validate_dp_config(base(strategies=[]), 2, 0)
+        settings(optimizer="lamb")
+    with pytest.raises(ValueError, match=r"strategies=\(\) is not allowed: a non-empty list"):
+        settings(strategies=[])
+    with pytest.raises(ValueError, match=r"train.micro_batch=3 is not allowed: .* = 2 or left out"):
+        settings(global_batch=4, train={"micro_batch": 3}).resolve(2)
+    with pytest.raises(ValueError, match=r"train.device='cuda' is not allowed: 'auto' or 'cpu'"):
+        settings(train={"device": "cuda"}).resolve(2)
 
 
 def test_run_validates_before_launching(monkeypatch):
@@ -92,11 +104,13 @@ def test_run_validates_before_launching(monkeypatch):
         raise AssertionError("launch.run was called")
 
     monkeypatch.setattr(launch, "run", must_not_launch)
+    # 3 samples cannot split over 2 ranks: only the launch knows the world size
     with pytest.raises(ValueError, match="global_batch=3"):
-        dp_train.run(base(global_batch=3), nproc=2, device="cpu")
+        dp_train.run(dp_train.DPTrainConfig(**base(global_batch=3)), nproc=2, device="cpu")
     # A vocabulary smaller than the byte corpus would fail only at the ranks' first forward.
     with pytest.raises(ValueError, match=r"vocab_size=100 is too small for the corpus"):
-        dp_train.run(base(model={"vocab_size": 100}), nproc=2, device="cpu")
+        dp_train.run(dp_train.DPTrainConfig(**base(model={"vocab_size": 100})), nproc=2,
+                     device="cpu")
 
 
 # --- counting ---------------------------------------------------------------------------------

@@ -240,10 +240,9 @@ P3_M = 4
 @pytest.fixture(scope="module")
 def three_stage_job():
     return launch.run(
-        "labkit.workers.pp_train",
+        pp_train.PPTrainConfig(batch_size=B, microbatches=P3_M, schedules=("gpipe", "1f1b"),
+                               warmup=0, repeats=2, save_grads=True, seed=0),
         nproc=3,
-        config={"batch_size": B, "microbatches": P3_M, "schedules": ["gpipe", "1f1b"],
-                "warmup": 0, "repeats": 2, "save_grads": True, "seed": 0},
         timeout_s=180,
         stream=False,
     )  # fmt: skip

@@ -26,6 +26,7 @@ import pytest
 from labkit.jobs import launch
 from labkit.parallel import schedules
 from labkit.parallel.timeline import bubble_from_events
+from labkit.workers import pp_compose
 
 B, M = 8, 4
 
@@ -35,9 +36,8 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def dp_pp():
     return launch.run(
-        "labkit.workers.pp_compose",
+        pp_compose.PPComposeConfig(part="dp_pp", batch_size=B, microbatches=M),
         nproc=4,
-        config={"part": "dp_pp", "batch_size": B, "microbatches": M},
         timeout_s=240,
         stream=False,
     )
@@ -46,9 +46,9 @@ def dp_pp():
 @pytest.fixture(scope="module")
 def scheds():
     return launch.run(
-        "labkit.workers.pp_compose",
+        pp_compose.PPComposeConfig(part="schedules", batch_size=B, microbatches=M, warmup=0,
+                                   repeats=1),
         nproc=2,
-        config={"part": "schedules", "batch_size": B, "microbatches": M, "warmup": 0, "repeats": 1},
         timeout_s=240,
         stream=False,
     )
@@ -181,9 +181,9 @@ LAYOUTS = [[1, 4], [2, 2], [4, 1]]
 @pytest.fixture(scope="module")
 def layouts():
     return launch.run(
-        "labkit.workers.pp_compose",
+        pp_compose.PPComposeConfig(part="layouts", batch_size=B, layouts=LAYOUTS, warmup=1,
+                                   repeats=2),
         nproc=4,
-        config={"part": "layouts", "batch_size": B, "layouts": LAYOUTS, "warmup": 1, "repeats": 2},
         timeout_s=240,
         stream=False,
     )

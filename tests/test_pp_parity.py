@@ -32,16 +32,9 @@ CFG = ModelConfig(**pp_train.DEFAULT_MODEL)  # 4 layers, tied embeddings: the ha
 @pytest.fixture(scope="module")
 def job():
     return launch.run(
-        "labkit.workers.pp_train",
+        pp_train.PPTrainConfig(batch_size=B, microbatches=M, warmup=1, repeats=1, save_grads=True,
+                               seed=0),
         nproc=P,
-        config={
-            "batch_size": B,
-            "microbatches": M,
-            "warmup": 1,
-            "repeats": 1,
-            "save_grads": True,
-            "seed": 0,
-        },
         timeout_s=180,
         stream=False,
     )

@@ -15,6 +15,7 @@ from labkit.hardware.environment import Environment
 from labkit.jobs.launch import JobResult
 from labkit.metrics import net
 from labkit.workers import allreduce as worker
+from labkit.workers import allreduce_report as report
 
 MIB = 2**20
 
@@ -67,7 +68,7 @@ def test_preset_sizes_the_job_and_keeps_the_lab_message_on_cpu_ranks():
 
 def test_prediction_prints_the_value_the_payload_and_the_busbw_factor():
     cfg = worker.preset("smoke", "cpu", expect=3.0)
-    p = worker.predict(cfg, 2, "gloo", "cpu", sent_per_rank=0.25 * MIB, whose="your answer")
+    p = report.predict(cfg, 2, "gloo", "cpu", sent_per_rank=0.25 * MIB, whose="your answer")
     assert p.describe() == (
         "2 ranks will run on the cpu over gloo\n"
         "predicted: every element = 3\n"
@@ -75,17 +76,17 @@ def test_prediction_prints_the_value_the_payload_and_the_busbw_factor():
         "message (n = 2); 2 ranks × 304 all-reduces put 152.0 MiB of payload on the wire\n"
         "bus bandwidth = algorithm bandwidth × 1 for n = 2 (it tends to 2 as n grows: 1.75 for "
         "n = 8)")
-    assert worker.predict(worker.preset("smoke", "cpu"), 3, "gloo", "cpu", sent_per_rank=1.0,
+    assert report.predict(worker.preset("smoke", "cpu"), 3, "gloo", "cpu", sent_per_rank=1.0,
                           whose="w").expected == 6.0  # no expect: the sum's n(n+1)/2
 
 
 def test_value_check_passes_fails_and_notes_another_op():
-    ok = worker.check_values(_result(), 3.0, op="sum")
+    ok = report.check_values(_result(), 3.0, op="sum")
     assert ok.ok and ok.describe() == (
         "measured: smallest and largest element on each rank {0: (3.0, 3.0), 1: (3.0, 3.0)} "
         "(predicted: all 3, 'sum' all-reduce)\n"
         "✓ value check: all 65,536 elements on all 2 ranks equal 3 exactly")
-    bad = worker.check_values(_result(value_max=2.0, value_min=2.0, wrong_elements=65536), 3.0,
+    bad = report.check_values(_result(value_max=2.0, value_min=2.0, wrong_elements=65536), 3.0,
                               op="max")  # fmt: skip
     assert not bad.ok
     assert bad.describe().splitlines()[1:] == [
@@ -94,17 +95,17 @@ def test_value_check_passes_fails_and_notes_another_op():
         "(the prediction n(n+1)/2 = 3 is a sum's; the 'max' all-reduce was the one checked, and "
         "the timed all-reduces below are sums whatever reduce_op says)"]
     with pytest.raises(AssertionError, match="another value"):
-        worker.check_values(_result(), 6.0, op="sum")
+        report.check_values(_result(), 6.0, op="sum")
 
 
 def test_speed_line():
-    assert worker.describe_speed(_result()) == (
+    assert report.describe_speed(_result()) == (
         "measured on rank 0: 1.48 ms per all-reduce of 0.25 MiB (median of 300; fastest 0.70 ms)"
         " -> algbw 0.177 GB/s, busbw 0.177 GB/s over gloo")
 
 
 def test_wire_reconcile_subtracts_the_baseline_and_gives_the_verdict():
-    w = worker.reconcile_wire(_result(), _whole_job(int(195.1 * MIB)),
+    w = report.reconcile_wire(_result(), _whole_job(int(195.1 * MIB)),
                               predicted_per_rank=0.25 * MIB, whose="your answer")  # fmt: skip
     assert w.describe() == (
         "measured on lo: 195.1 MiB during the whole job, 152.4 MiB during its 303 looped "
@@ -115,17 +116,17 @@ def test_wire_reconcile_subtracts_the_baseline_and_gives_the_verdict():
         "verdict: the predicted payload is 99% of the bytes measured on lo per rank and "
         "all-reduce (0.2500 MiB of 0.2515 MiB)\n"
         "measured − predicted: 1,597 bytes per rank and all-reduce (+0.61% of the payload)")
-    low = worker.reconcile_wire(_result(wire_loop_bytes=1000), None, predicted_per_rank=0.25 * MIB,
+    low = report.reconcile_wire(_result(wire_loop_bytes=1000), None, predicted_per_rank=0.25 * MIB,
                                 whose="w")  # fmt: skip
     assert low.extra is None and "the wire cannot check the prediction" in low.describe()
     assert "not counted during the whole job" in low.describe()
-    off = worker.reconcile_wire(_result(wire_unavailable="nccl moves the bytes elsewhere"), None,
+    off = report.reconcile_wire(_result(wire_unavailable="nccl moves the bytes elsewhere"), None,
                                 predicted_per_rank=1.0, whose="w")  # fmt: skip
     assert off.describe() == "no bytes counted on the wire here: nccl moves the bytes elsewhere"
 
 
 def test_time_reconcile_fits_alpha_beta_and_places_the_median():
-    t = worker.reconcile_time(_result())
+    t = report.reconcile_time(_result())
     assert t.describe() == (
         "measured (link probe, one ring step): α = 131 µs per message, β = 1.92 GB/s\n"
         "predicted (α–β): 0.398 ms with the ring's 2(n−1) messages, 0.660 ms with gloo's 4(n−1)\n"
@@ -133,23 +134,23 @@ def test_time_reconcile_fits_alpha_beta_and_places_the_median():
         "2.24 × gloo's 4(n−1)-message one\n"
         "the median took 2.2 × the 4(n−1)-message prediction (the fastest 1.1 ×): time the α–β "
         "model does not charge; the list below gives possible causes, none of them measured here")
-    between = worker.reconcile_time(_result(median_s=0.0005))
+    between = report.reconcile_time(_result(median_s=0.0005))
     assert between.describe().endswith("with between 2(n−1) and 4(n−1) messages paying α")
-    below = worker.reconcile_time(_result(median_s=0.0002))
+    below = report.reconcile_time(_result(median_s=0.0002))
     assert "the model over-charges this all-reduce" in below.describe()
-    nccl = worker.reconcile_time(_result("nccl"))
+    nccl = report.reconcile_time(_result("nccl"))
     assert nccl.t_high == nccl.t_ring
     assert nccl.describe().splitlines()[1] == "predicted (α–β, the ring's 2(n−1) messages): 0.398 ms"
-    disturbed = worker.reconcile_time(_result(probe_big_s=0.0001))
+    disturbed = report.reconcile_time(_result(probe_big_s=0.0001))
     assert (disturbed.alpha_s, disturbed.beta) == (None, None)
     assert disturbed.describe().startswith("no α–β prediction: big_bytes=1048576")
 
 
 def test_summary_one_line_a_figure():
     res = _result()
-    s = worker.summarize("cpu", res, worker.check_values(res, 3.0, op="sum"),
-                         worker.reconcile_wire(res, None, predicted_per_rank=0.25 * MIB, whose="w"),
-                         worker.reconcile_time(res))  # fmt: skip
+    s = report.summarize("cpu", res, report.check_values(res, 3.0, op="sum"),
+                         report.reconcile_wire(res, None, predicted_per_rank=0.25 * MIB, whose="w"),
+                         report.reconcile_time(res))  # fmt: skip
     assert s.describe() == (
         "tier: cpu; 2 ranks over gloo on the cpu\n"
         "values: every element as predicted (3, 'sum' all-reduce)\n"
@@ -161,11 +162,11 @@ def test_summary_one_line_a_figure():
 
 
 def test_count_job_wire_counts_only_gloo_on_loopback():
-    with worker.count_job_wire("nccl") as wire:
+    with report.count_job_wire("nccl") as wire:
         pass
     assert wire is None
     if net.unavailable("lo") is None:
-        with worker.count_job_wire("gloo") as wire:
+        with report.count_job_wire("gloo") as wire:
             pass
         assert wire is not None and wire.sent is not None and wire.sent >= 0
 
@@ -175,5 +176,5 @@ def test_time_reconcile_without_a_probe_says_so():
     for r in res.ranks:
         for key in ("probe_small_bytes", "probe_small_s", "probe_big_bytes", "probe_big_s"):
             del r[key]
-    assert worker.reconcile_time(res).describe() == (
+    assert report.reconcile_time(res).describe() == (
         "no α–β prediction: the job ran no link probe (probe=False), so α and β are unknown")

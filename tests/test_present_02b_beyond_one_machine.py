@@ -1,6 +1,6 @@
 """Notebook 02b's presentation, moved out of its cells: each function prints what the cell printed
 before, for a given input (launch.describe_rehearsal and cli.describe_rehearsal_plan,
-multinode.predict / describe_rehearsal / reconcile, formulas.multinode_allreduce_sweep and
+multinode_report.predict / describe_rehearsal / reconcile, formulas.multinode_allreduce_sweep and
 plot_multinode_allreduce, slurm.describe_sbatch_here, and resilient_report: build, forecast,
 compare, Resumed.describe / describe_reshard / restart_s, plot_resume, describe_save_modes,
 plan_checkpoints)."""
@@ -17,7 +17,7 @@ import torch
 
 from labkit import formulas
 from labkit.jobs import cli, launch, slurm
-from labkit.workers import multinode
+from labkit.workers import multinode, multinode_report
 from labkit.workers import resilient_report as report
 
 matplotlib.use("Agg")
@@ -51,7 +51,7 @@ def test_launch_describes_the_rehearsal_with_this_machines_gpu_count(monkeypatch
 
 
 def test_the_prediction_numbers_ranks_node_by_node():
-    p = multinode.predict(2, 2)
+    p = multinode_report.predict(2, 2)
     assert p.describe().splitlines() == [
         "node 0: ranks [0, 1]  (predicted)",
         "node 1: ranks [2, 3]  (predicted)",
@@ -75,8 +75,8 @@ def rehearsal(tmp_path, prediction, *, nodes=(0, 1), sums=(3.0, 3.0), shift=0.0)
 
 
 def test_the_rehearsal_shows_each_rank_the_agents_and_the_command(tmp_path):
-    p = multinode.predict(2, 1)
-    text = multinode.describe_rehearsal(p, rehearsal(tmp_path, p))
+    p = multinode_report.predict(2, 1)
+    text = multinode_report.describe_rehearsal(p, rehearsal(tmp_path, p))
     assert text.splitlines() == [
         "(this kernel's agent got node rank 0)",
         "[node1 rank1] rank 1 is local rank 0 of node 1 (vm)",
@@ -92,8 +92,8 @@ def test_the_rehearsal_shows_each_rank_the_agents_and_the_command(tmp_path):
 
 
 def test_the_reconcile_agrees_when_the_ranks_hold_the_prediction(tmp_path):
-    p = multinode.predict(2, 1)
-    assert multinode.reconcile(p, rehearsal(tmp_path, p)).describe().splitlines() == [
+    p = multinode_report.predict(2, 1)
+    assert multinode_report.reconcile(p, rehearsal(tmp_path, p)).describe().splitlines() == [
         "ranks on the predicted nodes: yes  ({0: 0, 1: 1})",
         "all-reduce: every rank holds [3.0], predicted 3: agree",
         "after one DDP step the 2 ranks' weights are bitwise identical, and 0.0e+00 from one "
@@ -102,8 +102,8 @@ def test_the_reconcile_agrees_when_the_ranks_hold_the_prediction(tmp_path):
 
 
 def test_the_reconcile_names_a_misplaced_rank_a_wrong_sum_and_weights_too_far(tmp_path):
-    p = multinode.predict(2, 1)
-    lines = multinode.reconcile(p, rehearsal(tmp_path, p, nodes=(0, 0), sums=(3.0, 2.0),
+    p = multinode_report.predict(2, 1)
+    lines = multinode_report.reconcile(p, rehearsal(tmp_path, p, nodes=(0, 0), sums=(3.0, 2.0),
                                              shift=0.5)).describe().splitlines()  # fmt: skip
     assert lines[0] == "ranks on the predicted nodes: NO  ({0: 0, 1: 0})"
     assert lines[1] == "all-reduce: every rank holds [2.0, 3.0], predicted 3: DISAGREE"

@@ -20,7 +20,7 @@ import pytest
 from labkit.config import ModelConfig
 from labkit.jobs.launch import JobResult
 from labkit.parallel import mesh
-from labkit.workers import mesh_train, pp_compose
+from labkit.workers import dp_pp_report, mesh_report, mesh_train, pp_compose
 
 matplotlib.use("Agg")
 
@@ -77,8 +77,8 @@ def test_link_times_are_bytes_over_each_links_bandwidth():
 
 
 @pytest.fixture(scope="module")
-def pred() -> mesh_train.MeshPrediction:
-    return mesh_train.predict(SMOKE, LAYOUTS, 8)
+def pred() -> mesh_report.MeshPrediction:
+    return mesh_report.predict(SMOKE, LAYOUTS, 8)
 
 
 def test_the_prediction_prints_the_notebooks_smoke_figures(pred):
@@ -103,19 +103,19 @@ def test_the_prediction_prints_the_notebooks_smoke_figures(pred):
 
 
 def test_the_learners_guess_is_held_against_the_formula():
-    guessed = mesh_train.predict(SMOKE, LAYOUTS, 8, guess={"fsdp_tp": 0.25, "hsdp": 0.9})
+    guessed = mesh_report.predict(SMOKE, LAYOUTS, 8, guess={"fsdp_tp": 0.25, "hsdp": 0.9})
     assert guessed.describe().splitlines()[-2:] == [
         "your prediction for fsdp_tp: 25% of one process's state; the formula says 27% (agrees)",
         "your prediction for hsdp: 90% of one process's state; the formula says 50%",
     ]
-    skipped = mesh_train.predict(SMOKE, LAYOUTS, 8, guess={"fsdp_tp": None, "hsdp": None})
+    skipped = mesh_report.predict(SMOKE, LAYOUTS, 8, guess={"fsdp_tp": None, "hsdp": None})
     assert "your prediction" not in skipped.describe()
 
 
 # --- the mesh job: a fake one that measured what was predicted ---------------------------------
 
 
-def _mesh_rank(r: int, pred: mesh_train.MeshPrediction, step_s: dict[str, list[float]]) -> dict:
+def _mesh_rank(r: int, pred: mesh_report.MeshPrediction, step_s: dict[str, list[float]]) -> dict:
     out = {"rank": r, "groups": {p: {d: mesh.group_ranks(s, d, r) for d in s} for p, s in LAYOUTS.items()}}
     for part, shape in LAYOUTS.items():
         out[part] = {
@@ -137,7 +137,7 @@ def _mesh_job(pred, step_s=None, log_dir: Path = Path("/tmp/none"), config=None)
 
 def test_groups_read_back_agree_or_name_the_prediction(pred):
     job = _mesh_job(pred)
-    groups = mesh_train.check_groups(job, LAYOUTS)
+    groups = mesh_report.check_groups(job, LAYOUTS)
     lines = groups.describe().splitlines()
     assert lines[0] == "groups read from torch's DeviceMesh (measured) against group_ranks (predicted):"
     assert lines[1:3] == ["  rank 0 fsdp_tp        dp: [0, 2] (as predicted)",
@@ -145,16 +145,16 @@ def test_groups_read_back_agree_or_name_the_prediction(pred):
     assert lines[5] == "  rank 3 fsdp_tp        dp: [1, 3] (as predicted)"
     assert len(lines) == 10 and lines[-1] == "every rank's groups agree with the prediction"
     job.ranks[1]["groups"]["hsdp"]["shard"] = [1, 3]  # rank 1 is not shown, but it is checked
-    bad = mesh_train.check_groups(job, LAYOUTS)
+    bad = mesh_report.check_groups(job, LAYOUTS)
     assert not bad.agree and bad.describe().splitlines()[-1] == "SOME GROUPS DIFFER"
     job.ranks[3]["groups"]["fsdp_tp"]["tp"] = [3, 2]
-    assert "  rank 3 fsdp_tp        tp: [3, 2] (PREDICTED [2, 3])" in mesh_train.check_groups(
+    assert "  rank 3 fsdp_tp        tp: [3, 2] (PREDICTED [2, 3])" in mesh_report.check_groups(
         job, LAYOUTS).describe().splitlines()
 
 
 def test_bytes_counted_against_predicted(pred):
     job = _mesh_job(pred)
-    counted = mesh_train.check_bytes(job, pred)
+    counted = mesh_report.check_bytes(job, pred)
     assert counted.describe() == "\n".join([
         "bytes per step on each dimension, rank 0 (counted in the first step, against predicted):",
         "               dim   calls  counted MiB  predicted MiB  sent/rank MiB",
@@ -166,7 +166,7 @@ def test_bytes_counted_against_predicted(pred):
     ])  # fmt: skip
     job.ranks[0]["hsdp"]["bytes"]["replicate"]["calls"]["all_reduce"] = 6
     job.ranks[0]["hsdp"]["bytes_unknown_ops"] = ["c10d.broadcast_"]
-    lines = mesh_train.check_bytes(job, pred).describe().splitlines()
+    lines = mesh_report.check_bytes(job, pred).describe().splitlines()
     assert lines[-3:] == ["    hsdp replicate       6        0.417          0.417          0.417",
                           "  collectives the spy could not file: ['c10d.broadcast_']",
                           "counted and predicted DIFFER: see the rows above"]  # fmt: skip
@@ -174,7 +174,7 @@ def test_bytes_counted_against_predicted(pred):
 
 def test_memory_measured_against_predicted_and_drawn(pred):
     job = _mesh_job(pred)
-    memory = mesh_train.check_memory(job, pred)
+    memory = mesh_report.check_memory(job, pred)
     assert memory.describe() == "\n".join([
         "                           parameters        gradients  optimizer_state       total   (MiB per rank)",
         "         one process            0.833            0.833            1.667       3.334",
@@ -186,12 +186,12 @@ def test_memory_measured_against_predicted_and_drawn(pred):
     ])  # fmt: skip
     job.ranks[2]["hsdp"]["memory"]["total"] += 4
     job.ranks[2]["hsdp"]["memory"]["gradients"] += 4
-    spoilt = mesh_train.check_memory(job, pred)
+    spoilt = mesh_report.check_memory(job, pred)
     totals = spoilt.totals["hsdp"]
     assert totals[2] == totals[0] + 4
     assert spoilt.describe().splitlines()[-1] == (
         f"ranks differ: {spoilt.totals}; and they DIFFER from the prediction")
-    ax = mesh_train.plot_memory(memory)
+    ax = mesh_report.plot_memory(memory)
     assert [t.get_text() for t in ax.get_xticklabels()] == [
         "one process", "FSDP2 × TP\n(dp 2 × tp 2)", "HSDP\n(replicate 2 × shard 2)"]
     assert ax.get_title() == "fp32 parameters + gradients + AdamW state, GPT 4 layers × d 64"
@@ -202,20 +202,20 @@ def test_memory_measured_against_predicted_and_drawn(pred):
 
 def test_the_reconcile_lists_each_check_and_its_verdict(pred):
     job = _mesh_job(pred)
-    groups, counted = mesh_train.check_groups(job, LAYOUTS), mesh_train.check_bytes(job, pred)
-    memory = mesh_train.check_memory(job, pred)
-    good = mesh_train.Parity(reference_losses=[1.0], losses={"hsdp": [1.0]}, steps=1,
+    groups, counted = mesh_report.check_groups(job, LAYOUTS), mesh_report.check_bytes(job, pred)
+    memory = mesh_report.check_memory(job, pred)
+    good = mesh_report.Parity(reference_losses=[1.0], losses={"hsdp": [1.0]}, steps=1,
                              errors={"hsdp": {"loss": 0.0, "grad": 0.0, "param": 0.0}})  # fmt: skip
-    assert mesh_train.reconcile(groups, counted, memory, good).describe() == "\n".join([
+    assert mesh_report.reconcile(groups, counted, memory, good).describe() == "\n".join([
         "agrees: groups read from the DeviceMesh == group_ranks",
         "agrees: bytes counted on every dimension == predict_comm",
         "agrees: model state measured on every rank == predict_memory",
         "agrees: losses, gradients, parameters == one process (fp32 rounding)",
         "the prediction holds for both compositions",
     ])  # fmt: skip
-    bad = mesh_train.Parity(reference_losses=[1.0], losses={"hsdp": [1.1]}, steps=1,
+    bad = mesh_report.Parity(reference_losses=[1.0], losses={"hsdp": [1.1]}, steps=1,
                             errors={"hsdp": {"loss": 0.1, "grad": 0.0, "param": 0.0}})  # fmt: skip
-    lines = mesh_train.reconcile(groups, counted, memory, bad).describe().splitlines()
+    lines = mesh_report.reconcile(groups, counted, memory, bad).describe().splitlines()
     assert lines[3:] == [
         "DIFFERS: losses, gradients, parameters == one process (fp32 rounding)",
         "the prediction FAILS where a line says DIFFERS: that is the part of the model to revisit"]
@@ -225,7 +225,7 @@ def test_step_times_choose_their_sentence(pred):
     # the first step (1.0) warms up and is left out
     clear = {"fsdp_tp": [1.0, 0.200, 0.201, 0.202, 0.203, 0.204, 0.205],
              "hsdp": [1.0, 0.100, 0.101, 0.102, 0.103, 0.104, 0.105]}  # fmt: skip
-    steps = mesh_train.compare_steps(_mesh_job(pred, clear))
+    steps = mesh_report.compare_steps(_mesh_job(pred, clear))
     assert steps.comparison.outcome == "faster" and steps.steps == 6
     lines = steps.describe().splitlines()
     assert lines[2].startswith("verdict: hsdp step, slowest rank is faster than fsdp_tp step")
@@ -235,7 +235,7 @@ def test_step_times_choose_their_sentence(pred):
         "(counted above), each one waited for, and runs every matmul half as wide; on 4 ranks "
         "sharing 2 cores, contention can weigh as much",
         "on this tier: 4 CPU ranks on shared cores over gloo; these times are not a GPU's"]
-    short = mesh_train.compare_steps(_mesh_job(pred)).describe().splitlines()  # 2 steps: noisy
+    short = mesh_report.compare_steps(_mesh_job(pred)).describe().splitlines()  # 2 steps: noisy
     assert short[2].startswith("verdict: too noisy to tell") and "likely cause" not in "".join(short)
     assert short[3] == "(measured: 2 steps after the first, the slowest rank's time in each)"
 
@@ -245,17 +245,17 @@ def test_parity_holds_for_a_job_that_saved_the_reference_and_fails_for_one_that_
 
     tiny = {"seq_len": 8, "n_layer": 1, "n_head": 2, "d_model": 16}
     config = mesh_train.MeshTrainConfig(model=tiny, batch_size=4, steps=2, seed=0)
-    losses, grads, params = mesh_train.reference_run(config)
+    losses, grads, params = mesh_report.reference_run(config)
     assert len(losses) == 2 and set(grads) == set(params)
     saved = {"params": {n: p.detach().clone() for n, p in params.items()}, "first_grads": grads}
     for part in ("fsdp_tp", "hsdp"):
         torch.save(saved, tmp_path / f"mesh_{part}_params.pt")
-    pred = mesh_train.predict(tiny, LAYOUTS, 4)
+    pred = mesh_report.predict(tiny, LAYOUTS, 4)
     job = _mesh_job(pred, log_dir=tmp_path, config=config)
     for r in job.ranks:
         for part in LAYOUTS:
             r[part]["losses"] = list(losses)
-    parity = mesh_train.check_parity(job)
+    parity = mesh_report.check_parity(job)
     assert parity.ok and parity.errors["hsdp"] == {"loss": 0.0, "grad": 0.0, "param": 0.0}
     rounded = [round(v, 4) for v in losses]
     assert parity.describe() == "\n".join([
@@ -270,7 +270,7 @@ def test_parity_holds_for_a_job_that_saved_the_reference_and_fails_for_one_that_
     name = next(iter(saved["params"]))
     saved["params"][name] = saved["params"][name] + 0.01
     torch.save(saved, tmp_path / "mesh_hsdp_params.pt")
-    spoilt = mesh_train.check_parity(job)
+    spoilt = mesh_report.check_parity(job)
     assert abs(spoilt.errors["hsdp"]["param"] - 0.01) < 1e-6
     assert spoilt.describe().splitlines()[-1] == "PARITY FAILED: a composition trains another model"
 
@@ -281,12 +281,12 @@ def test_parity_holds_for_a_job_that_saved_the_reference_and_fails_for_one_that_
 def test_the_measurements_choose_mesh_reads_and_their_description(pred):
     job = _mesh_job(pred)
     job.ranks[3]["hsdp"]["memory"]["parameters"] += 8  # the fullest rank's memory is taken
-    got = mesh_train.measured(job)
+    got = mesh_report.measured(job)
     assert got["hsdp"]["memory"]["parameters"] == int(pred.memory["hsdp"]["parameters"]) + 8
     assert got["fsdp_tp"]["mesh"] == {"dp": 2, "tp": 2}
     assert got["fsdp_tp"]["sent"] == {d: v["sent_per_rank"] for d, v in pred.comm["fsdp_tp"].items()}
     budget = 0.6 * pred.single_bytes
-    assert mesh_train.describe_measured(mesh_train.measured(_mesh_job(pred)), budget) == "\n".join([
+    assert mesh_report.describe_measured(mesh_report.measured(_mesh_job(pred)), budget) == "\n".join([
         "budget per GPU: 2.00 MiB of model state",
         " fsdp_tp on {'dp': 2, 'tp': 2}: model state 0.91 MiB per rank; sent per rank per step tp "
         "0.50 MiB, dp 0.65 MiB (measured)",
@@ -296,16 +296,16 @@ def test_the_measurements_choose_mesh_reads_and_their_description(pred):
 
 
 def test_the_choice_its_groups_and_its_run(pred):
-    measured = mesh_train.measured(_mesh_job(pred))
+    measured = mesh_report.measured(_mesh_job(pred))
     choice = {"replicate": 2, "shard": 2}
-    assert mesh_train.composition_of(choice, measured) == "hsdp"
-    assert mesh_train.composition_of({"tp": 2, "dp": 2}, measured) == "fsdp_tp"
-    assert mesh_train.composition_of(None, measured) is None
-    assert mesh_train.describe_choice(None) == "nothing to run: neither composition fits the budget"
-    assert mesh_train.describe_choice(choice) == (
+    assert mesh_report.composition_of(choice, measured) == "hsdp"
+    assert mesh_report.composition_of({"tp": 2, "dp": 2}, measured) == "fsdp_tp"
+    assert mesh_report.composition_of(None, measured) is None
+    assert mesh_report.describe_choice(None) == "nothing to run: neither composition fits the budget"
+    assert mesh_report.describe_choice(choice) == (
         "predicted groups: inner 'shard' [[0, 1], [2, 3]] (one node each), outer 'replicate' "
         "[[0, 2], [1, 3]] (across the nodes)")
-    run = mesh_train.check_choice(_mesh_job(pred), choice, measured, 0.6 * pred.single_bytes)
+    run = mesh_report.check_choice(_mesh_job(pred), choice, measured, 0.6 * pred.single_bytes)
     assert run.describe() == "\n".join([
         "measured: model state 1.67 MiB on the fullest rank against a budget of 2.00 MiB: it fits",
         "counted: 0.42 MiB per rank per step cross the nodes on 'replicate', 1.21 MiB stay inside "
@@ -313,11 +313,11 @@ def test_the_choice_its_groups_and_its_run(pred):
         "the other, fsdp_tp: model state 0.91 MiB (fits); per rank per step tp 0.50 MiB, dp 0.65 "
         "MiB (measured above)",
     ])  # fmt: skip
-    tight = mesh_train.check_choice(_mesh_job(pred), choice, measured, 1.0 * MIB)
+    tight = mesh_report.check_choice(_mesh_job(pred), choice, measured, 1.0 * MIB)
     lines = tight.describe().splitlines()
     assert lines[0].endswith("against a budget of 1.00 MiB: it does NOT fit")
     assert lines[2].startswith("the other, fsdp_tp: model state 0.91 MiB (fits)")
-    assert "(does not fit)" in mesh_train.check_choice(
+    assert "(does not fit)" in mesh_report.check_choice(
         _mesh_job(pred), choice, measured, 0.5 * MIB).describe()
 
 
@@ -325,7 +325,7 @@ def test_the_choice_its_groups_and_its_run(pred):
 
 
 def test_the_dp_pp_prediction_prints_the_notebooks_smoke_figures():
-    got = pp_compose.predict_dp_pp(ModelConfig(**SMOKE), 4, 2, 2, 8, 4)
+    got = dp_pp_report.predict_dp_pp(ModelConfig(**SMOKE), 4, 2, 2, 8, 4)
     assert got.stage_params == [118_400, 116_480] and got.zero3_over_zero1 == 6
     assert got.describe() == "\n".join([
         "mesh ('pp', 'dp') = (2, 2); each replica runs 4 of the 8 sequences as m = 4 "
@@ -350,7 +350,7 @@ def test_the_dp_pp_prediction_prints_the_notebooks_smoke_figures():
         "ZeRO-1's bytes and keeps the gathered parameters)",
     ])  # fmt: skip
     with pytest.raises(ValueError):
-        pp_compose.predict_dp_pp(ModelConfig(**SMOKE), 4, 2, 3, 8, 4)  # 2 x 3 is not 4 ranks
+        dp_pp_report.predict_dp_pp(ModelConfig(**SMOKE), 4, 2, 3, 8, 4)  # 2 x 3 is not 4 ranks
 
 
 def _dpp_rank(r: int) -> dict:
@@ -382,7 +382,7 @@ def _dpp_job() -> JobResult:
 
 
 def test_the_dp_pp_job_held_against_its_prediction():
-    check = pp_compose.check_dp_pp(_dpp_job())
+    check = dp_pp_report.check_dp_pp(_dpp_job())
     lines = check.describe().splitlines()
     assert lines[:3] == [
         "rank stage  pp group  dp group | sync       calls counted/pred  bytes counted/pred (MB)  "
@@ -412,14 +412,14 @@ def test_the_dp_pp_job_held_against_its_prediction():
     job = _dpp_job()
     job.ranks[2]["runs"]["zero1"]["counted"]["last_step"]["all_gather"]["calls"] = 3
     job.ranks[1]["runs"]["all_reduce"]["weight_error"] = 0.5
-    spoilt = pp_compose.check_dp_pp(job).describe().splitlines()
+    spoilt = dp_pp_report.check_dp_pp(job).describe().splitlines()
     assert spoilt[10].startswith("counted calls DIFFER FROM the predicted ones on every rank")
     assert spoilt[15] == "→ the counts DIFFER from the prediction and parity FAILS: see the rows above"
 
 
 def test_the_dp_pp_timeline_draws_each_ranks_all_reduce():
-    check = pp_compose.check_dp_pp(_dpp_job())
-    ax = pp_compose.plot_dp_pp(check)
+    check = dp_pp_report.check_dp_pp(_dpp_job())
+    ax = dp_pp_report.plot_dp_pp(check)
     assert ax.get_title() == "1F1B on two pipelines, then the dp all-reduce (measured)"
     assert [t.get_text() for t in ax.get_yticklabels()] == [
         "rank 0 (stage 0, replica 0)", "rank 1 (stage 0, replica 1)",

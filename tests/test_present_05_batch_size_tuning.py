@@ -10,7 +10,17 @@ import torch
 matplotlib.use("Agg")
 
 from labkit import batching, config
-from labkit.batching import accumulation, finder, lab, lamb, noise, ranks, recomputation, sweep
+from labkit.batching import (
+    accumulation,
+    finder,
+    lab,
+    lamb,
+    noise,
+    ranks,
+    recomputation,
+    sweep,
+    sweep_report,
+)
 from labkit.batching.trials import Trial
 
 CFG = config.preset("smoke").model  # vocabulary 256, s 64, 2 layers, d 64
@@ -59,7 +69,7 @@ def test_lab_describes_the_fallback_the_tier_and_the_threads():
 
 
 def test_step_prediction_prints_flops_and_the_memory_model():
-    pred = sweep.step_prediction(CFG, 116480, [1, 2], dtype="float32", seq_len=64)
+    pred = sweep_report.step_prediction(CFG, 116480, [1, 2], dtype="float32", seq_len=64)
     assert pred.describe() == (
         "predicted: 0.80 MFLOP per token (6N + 12·L·h·s, N = 116,480)\n"
         "predicted: model states 1.84 MiB at any batch, + 0.563 MiB per sequence (activations "
@@ -69,8 +79,8 @@ def test_step_prediction_prints_flops_and_the_memory_model():
 
 
 def test_the_sweep_read_against_its_prediction():
-    pred = sweep.step_prediction(CFG, 116480, [1, 2, 4], dtype="float32", seq_len=64)
-    reading = sweep.read_sweep(SWEEP, pred, CFG)
+    pred = sweep_report.step_prediction(CFG, 116480, [1, 2, 4], dtype="float32", seq_len=64)
+    reading = sweep_report.read_sweep(SWEEP, pred, CFG)
     assert reading.saturated.micro_batch == 4 and reading.slope == MiB
     assert reading.describe() == "\n".join([
         "Test CPU (cpu), float32, seq_len 64; tokens/s and peak bytes measured, FLOPs and "
@@ -92,7 +102,7 @@ def test_the_sweep_read_against_its_prediction():
         "  0.188 MiB  3 more s×V float32 tensors at the head (logits, their gradient, the loss's)",
         "  0.031 MiB  inputs of the final LayerNorm and of the output head",
         "  0.002 MiB  LayerNorm means and rstds (2L + 1 LayerNorms)"])
-    axes = sweep.plot_sweep(reading)
+    axes = sweep_report.plot_sweep(reading)
     assert axes[0].get_xlabel() == "micro-batch (sequences)" and axes[1].get_ylabel() == "MiB"
     assert len(axes[1].get_lines()) == 3  # measured, predicted, model states
 
@@ -111,7 +121,7 @@ def test_the_alignment_study_and_the_shape_trade_print_their_tables():
         "median of 3 rounds (measured):",
         "  b=6: 10.00   b=7: 10.00   b=8: 10.00   b=9: 10.00   b=10: 10.00"]
     assert study.describe().endswith("and any saw-tooth comes from tile and wave counts (§3.1-3.2)")
-    assert len(sweep.plot_alignment(study).get_lines()) == 3  # the points, the group, the ring
+    assert len(sweep_report.plot_alignment(study).get_lines()) == 3  # the points, the group, the ring
     trade = sweep.ShapeTrade(
         shapes=((64, 8), (16, 32)), flops_per_token={(64, 8): 0.797e6, (16, 32): 0.723e6},
         predicted_peak={(64, 8): 7.67 * MiB, (16, 32): 7.67 * MiB},
@@ -365,7 +375,26 @@ def test_every_batching_module_loads_lazily_by_name():
 
     folder = Path(batching.__file__).parent
     assert set(batching.SUBMODULES) == {p.stem for p in folder.glob("*.py")} - {"__init__"}
-    assert batching.sweep_report.read_sweep is sweep.read_sweep
+    assert batching.sweep_report.read_sweep is sweep_report.read_sweep
+
+
+def test_sweep_measures_and_its_report_only_reads():
+    # One way: sweep_report imports sweep; importing sweep loads no report module, and the
+    # report module has no clock of its own (the alignment study and the shape trade, which
+    # measure, live in sweep).
+    import subprocess
+    import sys
+
+    code = ("import sys, labkit.batching.sweep; "
+            "print('labkit.batching.sweep_report' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+    for name in ("alignment_study", "shape_trade", "AlignmentStudy", "ShapeTrade"):
+        assert getattr(sweep, name).__module__ == "labkit.batching.sweep", name
+    assert not {"timing", "train", "trials"} & set(vars(sweep_report))  # nothing that measures
+    # a reading has one home: sweep does not answer for its report's names
+    assert not hasattr(sweep, "read_sweep") and not hasattr(sweep, "step_prediction")
+    assert sweep.SATURATION == 0.9
 
 
 def test_the_alignment_sentence_follows_the_sequence_length():

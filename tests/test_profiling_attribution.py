@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from labkit import config, train
+from labkit import config, op_kinds, train
 from labkit.model import GPT
 from labkit.profiling import attribution as at
 
@@ -21,6 +21,13 @@ from labkit.profiling import attribution as at
 ])  # fmt: skip
 def test_operators_are_sorted_into_kinds(name, kind):
     assert at.kind_of(name) == kind
+
+
+def test_attribution_sorts_with_the_one_classifier():
+    assert at.kind_of is op_kinds.kind_of  # re-exported, not a second list
+    assert [op_kinds.is_matmul(n) for n in ("aten::addmv", "aten::_addmm_activation", "aten::baddbmm",
+                                            "aten::linear", "aten::matmul", "aten::_scaled_mm")] \
+        == [True, True, True, False, False, False]  # composites only call a matmul: counted once
 
 
 def test_a_real_step_is_attributed_and_the_parts_add_up_to_the_step():

@@ -61,10 +61,10 @@ def launches(monkeypatch) -> list:
 
 @pytest.mark.parametrize(("config", "message"), [
     ({"bogus": 1}, r"DPProfileConfig has no field\(s\) \['bogus'\]"),
-    ({"slow_rank": 2, "runs": RUNS}, r"slow_rank=2: a rank in 0\.\.1"),
+    ({"slow_rank": 2, "runs": RUNS}, r"slow_rank=2 is not allowed: an integer from 0 to 1"),
     ({"slow_rank": -1, "runs": RUNS}, r"slow_rank=-1"),
     ({"slow_rank": 1.0, "runs": RUNS}, r"slow_rank=1\.0"),
-    ({"runs": [{"name": "x", "strategy": "fsdp"}]}, r"strategy='fsdp', choose from \['naive', 'ddp'\]"),
+    ({"runs": [{"name": "x", "strategy": "fsdp"}]}, r"strategy='fsdp' is not allowed: one of 'naive', 'ddp' \(run 'x'\)"),
     ({"runs": [{"name": "x", "strategy": "ddp", "slow_ms": -5}]}, r"slow_ms=-5"),
     ({"runs": [{"name": "x", "strategy": "ddp", "delay": 5}]}, r"exactly 'name', 'strategy'"),
     ({"runs": [{"name": "x", "strategy": "ddp"}] * 2}, r"repeated names"),
@@ -73,20 +73,29 @@ def launches(monkeypatch) -> list:
     ({"wait": -1}, r"wait=-1"),
     ({"bucket_cap_mb": 0}, r"bucket_cap_mb=0"),
     ({"profiler": "perf"}, r"profiler='perf'"),
-    ({"dtype": "float8"}, r"dtype='float8': choose from \['bfloat16', 'float16', 'float32'\]"),
+    ({"dtype": "float8"}, r"dtype='float8' is not allowed: one of 'bfloat16', 'float16', 'float32'"),
 ])  # fmt: skip
 def test_bad_config_is_refused_before_launch(launches, config, message):
     with pytest.raises(ValueError, match=message):
-        dp_profile.run(config, nproc=2)
+        dp_profile.run(dp_profile.DPProfileConfig.from_dict(config), nproc=2)
     assert launches == []
 
 
+def test_run_and_nsys_command_take_only_the_typed_config(launches, tmp_path):
+    refused = r"config=\{'active': 2\} is not allowed: a DPProfileConfig"
+    with pytest.raises(ValueError, match=refused):
+        dp_profile.run({"active": 2}, nproc=2)
+    with pytest.raises(ValueError, match=refused):
+        dp_profile.nsys_command({"active": 2}, nproc=1, out_dir=tmp_path)
+    assert launches == [] and not any(tmp_path.iterdir())
+
+
 def test_a_good_config_reaches_the_launcher(launches):
-    config = {"active": ACTIVE, "runs": RUNS, "slow_rank": SLOW_RANK}
+    config = dp_profile.DPProfileConfig(active=ACTIVE, runs=RUNS, slow_rank=SLOW_RANK)
     dp_profile.run(config, nproc=2, device="cpu")
     # slow_rank only matters when a run is slowed: out of range with none slowed is accepted
-    dp_profile.run({"slow_rank": 5}, nproc=2)
-    assert launches == [(dp_profile.DPProfileConfig.from_dict(config), {"nproc": 2, "device": "cpu"}),
+    dp_profile.run(dp_profile.DPProfileConfig(slow_rank=5), nproc=2)
+    assert launches == [(config, {"nproc": 2, "device": "cpu"}),
                         (dp_profile.DPProfileConfig(slow_rank=5), {"nproc": 2})]
 
 
@@ -95,8 +104,8 @@ def test_a_good_config_reaches_the_launcher(launches):
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> launch.JobResult:
-    return dp_profile.run({"active": ACTIVE, "runs": RUNS, "slow_rank": SLOW_RANK}, nproc=2,
-                          device="cpu", log_dir=tmp_path_factory.mktemp("dp_profile"),
+    config = dp_profile.DPProfileConfig(active=ACTIVE, runs=RUNS, slow_rank=SLOW_RANK)
+    return dp_profile.run(config, nproc=2, device="cpu", log_dir=tmp_path_factory.mktemp("dp_profile"),
                           stream=False, timeout_s=240)  # fmt: skip
 
 
@@ -200,8 +209,8 @@ class KillRank:
 def test_a_rank_killed_while_profiling_fails_the_job(tmp_path):
     # wait 1, warmup 1, active 2: the trace is exported at the end of step 4. Rank 1 is slowed
     # 400 ms a step so that the launcher's 0.25 s tick sees it between steps 1 and 3.
-    config = {"runs": [{"name": "slowed", "strategy": "ddp", "slow_ms": 400}], "active": 2,
-              "slow_rank": 1}  # fmt: skip
+    config = dp_profile.DPProfileConfig(runs=[{"name": "slowed", "strategy": "ddp", "slow_ms": 400}],
+                                        active=2, slow_rank=1)  # fmt: skip
     killer = KillRank(rank=1, at_step=1)
     with pytest.raises(launch.JobFailed) as e:
         dp_profile.run(config, nproc=2, device="cpu", log_dir=tmp_path, stream=False,

@@ -29,10 +29,10 @@ def jobs(tmp_path_factory):
     home = tmp_path_factory.mktemp("home")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LABKIT_HOME", str(home))
-        killed = rt.run(CONFIG, nproc=2, max_restarts=1, device="cpu", timeout_s=120,
-                        stream=False)  # fmt: skip
-        plain = rt.run({k: CONFIG[k] for k in ("steps", "every")}, nproc=2, max_restarts=1,
-                       device="cpu", timeout_s=120, stream=False)  # fmt: skip
+        killed = rt.run(rt.ResilientTrainConfig(**CONFIG), nproc=2, max_restarts=1, device="cpu",
+                        timeout_s=120, stream=False)  # fmt: skip
+        plain = rt.run(rt.ResilientTrainConfig(steps=CONFIG["steps"], every=CONFIG["every"]), nproc=2,
+                       max_restarts=1, device="cpu", timeout_s=120, stream=False)  # fmt: skip
     yield killed, plain
     strays = []
     for p in psutil.process_iter(["environ"]):
@@ -135,7 +135,12 @@ def test_a_checkpoint_of_two_ranks_reshards_into_one_process(jobs):
 )
 def test_bad_configs_are_refused_before_anything_starts(config, match):
     with pytest.raises(ValueError, match=match):
-        rt.run(config, nproc=2)
+        rt.run(rt.ResilientTrainConfig.from_dict(config), nproc=2)
+
+
+def test_run_takes_only_the_typed_config():
+    with pytest.raises(ValueError, match=r"config=\{'steps': 6\} is not allowed: a ResilientTrainConfig"):
+        rt.run({"steps": 6}, nproc=2)
 
 
 @pytest.mark.parametrize("restarts", [0, 1])
@@ -143,10 +148,11 @@ def test_a_restartable_job_gets_a_fresh_rendezvous_store_per_attempt(restarts, t
     """Without it torchrun 2.13 hands the restarted ranks the dead attempt's store, and about
     half the restarts fail in gloo's connectFullMesh (pytorch #135712): the launcher sets it
     for every job that may restart, and only for those."""
-    from labkit.jobs.launch import Job, _Echo, _Supervisor
+    from labkit.jobs.observers import Job
+    from labkit.jobs.supervisor import Echo, Supervisor
 
     job = Job("j", rt.MODULE, 2, "gloo", "cpu", {}, tmp_path, max_restarts=restarts)
-    env = _Supervisor(job, [], {}, observers=[], echo=_Echo(0, tmp_path, quiet=True))._env()
+    env = Supervisor(job, [], {}, observers=[], echo=Echo(0, tmp_path, quiet=True))._env()
     assert env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == ("1" if restarts else None)
     # the SLURM script of a restartable job says the same to torchrun on every node
     from labkit.jobs import slurm

@@ -8,6 +8,7 @@ alive. Only the last test launches real jobs.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -16,7 +17,8 @@ import psutil
 import pytest
 
 from labkit import __main__ as cli
-from labkit.jobs import launch, procs, runtime
+from labkit.jobs import launch, procs, runtime, supervisor
+from labkit.workers.allreduce import AllReduceConfig
 
 DAY = 86400.0
 
@@ -46,7 +48,7 @@ def make_job(runs: Path, name: str, age_s: float, *, tmp: bool = False) -> Path:
 
 
 def register(home: Path, job_id: str, owner: dict | None, *, job_dir: Path | None = None) -> Path:
-    """A registry record in the format launch._Supervisor._save_record writes."""
+    """A registry record in the format labkit.jobs.supervisor.Supervisor._save_record writes."""
     path = home / "jobs" / f"{job_id}.json"
     runtime.write_json_atomic(
         path,
@@ -205,7 +207,7 @@ def test_vanishing_and_undeletable_dirs_are_skipped_silently(home, monkeypatch):
 @pytest.mark.parametrize("bad", [-1, 2.5, "3", True])
 def test_bad_keep_raises_naming_value_and_fix(home, bad):
     make_job(home / "runs", "job", DAY)
-    with pytest.raises(ValueError, match=rf"keep={bad!r}: need a whole number >= 0"):
+    with pytest.raises(ValueError, match=rf"keep={re.escape(repr(bad))} is not allowed: an integer >= 0"):
         procs.prune_runs(keep=bad)
     assert names(home / "runs") == {"job"}, "nothing is deleted on bad input"
 
@@ -262,7 +264,7 @@ def no_start(home, monkeypatch):
     def refuse(self):
         raise Started
 
-    monkeypatch.setattr(launch._Supervisor, "start", refuse)
+    monkeypatch.setattr(supervisor.Supervisor, "start", refuse)
     return home
 
 
@@ -275,12 +277,12 @@ def test_run_prunes_the_default_folder_but_not_a_chosen_log_dir(no_start, monkey
     monkeypatch.setenv("LABKIT_KEEP_RUNS", "2")
 
     with pytest.raises(Started):
-        launch.run("labkit.workers.allreduce", nproc=2, log_dir=mine)
+        launch.run(AllReduceConfig(), nproc=2, log_dir=mine)
     assert {"old", "older"} < names(mine) and len(names(mine)) == 3
     assert names(runs) == {"old", "older"}, "with log_dir given, run() prunes nothing"
 
     with pytest.raises(Started):
-        launch.run("labkit.workers.allreduce", nproc=2)
+        launch.run(AllReduceConfig(), nproc=2)
     # keep=2 counts the new job's folder: one old one stays.
     assert "old" in names(runs) and "older" not in names(runs) and len(names(runs)) == 2
 
@@ -291,7 +293,7 @@ def test_run_launches_anyway_when_pruning_fails(no_start, monkeypatch, capsys):
 
     monkeypatch.setattr(procs, "prune_runs", broken)
     with pytest.raises(Started):  # it went on to start the job
-        launch.run("labkit.workers.allreduce", nproc=2)
+        launch.run(AllReduceConfig(), nproc=2)
     assert "could not delete old job folders" in capsys.readouterr().out
     assert len(names(no_start / "runs")) == 1
 
@@ -300,16 +302,16 @@ def test_run_with_bad_env_fails_before_making_a_job_dir(no_start, monkeypatch):
     make_job(no_start / "runs", "old", DAY)
     monkeypatch.setenv("LABKIT_KEEP_RUNS", "lots")
     with pytest.raises(ValueError, match="LABKIT_KEEP_RUNS='lots'"):
-        launch.run("labkit.workers.allreduce", nproc=2)
+        launch.run(AllReduceConfig(), nproc=2)
     assert names(no_start / "runs") == {"old"}
 
 
 @pytest.mark.slow
 def test_two_real_launches_with_keep_one_leave_one_job_dir(home, monkeypatch):
     monkeypatch.setenv("LABKIT_KEEP_RUNS", "1")
-    config = {"numel": 1000, "repeats": 2, "warmup": 1}
-    first = launch.run("labkit.workers.allreduce", nproc=2, config=config, timeout_s=60)
-    second = launch.run("labkit.workers.allreduce", nproc=2, config=config, timeout_s=60)
+    config = AllReduceConfig(numel=1000, repeats=2, warmup=1)
+    first = launch.run(config, nproc=2, timeout_s=60)
+    second = launch.run(config, nproc=2, timeout_s=60)
     assert first.status == second.status == "ok"
     assert [p.name for p in (home / "runs").iterdir()] == [second.log_dir.name]
     assert (second.log_dir / runtime.SPEC_FILE).is_file() and second.log(0)

@@ -159,9 +159,8 @@ def test_one_rank_equals_the_model_and_saves_what_is_predicted():
 
 @pytest.fixture(scope="module")
 def job():
-    return launch.run("labkit.workers.sp_train", nproc=N,
-                      config={"batch_size": B, "steps": STEPS, "seed": SEED, "grad_clip": 1.0},
-                      timeout_s=240, stream=False)  # fmt: skip
+    return launch.run(sp_train.SPTrainConfig(batch_size=B, steps=STEPS, seed=SEED, grad_clip=1.0),
+                      nproc=N, timeout_s=240, stream=False)  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -49,15 +49,35 @@ def test_a_config_without_a_worker_is_refused():
 
 
 def test_run_reads_the_module_from_the_config():
-    assert preflight.worker_and_config(Demo(), None) == ("labkit.workers.allreduce", Demo().to_dict())
-    assert preflight.worker_and_config("labkit.workers.allreduce", Demo())[1] == Demo().to_dict()
-    assert preflight.worker_and_config("labkit.workers.x", None) == ("labkit.workers.x", {})
-    with pytest.raises(ValueError, match="leave config out"):
-        preflight.worker_and_config(Demo(), {"a": 1})
-    with pytest.raises(ValueError, match=r"for labkit\.workers\.allreduce, not for labkit\.workers\.x"):
-        preflight.worker_and_config("labkit.workers.x", Demo())
-    with pytest.raises(ValueError, match="module=3"):
-        preflight.worker_and_config(3, None)
+    assert preflight.worker_and_config(Demo()) == ("labkit.workers.allreduce", Demo().to_dict(),
+                                                   json.dumps(Demo().to_dict()))  # fmt: skip
+    # A module of one's own by name: the one escape hatch, with no config.
+    assert preflight.worker_and_config("my_tests.worker") == ("my_tests.worker", {}, "{}")
+    # A labkit worker by name is refused, naming its config class.
+    with pytest.raises(ValueError, match=r"launch it as run\(AllReduceConfig\(\.\.\.\)\)"):
+        preflight.worker_and_config("labkit.workers.allreduce")
+    with pytest.raises(ValueError, match="need a worker's config"):
+        preflight.worker_and_config(3)
+
+
+def test_a_field_that_json_cannot_hold_is_refused_by_the_launch():
+    @dataclasses.dataclass(frozen=True)
+    class Odd(spec.WorkerConfig):
+        WORKER: ClassVar[str] = "my_tests.worker"
+        thing: object = None
+
+    with pytest.raises(ValueError, match="Odd is not JSON-serialisable"):
+        preflight.worker_and_config(Odd(thing=object()))
+
+
+def test_a_worker_module_names_its_config_class():
+    from labkit.workers.capstone_config import CapstoneConfig
+    from labkit.workers.multinode import MultinodeConfig
+
+    assert preflight.config_class("labkit.workers.multinode") is MultinodeConfig
+    assert preflight.config_class("labkit.workers.capstone_train") is CapstoneConfig  # imported there
+    assert preflight.config_class("labkit.workers.no_such_worker") is None
+    assert preflight.config_class("labkit.formulas") is None  # a module, but no worker
 
 
 def test_the_spec_module_imports_no_torch():

@@ -34,9 +34,8 @@ CFG = ModelConfig(**tp_train.DEFAULT_MODEL)
 @pytest.fixture(scope="module")
 def job():
     return launch.run(
-        "labkit.workers.tp_train",
+        tp_train.TPTrainConfig(batch_size=B, steps=STEPS, seed=SEED, grad_clip=1.0),
         nproc=N,
-        config={"batch_size": B, "steps": STEPS, "seed": SEED, "grad_clip": 1.0},
         timeout_s=180,
         stream=False,
     )

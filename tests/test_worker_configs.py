@@ -3,13 +3,19 @@ starts, and a config reaches the ranks as the same dataclass (labkit.jobs.spec).
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import json
+import pkgutil
 import re
 from pathlib import Path
 
 import pytest
 
+from labkit import workers
+from labkit.config import ModelConfig
 from labkit.jobs import launch
+from labkit.jobs.spec import WorkerConfig
 from labkit.validate import InvalidValue
 from labkit.workers import (
     allreduce,
@@ -51,6 +57,47 @@ def test_a_config_round_trips_through_json():
     assert pp_train.PPTrainConfig.from_dict(cfg.to_dict()) == cfg
 
 
+def _worker_configs() -> list[type[WorkerConfig]]:
+    """Every worker's config class: those of the modules labkit.workers holds."""
+    for info in pkgutil.iter_modules(workers.__path__):
+        importlib.import_module(f"labkit.workers.{info.name}")
+    found, todo = [], list(WorkerConfig.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        if cls.__module__.startswith("labkit.workers.") and cls.WORKER:
+            found.append(cls)
+    return sorted(found, key=lambda c: c.__name__)
+
+
+REQUIRED = {"AllReduceSizesConfig": {"sizes": (1024, 4096)}, "DPTrainConfig": {"strategies": ("ddp",)}}
+"""The fields a config has no default for."""
+
+
+@pytest.mark.parametrize("config", _worker_configs(), ids=lambda c: c.__name__)
+def test_a_list_given_for_a_tuple_field_becomes_a_tuple(config):
+    # Built from Python as from JSON: equal configs compare equal, and a frozen config holds
+    # no list that could change under it (WorkerConfig.__post_init__, for every subclass).
+    required = REQUIRED.get(config.__name__, {})
+    default = config(**required)
+    tuples = {f.name: list(getattr(default, f.name)) for f in dataclasses.fields(config)
+              if isinstance(getattr(default, f.name), tuple) and getattr(default, f.name)}
+    built = config(**{**required, **tuples})
+    assert built == default
+    assert all(isinstance(getattr(built, name), tuple) for name in tuples)
+
+
+def test_a_model_dict_becomes_a_model_config_over_the_workers_default():
+    cfg = tp_train.TPTrainConfig(model={"n_layer": 3})
+    assert cfg.model == ModelConfig(**{**tp_train.DEFAULT_MODEL, "n_layer": 3})
+    assert tp_train.TPTrainConfig.from_dict(cfg.to_dict()) == cfg  # through the job folder's JSON
+    assert tp_train.TPTrainConfig(model=cfg.model) == cfg
+    with pytest.raises(InvalidValue, match=r"model: ModelConfig has no field\(s\) \['n_layers'\]"):
+        tp_train.TPTrainConfig(model={"n_layers": 3})
+    with pytest.raises(InvalidValue, match="model=3 is not allowed: a ModelConfig"):
+        pp_train.PPTrainConfig(model=3)
+
+
 def test_a_config_reaches_the_rank_as_the_same_dataclass():
     # A real 1-rank gloo job: the worker reads MultinodeConfig.from_dict(ctx.config) and uses
     # its fields (lr and seed shape the params; numel the all-reduce).
@@ -62,18 +109,28 @@ def test_a_config_reaches_the_rank_as_the_same_dataclass():
     assert got["params"] == pytest.approx(expected.tolist(), abs=1e-6)
 
 
-def test_launch_refuses_a_config_of_another_worker():
-    with pytest.raises(ValueError, match=r"not for labkit\.workers\.tp_train"):
-        launch.run("labkit.workers.tp_train", config=allreduce.AllReduceConfig(), nproc=1)
+def test_launch_takes_a_config_alone():
+    # One way to launch a worker: run(config). A labkit worker by name, or a config keyword, is
+    # refused.
+    with pytest.raises(ValueError, match=r"launch it as run\(TPTrainConfig\(\.\.\.\)\)"):
+        launch.run("labkit.workers.tp_train", nproc=1)
+    with pytest.raises(TypeError, match="config"):
+        launch.run(allreduce.AllReduceConfig(), config={"numel": 4}, nproc=1)  # type: ignore[call-arg]
 
 
-def test_a_dp_config_is_checked_by_validate_dp_config_when_built():
-    # One implementation of the data-parallel rules (labkit.parallel.dp_config), run when the
-    # config is built for what holds on any world size.
+def test_a_dp_config_is_checked_by_its_dp_settings_when_built():
+    # One implementation of the data-parallel rules (labkit.parallel.dp_config.DPSettings, the
+    # config's base), run when the config is built for what holds on any world size.
     with pytest.raises(ValueError, match="strategies='zero2' is not allowed"):
         dp_train.DPTrainConfig(strategies=("ddp", "zero2"))
-    with pytest.raises(ValueError, match=r"freeze=\['nope'\] is not allowed"):
+    with pytest.raises(ValueError, match=r"freeze='nope' is not allowed"):
         dp_train.DPTrainConfig(strategies=("ddp",), freeze=("nope",))
+    # What the launch decides is resolved for it: the micro-batch, the backend, AUTO's dtype.
+    cfg = dp_train.DPTrainConfig(strategies=["fsdp2"], mesh=[2], global_batch=8,
+                                 train={"dtype": "bfloat16"})  # fmt: skip
+    job = cfg.resolve(2)
+    assert (job.train.micro_batch, job.backend, job.fsdp_mixed_precision) == (4, "gloo", "bf16")
+    assert type(job).from_dict(job.to_dict()) == job  # a rank's reported config, read back
 
 
 def test_a_world_size_check_waits_for_the_launch():
@@ -97,7 +154,7 @@ def test_the_capstone_config_keeps_its_knobs_sealed():
 def test_no_solutions_notebook_launches_a_worker_with_a_dict():
     """Workers are launched by their ``run(XConfig(...))``: a launch by module name hands the
     ranks a dict, whose misspelt key only a rank would find."""
-    by_name = re.compile(r"launch\.run\(\s*[\"']labkit\.workers\.")
+    by_name = re.compile(r"launch\.run\(\s*[\"']labkit\.workers\.|\.run\(\s*(\{|dict\()")
     found = []
     for path in sorted(SOLUTIONS.glob("*.ipynb")):
         for i, cell in enumerate(json.loads(path.read_text())["cells"]):

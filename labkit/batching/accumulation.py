@@ -201,13 +201,13 @@ class AccumulationCost:
         return self.steps.row(b, self.global_batch // b)
 
     def checks(self) -> list[Any]:
-        from labkit.batching import sweep
+        from labkit.batching import sweep_report
 
         out = []
         for b in self.micro_sizes:
             r = self.row(b)
             p = predict_accumulated_seconds(self.steps.row(b, 1).median_s, self.update, r.grad_accum)
-            out.append(sweep.check_prediction(p, r.seconds, name=f"{b} × {r.grad_accum}"))
+            out.append(sweep_report.check_prediction(p, r.seconds, name=f"{b} × {r.grad_accum}"))
         return out
 
     def describe(self) -> str:

@@ -51,11 +51,8 @@ from labkit.batching.trials import (
     LiveTensorBytes,
     MemoryLeakError,
     Trial,
-    _budget,
-    _dtype,
-    _mib,
-    _model_cfg,
-    _seq_len,
+    checked_dtype,
+    model_config_of,
     open_trials,
 )
 from labkit.config import ModelConfig, TrainConfig
@@ -64,7 +61,7 @@ from labkit.errors import LabkitError
 # The prediction, closed-form: in labkit.formulas.max_batch (sizes and a budget in, a batch out)
 from labkit.formulas.max_batch import OMISSIONS as OMISSIONS
 from labkit.formulas.max_batch import BatchPrediction as BatchPrediction
-from labkit.formulas.max_batch import _prediction
+from labkit.formulas.max_batch import checked_budget, checked_seq_len, max_batch_prediction, mib
 from labkit.formulas.max_batch import predict_max_batch as predict_max_batch
 from labkit.hardware.host import cgroup_room as _cgroup_room  # noqa: F401 (test_bad_inputs reads it)
 from labkit.hardware.host import host_memory_available as host_memory_available
@@ -226,7 +223,7 @@ def _size(n: float) -> str:
     for unit, name in ((2**40, "TiB"), (2**30, "GiB")):
         if n >= unit:
             return f"{n / unit:,.2f} {name}"
-    return _mib(n)
+    return mib(n)
 
 
 def capped_budget(budget_bytes: float | None, device: torch.device, *,
@@ -238,7 +235,7 @@ def capped_budget(budget_bytes: float | None, device: torch.device, *,
     beyond the card (refused by :class:`CudaOOM`, naming the card) are returned as given."""
     if budget_bytes is None:
         return None
-    budget = _budget(budget_bytes)
+    budget = checked_budget(budget_bytes)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         if budget > total:
@@ -339,7 +336,7 @@ class MaxBatchResult:
 
     def _repr_html_(self) -> str:
         rows = [[t.phase, t.batch, "fits" if t.fits else "OOM",
-                 "" if t.peak_bytes is None else _mib(t.peak_bytes), f"{t.seconds:.3f}"]
+                 "" if t.peak_bytes is None else mib(t.peak_bytes), f"{t.seconds:.3f}"]
                 for t in self.trials]  # fmt: skip
         table = html_table(["phase", "batch", "result", "peak (measured)", "s"], rows)
         return f"<p>{html.escape(self.summary())}</p>{table}<p>{html.escape(self.method)}</p>"
@@ -371,7 +368,7 @@ def find_max_batch(
     ``start`` overrides the predicted starting batch. The search stops at ``max_batch``.
     """
     device = train.resolve_device(str(device))
-    dtype = _dtype(dtype)
+    dtype = checked_dtype(dtype)
     max_batch = _max_batch(max_batch)
     if start is not None:
         start = whole("start", start, low=1)
@@ -380,8 +377,8 @@ def find_max_batch(
     if not isinstance(model, nn.Module):
         raise ValueError(f"model={type(model).__name__} is not allowed: give an nn.Module "
                          f"(such as labkit.model.GPT) or a labkit.config.ModelConfig")  # fmt: skip
-    cfg = _model_cfg(model)
-    seq_len = _seq_len(cfg, seq_len)
+    cfg = model_config_of(model)
+    seq_len = checked_seq_len(cfg, seq_len)
     train_cfg = train_cfg if train_cfg is not None else TrainConfig()
     asked = budget_bytes
     budget_bytes = capped_budget(budget_bytes, device, stacklevel=3)  # the caller's line
@@ -394,13 +391,13 @@ def find_max_batch(
             room = trials.budget_bytes - (getattr(trials, "baseline_bytes", None) or 0)
             # PyTorch's CPU dropout keeps its mask in the activation dtype, CUDA's in 1 byte
             mask = (4 if dtype == "float32" else 2) if device.type == "cpu" else 1
-            prediction = _prediction(cfg, max(room, 1), seq_len, dtype, "flash", mask)
+            prediction = max_batch_prediction(cfg, max(room, 1), seq_len, dtype, "flash", mask)
         first = start or max(1, prediction.batch if prediction is not None else 1)
         outcome = search_max_batch(_HostRefusals(trials), start=first, max_batch=max_batch,
                                    recover=trials.recover, limit=trials.limit)  # fmt: skip
         baseline = getattr(trials, "baseline_bytes", None)
     limit = trials.limit
-    if budget_bytes is not None and budget_bytes < _budget(asked):
+    if budget_bytes is not None and budget_bytes < checked_budget(asked):
         limit += f"; capped from the {_size(asked)} asked, more than the device has free"
     return MaxBatchResult(
         predicted=prediction.batch if prediction is not None else None,
@@ -433,9 +430,9 @@ def predict_max_batch_tensorwise(cfg_model: ModelConfig, budget_bytes: float, *,
     from labkit import memory  # layer 3
     from labkit.batching import recomputation
 
-    budget = _budget(budget_bytes)
-    seq_len = _seq_len(cfg_model, seq_len)
-    dtype = _dtype(dtype)
+    budget = checked_budget(budget_bytes)
+    seq_len = checked_seq_len(cfg_model, seq_len)
+    dtype = checked_dtype(dtype)
 
     def fits(b: int) -> bool:
         peak = (recomputation.predicted_checkpointed_step_peak if checkpointed

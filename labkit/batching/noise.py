@@ -65,7 +65,7 @@ import torch
 from torch import nn
 
 from labkit.data import get_batch
-from labkit.validate import positive, whole  # one rule for every labkit argument
+from labkit.validate import number, positive, refuse, whole  # one rule for every labkit argument
 
 RULES = ("none", "linear", "sqrt")
 """The learning-rate scaling rules :func:`scaled_lr` knows."""
@@ -185,9 +185,8 @@ class NoiseScale:
 
     def _bootstrap(self, statistic: Any, confidence: float, resamples: int,
                    seed: int) -> tuple[float, float]:  # fmt: skip
-        if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) \
-                or not 0 < confidence < 1:  # fmt: skip
-            raise ValueError(f"confidence={confidence!r} is not allowed: a number in (0, 1)")
+        if not 0 < number("confidence", confidence) < 1:
+            raise refuse("confidence", confidence, "a number in (0, 1)")
         n_resamples = whole("resamples", resamples, low=1)
         rng = random.Random(seed)
         pairs = list(zip(self.g2_each, self.trace_sigma_each, strict=True))

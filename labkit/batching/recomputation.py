@@ -61,22 +61,23 @@ from labkit.batching.recomputation_report import (
 from labkit.batching.recomputation_report import describe_memory_levers as describe_memory_levers
 from labkit.batching.recomputation_report import measure_checkpointing as measure_checkpointing
 from labkit.batching.recomputation_report import time_checkpointing as time_checkpointing
-from labkit.batching.trials import _dtype
+from labkit.batching.trials import checked_dtype
 from labkit.config import ModelConfig
 
 # The closed-form predictions, from labkit.formulas (sizes in, bytes and FLOPs out)
 from labkit.formulas.pipeline import one_f_one_b_in_flight as one_f_one_b_in_flight
-from labkit.formulas.recompute import _EVERY
 from labkit.formulas.recompute import AC_MODES as AC_MODES
 from labkit.formulas.recompute import (
     ELEMENTWISE_FLOPS_PER_TOKEN_PER_LAYER as ELEMENTWISE_FLOPS_PER_TOKEN_PER_LAYER,
 )
+from labkit.formulas.recompute import EVERY_MEANS
 from labkit.formulas.recompute import CheckpointPrediction as CheckpointPrediction
 from labkit.formulas.recompute import RecomputePrediction as RecomputePrediction
 from labkit.formulas.recompute import paper_bytes_per_layer as paper_bytes_per_layer
 from labkit.formulas.recompute import predict_checkpointing as predict_checkpointing
 from labkit.formulas.recompute import predict_recompute as predict_recompute
 from labkit.formulas.recompute import segment_checkpoint_bytes as segment_checkpoint_bytes
+from labkit.op_kinds import ATTENTION, MATMUL, kind_of
 from labkit.validate import whole
 
 _PREFIX = "block."
@@ -122,7 +123,7 @@ def apply_checkpointing(model: nn.Module, every: int = 1) -> list[str]:
     ``every=2`` every other block (about half the saving for half the recompute).
     Returns the names of the wrapped blocks, e.g. ``["blocks.0", "blocks.2"]``.
     """
-    every = whole("every", every, low=1, why=_EVERY)
+    every = whole("every", every, low=1, why=EVERY_MEANS)
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, nn.ModuleList):
         raise ValueError(f"{type(model).__name__} has no `blocks` nn.ModuleList: "
@@ -156,22 +157,22 @@ def apply_checkpointing(model: nn.Module, every: int = 1) -> list[str]:
 # the output of every matmul and of the attention kernel, recompute everything else.
 
 
-def _op(name: str) -> Any:
-    return getattr(torch.ops.aten, name).default
+SELECTIVE_SAVE_KINDS = (MATMUL, ATTENTION)
+"""The kinds of op (``labkit.op_kinds``) whose outputs :func:`selective_policy` keeps: the
+matmuls and the fused attention kernels (``_scaled_dot_product_flash_attention_for_cpu`` on a
+CPU; flash, efficient or cuDNN on CUDA)."""
 
 
-_SAVE_NAMES = ("mm", "addmm", "bmm", "baddbmm",
-               "_scaled_dot_product_flash_attention_for_cpu",  # SDPA's fused kernel on a CPU
-               "_scaled_dot_product_flash_attention",  # on CUDA (flash, efficient, cuDNN)
-               "_scaled_dot_product_efficient_attention",
-               "_scaled_dot_product_cudnn_attention")  # fmt: skip
-SELECTIVE_SAVE_OPS = frozenset(_op(n) for n in _SAVE_NAMES if hasattr(torch.ops.aten, n))
-"""The ops whose outputs :func:`selective_policy` keeps: matmuls and the fused attention kernels."""
+@functools.cache
+def saves_output(op_name: str) -> bool:
+    """Whether :func:`selective_policy` keeps the output of the op called ``op_name``
+    (``aten::mm``); cached, as the policy asks for every op of every checkpointed forward."""
+    return kind_of(op_name) in SELECTIVE_SAVE_KINDS
 
 
 def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """Keep matmul and attention-kernel outputs (MUST_SAVE); recompute every other op."""
-    return (CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVE_OPS
+    return (CheckpointPolicy.MUST_SAVE if saves_output(op.name())
             else CheckpointPolicy.PREFER_RECOMPUTE)  # fmt: skip
 
 
@@ -296,7 +297,7 @@ def checkpointed_step_moments(cfg: ModelConfig, micro_batch: int, *, dtype: str 
     :func:`labkit.memory.predicted_step_peak` leaves out (scratch memory inside one op, the
     CUDA context and workspaces); :attr:`labkit.memory.StepPeak.cuda_bytes` rounds each tensor
     as the CUDA allocator does. Dropout off (every preset). Not in :mod:`labkit.formulas`: it
-    lists this code's own tensors, with ``labkit.memory``'s parameter shapes and ``StepPeak``.
+    lists this code's own tensors, with ``formulas.gpt_parameter_counts`` and ``labkit.memory.StepPeak``.
     """
     from labkit import memory  # layer 3
 
@@ -309,11 +310,11 @@ def checkpointed_step_moments(cfg: ModelConfig, micro_batch: int, *, dtype: str 
         raise ValueError(f"seq_len={s} is not allowed: the model's context is {cfg.seq_len} "
                          f"tokens; give 1..{cfg.seq_len}")
     L, h, a, V = cfg.n_layer, cfg.d_model, cfg.n_head, cfg.vocab_size
-    e = formulas.dtype_bytes(_dtype(dtype))
+    e = formulas.dtype_bytes(checked_dtype(dtype))
     mixed = e < 4
     r = 4  # the residual stream: float32 under autocast too
     sbh = s * b * h
-    shapes = memory._gpt_parameter_shapes(cfg)
+    shapes = formulas.gpt_parameter_counts(cfg)
     params = tuple(4 * n for n in shapes)
     block_grads = tuple(4 * n for n in shapes[2:2 + _BLOCK_PARAMETERS])  # after wte, wpe
     common: dict[str, tuple[int, ...]] = {

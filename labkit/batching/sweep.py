@@ -24,9 +24,10 @@ Shapes (:func:`time_gemm_batches`, :func:`alignment_verdict`): the model's large
 batch sizes one apart around multiples of 8, and a verdict, chosen by the spread, on whether the
 multiples run faster per sequence than their neighbours (NVIDIA's tensor-core alignment rule).
 
-What notebook 05 prints and draws from these (a prediction held against the timings, the sweep
-read against the model, the alignment study, the shape trade) is in
-:mod:`labkit.batching.sweep_report`, re-exported here.
+The alignment study (:func:`alignment_study`) and the shape trade (:func:`shape_trade`) measure
+and return results that describe themselves. What notebook 05 reads from a sweep against its
+prediction (:func:`~labkit.batching.sweep_report.read_sweep`, ``check_prediction``, the figures)
+is in :mod:`labkit.batching.sweep_report`, which imports this module: never the reverse.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
-from numbers import Integral
 from typing import Any
 
 import torch
@@ -44,24 +44,8 @@ from torch import nn
 
 from labkit import formulas, hardware, timing, train, verdict
 from labkit.batching import finder, trials
-
-# Notebook 05's readings and figures of these measurements live in sweep_report (presentation);
-# the names stay importable from here, where the notebook and the tests use them.
-from labkit.batching.sweep_report import PREDICTION_TOLERANCE as PREDICTION_TOLERANCE
-from labkit.batching.sweep_report import AlignmentStudy as AlignmentStudy
-from labkit.batching.sweep_report import PredictionCheck as PredictionCheck
-from labkit.batching.sweep_report import ShapeTrade as ShapeTrade
-from labkit.batching.sweep_report import StepPrediction as StepPrediction
-from labkit.batching.sweep_report import SweepReading as SweepReading
-from labkit.batching.sweep_report import alignment_study as alignment_study
-from labkit.batching.sweep_report import check_prediction as check_prediction
-from labkit.batching.sweep_report import omitted_bytes_per_sequence as omitted_bytes_per_sequence
-from labkit.batching.sweep_report import plot_alignment as plot_alignment
-from labkit.batching.sweep_report import plot_sweep as plot_sweep
-from labkit.batching.sweep_report import read_sweep as read_sweep
-from labkit.batching.sweep_report import shape_trade as shape_trade
-from labkit.batching.sweep_report import step_prediction as step_prediction
 from labkit.config import ModelConfig, TrainConfig
+from labkit.validate import InvalidValue, refuse, whole
 
 SATURATION = 0.9
 """A batch "saturates" throughput when it reaches this fraction of the best tokens/s measured."""
@@ -226,11 +210,13 @@ def _points(values: Sequence[Any]) -> list[tuple[int, int]]:
     out = []
     for v in values:
         pair = tuple(v) if isinstance(v, (tuple, list)) else (v, 1)
-        if len(pair) != 2 or any(isinstance(n, bool) or not isinstance(n, Integral) or n < 1
-                                 for n in pair):  # fmt: skip
+        try:
+            if len(pair) != 2:
+                raise InvalidValue(f"{len(pair)} numbers")
+            out.append((whole("micro_batch", pair[0], low=1), whole("grad_accum", pair[1], low=1)))
+        except InvalidValue:  # one message for the point, with the example
             raise ValueError(f"{v!r} is not allowed: a micro-batch size and an accumulation "
-                             f"count must be positive integers, {example}")  # fmt: skip
-        out.append((int(pair[0]), int(pair[1])))
+                             f"count must be positive integers, {example}") from None  # fmt: skip
     if len(set(out)) != len(out):
         raise ValueError(f"{out} repeats a point: give each (micro_batch, grad_accum) once")
     return out
@@ -281,8 +267,8 @@ def measure_steps(
         raise ValueError(f"model={type(model).__name__} is not allowed: give a labkit GPT "
                          f"(it carries the ModelConfig the predictions need)")  # fmt: skip
     pairs = _points(points)
-    seq_len = finder._seq_len(cfg, seq_len)
-    dtype = finder._dtype(dtype)
+    seq_len = formulas.max_batch.checked_seq_len(cfg, seq_len)
+    dtype = trials.checked_dtype(dtype)
     device = train.resolve_device(str(device))
     train_cfg = train_cfg if train_cfg is not None else TrainConfig()
 
@@ -357,15 +343,12 @@ def alignment_batches(centers: Sequence[int], *, spread: int = 2,
                       multiple: int = ALIGNMENT) -> list[int]:  # fmt: skip
     """The batch sizes c − spread … c + spread around each center c (a multiple of
     ``multiple``), each once, in increasing order."""
-    if isinstance(spread, bool) or not isinstance(spread, Integral) or not 1 <= spread < multiple:
-        raise ValueError(f"spread={spread!r} is not allowed: an integer from 1 to {multiple - 1}")
+    spread = whole("spread", spread, low=1, high=multiple - 1)
     if not centers:
         raise ValueError("centers is empty: give multiples of the alignment, e.g. [8, 16]")
-    bad = [c for c in centers if isinstance(c, bool) or not isinstance(c, Integral)
-           or c < multiple or c % multiple]  # fmt: skip
-    if bad:
-        raise ValueError(f"centers {bad} are not allowed: each must be a positive multiple of "
-                         f"{multiple}")  # fmt: skip
+    for c in centers:
+        if whole("centers", c, low=multiple) % multiple:
+            raise refuse("centers", c, f"a positive multiple of {multiple}")
     return sorted({int(c) + d for c in centers for d in range(-spread, spread + 1)})
 
 
@@ -423,10 +406,9 @@ def time_gemm_batches(
     """
     sizes = [b for b, _ in _points(list(batches))]
     for name, v in (("seq_len", seq_len), ("k", k), ("n", n)):
-        if isinstance(v, bool) or not isinstance(v, Integral) or v < 1:
-            raise ValueError(f"{name}={v!r} is not allowed: a positive integer")
+        whole(name, v, low=1)
     device = torch.device(device)
-    dt = train.DTYPES[finder._dtype(dtype)]
+    dt = train.DTYPES[trials.checked_dtype(dtype)]
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(k, n, generator=g).to(device=device, dtype=dt)
     timer = timing.Timer(device)
@@ -539,4 +521,128 @@ def alignment_verdict(per_sample: dict[int, Sequence[float]], *, multiple: int =
                          f"in the batch sizes {sorted(per_sample)}: nothing to judge")  # fmt: skip
     return AlignmentVerdict(multiple=multiple, per_center=per_center, comparisons=comparisons,
                             tolerance=tolerance)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------
+# The alignment study and the shape trade: measured here, each a result with ``describe()``.
+
+
+@dataclass(frozen=True)
+class AlignmentStudy:
+    """The model's largest GEMM timed at batch sizes one apart around multiples of 8, at one or
+    more sequence lengths, with the verdict of each (measured)."""
+
+    gemm: tuple[str, int, int]
+    """(name, K, N) of :func:`largest_gemm`."""
+    centers: tuple[int, ...]
+    batches: tuple[int, ...]
+    results: dict[int, AlignmentSweep]
+    """seq_len -> the timings."""
+    dtype: str
+    device_name: str
+    on_gpu: bool
+
+    def median_us(self, s: int, b: int) -> float:
+        """µs per sequence at seq_len ``s`` and batch ``b``: the median of the rounds."""
+        return statistics.median(self.results[s].per_sample(b)) * 1e6
+
+    def describe(self) -> str:
+        name, k, n = self.gemm
+        lines = [f"the {name}: (b·s × {k}) @ ({k} × {n}) in {self.dtype} on "
+                 f"{self.device_name[:40]}, b = 8k-2 … 8k+2 around {list(self.centers)}"]  # fmt: skip
+        for s, result in self.results.items():
+            step = ALIGNMENT // math.gcd(s, ALIGNMENT)  # b·s is a multiple of 8 iff step divides b
+            which = "every b" if step == 1 else f"b a multiple of {step}, and no other"
+            lines += ["", f"s = {s}: M = b·{s} is a multiple of 8 for {which}; µs per sequence, "
+                      f"median of {len(result.seconds[self.batches[0]])} rounds (measured):"]  # fmt: skip
+            for c in self.centers:
+                lines.append("  " + "   ".join(f"b={b}: {self.median_us(s, b):.2f}"
+                                               for b in self.batches if abs(b - c) <= 2))  # fmt: skip
+            lines.append(f"  {result.verdict()}")
+        if not self.on_gpu:
+            lines += ["", "expected on a GPU, not measured here: at the odd s the multiples of 8 "
+                      "run faster per sequence than their neighbours (tensor cores, NVIDIA's "
+                      "guide §2.2); at s a multiple of 8 no b is special for alignment, and any "
+                      "saw-tooth comes from tile and wave counts (§3.1-3.2)"]  # fmt: skip
+        return "\n".join(lines)
+
+
+def alignment_study(cfg: ModelConfig, centers: Sequence[int], *, seq_lens: Sequence[int],
+                    dtype: str = "float32", device: str | torch.device = "cpu",
+                    device_name: str = "", rounds: int = 11,
+                    min_sample_s: float = 2e-3) -> AlignmentStudy:  # fmt: skip
+    """Time the largest GEMM of ``cfg`` (:func:`time_gemm_batches`) at the batches of
+    :func:`alignment_batches` around ``centers``, once per sequence length in ``seq_lens``."""
+    gemm = largest_gemm(cfg)
+    batches = alignment_batches(centers)
+    results = {s: time_gemm_batches(batches, seq_len=s, k=gemm[1], n=gemm[2], dtype=dtype,
+                                    device=device, rounds=rounds, min_sample_s=min_sample_s)
+               for s in seq_lens}  # fmt: skip
+    return AlignmentStudy(gemm=gemm, centers=tuple(centers), batches=tuple(batches),
+                          results=results, dtype=dtype, device_name=device_name,
+                          on_gpu=torch.device(device).type == "cuda")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ShapeTrade:
+    """The same tokens per step in several shapes (s, b): FLOPs per token and the step's peak,
+    predicted (``formulas.flops_per_token``; ``memory.predicted_step_peak``, tensor by tensor),
+    then tokens/s (the shapes taking turns step by step) and the peak, measured, with a verdict
+    on the shortest sequences against the longest."""
+
+    shapes: tuple[tuple[int, int], ...]
+    flops_per_token: dict[tuple[int, int], float]
+    predicted_peak: dict[tuple[int, int], int]
+    times: dict[str, list[float]]
+    peak: dict[tuple[int, int], int]
+
+    @staticmethod
+    def name(s: int, b: int) -> str:
+        return f"s={s}, b={b}"
+
+    def describe(self) -> str:
+        lines = [f"s = {s:>4}, b = {b:>3}: predicted {self.flops_per_token[s, b] / 1e6:.3f} MFLOP per "
+                 f"token, peak {self.predicted_peak[s, b] / 2**20:.2f} MiB" for s, b in self.shapes]  # fmt: skip
+        lines += [f"s = {s:>4}, b = {b:>3}: measured "
+                  f"{s * b / statistics.median(self.times[self.name(s, b)]):>9,.0f} tokens/s, "
+                  f"peak {self.peak[s, b] / 2**20:.2f} MiB" for s, b in self.shapes]  # fmt: skip
+        (s_long, b_long), (s_short, b_short) = self.shapes[0], self.shapes[-1]
+        lines.append(str(verdict.compare_times(self.times[self.name(s_short, b_short)],
+                                               self.times[self.name(s_long, b_long)],
+                                               names=(self.name(s_short, b_short),
+                                                      self.name(s_long, b_long)))))  # fmt: skip
+        return "\n".join(lines)
+
+
+def shape_trade(template: nn.Module, shapes: Sequence[tuple[int, int]], *, n_flop: int,
+                train_cfg: TrainConfig, data: torch.Tensor, device: str | torch.device = "cpu",
+                dtype: str = "float32", rounds: int = 5) -> ShapeTrade:  # fmt: skip
+    """Predict, then time (``timing.alternate``, one warm-up round, a real batch per shape drawn
+    with a generator seeded s) and measure (``trials.measure_step_peak``) a training step of a
+    copy of ``template`` at each (s, b) of ``shapes``, the first the longest sequences."""
+    from labkit import memory  # layer 3
+    from labkit.data import get_batch  # layer 1, only when a shape trade is asked for
+
+    cfg = template.cfg
+    device = torch.device(device)
+    fpt = {(s, b): formulas.flops_per_token(n_flop, cfg.n_layer, cfg.d_model, s) for s, b in shapes}
+    predicted = {(s, b): memory.predicted_step_peak(cfg, b, dtype=dtype, seq_len=s).bytes
+                 for s, b in shapes}  # fmt: skip
+    batches = {(s, b): get_batch(data, b, s, torch.Generator().manual_seed(s)) for s, b in shapes}
+
+    def stepper(s: int, b: int) -> Any:
+        work = copy.deepcopy(template).to(device)
+        optimizer, scaler = train.make_optimizer(work, train_cfg), train.make_scaler(device, dtype)
+
+        def step() -> float:
+            return train.train_step(work, optimizer, [batches[s, b]], device=device, dtype=dtype,
+                                    scaler=scaler, grad_clip=train_cfg.grad_clip).seconds  # fmt: skip
+        return step
+
+    times = timing.alternate({ShapeTrade.name(s, b): stepper(s, b) for s, b in shapes},
+                             rounds=rounds, warmup=1)  # fmt: skip
+    peak = {(s, b): trials.measure_step_peak(template, b, seq_len=s, dtype=dtype, train_cfg=train_cfg,
+                                             device=device) for s, b in shapes}  # fmt: skip
+    return ShapeTrade(shapes=tuple(shapes), flops_per_token=fpt, predicted_peak=predicted,
+                      times=times, peak=peak)  # fmt: skip
 

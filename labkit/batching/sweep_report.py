@@ -1,34 +1,24 @@
 """Notebook 05, section 1, read and shown: a predicted time held against measured ones (one of
-three sentences), the step predicted, the sweep read against it, the alignment study, the shape
-trade, and their figures (matplotlib imported only when drawing).
+three sentences), the step predicted, the sweep read against it, and the figures of the sweep
+and of the alignment study (matplotlib imported only when drawing).
 
 :mod:`labkit.batching.sweep` measures (the throughput and memory sweep, the GEMM timed around
-multiples of 8, the verdicts); this module holds what the notebook prints and draws from those
-measurements, each a result with ``describe()``. Apart from ``sweep`` because that file is the
-measurement; what is here is presentation. ``sweep`` re-exports every name here, so
-``sweep.read_sweep`` and the others keep working; this module imports ``sweep`` only inside the
-functions that need it, since an import at the top would be circular.
+multiples of 8, the shape trade) and returns its results; this module takes those results and
+measures nothing. The dependency runs one way: this module imports ``sweep``, never the reverse.
 """
 
 from __future__ import annotations
 
-import copy
 import math
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
-from torch import nn
-
-from labkit import formulas, timing, train, verdict
-from labkit.batching import finder, trials
-from labkit.config import ModelConfig, TrainConfig
-
-if TYPE_CHECKING:
-    from labkit.batching.sweep import AlignmentSweep, StepModel, Sweep, SweepRow
-
+from labkit import formulas, verdict
+from labkit.batching import finder
+from labkit.batching.sweep import SATURATION, AlignmentStudy, StepModel, Sweep, SweepRow
+from labkit.config import ModelConfig
+from labkit.timing import format_seconds
 
 # ----------------------------------------------------------------------------------------------
 # A predicted time against a measured one: the sentence is chosen by the numbers.
@@ -72,9 +62,9 @@ class PredictionCheck:
     @property
     def sentence(self) -> str:
         lo, hi = self.interval
-        head = (f"{self.name}: predicted {timing.format_seconds(self.predicted)}, measured "
-                f"median {timing.format_seconds(self.measured)} (interval "
-                f"{timing.format_seconds(lo)} to {timing.format_seconds(hi)}, {self.n} runs), "
+        head = (f"{self.name}: predicted {format_seconds(self.predicted)}, measured "
+                f"median {format_seconds(self.measured)} (interval "
+                f"{format_seconds(lo)} to {format_seconds(hi)}, {self.n} runs), "
                 f"{self.off:+.0%}: ")  # fmt: skip
         tol = f"±{self.tolerance:.0%}"
         if self.outcome == "agree":
@@ -198,8 +188,6 @@ class SweepReading:
                                      names=(f"b={small.micro_batch}", f"b={sat.micro_batch}"))  # fmt: skip
 
     def describe(self) -> str:
-        from labkit.batching.sweep import SATURATION  # here: sweep re-exports this module
-
         fit, sat, best, per_seq = self.fit, self.saturated, self.sweep.best, self.prediction.memory.bytes_per_sequence
         lines = [str(self.sweep), "",
                  f"modelled (fitted to the medians): t(b) = {fit.fixed_s * 1e3:.2f} ms + "
@@ -265,67 +253,6 @@ def plot_sweep(reading: SweepReading, axes: Any = None) -> Any:
     return axes
 
 
-@dataclass(frozen=True)
-class AlignmentStudy:
-    """The model's largest GEMM timed at batch sizes one apart around multiples of 8, at one or
-    more sequence lengths, with the verdict of each (measured)."""
-
-    gemm: tuple[str, int, int]
-    """(name, K, N) of :func:`largest_gemm`."""
-    centers: tuple[int, ...]
-    batches: tuple[int, ...]
-    results: dict[int, AlignmentSweep]
-    """seq_len -> the timings."""
-    dtype: str
-    device_name: str
-    on_gpu: bool
-
-    def median_us(self, s: int, b: int) -> float:
-        """µs per sequence at seq_len ``s`` and batch ``b``: the median of the rounds."""
-        return statistics.median(self.results[s].per_sample(b)) * 1e6
-
-    def describe(self) -> str:
-        from labkit.batching.sweep import ALIGNMENT  # here: sweep re-exports this module
-
-        name, k, n = self.gemm
-        lines = [f"the {name}: (b·s × {k}) @ ({k} × {n}) in {self.dtype} on "
-                 f"{self.device_name[:40]}, b = 8k-2 … 8k+2 around {list(self.centers)}"]  # fmt: skip
-        for s, result in self.results.items():
-            step = ALIGNMENT // math.gcd(s, ALIGNMENT)  # b·s is a multiple of 8 iff step divides b
-            which = "every b" if step == 1 else f"b a multiple of {step}, and no other"
-            lines += ["", f"s = {s}: M = b·{s} is a multiple of 8 for {which}; µs per sequence, "
-                      f"median of {len(result.seconds[self.batches[0]])} rounds (measured):"]  # fmt: skip
-            for c in self.centers:
-                lines.append("  " + "   ".join(f"b={b}: {self.median_us(s, b):.2f}"
-                                               for b in self.batches if abs(b - c) <= 2))  # fmt: skip
-            lines.append(f"  {result.verdict()}")
-        if not self.on_gpu:
-            lines += ["", "expected on a GPU, not measured here: at the odd s the multiples of 8 "
-                      "run faster per sequence than their neighbours (tensor cores, NVIDIA's "
-                      "guide §2.2); at s a multiple of 8 no b is special for alignment, and any "
-                      "saw-tooth comes from tile and wave counts (§3.1-3.2)"]  # fmt: skip
-        return "\n".join(lines)
-
-
-def alignment_study(cfg: ModelConfig, centers: Sequence[int], *, seq_lens: Sequence[int],
-                    dtype: str = "float32", device: str | torch.device = "cpu",
-                    device_name: str = "", rounds: int = 11,
-                    min_sample_s: float = 2e-3) -> AlignmentStudy:  # fmt: skip
-    """Time the largest GEMM of ``cfg`` (:func:`time_gemm_batches`) at the batches of
-    :func:`alignment_batches` around ``centers``, once per sequence length in ``seq_lens``."""
-    # here, not at the top: sweep re-exports this module's names
-    from labkit.batching.sweep import alignment_batches, largest_gemm, time_gemm_batches
-
-    gemm = largest_gemm(cfg)
-    batches = alignment_batches(centers)
-    results = {s: time_gemm_batches(batches, seq_len=s, k=gemm[1], n=gemm[2], dtype=dtype,
-                                    device=device, rounds=rounds, min_sample_s=min_sample_s)
-               for s in seq_lens}  # fmt: skip
-    return AlignmentStudy(gemm=gemm, centers=tuple(centers), batches=tuple(batches),
-                          results=results, dtype=dtype, device_name=device_name,
-                          on_gpu=torch.device(device).type == "cuda")  # fmt: skip
-
-
 def plot_alignment(study: AlignmentStudy, ax: Any = None) -> Any:
     """µs per sequence against b, one line per group of five, the multiples of 8 ringed."""
     import matplotlib.pyplot as plt  # here, so that importing labkit stays light
@@ -346,67 +273,3 @@ def plot_alignment(study: AlignmentStudy, ax: Any = None) -> Any:
     ax.set_xticks(list(study.centers), [str(c) for c in study.centers])
     ax.legend(fontsize=8)
     return ax
-
-
-@dataclass(frozen=True)
-class ShapeTrade:
-    """The same tokens per step in several shapes (s, b): FLOPs per token and the step's peak,
-    predicted (``formulas.flops_per_token``; ``memory.predicted_step_peak``, tensor by tensor),
-    then tokens/s (the shapes taking turns step by step) and the peak, measured, with a verdict
-    on the shortest sequences against the longest."""
-
-    shapes: tuple[tuple[int, int], ...]
-    flops_per_token: dict[tuple[int, int], float]
-    predicted_peak: dict[tuple[int, int], int]
-    times: dict[str, list[float]]
-    peak: dict[tuple[int, int], int]
-
-    @staticmethod
-    def name(s: int, b: int) -> str:
-        return f"s={s}, b={b}"
-
-    def describe(self) -> str:
-        lines = [f"s = {s:>4}, b = {b:>3}: predicted {self.flops_per_token[s, b] / 1e6:.3f} MFLOP per "
-                 f"token, peak {self.predicted_peak[s, b] / 2**20:.2f} MiB" for s, b in self.shapes]  # fmt: skip
-        lines += [f"s = {s:>4}, b = {b:>3}: measured "
-                  f"{s * b / statistics.median(self.times[self.name(s, b)]):>9,.0f} tokens/s, "
-                  f"peak {self.peak[s, b] / 2**20:.2f} MiB" for s, b in self.shapes]  # fmt: skip
-        (s_long, b_long), (s_short, b_short) = self.shapes[0], self.shapes[-1]
-        lines.append(str(verdict.compare_times(self.times[self.name(s_short, b_short)],
-                                               self.times[self.name(s_long, b_long)],
-                                               names=(self.name(s_short, b_short),
-                                                      self.name(s_long, b_long)))))  # fmt: skip
-        return "\n".join(lines)
-
-
-def shape_trade(template: nn.Module, shapes: Sequence[tuple[int, int]], *, n_flop: int,
-                train_cfg: TrainConfig, data: torch.Tensor, device: str | torch.device = "cpu",
-                dtype: str = "float32", rounds: int = 5) -> ShapeTrade:  # fmt: skip
-    """Predict, then time (``timing.alternate``, one warm-up round, a real batch per shape drawn
-    with a generator seeded s) and measure (``trials.measure_step_peak``) a training step of a
-    copy of ``template`` at each (s, b) of ``shapes``, the first the longest sequences."""
-    from labkit import memory  # layer 3
-    from labkit.data import get_batch
-
-    cfg = template.cfg
-    device = torch.device(device)
-    fpt = {(s, b): formulas.flops_per_token(n_flop, cfg.n_layer, cfg.d_model, s) for s, b in shapes}
-    predicted = {(s, b): memory.predicted_step_peak(cfg, b, dtype=dtype, seq_len=s).bytes
-                 for s, b in shapes}  # fmt: skip
-    batches = {(s, b): get_batch(data, b, s, torch.Generator().manual_seed(s)) for s, b in shapes}
-
-    def stepper(s: int, b: int) -> Any:
-        work = copy.deepcopy(template).to(device)
-        optimizer, scaler = train.make_optimizer(work, train_cfg), train.make_scaler(device, dtype)
-
-        def step() -> float:
-            return train.train_step(work, optimizer, [batches[s, b]], device=device, dtype=dtype,
-                                    scaler=scaler, grad_clip=train_cfg.grad_clip).seconds  # fmt: skip
-        return step
-
-    times = timing.alternate({ShapeTrade.name(s, b): stepper(s, b) for s, b in shapes},
-                             rounds=rounds, warmup=1)  # fmt: skip
-    peak = {(s, b): trials.measure_step_peak(template, b, seq_len=s, dtype=dtype, train_cfg=train_cfg,
-                                             device=device) for s, b in shapes}  # fmt: skip
-    return ShapeTrade(shapes=tuple(shapes), flops_per_token=fpt, predicted_peak=predicted,
-                      times=times, peak=peak)  # fmt: skip

@@ -46,9 +46,7 @@ from torch.utils._pytree import tree_leaves
 from labkit import config, train
 from labkit.config import ModelConfig, TrainConfig
 from labkit.errors import LabkitError
-from labkit.formulas.max_batch import checked_budget as _budget
-from labkit.formulas.max_batch import checked_seq_len as _seq_len
-from labkit.formulas.max_batch import mib as _mib
+from labkit.formulas.max_batch import checked_budget, checked_seq_len, mib
 from labkit.validate import whole
 
 # ----------------------------------------------------------------------------------------------
@@ -56,13 +54,14 @@ from labkit.validate import whole
 # allowed.
 
 
-def _dtype(value: Any) -> str:
+def checked_dtype(value: Any) -> str:
+    """``value`` if it names a training dtype (``labkit.config.DTYPES``), else ValueError."""
     if value not in config.DTYPES:
         raise ValueError(f"dtype={value!r} is not allowed: give one of {config.DTYPES}")
     return value
 
 
-def _model_cfg(model: nn.Module) -> ModelConfig | None:
+def model_config_of(model: nn.Module) -> ModelConfig | None:
     """The ``ModelConfig`` of a labkit GPT (its ``.cfg``); None for any other module."""
     cfg = getattr(model, "cfg", None)
     return cfg if isinstance(cfg, ModelConfig) else None
@@ -108,8 +107,8 @@ class BudgetExceeded(torch.OutOfMemoryError, LabkitError):
         self.live_bytes = live_bytes
         self.budget_bytes = budget_bytes
         super().__init__(
-            f"allocating {_mib(requested_bytes)} with {_mib(live_bytes)} live would pass the "
-            f"CPU memory budget of {_mib(budget_bytes)} (a budget the caller set, not a "
+            f"allocating {mib(requested_bytes)} with {mib(live_bytes)} live would pass the "
+            f"CPU memory budget of {mib(budget_bytes)} (a budget the caller set, not a "
             f"device limit)"
         )
 
@@ -216,7 +215,7 @@ def _fresh_copy(template: nn.Module, train_cfg: TrainConfig,
 
 
 def _vocab_size(model: nn.Module) -> int:
-    cfg = _model_cfg(model)
+    cfg = model_config_of(model)
     return cfg.vocab_size if cfg is not None else config.CORPUS_VOCAB_SIZE
 
 
@@ -273,7 +272,7 @@ class BudgetedCPU(_Trials):
         super().__init__(template, device=torch.device("cpu"), **kw)
         self.budget_bytes = budget_bytes
         self._counter: LiveTensorBytes | None = None
-        self.limit = (f"a CPU memory budget of {_mib(budget_bytes)} (set by the caller and "
+        self.limit = (f"a CPU memory budget of {mib(budget_bytes)} (set by the caller and "
                       f"enforced on measured live tensor bytes: a budget, not a device limit)")  # fmt: skip
         self.method = ("live tensor bytes: every storage the trial allocates (model copy, "
                        "optimizer state, batch, activations, gradients, temporaries), counted by "
@@ -326,16 +325,16 @@ class CudaOOM(_Trials):
         if budget_bytes is not None:
             if budget_bytes > self.total_bytes:
                 raise ValueError(
-                    f"budget_bytes={budget_bytes} ({_mib(budget_bytes)}) is not allowed: "
-                    f"{torch.cuda.get_device_name(device)} has {_mib(self.total_bytes)}; give "
+                    f"budget_bytes={budget_bytes} ({mib(budget_bytes)}) is not allowed: "
+                    f"{torch.cuda.get_device_name(device)} has {mib(self.total_bytes)}; give "
                     f"at most {self.total_bytes}, or None for the whole card"
                 )
             self.memory_fraction = budget_bytes / self.total_bytes
         self.budget_bytes = budget_bytes if budget_bytes is not None else self.total_bytes
         self.baseline_bytes: int | None = None
-        card = (f"a card emulated at {_mib(self.budget_bytes)} (memory fraction "
+        card = (f"a card emulated at {mib(self.budget_bytes)} (memory fraction "
                 f"{self.memory_fraction:.4f})" if self.memory_fraction is not None
-                else f"the whole card ({_mib(self.total_bytes)})")  # fmt: skip
+                else f"the whole card ({mib(self.total_bytes)})")  # fmt: skip
         self.limit = f"{card} on {device}: a real CUDA out-of-memory error"
         self.method = ("CUDA allocator: max_memory_allocated over the trial minus the baseline "
                        "memory_allocated before the search")  # fmt: skip
@@ -421,7 +420,7 @@ def open_trials(
     """
     common = {"seq_len": seq_len, "dtype": dtype, "train_cfg": train_cfg}
     if device.type == "cuda":
-        budget = None if budget_bytes is None else _budget(budget_bytes)
+        budget = None if budget_bytes is None else checked_budget(budget_bytes)
         trials: MemoryDevice = CudaOOM(template, budget, device=device, **common)
     elif device.type == "cpu":
         if budget_bytes is None:
@@ -430,7 +429,7 @@ def open_trials(
                 "limit to run out of, so give the budget to search against, e.g. "
                 "budget_bytes=16 * 2**30 for a 16 GiB card"
             )
-        trials = BudgetedCPU(template, _budget(budget_bytes), **common)
+        trials = BudgetedCPU(template, checked_budget(budget_bytes), **common)
     else:
         raise ValueError(f"device={str(device)!r} is not allowed: give 'cpu' or 'cuda[:N]'")
     with trials.session():
@@ -471,8 +470,8 @@ def measure_step_peak(
                          f"(such as labkit.model.GPT)")  # fmt: skip
     batch = whole("batch", batch, low=1)
     grad_accum = whole("grad_accum", grad_accum, low=1)
-    seq_len = _seq_len(_model_cfg(template), whole("seq_len", seq_len, low=1))
-    step = _Trials(template, seq_len=seq_len, dtype=_dtype(dtype),
+    seq_len = checked_seq_len(model_config_of(template), whole("seq_len", seq_len, low=1))
+    step = _Trials(template, seq_len=seq_len, dtype=checked_dtype(dtype),
                    train_cfg=train_cfg if train_cfg is not None else TrainConfig(),
                    device=train.resolve_device(str(device)))  # fmt: skip
     with LiveTensorBytes() as counter:

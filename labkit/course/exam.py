@@ -286,22 +286,17 @@ class Attempt:
     def answer(self, index: int, choice: int | None) -> None:
         """Record ``choice`` (0-based index, or None to clear) for question ``index``."""
         n = len(self.exam.questions)
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < n:
-            raise ExamError(f"index={index!r} is not allowed: a question number from 0 to {n - 1}")
+        whole("index", index, low=0, high=n - 1, why="a question's number", error=ExamError)
         if self.result is not None:
             raise ExamError("this exam is finished: draw a new one to try again")
         if self.time_left_s() == 0.0:
             raise TimeUp(f"time is up ({_clock(self.exam.time_limit_s or 0)}): this answer is "
                          "not counted; finish the exam to see the score")  # fmt: skip
         if choice is not None:
-            q = self.exam.questions[index]
-            if isinstance(choice, bool) or not isinstance(choice, int) or not (
-                0 <= choice < len(q.choices)
-            ):
-                k = len(q.choices)
-                raise ExamError(f"choice={choice!r} is not allowed for question {index + 1}: an "
-                                f"int from 0 to {k - 1} (a to {LETTERS[k - 1]}), or None to "
-                                "leave it unanswered")  # fmt: skip
+            k = len(self.exam.questions[index].choices)
+            whole("choice", choice, low=0, high=k - 1, error=ExamError,
+                  why=f"question {index + 1}'s a to {LETTERS[k - 1]}, or None to leave it "
+                  "unanswered")  # fmt: skip
         self.answers[index] = choice
 
     def finish(self) -> Result:

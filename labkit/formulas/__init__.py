@@ -8,8 +8,8 @@ each convention gets its own name and none is "the" answer.
 Pure Python: no torch, no I/O, no state. Units are in the names or the docstrings: bytes, FLOPs
 (floating-point operations, a count), FLOP/s (a rate), seconds.
 
-The formulas by concern, one module each (every name is re-exported here, so notebooks and
-labkit write ``formulas.<name>`` whatever module holds it)::
+The formulas by concern, one module each (the names notebooks, tests and labkit
+use as ``formulas.<name>`` are re-exported here, whatever module holds them)::
 
     state_bytes    a dtype's bytes; parameters, gradients, optimizer state; ZeRO
     activations    what the backward keeps, per layer and outside; labkit's GPT term by term
@@ -57,12 +57,9 @@ from __future__ import annotations
 from labkit.formulas import boosting as boosting
 from labkit.formulas.activations import (
     ATTENTION_KINDS,
-    GPTShape,
-    OmittedActivations,
     activation_bytes,
     activation_bytes_omitted,
     activation_bytes_per_layer,
-    predicted_activations,
     predicted_stage_activations,
 )
 from labkit.formulas.checkpoints import (
@@ -74,7 +71,6 @@ from labkit.formulas.checkpoints import (
     young_checkpoint_interval,
 )
 from labkit.formulas.communication import (
-    COLLECTIVES,
     algbw,
     allgather_bytes_per_rank,
     alpha_beta_fit,
@@ -92,28 +88,22 @@ from labkit.formulas.communication import (
     ring_allreduce_time,
 )
 from labkit.formulas.flops import (
-    FLOP_ATTENTION_CONVENTIONS,
-    GemmQuantization,
     critical_intensity,
     flops_per_token,
     gemm_quantization,
+    gpt_parameter_counts,
     gpt_params,
     layer_training_flops,
     mfu,
     roofline_attainable_flops,
     training_flops,
 )
-from labkit.formulas.link_costs import (
-    LinkCosts,
-    link_costs,
-)
+from labkit.formulas.link_costs import link_costs
 from labkit.formulas.max_batch import (
     OMISSIONS,
-    BatchPrediction,
     predict_max_batch,
 )
 from labkit.formulas.multinode import (
-    MultinodeAllreduce,
     multinode_allreduce_sweep,
     plot_multinode_allreduce,
 )
@@ -121,13 +111,9 @@ from labkit.formulas.pipeline import (
     bubble_fraction,
     bubble_overhead,
     one_f_one_b_in_flight,
-    predicted_step,
 )
 from labkit.formulas.recompute import (
-    AC_MODES,
     ELEMENTWISE_FLOPS_PER_TOKEN_PER_LAYER,
-    CheckpointPrediction,
-    RecomputePrediction,
     paper_bytes_per_layer,
     predict_checkpointing,
     predict_recompute,
@@ -138,9 +124,7 @@ from labkit.formulas.state_bytes import (
     DTYPE_BYTES,
     OPTIMIZER_STATES,
     ZERO_STAGES,
-    BytesPerParamConvention,
     MemoryBreakdown,
-    PrecisionRecipe,
     bytes_per_param,
     dtype_bytes,
     dtype_name,
@@ -150,32 +134,16 @@ from labkit.formulas.state_bytes import (
     predicted_bytes_per_param,
     zero_memory_per_rank,
 )
-from labkit.formulas.step_time import (
-    predict_accumulated_seconds,
-)
 
 __all__ = [
-    "AC_MODES",
     "ATTENTION_KINDS",
     "BYTES_PER_PARAM_CONVENTIONS",
-    "COLLECTIVES",
     "DTYPE_BYTES",
     "ELEMENTWISE_FLOPS_PER_TOKEN_PER_LAYER",
-    "FLOP_ATTENTION_CONVENTIONS",
     "OMISSIONS",
     "OPTIMIZER_STATES",
     "ZERO_STAGES",
-    "BatchPrediction",
-    "BytesPerParamConvention",
-    "CheckpointPrediction",
-    "GPTShape",
-    "GemmQuantization",
-    "LinkCosts",
     "MemoryBreakdown",
-    "MultinodeAllreduce",
-    "OmittedActivations",
-    "PrecisionRecipe",
-    "RecomputePrediction",
     "activation_bytes",
     "activation_bytes_omitted",
     "activation_bytes_per_layer",
@@ -202,6 +170,7 @@ __all__ = [
     "dtype_name",
     "flops_per_token",
     "gemm_quantization",
+    "gpt_parameter_counts",
     "gpt_params",
     "layer_training_flops",
     "link_costs",
@@ -213,16 +182,13 @@ __all__ = [
     "one_f_one_b_in_flight",
     "paper_bytes_per_layer",
     "plot_multinode_allreduce",
-    "predict_accumulated_seconds",
     "predict_checkpointing",
     "predict_max_batch",
     "predict_recompute",
-    "predicted_activations",
     "predicted_breakdown",
     "predicted_bytes_per_param",
     "predicted_lost_steps",
     "predicted_stage_activations",
-    "predicted_step",
     "reduce_scatter_bytes_per_rank",
     "ring_allreduce_bytes_per_rank",
     "ring_allreduce_time",

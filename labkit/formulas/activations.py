@@ -275,7 +275,7 @@ class GPTShape(Protocol):
 
 
 
-def _training_dtype(value: Any) -> str:
+def training_dtype(value: Any) -> str:
     """``value``, if it is a run's dtype (``TrainConfig.dtype``); the finder's message."""
     if value not in TRAINING:
         raise ValueError(f"dtype={value!r} is not allowed: give one of {TRAINING}")

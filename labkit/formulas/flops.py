@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from labkit.formulas.activations import GPTShape
 from labkit.validate import number, one_of, positive, whole
 
 
@@ -48,6 +49,27 @@ def gpt_params(
     if not tied:
         total += V * h
     return total
+
+
+def gpt_parameter_counts(cfg: GPTShape) -> list[int]:
+    """Elements of each parameter tensor of ``labkit.model.GPT(cfg)``, in ``GPT.parameters()``
+    order, a tied head's weight once.
+
+    Read from the modules :mod:`labkit.model` builds: the token and position embeddings (V·h,
+    s·h); per block ``ln_1`` (h, h), ``attn``'s q, k, v and output projection (h² + h each),
+    ``ln_2`` (h, h), the MLP's ``fc`` (4h², 4h) and ``proj`` (4h², h); the final LayerNorm
+    ``ln_f`` (h, h); and an untied ``lm_head`` (V·h, no bias). One entry per tensor, not a
+    total (:func:`gpt_params` is the total), because a prediction of memory rounds each
+    tensor's bytes on its own (the CUDA allocator's blocks).
+    """
+    h = whole("d_model", cfg.d_model, low=1)
+    V = whole("vocab_size", cfg.vocab_size, low=1)
+    block = [h, h,  # ln_1
+             h * h, h, h * h, h, h * h, h, h * h, h,  # q, k, v, attention proj
+             h, h,  # ln_2
+             4 * h * h, 4 * h, 4 * h * h, h]  # MLP fc, proj  # fmt: skip
+    head = [] if cfg.tie_weights else [V * h]
+    return [V * h, cfg.seq_len * h] + block * cfg.n_layer + [h, h] + head
 
 
 FLOP_ATTENTION_CONVENTIONS = ("full", "causal", "none")

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from labkit.formulas.activations import GPTShape, _training_dtype, activation_bytes
+from labkit.formulas.activations import GPTShape, activation_bytes, training_dtype
 from labkit.formulas.flops import gpt_params
 from labkit.formulas.state_bytes import memory_breakdown
 from labkit.validate import positive, whole
@@ -96,10 +96,12 @@ class BatchPrediction:
         return self.model_state_bytes + self.fixed_activation_bytes + b * self.bytes_per_sequence
 
 
-def _prediction(cfg: GPTShape, budget: int, seq_len: int, dtype: str, attention: str,
-                dropout_mask_bytes: int) -> BatchPrediction:  # fmt: skip
+def max_batch_prediction(cfg: GPTShape, budget: int, seq_len: int, dtype: str, attention: str,
+                         dropout_mask_bytes: int) -> BatchPrediction:  # fmt: skip
+    """:func:`predict_max_batch` on arguments already checked, which the finder shares: a
+    ``batch`` below 1 is returned, not refused (the finder falls back to trials then)."""
     n_params = gpt_params(cfg.vocab_size, cfg.d_model, cfg.n_layer,
-                                   seq_len=cfg.seq_len, tied=cfg.tie_weights)  # fmt: skip
+                          seq_len=cfg.seq_len, tied=cfg.tie_weights)  # fmt: skip
     # labkit trains float32 parameters with AdamW; bf16/fp16 is autocast over them
     states = memory_breakdown(n_params, param_dtype="float32", optimizer="adamw").total
     low = dtype != "float32"
@@ -142,8 +144,8 @@ def predict_max_batch(
     which not even one sequence is predicted to fit (naming what one sequence needs).
     """
     budget = checked_budget(budget_bytes)
-    p = _prediction(cfg_model, budget, checked_seq_len(cfg_model, seq_len), _training_dtype(dtype), attention,
-                    dropout_mask_bytes)  # fmt: skip
+    p = max_batch_prediction(cfg_model, budget, checked_seq_len(cfg_model, seq_len),
+                             training_dtype(dtype), attention, dropout_mask_bytes)
     if p.batch < 1:
         need = p.peak_bytes(1)
         raise ValueError(

@@ -14,14 +14,15 @@ from dataclasses import dataclass
 
 from labkit.formulas.activations import (
     GPTShape,
-    _training_dtype,
     activation_bytes_omitted,
     activation_bytes_per_layer,
+    training_dtype,
 )
 from labkit.formulas.flops import flops_per_token, gpt_params
 from labkit.validate import whole
 
-_EVERY = "1 checkpoints every block, 2 every other block, ..."  # what `every` means, in refusals
+EVERY_MEANS = "1 checkpoints every block, 2 every other block, ..."
+"""What ``every`` means, in the refusals of a bad one (here and in labkit.batching)."""
 
 AC_MODES = ("none", "selective", "full")
 """The recompute modes, named as torchtitan's ``apply_ac`` names them
@@ -100,9 +101,9 @@ def predict_checkpointing(
     stream is float32 in labkit's GPT.
     """
     if dtype is not None:
-        bytes_per_element = 4 if _training_dtype(dtype) == "float32" else 2
+        bytes_per_element = 4 if training_dtype(dtype) == "float32" else 2
     if every is not None:
-        every = whole("every", every, low=1, why=_EVERY + "; None: no checkpointing")
+        every = whole("every", every, low=1, why=EVERY_MEANS + "; None: no checkpointing")
     s = _context_seq_len(cfg, seq_len)
     b = whole("micro_batch", micro_batch, low=1)
     per_layer = activation_bytes_per_layer(

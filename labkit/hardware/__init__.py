@@ -1,7 +1,7 @@
 """What hardware is this, what can it show truthfully, and what is its peak?
 
-One module per concern; every public name is re-exported here, so notebooks keep writing
-``hardware.peak_flops(...)``:
+One module per concern; the names notebooks and tests use are re-exported here, so notebooks
+write ``hardware.peak_flops(...)`` (the rest import from their module):
 
     cpu            the host CPU (``cpu_info``) and PyTorch's CPU threads (``limit_cpu_threads``)
     host           memory this process can still take: MemAvailable or a cgroup's limit
@@ -31,44 +31,28 @@ file.
 
 from __future__ import annotations
 
-from labkit.hardware.capabilities import BF16_MIN_CAPABILITY as BF16_MIN_CAPABILITY
-from labkit.hardware.capabilities import SDPA_FUSED_OPS as SDPA_FUSED_OPS
-from labkit.hardware.capabilities import TENSOR_CORE_MIN_CAPABILITY as TENSOR_CORE_MIN_CAPABILITY
-from labkit.hardware.capabilities import AutocastChoice as AutocastChoice
-from labkit.hardware.capabilities import SdpaCheck as SdpaCheck
 from labkit.hardware.capabilities import autocast_dtype_for as autocast_dtype_for
 from labkit.hardware.capabilities import default_autocast_dtype as default_autocast_dtype
 from labkit.hardware.capabilities import sdpa_backend as sdpa_backend
-from labkit.hardware.ceilings import MeasuredFlops as MeasuredFlops
-from labkit.hardware.ceilings import Shape as Shape
 from labkit.hardware.ceilings import measured_matmul_flops as measured_matmul_flops
 from labkit.hardware.cpu import CPU_FLAGS_OF_INTEREST as CPU_FLAGS_OF_INTEREST
 from labkit.hardware.cpu import CpuInfo as CpuInfo
 from labkit.hardware.cpu import cpu_info as cpu_info
 from labkit.hardware.cpu import limit_cpu_threads as limit_cpu_threads
-from labkit.hardware.devices import VisibleGpu as VisibleGpu
 from labkit.hardware.devices import parse_visible_devices as parse_visible_devices
 from labkit.hardware.devices import visible_gpus as visible_gpus
-from labkit.hardware.environment import Environment as Environment
 from labkit.hardware.environment import environment as environment
 from labkit.hardware.gpus import GpuInfo as GpuInfo
 from labkit.hardware.gpus import gpu_info as gpu_info
-from labkit.hardware.host import host_memory_available as host_memory_available
 from labkit.hardware.nvml import NvmlStatus as NvmlStatus
 from labkit.hardware.nvml import nvml_status as nvml_status
 from labkit.hardware.peaks import LINK_TABLE as LINK_TABLE
 from labkit.hardware.peaks import MEMORY_TABLE as MEMORY_TABLE
 from labkit.hardware.peaks import PEAK_TABLE as PEAK_TABLE
-from labkit.hardware.peaks import DeviceMatch as DeviceMatch
-from labkit.hardware.peaks import LinkRow as LinkRow
-from labkit.hardware.peaks import MemoryRow as MemoryRow
 from labkit.hardware.peaks import Peak as Peak
-from labkit.hardware.peaks import PeakRow as PeakRow
 from labkit.hardware.peaks import link_bandwidth as link_bandwidth
 from labkit.hardware.peaks import match_device as match_device
 from labkit.hardware.peaks import memory_spec as memory_spec
 from labkit.hardware.peaks import peak_flops as peak_flops
-from labkit.hardware.tier import TIERS as TIERS
-from labkit.hardware.tier import TierInfo as TierInfo
 from labkit.hardware.tier import describe_tier as describe_tier
 from labkit.hardware.tier import tier as tier

@@ -74,11 +74,9 @@ def measured_matmul_flops(
         n = whole("n", n, low=1)
         shapes = [(n, n, n)]
     shapes = [tuple(s) for s in shapes]
-    if not shapes or any(
-        len(s) != 3 or any(isinstance(d, bool) or not isinstance(d, int) or d <= 0 for d in s)
-        for s in shapes
-    ):
+    if not shapes or any(len(s) != 3 for s in shapes):
         raise ValueError(f"shapes must be (m, k, n) triples of positive integers, got {shapes!r}")
+    shapes = [tuple(whole(f"shapes[{i}]", d, low=1) for d in s) for i, s in enumerate(shapes)]
     repeats = whole("repeats", repeats, low=1)
     warmup = whole("warmup", warmup, low=0)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from labkit.validate import whole
+
 # Flags worth reporting for training on a CPU: bf16 is only fast with AVX512-BF16 or AMX.
 CPU_FLAGS_OF_INTEREST = (
     "avx2",
@@ -106,9 +108,8 @@ def limit_cpu_threads(n: int = 1) -> str:
     for every rank by default "to avoid your system being overloaded" (torch/distributed/run.py)
     for the same reason. Call it once, at the top of a notebook, before timing anything.
     """
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= (os.cpu_count() or 1):
-        raise ValueError(f"n={n!r} is not allowed: a whole number of threads from 1 to "
-                         f"{os.cpu_count() or 1} (this machine's logical CPUs)")  # fmt: skip
+    n = whole("n", n, low=1, high=os.cpu_count() or 1,
+              why="threads, at most this machine's logical CPUs")
     before = torch.get_num_threads()
     torch.set_num_threads(n)
     return (f"PyTorch CPU threads: {n} (was {before}), so that other work on this machine "

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from labkit.hardware.devices import normalise_uuid, visible_gpus
-from labkit.hardware.nvml import field_or_na, load_nvml, nvml_text, shutdown_nvml
+from labkit.hardware.nvml import field_or_na, load_nvml, nvml_session, nvml_text
 
 
 @dataclass(frozen=True)
@@ -56,30 +56,23 @@ def _gpus_from_nvml(nvml: Any | None) -> list[GpuInfo]:
     if nvml is None:
         return []
     try:
-        nvml.nvmlInit()
-    except Exception:
-        return []  # no driver: no GPUs; nvml_status() explains why
-    try:
-        gpus = []
-        for i, handle, _, _ in visible_gpus(nvml)[0]:  # NVML ignores CUDA_VISIBLE_DEVICES
-            memory = field_or_na(lambda h=handle: nvml.nvmlDeviceGetMemoryInfo(h).total)
-            cc = field_or_na(lambda h=handle: nvml.nvmlDeviceGetCudaComputeCapability(h))
-            uuid = field_or_na(lambda h=handle: nvml.nvmlDeviceGetUUID(h))
-            gpus.append(
-                GpuInfo(
+        with nvml_session(nvml):
+            gpus = []
+            for i, handle, _, _ in visible_gpus(nvml)[0]:  # NVML ignores CUDA_VISIBLE_DEVICES
+                memory = field_or_na(lambda h=handle: nvml.nvmlDeviceGetMemoryInfo(h).total)
+                cc = field_or_na(lambda h=handle: nvml.nvmlDeviceGetCudaComputeCapability(h))
+                uuid = field_or_na(lambda h=handle: nvml.nvmlDeviceGetUUID(h))
+                gpus.append(GpuInfo(
                     index=i,
                     name=nvml_text(nvml.nvmlDeviceGetName(handle)),
                     memory_bytes=int(memory) if memory is not None else None,
                     compute_capability=(int(cc[0]), int(cc[1])) if cc is not None else None,
                     uuid=normalise_uuid(uuid),
                     source="nvml",
-                )
-            )
-        return gpus
-    except Exception:
-        return []
-    finally:
-        shutdown_nvml(nvml)
+                ))  # fmt: skip
+            return gpus
+    except Exception:  # no driver (nvmlInit failed) or a GPU that will not answer: no GPUs;
+        return []  # nvml_status() explains why
 
 
 def gpu_info(*, cuda: Any | None = None, nvml: Any | None = None) -> list[GpuInfo]:

@@ -10,7 +10,6 @@ sits above this module: ``labkit.jobs.launch`` passes its ``run`` in (its ``main
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -28,9 +27,10 @@ from labkit.config import parse_json_object
 from labkit.jobs import procs, spec
 from labkit.jobs.nodes import Nodes
 from labkit.jobs.outcome import JobError, JobResult, LaunchError
-from labkit.jobs.preflight import DEVICES, visible_gpu_count
+from labkit.jobs.preflight import DEVICES, config_class, visible_gpu_count, worker_and_config
+from labkit.jobs.spec import WorkerConfig
 from labkit.jobs.supervisor import supervised
-from labkit.validate import shown
+from labkit.validate import whole
 
 Launcher = Callable[..., JobResult]
 """``labkit.jobs.launch.run``, as the functions here receive it."""
@@ -52,7 +52,8 @@ def main(argv: Sequence[str] | None, *, run: Launcher) -> int:
     p.add_argument("--endpoint", help="HOST:PORT of the rendezvous (with --nodes)")
     p.add_argument("--rdzv-id", default="labkit", help="the job's name, the same on every node")
     p.add_argument("--node-rank", type=int, help="this node's rank: a static rendezvous")
-    p.add_argument("--config", default="{}", help="the worker's config, as JSON")
+    p.add_argument("--config", default="{}", help="the worker's config fields, as JSON (the "
+                   "worker's WorkerConfig class checks them)")
     p.add_argument("--timeout", type=float, default=300, help="seconds for the whole job")
     p.add_argument("--max-restarts", type=int, default=0)
     p.add_argument("--device", default="auto", choices=DEVICES)
@@ -60,12 +61,13 @@ def main(argv: Sequence[str] | None, *, run: Launcher) -> int:
     args = p.parse_args(argv)
     try:
         config = parse_json_object(args.config, "--config")  # says it takes JSON, with an example
+        job = typed_config(args.module, config)
         nodes = None
         if args.nodes or args.endpoint:
             if not (args.nodes and args.endpoint):
                 raise ValueError("--nodes and --endpoint go together: both, or neither")
             nodes = Nodes(args.nodes, args.endpoint, args.rdzv_id, args.node_rank)
-        res = run(args.module, nproc=args.nproc, config=config, nodes=nodes,
+        res = run(job, nproc=args.nproc, nodes=nodes,
                   timeout_s=args.timeout, max_restarts=args.max_restarts,
                   device=args.device)  # fmt: skip
     except (ValueError, LaunchError) as e:
@@ -80,6 +82,20 @@ def main(argv: Sequence[str] | None, *, run: Launcher) -> int:
     if args.json:
         spec.write_json_atomic(Path(args.json), node_record(res))
     return code
+
+
+def typed_config(module: str, values: dict[str, Any]) -> WorkerConfig | str:
+    """What ``launch.run`` takes for ``labkit launch MODULE --config JSON``: the worker's own
+    config class built from ``values`` (each field checked there), or, for a module of your own
+    that has no config class, its name alone, which takes no config."""
+    cls = config_class(module)
+    if cls is not None:
+        return cls.from_dict(values)
+    if values:
+        raise ValueError(f"--config: {module} has no config class (a labkit.jobs.spec.WorkerConfig "
+                         "whose WORKER names it) to take the fields; give settings through the "
+                         "environment instead")  # fmt: skip
+    return module
 
 
 def node_record(res: JobResult) -> dict[str, Any]:
@@ -125,16 +141,16 @@ class Rehearsal:
 
 def rehearse_nodes(
     run: Launcher,
-    module: str,
+    config: WorkerConfig | str,
     *,
     nodes: int = 2,
     nproc: int = 1,
-    config: dict[str, Any] | None = None,
     timeout_s: float = 120,
     **run_kwargs: Any,
 ) -> Rehearsal:
-    """Run ``module`` as ``nodes`` nodes of ``nproc`` ranks, every node an agent on this machine
-    (``labkit.jobs.launch.rehearse_nodes``, which passes its ``run``).
+    """Run the worker ``config`` names (a ``WorkerConfig``, or as ``launch.run`` takes it, a
+    module of your own by name) as ``nodes`` nodes of ``nproc`` ranks, every node an agent on
+    this machine (``labkit.jobs.launch.rehearse_nodes``, which passes its ``run``).
 
     This kernel runs one node through ``run`` (its ranks stream under the cell); each other
     node is ``python -m labkit launch ... --nodes N --endpoint 127.0.0.1:PORT`` in a
@@ -147,8 +163,8 @@ def rehearse_nodes(
     rank of every node each agent is shown only its own slice (``CUDA_VISIBLE_DEVICES``), as
     on separate machines; with fewer, every rank runs on the CPU over gloo.
     """
-    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 2:
-        raise ValueError(f"nodes={shown(nodes)}: a rehearsal of several nodes needs 2 or more")
+    whole("nodes", nodes, low=2, why="a rehearsal of several nodes needs 2 or more")
+    module, _, config_json = worker_and_config(config)  # the other nodes get it as --config
     gpus = visible_gpu_count()
     device = run_kwargs.pop("device", "auto")
     if device == "auto":
@@ -163,7 +179,6 @@ def rehearse_nodes(
     layout = Nodes(nodes, endpoint=f"127.0.0.1:{port}", rdzv_id=rdzv_id)
     out_dir = procs.labkit_home() / "rehearsals" / layout.rdzv_id
     out_dir.mkdir(parents=True, exist_ok=True)
-    config_json = json.dumps(config or {})
     others = []
     for k in range(1, nodes):
         cmd = supervised([
@@ -178,7 +193,7 @@ def rehearse_nodes(
                                         stdin=subprocess.DEVNULL, start_new_session=True), log))  # fmt: skip
     mine = {"CUDA_VISIBLE_DEVICES": slices[0]} if device == "cuda" else {}
     try:
-        here = run(module, nproc=nproc, config=config, nodes=layout, timeout_s=timeout_s,
+        here = run(config, nproc=nproc, nodes=layout, timeout_s=timeout_s,
                    device=device, env={**(run_kwargs.pop("env", None) or {}), **mine},
                    **run_kwargs)  # fmt: skip
     finally:

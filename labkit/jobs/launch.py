@@ -82,15 +82,12 @@ from labkit.jobs.spec import WorkerConfig
 from labkit.jobs.supervisor import SUPERVISED, Echo, Supervisor
 from labkit.validate import whole
 
-# The supervisor's parts under their older names, for code (and tests) that reach them here.
-_Supervisor, _Echo = Supervisor, Echo
-
 
 def run(
-    module: str | WorkerConfig,
+    config: WorkerConfig | str,
+    /,
     *,
     nproc: int = 2,
-    config: dict[str, Any] | WorkerConfig | None = None,
     timeout_s: float = 300,
     device: str = "auto",
     backend: str = "auto",
@@ -105,15 +102,15 @@ def run(
     nodes: Nodes | None = None,
     max_restarts: int = 0,
 ) -> JobResult:
-    """Run worker ``module`` on ``nproc`` processes and return their results.
+    """Run the worker ``config`` names on ``nproc`` processes and return their results.
 
     Args:
-        module: the worker's typed config (a ``labkit.jobs.spec.WorkerConfig``, which names
-            its module), or the dotted name of an importable worker module (see
-            ``labkit.jobs.runtime``).
+        config: the worker's typed config (a ``labkit.jobs.spec.WorkerConfig``, which names
+            its module; every rank reads it back as ``ctx.config``). The one escape hatch: the
+            dotted name of an importable module of your own that is not a labkit worker (see
+            ``labkit.jobs.runtime``), such as a test's fixture; its ranks get an empty
+            ``ctx.config`` and take any settings through ``env``.
         nproc: number of processes (ranks).
-        config: with a module name, the JSON-serialisable dict (or ``WorkerConfig``) handed
-            to every rank as ``ctx.config``; leave it out when ``module`` is a config.
         timeout_s: wall-clock limit for the whole job, seconds.
         device: "auto" (CUDA if every rank can have its own GPU, else CPU), "cpu" or "cuda".
         backend: "auto" (nccl on CUDA, gloo on CPU), "gloo" or "nccl".
@@ -150,10 +147,8 @@ def run(
         JobTimeout: out of time; names the rank(s) that fell behind.
         KeyboardInterrupt: re-raised after every process of the job has been ended.
     """
-    module, config = worker_and_config(module, config)
-    config_json = check_inputs(
-        nproc, config, timeout_s, tail_lines, env, heartbeat_timeout_s, pg_timeout_s, nodes
-    )
+    module, values, config_json = worker_and_config(config)
+    check_inputs(nproc, timeout_s, tail_lines, env, heartbeat_timeout_s, pg_timeout_s, nodes)
     max_restarts = whole("max_restarts", max_restarts, low=0, why="0: no restart")
     # visible_gpu_count is looked up here, in launch: a test (or a notebook) may stand in
     # another GPU count for launch.visible_gpu_count.
@@ -162,7 +157,7 @@ def run(
         oversubscribe=oversubscribe, stream=stream,
     )  # fmt: skip
     clear_leftovers(nodes, log_dir, supervised=SUPERVISED)
-    job = new_job(module, config, config_json, nproc=nproc, backend=backend, device=device,
+    job = new_job(module, values, config_json, nproc=nproc, backend=backend, device=device,
                   pg_timeout_s=pg_timeout_s, nodes=nodes, max_restarts=max_restarts,
                   log_dir=log_dir)  # fmt: skip
     sup = Supervisor(
@@ -202,13 +197,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     return cli.main(argv, run=run)
 
 
-def rehearse_nodes(module: str, **kwargs: Any) -> Rehearsal:
-    """Run ``module`` as several nodes, every node an agent on this machine: this kernel runs
-    one node through ``run`` (its ranks stream under the cell), the others run ``python -m
-    labkit launch ...`` in the background, as real nodes would. Keyword arguments (``nodes=2``,
-    ``nproc=1``, ``config``, ``timeout_s=120``, and any of ``run``'s) and the details:
+def rehearse_nodes(config: WorkerConfig | str, /, **kwargs: Any) -> Rehearsal:
+    """Run the worker ``config`` names as several nodes, every node an agent on this machine:
+    this kernel runs one node through ``run`` (its ranks stream under the cell), the others run
+    ``python -m labkit launch ...`` in the background, as real nodes would. Keyword arguments
+    (``nodes=2``, ``nproc=1``, ``timeout_s=120``, and any of ``run``'s) and the details:
     :func:`labkit.jobs.cli.rehearse_nodes`."""
-    return cli.rehearse_nodes(run, module, **kwargs)
+    return cli.rehearse_nodes(run, config, **kwargs)
 
 
 def describe_rehearsal(nodes: int, nproc: int) -> str:

@@ -1,7 +1,7 @@
 """A job across several machines: where this machine sits, and torchrun's flags for it.
 
     nodes = Nodes(2, endpoint="gpu-node-01:29400", rdzv_id="course-demo")
-    launch.run("labkit.workers.multinode", nproc=8, nodes=nodes)   # the same line on every node
+    launch.run(MultinodeConfig(), nproc=8, nodes=nodes)   # the same line on every node
 
 torchrun starts one *agent* per machine (node); the agents meet at a *rendezvous* and agree
 on who is in the job, then each starts its ``nproc`` ranks. Two ways to meet

@@ -42,47 +42,62 @@ BACKENDS = ("auto", "gloo", "nccl")
 # --- the arguments (nothing is started before these pass) ---------------------------------------
 
 
-def worker_and_config(module: Any, config: Any) -> tuple[str, dict[str, Any]]:
-    """run()'s first two arguments as (worker module, config dict): ``run(SomeConfig(...))``,
-    ``run(module, config=SomeConfig(...))`` or ``run(module,
-    config={...})``."""
-    if isinstance(module, WorkerConfig):
-        if config is not None:
-            raise ValueError(f"run({type(module).__name__}(...), config=...): the config is the "
-                             "first argument already; leave config out")  # fmt: skip
-        return worker_of(module), module.to_dict()
-    if not isinstance(module, str):
-        raise ValueError(f"module={shown(module)}: need a worker's config (a WorkerConfig) or "
-                         "a dotted module name such as 'labkit.workers.allreduce'")  # fmt: skip
-    if isinstance(config, WorkerConfig):
-        if worker_of(config) != module:
-            raise ValueError(f"config is a {type(config).__name__}, for {worker_of(config)}, "
-                             f"not for {module}: pass run({type(config).__name__}(...)) alone")
-        return module, config.to_dict()
-    return module, {} if config is None else config
+def worker_and_config(job: Any) -> tuple[str, dict[str, Any], str]:
+    """run()'s first argument as (worker module, config dict, the config as JSON).
+
+    A job is ``run(SomeConfig(...))``: the typed config names its worker module. A dotted
+    module name alone is the one escape hatch, for a module of your own that is not a labkit
+    worker (a test's fixture, a script's victim): it gets an empty ``ctx.config``, and takes
+    any settings through ``env=``. A labkit module that has a config class is refused by
+    name, so a worker's settings never travel untyped."""
+    if isinstance(job, WorkerConfig):
+        module = worker_of(job)
+        try:
+            config = job.to_dict()
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"{type(job).__name__} is not JSON-serialisable ({e}): workers get it as JSON, "
+                "so its fields hold numbers, strings, bools, None, lists and dicts"
+            ) from None
+        return module, config, json.dumps(config)
+    if not isinstance(job, str):
+        raise ValueError(f"{shown(job)}: need a worker's config (a labkit.jobs.spec.WorkerConfig, "
+                         "which names its module), or the dotted name of a module of your own "
+                         "such as 'my_tests.worker'")  # fmt: skip
+    if job.startswith("labkit.") and (cls := config_class(job)) is not None:
+        raise ValueError(f"run({job!r}): {job} takes its settings typed; launch it as "
+                         f"run({cls.__name__}(...)), from {cls.__module__}")  # fmt: skip
+    return job, {}, "{}"
+
+
+def config_class(module: str) -> type[WorkerConfig] | None:
+    """The config class of worker ``module``: the ``WorkerConfig`` in its namespace whose
+    ``WORKER`` names it (defined there, or imported from a torch-free ``*_config`` module).
+    None for a module that has none, or that cannot be found or imported (the launch's own
+    check says why). Imports the module: for ``labkit launch MODULE --config JSON``, and to
+    name the class in a refusal."""
+    try:
+        if importlib.util.find_spec(module) is None:
+            return None
+        namespace = vars(importlib.import_module(module))
+    except Exception:  # a module that does not import: the launch's own check says why
+        return None
+    found = [v for v in namespace.values()
+             if isinstance(v, type) and issubclass(v, WorkerConfig) and v.WORKER == module]  # fmt: skip
+    return found[0] if found else None
 
 
 def check_inputs(
     nproc: int,
-    config: Any,
     timeout_s: float,
     tail_lines: int | None,
     env: Any,
     heartbeat_timeout_s: float | None,
     pg_timeout_s: float,
     nodes: Any,
-) -> str:
-    """Validate run()'s arguments; return the config as JSON."""
-    nproc = whole("nproc", nproc, low=1, why="processes to start")
-    if not isinstance(config, dict):
-        raise ValueError(f"config must be a dict or None, got {type(config).__name__}")
-    try:
-        config_json = json.dumps(config)
-    except (TypeError, ValueError) as e:
-        raise ValueError(
-            f"config is not JSON-serialisable ({e}): workers get it as JSON, so "
-            "use numbers, strings, bools, None, lists and dicts"
-        ) from None
+) -> None:
+    """Validate run()'s arguments other than the job (``worker_and_config`` checks that)."""
+    whole("nproc", nproc, low=1, why="processes to start")
     for name, value in (
         ("timeout_s", timeout_s),
         ("pg_timeout_s", pg_timeout_s),
@@ -113,7 +128,6 @@ def check_inputs(
             f"nodes={shown(nodes)}: need a labkit.jobs.nodes.Nodes(count, endpoint=..., rdzv_id=...), "
             "or None for a job on this machine alone"
         )
-    return config_json
 
 # --- the machine: GPUs, cores, a port ------------------------------------------------------------
 
@@ -174,7 +188,7 @@ def module_roots(module: str) -> list[str]:
     """
     if not isinstance(module, str) or not re.fullmatch(r"[A-Za-z_][\w.]*", module):
         raise ValueError(
-            f"module={shown(module)}: pass a dotted module name like 'labkit.workers.allreduce'"
+            f"module={shown(module)}: pass a dotted module name like 'my_tests.worker'"
         )
     try:
         spec = importlib.util.find_spec(module)

@@ -24,6 +24,7 @@ from typing import Any
 import psutil
 
 from labkit.jobs import spec
+from labkit.validate import whole
 
 GRACE_S = 2.0  # after SIGTERM, how long processes get before SIGKILL
 # Job directories kept by default. A learner launches a few dozen jobs in one pass over the
@@ -302,11 +303,8 @@ def prune_runs(keep: int | None = None, runs_dir: Path | None = None) -> list[Pa
     """
     if keep is None:
         keep = keep_runs()
-    elif isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
-        raise ValueError(
-            f"keep={keep!r}: need a whole number >= 0 of job folders to keep "
-            "(0 deletes every finished one)"
-        )
+    else:
+        keep = whole("keep", keep, low=0, why="job folders to keep; 0 deletes every finished one")
     folder = Path(runs_dir) if runs_dir is not None else default_runs_dir()
     try:
         entries = list(folder.iterdir())

@@ -14,9 +14,10 @@ A worker is an importable module that torchrun runs on every rank:
     if __name__ == "__main__":
         main()
 
-``labkit.jobs.launch.run("my.module", nproc=2, config={...})`` starts it. Collectives, barriers and
-the rest are plain ``torch.distributed``: this module only does what every worker needs
-around them.
+``labkit.jobs.launch.run(MyConfig(...), nproc=2)`` starts it (a ``labkit.jobs.spec.WorkerConfig``
+that names the module; a module of your own without one: ``run("my.module")``, its settings
+through ``env=``). Collectives, barriers and the rest are plain ``torch.distributed``: this
+module only does what every worker needs around them.
 
 The launcher and the workers talk through files in the job directory (path in the
 ``LABKIT_JOB_DIR`` environment variable); ``labkit.jobs.spec`` holds that layout and its JSON
@@ -79,7 +80,8 @@ class Context:
         device: ``cuda:<local_rank>`` for nccl and for a gloo job launched with
             ``device="cuda"``, else ``cpu``. Tensors made only for a collective (a timestamp,
             a median) belong on ``collective_device()`` instead.
-        config: the dict passed to ``labkit.jobs.launch.run(config=...)``.
+        config: the job's config as a dict (``WorkerConfig.to_dict``): a worker reads its
+            dataclass back with ``XConfig.from_dict(ctx.config)``.
         job_dir: the job directory, or None when run without the launcher.
         node_rank: the machine's place in a job of several (torchrun's ``GROUP_RANK``: 0 on
             one machine). torchrun numbers ranks node by node, so rank = node_rank *

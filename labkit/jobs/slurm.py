@@ -84,7 +84,7 @@ class SlurmJob:
             (``sinfo`` lists partitions; ``sacctmgr show assoc user=$USER`` the accounts).
         job_name: the name ``squeue`` shows; also names the job's output file.
         module: the importable worker module every rank runs (see ``labkit.jobs.runtime``).
-        config: the worker's config, a JSON object (``labkit.jobs.launch.run``'s ``config``).
+        config: the worker's config fields, a JSON object (its ``WorkerConfig``'s ``to_dict()``).
         max_restarts: torchrun restarts all of a node's ranks this often after a failure.
         socket_ifname: the network interface between the nodes, for NCCL and gloo
             (``NCCL_SOCKET_IFNAME``/``GLOO_SOCKET_IFNAME``, e.g. "ib0" or "eth0"); None: let

@@ -19,7 +19,9 @@ start, and a rank reads the same dataclass back with ``type(config).from_dict(ct
 
 The config travels to every rank as JSON (the job folder's spec file), so a field holds what
 JSON holds: numbers, strings, booleans, None, and lists, tuples and dicts of them, or a nested
-dataclass of such fields. Tuples come back as tuples (``from_dict`` follows the field types).
+dataclass of such fields. Every value takes its field's type when the config is built, from
+Python or from JSON: a list becomes a tuple, a dict a nested dataclass
+(``WorkerConfig.__post_init__``), so a config read back equals the one written.
 
 The job folder is here too, for the same reason: the launcher (``labkit.jobs.launch``), a
 rank (``labkit.jobs.runtime``), the process registry (``labkit.jobs.procs``) and an sbatch
@@ -43,12 +45,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import signal
 import types
 import typing
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar, Union
 
@@ -59,10 +62,33 @@ C = TypeVar("C", bound="WorkerConfig")
 
 @dataclasses.dataclass(frozen=True)
 class WorkerConfig:
-    """Base of every worker's configuration: a frozen dataclass naming its worker module."""
+    """Base of every worker's configuration: a frozen dataclass naming its worker module.
+
+    Built from Python or from JSON, a config holds the types its fields declare: a list given
+    for a tuple field becomes a tuple (so two equal configs compare equal, and a frozen config
+    holds nothing mutable there), and a dict given for a dataclass field (``model=dict(n_layer=2)``
+    for a ``ModelConfig``) becomes that dataclass, its fields over the field's default. A
+    subclass's own ``__post_init__`` calls this one first, then checks the typed values.
+    """
 
     WORKER: ClassVar[str] = ""
     """Dotted name of the worker module every rank runs (``labkit.workers.dp_train``)."""
+
+    def __post_init__(self) -> None:
+        hints = _hints(type(self))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            default = _default(f)
+            if isinstance(value, Mapping) and dataclasses.is_dataclass(default):
+                value = _over(f.name, default, value)
+            typed = _typed(hints.get(f.name, Any), value)
+            if typed is not getattr(self, f.name):
+                object.__setattr__(self, f.name, typed)  # frozen: normalised once, here
+
+    def replace(self: C, **changes: Any) -> C:
+        """A copy with ``changes`` applied, typed and checked as a new config is
+        (``dataclasses.replace``): ``cfg.replace(strategies=["ddp"], mesh=[4])``."""
+        return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as JSON-ready values (tuples become lists on the way through JSON)."""
@@ -74,39 +100,78 @@ class WorkerConfig:
         dataclass does not have is refused by name: a misspelt field must not pass silently."""
         if not isinstance(values, dict):
             raise InvalidValue(f"{cls.__name__}: need a dict of its fields, got {type(values).__name__}")
-        fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-        unknown = sorted(set(values) - set(fields))
+        fields = {f.name for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(set(values) - fields)
         if unknown:
             raise InvalidValue(f"{cls.__name__} has no field(s) {unknown}; its fields are "
                                f"{sorted(fields)}")  # fmt: skip
-        hints = typing.get_type_hints(cls)
-        return cls(**{k: _typed(hints.get(k, Any), v) for k, v in values.items()})
+        return cls(**values)  # __post_init__ gives each value its field's type
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """The field types of ``cls``, resolved once per class (annotations are strings here)."""
+    return typing.get_type_hints(cls)
+
+
+def _default(f: dataclasses.Field) -> Any:
+    """The field's default value (built, for a default factory), or None if it has none."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def _over(name: str, default: Any, values: Mapping[str, Any]) -> Any:
+    """The dataclass ``default`` with the fields ``values`` names changed; a name it does not
+    have is refused by name, as ``from_dict`` refuses one."""
+    known = [f.name for f in dataclasses.fields(default)]
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise InvalidValue(f"{name}: {type(default).__name__} has no field(s) {unknown}; its "
+                           f"fields are {sorted(known)}")  # fmt: skip
+    inner = _hints(type(default))
+    return dataclasses.replace(default, **{k: _typed(inner.get(k, Any), v) for k, v in values.items()})
 
 
 def _typed(hint: Any, value: Any) -> Any:
-    """``value`` from JSON, made the type the field declares where JSON lost it (tuples,
-    nested dataclasses)."""
+    """``value`` made the type the field declares where JSON (or a caller) gave another:
+    lists for tuples, dicts for nested dataclasses. Anything else is returned as it is, for
+    the config's own checks to refuse by name."""
     if value is None:
         return None
     origin = typing.get_origin(hint)
     if origin in (Union, types.UnionType):
         options = [a for a in typing.get_args(hint) if a is not type(None)]
         return _typed(options[0], value) if len(options) == 1 else value
-    if dataclasses.is_dataclass(hint) and isinstance(value, dict):
-        inner = typing.get_type_hints(hint)
-        return hint(**{k: _typed(inner.get(k, Any), v) for k, v in value.items()})
+    if dataclasses.is_dataclass(hint) and isinstance(value, Mapping):
+        return _over(hint.__name__, hint(), value) if _defaults_all(hint) else hint(**value)
     if origin is tuple and isinstance(value, list):
         args = typing.get_args(hint)
         if len(args) == 2 and args[1] is Ellipsis:
             return tuple(_typed(args[0], v) for v in value)
         return tuple(_typed(a, v) for a, v in zip(args, value, strict=False)) if args else tuple(value)
+    if origin is tuple and isinstance(value, tuple):
+        typed = _typed(hint, list(value))
+        return value if typed == value else typed  # the caller's tuple, unless a part changed
     if origin is list and isinstance(value, list):
         (arg,) = typing.get_args(hint) or (Any,)
-        return [_typed(arg, v) for v in value]
+        items = [_typed(arg, v) for v in value]
+        return value if all(a is b for a, b in zip(items, value, strict=True)) else items
     if origin is dict and isinstance(value, dict):
         args = typing.get_args(hint)
-        return {k: _typed(args[1], v) for k, v in value.items()} if args else value
+        if not args:
+            return value
+        items = {k: _typed(args[1], v) for k, v in value.items()}
+        return value if all(items[k] is v for k, v in value.items()) else items
     return value
+
+
+def _defaults_all(cls: type) -> bool:
+    """Whether every field of the dataclass ``cls`` has a default (``cls()`` can be built)."""
+    return all(f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+               for f in dataclasses.fields(cls) if f.init)  # fmt: skip
 
 
 def worker_of(config: WorkerConfig) -> str:

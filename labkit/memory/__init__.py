@@ -27,8 +27,8 @@ optimiser state arriving at the first ``optimizer.step()``)::
     measured = memory.measure_training_memory(model, optimizer, batch, device=device)
     assert sum(predicted.values()) == measured.activations    # on a CPU, to the byte
 
-The folder, one concern a module (``labkit.memory`` re-exports every name, so ``memory.anatomy``
-and the rest are used from here):
+The folder, one concern a module (``labkit.memory`` re-exports the names notebooks and tests
+use, so ``memory.anatomy`` and the rest are called from here):
 
     accounting    what a step measures: the four parts, saved activations, live bytes per phase
     prediction    a training step's peak predicted tensor by tensor; the CUDA allocator's blocks
@@ -38,24 +38,16 @@ and the rest are used from here):
 from labkit.formulas.activations import (  # the predictions this module measures against
     predicted_activations as predicted_activations,
 )
-from labkit.formulas.activations import (
-    predicted_stage_activations as predicted_stage_activations,
-)
-from labkit.memory.accounting import MemoryMeasurement as MemoryMeasurement
+from labkit.formulas.activations import predicted_stage_activations as predicted_stage_activations
 from labkit.memory.accounting import PhaseBytes as PhaseBytes
 from labkit.memory.accounting import live_bytes_over_steps as live_bytes_over_steps
 from labkit.memory.accounting import measure_training_memory as measure_training_memory
 from labkit.memory.accounting import optimizer_state_tensors as optimizer_state_tensors
 from labkit.memory.accounting import saved_activation_bytes as saved_activation_bytes
 from labkit.memory.accounting import storage_bytes as storage_bytes
-from labkit.memory.prediction import CUDA_MIN_BLOCK_BYTES as CUDA_MIN_BLOCK_BYTES
 from labkit.memory.prediction import StepPeak as StepPeak
-from labkit.memory.prediction import _gpt_parameter_shapes as _gpt_parameter_shapes
 from labkit.memory.prediction import cuda_block_bytes as cuda_block_bytes
 from labkit.memory.prediction import predicted_step_peak as predicted_step_peak
-from labkit.memory.report import MODEL_STATES as MODEL_STATES
-from labkit.memory.report import ActivationSweep as ActivationSweep
-from labkit.memory.report import MemoryAnatomy as MemoryAnatomy
 from labkit.memory.report import PeakCheck as PeakCheck
 from labkit.memory.report import activation_sweep as activation_sweep
 from labkit.memory.report import anatomy as anatomy

@@ -4,7 +4,7 @@ device) and, on a GPU, by the CUDA allocator; what is alive at each phase of the
 The measuring half of :mod:`labkit.memory` (its docstring says how each method counts). Apart
 from the predictions (:mod:`labkit.memory.prediction`) and notebook 01's reading of both
 (:mod:`labkit.memory.report`) because this is what the others are checked against. Import it as
-``labkit.memory``, which re-exports every name here.
+``labkit.memory``, which re-exports what notebooks call.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ rounding of each tensor.
 
 Apart from :mod:`labkit.memory.accounting` (what a step measures) because this is a model of
 this code's own tensors at the step's peak, read from ``labkit.train`` and ``labkit.model``, not a
-measurement. Import it as ``labkit.memory``, which re-exports every name here.
+measurement. Import it as ``labkit.memory``, which re-exports what notebooks call.
 """
 
 from __future__ import annotations
@@ -67,17 +67,6 @@ class StepPeak:
         return {name: sum(size(n) for n in sizes) for name, sizes in self.tensors.items()}
 
 
-def _gpt_parameter_shapes(cfg: ModelConfig) -> list[int]:
-    """Elements of each parameter tensor of ``labkit.model.GPT(cfg)`` (tied weights once)."""
-    h, V = cfg.d_model, cfg.vocab_size
-    block = [h, h,  # ln_1
-             h * h, h, h * h, h, h * h, h, h * h, h,  # q, k, v, attention proj
-             h, h,  # ln_2
-             4 * h * h, 4 * h, 4 * h * h, h]  # MLP fc, proj  # fmt: skip
-    head = [] if cfg.tie_weights else [V * h]
-    return [V * h, cfg.seq_len * h] + block * cfg.n_layer + [h, h] + head
-
-
 def predicted_step_peak(
     cfg: ModelConfig, micro_batch: int, *, dtype: str = "float32", attention: str = "flash",
     seq_len: int | None = None,
@@ -132,7 +121,7 @@ def predicted_step_peak(
     mixed = e < 4
     r = 4 if mixed else e  # the residual stream, LayerNorm's input: float32 under autocast
     sbh = s * b * h
-    params = tuple(4 * n for n in _gpt_parameter_shapes(cfg))
+    params = tuple(4 * n for n in formulas.gpt_parameter_counts(cfg))
     per_layer = {
         "LayerNorm inputs (residual stream)": (r * sbh,) * 2,
         "q/k/v projections' input": (e * sbh,) * (3 if mixed else 1),  # autocast: one cast each

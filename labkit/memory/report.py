@@ -5,7 +5,7 @@ when drawing).
 
 Apart from :mod:`labkit.memory.accounting` and :mod:`labkit.memory.prediction` because those are
 the teaching code; what is here is presentation. Import it as ``labkit.memory``, which re-exports
-every name here.
+what notebooks call.
 """
 
 from __future__ import annotations

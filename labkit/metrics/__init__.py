@@ -26,10 +26,8 @@ Its modules:
 
 from labkit.metrics.base import (
     METRICS,
-    NA,
     Backend,
     BackendUnavailable,
-    Metric,
     Sample,
     metric_table,
 )
@@ -39,13 +37,11 @@ from labkit.metrics.replay import (
     Recorder,
     ReplayBackend,
     ReplayError,
-    Trace,
     TraceError,
     load_trace,
     shipped_traces,
 )
 from labkit.metrics.sampler import (
-    DEFAULT_PERIOD_S,
     MIN_PERIOD_S,
     Sampler,
     auto_backend,
@@ -53,21 +49,17 @@ from labkit.metrics.sampler import (
 )
 
 __all__ = [
-    "DEFAULT_PERIOD_S",
     "METRICS",
     "MIN_PERIOD_S",
-    "NA",
     "Backend",
     "BackendUnavailable",
     "CpuBackend",
-    "Metric",
     "NvmlBackend",
     "Recorder",
     "ReplayBackend",
     "ReplayError",
     "Sample",
     "Sampler",
-    "Trace",
     "TraceError",
     "auto_backend",
     "clamp_period",

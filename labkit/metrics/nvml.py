@@ -45,6 +45,7 @@ from typing import Any
 import psutil
 
 from labkit.metrics.base import GIB, Backend, BackendUnavailable, Clock, Sample
+from labkit.validate import whole
 
 PidsFn = Callable[[], Mapping[int, int]]  # returns {rank: pid} of the job's processes
 
@@ -151,8 +152,7 @@ class NvmlBackend(Backend):
                  nvml: Any = None) -> None:  # fmt: skip
         super().__init__(clock)
         for name, every in (("pcie_every", pcie_every), ("process_every", process_every)):
-            if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-                raise ValueError(f"{name}={every!r}: need an integer >= 1 (samples between reads)")
+            whole(name, every, low=1, why="samples between reads")
         self.pids_fn, self.devices = pids_fn, devices
         self.pcie_every, self.process_every, self.gpm = pcie_every, process_every, gpm
         self._nv = nvml

@@ -49,6 +49,7 @@ from typing import IO, Any
 
 from labkit.errors import LabkitError
 from labkit.metrics.base import METRICS, Backend, Clock, Sample
+from labkit.validate import positive, whole
 
 FORMAT = "labkit-metrics-trace"
 VERSION = 1
@@ -311,8 +312,7 @@ class Recorder:
 
     def step(self, step: int, time_s: float, *, rank: int = 0) -> None:
         """Append a step event: ``rank`` reached ``step`` at ``time_s`` (the samples' clock)."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"Recorder.step: step={step!r}: need an integer >= 0")
+        step = whole("step", step, low=0, why="Recorder.step's step number")
         with self._lock:
             self._line({"t": self._rel(time_s), "rank": int(rank), "step": step})
             self.steps_written += 1
@@ -376,8 +376,7 @@ class ReplayBackend(Backend):
     def __init__(self, path: str | Path, *, realtime: bool = True, speed: float = 1.0,
                  clock: Clock = time.monotonic) -> None:  # fmt: skip
         super().__init__(clock)
-        if isinstance(speed, bool) or not isinstance(speed, (int, float)) or speed <= 0:
-            raise ValueError(f"speed={speed!r}: need a number > 0 (1.0 = real time)")
+        positive("speed", speed, why="1.0 = real time")
         self.path, self.realtime, self.speed = Path(path), realtime, float(speed)
         self.trace: Trace | None = None
         self._next = 0  # index of the next sample to play

@@ -29,7 +29,6 @@ warning.
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 import time
 import warnings
@@ -40,7 +39,7 @@ from typing import Any
 from labkit.metrics.base import Backend, BackendUnavailable, Clock, Sample
 from labkit.metrics.cpu import CpuBackend
 from labkit.metrics.nvml import NvmlBackend, PidsFn
-from labkit.validate import whole
+from labkit.validate import number, whole
 
 DEFAULT_PERIOD_S = 1.0
 MIN_PERIOD_S = 0.1
@@ -54,10 +53,8 @@ def clamp_period(period_s: float) -> float:
     """``period_s`` checked and raised to ``MIN_PERIOD_S`` (with a warning) if below it."""
     # nan passes every comparison's negation (and made the thread's wait return at once, a
     # busy loop); inf would never sample. Both are refused, with the rest that is not seconds.
-    if (isinstance(period_s, bool) or not isinstance(period_s, (int, float))
-            or not math.isfinite(period_s) or period_s < 0):  # fmt: skip
-        raise ValueError(f"period_s={period_s!r}: need a finite number of seconds >= "
-                         f"{MIN_PERIOD_S} (e.g. period_s={DEFAULT_PERIOD_S})")  # fmt: skip
+    number("period_s", period_s, low=0,
+           why=f"seconds, at least {MIN_PERIOD_S}; e.g. period_s={DEFAULT_PERIOD_S}")
     if period_s < MIN_PERIOD_S:
         warnings.warn(f"period_s={period_s} is below the {MIN_PERIOD_S} s minimum (faster "
                       f"sampling re-reads NVML's own window and holds the driver lock); "

@@ -2,9 +2,10 @@
 
     from labkit.jobs import launch
     from labkit.monitor import Monitor
+    from labkit.workers.allreduce import AllReduceConfig
 
     mon = Monitor(period_s=1.0)
-    res = launch.run("labkit.workers.allreduce", nproc=2, observers=[mon])
+    res = launch.run(AllReduceConfig(), nproc=2, observers=[mon])
     mon.summary()                  # mean / max of each metric per GPU (or per rank on CPU)
 
     with Monitor(period_s=0.5) as mon:                 # single-process code in the kernel
@@ -48,7 +49,7 @@ through a display handle with each new sample, as long as drawing takes at most
 ``RENDER_SHARE`` of one core (the ranks being measured need the rest), and its final update is
 the final figure; if the cell's output was cleared meanwhile (``clear_output()``, which takes
 the live figure with it), the final figure is displayed afresh instead. A live frame redraws
-only the lines over a saved picture of the axes, whose limits grow in steps (see ``_Plot``):
+only the lines over a saved picture of the axes, whose limits grow in steps (see ``MonitorPlot``):
 a few hundredths of a second of CPU per frame.
 Headless (papermill, nbval, a script): no updates at all, then exactly one static figure. nbval
 ignores display updates and papermill has no person watching, so redrawing there only costs
@@ -63,7 +64,7 @@ Figures are drawn with matplotlib's object API on the Agg canvas and shown as PN
 through ``pyplot`` (:mod:`labkit.monitor.figure` says why); matplotlib is imported only when a
 figure is drawn.
 
-One module per concern; every name below imports from ``labkit.monitor``:
+One module per concern; what notebooks and tests use imports from ``labkit.monitor``:
 
     records    step and part events, series per source, the summary table (pure, no drawing)
     figure     the figure: panels, lines, step ticks; live frames redraw only what moved
@@ -74,60 +75,28 @@ One module per concern; every name below imports from ``labkit.monitor``:
 
 from __future__ import annotations
 
+from labkit._moved import submodules_on_demand
 from labkit.monitor.display import (
-    HEADLESS_EXECUTORS,
     LIVE_ENV,
     live_default,
 )
-from labkit.monitor.figure import (
-    ENDED_FIRST,
-    MAX_TICKS,
-    NOT_REPORTED,
-    WAITING_RANKS,
-    WAITING_SAMPLE,
-    build_figure,
-    empty_panel_note,
-    figure_png,
-)
+from labkit.monitor.figure import build_figure
 from labkit.monitor.records import (
-    DEFAULT_METRICS,
-    OPTIONAL_METRICS,
-    PartEvent,
-    StepEvent,
-    Summary,
-    SummaryRow,
-    metrics_to_show,
     series,
     sources_of,
     summarize,
 )
-from labkit.monitor.watch import (
-    RENDER_SHARE,
-    Monitor,
-)
+from labkit.monitor.watch import Monitor
 
 __all__ = [
-    "DEFAULT_METRICS",
-    "ENDED_FIRST",
-    "HEADLESS_EXECUTORS",
     "LIVE_ENV",
-    "MAX_TICKS",
-    "NOT_REPORTED",
-    "OPTIONAL_METRICS",
-    "RENDER_SHARE",
-    "WAITING_RANKS",
-    "WAITING_SAMPLE",
     "Monitor",
-    "PartEvent",
-    "StepEvent",
-    "Summary",
-    "SummaryRow",
     "build_figure",
-    "empty_panel_note",
-    "figure_png",
     "live_default",
-    "metrics_to_show",
     "series",
     "sources_of",
     "summarize",
 ]
+
+# monitor.busy (it imports torch): imported when first named, so importing the monitor stays light
+__getattr__ = submodules_on_demand(__name__)

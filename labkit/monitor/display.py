@@ -3,9 +3,9 @@
 Apart from the Monitor (:mod:`labkit.monitor.watch`) because it is about the notebook, not
 the metrics: whether anyone is watching (:func:`live_default`: ``LABKIT_LIVE_PLOTS``, else a
 Jupyter kernel that no headless executor started), the one function that displays a MIME
-bundle (:func:`_display`), and the watch on ``clear_output()`` that takes a live figure away
-(:class:`_ClearWatch`). The Monitor imports these by name, so tests replace them where it
-looks them up: ``labkit.monitor.watch._display``.
+bundle (:func:`show_bundle`), and the watch on ``clear_output()`` that takes a live figure away
+(:class:`ClearWatch`). The Monitor imports these by name, so tests replace them where it
+looks them up: ``labkit.monitor.watch.show_bundle``.
 """
 
 from __future__ import annotations
@@ -85,11 +85,11 @@ def live_default() -> tuple[bool, str]:
     return True, "Jupyter kernel"
 
 
-def _display(bundle: Bundle, *, display_id: bool = False) -> Any:
+def show_bundle(bundle: Bundle, *, display_id: bool = False) -> Any:
     """Show a MIME bundle under the cell; returns a display handle if ``display_id``.
 
     Outside IPython it prints the bundle's text (a script sees the table and the title).
-    Tests replace it where the Monitor looks it up (``labkit.monitor.watch._display``) to
+    Tests replace it where the Monitor looks it up (``labkit.monitor.watch.show_bundle``) to
     count what is shown.
     """
     if "IPython" in sys.modules:
@@ -102,7 +102,7 @@ def _display(bundle: Bundle, *, display_id: bool = False) -> Any:
     return None
 
 
-def _display_publisher() -> Any | None:
+def display_publisher() -> Any | None:
     """The kernel's display publisher when it takes message hooks (ipykernel's
     ``ZMQDisplayPublisher.register_hook``), else None. Tests replace it in
     ``labkit.monitor.watch``."""
@@ -114,7 +114,7 @@ def _display_publisher() -> Any | None:
     return publisher if hasattr(publisher, "register_hook") else None
 
 
-class _ClearWatch:
+class ClearWatch:
     """Counts ``IPython.display.clear_output()`` calls while a live figure is shown.
 
     A clear removes every output of the cell, the live figure with them, and the frontend

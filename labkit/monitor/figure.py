@@ -1,7 +1,7 @@
 """The monitor's figure: one panel per metric, a line per source, step ticks and a step panel.
 
 Apart from the Monitor (:mod:`labkit.monitor.watch`) because drawing is its own job with its
-own cost: a live frame must stay cheap on two busy cores, so :class:`_Plot` makes a figure's
+own cost: a live frame must stay cheap on two busy cores, so :class:`MonitorPlot` makes a figure's
 artists once and then only moves their data over a saved picture of the axes (blitting), with
 a fixed layout instead of matplotlib's layout solver. :func:`build_figure` draws the same
 figure once, in full, for a finished run.
@@ -93,14 +93,14 @@ class _Shape:
     recording: bool
 
 
-def _shape(samples: Sequence[Sample], steps: Sequence[StepEvent], metrics: Sequence[str],
+def figure_shape(samples: Sequence[Sample], steps: Sequence[StepEvent], metrics: Sequence[str],
            title: str, recording: bool) -> _Shape:  # fmt: skip
     return _Shape(tuple(metrics), tuple(tuple(sources_of(samples, m)) for m in metrics),
                   tuple(sorted({e.rank for e in steps})), title.count("\n") + 1,
                   recording)  # fmt: skip
 
 
-class _Plot:
+class MonitorPlot:
     """One monitor figure: its panels, lines and ranks made once, then updated in place.
 
     ``live``: a frame under a running cell. Its axis limits only grow, in steps of "nice"
@@ -325,7 +325,7 @@ def build_figure(
     (``empty_panel_note``: ``kind`` is the backend's, ``waiting`` what to say before its
     sources are sampled, None once the run is over).
     """
-    plot = _Plot(_shape(samples, steps, metrics, title, recording))
+    plot = MonitorPlot(figure_shape(samples, steps, metrics, title, recording))
     plot.update(samples, steps, parts, title=title, t0=t0, kind=kind, waiting=waiting)
     return plot.fig
 

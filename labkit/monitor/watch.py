@@ -34,17 +34,17 @@ from labkit.metrics import (
 from labkit.metrics.base import Clock
 from labkit.monitor.display import (
     Bundle,
-    _ClearWatch,
-    _display,
-    _display_publisher,
+    ClearWatch,
+    display_publisher,
     live_default,
+    show_bundle,
 )
 from labkit.monitor.figure import (
     WAITING_RANKS,
     WAITING_SAMPLE,
-    _Plot,
-    _shape,
+    MonitorPlot,
     build_figure,
+    figure_shape,
 )
 from labkit.monitor.records import (
     PartEvent,
@@ -53,6 +53,7 @@ from labkit.monitor.records import (
     metrics_to_show,
     summarize,
 )
+from labkit.validate import number
 
 # Live frames: one per new sample, but at most RENDER_SHARE of one core's time spent drawing
 # them, counted in CPU time (a frame costs ~0.2 s of CPU here). On a busy machine a frame's
@@ -110,10 +111,8 @@ class Monitor:
             if isinstance(metrics, str) or unknown:
                 raise ValueError(f"metrics={metrics!r}: pass a list of names from "
                                  f"labkit.metrics.METRICS; unknown: {unknown}")  # fmt: skip
-        if redraw_s is not None and (
-            isinstance(redraw_s, bool) or not isinstance(redraw_s, (int, float)) or redraw_s < 0
-        ):
-            raise ValueError(f"redraw_s={redraw_s!r}: need seconds >= 0, or None")
+        if redraw_s is not None:
+            number("redraw_s", redraw_s, low=0, why="seconds between frames, or None")
         self.period_s = clamp_period(period_s)  # a bad value fails here, not at the launch
         self.backend_spec, self.metrics = backend, metrics
         self.live = live_default()[0] if live is None else bool(live)
@@ -133,13 +132,13 @@ class Monitor:
         self._lock = threading.Lock()  # guards _steps (the sampler thread reads them to draw)
         self._render_lock = threading.Lock()
         self._handle: Any = None
-        self._clear_watch: _ClearWatch | None = None  # live runs in a kernel (see the class)
+        self._clear_watch: ClearWatch | None = None  # live runs in a kernel (see the class)
         self._t0 = 0.0
         self._wall_offset = 0.0  # time.time() - clock(): turns heartbeat stamps into our clock
         self._last_draw: float | None = None
         self._drawn: tuple[int, int, int] | None = None  # (samples, steps, parts) drawn last
         self._render_cpu_s = 0.0  # CPU seconds the last live frame took
-        self._plot: _Plot | None = None  # the live figure, updated in place
+        self._plot: MonitorPlot | None = None  # the live figure, updated in place
         self._module: str | None = None
         self._progress: Callable[[], tuple[int | None, int | None]] | None = None
         self._in_with = False
@@ -326,9 +325,9 @@ class Monitor:
         else:
             self.sampler.poll_once()
         if self.live:  # the sampler thread skips redraws until the handle exists
-            publisher = _display_publisher()
-            self._clear_watch = _ClearWatch(publisher) if publisher is not None else None
-            self._handle = _display(self._text_bundle(f"{self._waiting()}…"), display_id=True)
+            publisher = display_publisher()
+            self._clear_watch = ClearWatch(publisher) if publisher is not None else None
+            self._handle = show_bundle(self._text_bundle(f"{self._waiting()}…"), display_id=True)
 
     def _make_recorder(self, backend: Backend) -> Recorder | None:
         """The Recorder for ``record_to``, opened (so a machine without a GPU fails here)."""
@@ -449,13 +448,13 @@ class Monitor:
         else:
             if self._handle is not None:
                 # Cleared: the live figure is gone, and an update of its handle would show
-                # nothing (see _ClearWatch), so the final figure is displayed afresh. The
+                # nothing (see ClearWatch), so the final figure is displayed afresh. The
                 # handle is blanked first, in case the clear did not reach it (a clear inside
                 # an output widget): one figure either way.
                 self._handle.update({"text/plain": ""}, raw=True)
-            _display(final)
+            show_bundle(final)
         summary = self.summary()
-        _display({"text/plain": str(summary), "text/html": summary._repr_html_()})
+        show_bundle({"text/plain": str(summary), "text/html": summary._repr_html_()})
 
     def _play_rest(self) -> None:
         """A replay played tick by tick (``realtime=False``): read every remaining tick."""
@@ -471,7 +470,7 @@ class Monitor:
         """Redraw the live figure when there is something new to show, at most once per
         ``redraw_s``, and so that drawing takes at most ``RENDER_SHARE`` of one core."""
         if not self.live or self._handle is None or self._cleared():
-            return  # after a clear the live figure is gone: drawing it is wasted (_ClearWatch)
+            return  # after a clear the live figure is gone: drawing it is wasted (ClearWatch)
         now = self.clock()
         shown = (len(self.samples), len(self.steps), len(self.parts))
         if self._last_draw is not None:
@@ -531,10 +530,10 @@ class Monitor:
         self._sync_replay_steps()
         samples, steps, metrics = self.samples, self.steps, self.shown_metrics()
         drawing = self._drawing()
-        shape = _shape(samples, steps, metrics, drawing["title"], drawing["recording"])
+        shape = figure_shape(samples, steps, metrics, drawing["title"], drawing["recording"])
         live = self.status == "running"  # the final figure is drawn in full, fitted
         if self._plot is None or self._plot.shape != shape or self._plot.live != live:
-            self._plot = _Plot(shape, live=live)
+            self._plot = MonitorPlot(shape, live=live)
         del drawing["recording"]
         self._plot.update(samples, steps, **drawing)
         png = self._plot.png()

@@ -49,5 +49,10 @@ strategy taking its process group from a named dimension of a device mesh:
                   the auxiliary loss's effect: notebook 03c's readings and figures
 
 This file imports nothing on purpose: each module is imported where it is used, so importing
-one strategy never pulls in another.
+one strategy never pulls in another. ``parallel.pipeline``, after ``from labkit import
+parallel``, imports that one module when first named.
 """
+
+from labkit._moved import submodules_on_demand
+
+__getattr__ = submodules_on_demand(__name__)  # parallel.pipeline: imported when first named

@@ -50,6 +50,8 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from labkit.validate import whole
+
 BlockKind = Literal["full", "diagonal", "skip"]
 
 
@@ -60,8 +62,7 @@ BlockKind = Literal["full", "diagonal", "skip"]
 def validate_context_parallel(seq_len: int, world_size: int) -> None:
     """Raise ValueError unless ``seq_len`` splits into ``world_size`` equal contiguous shards."""
     for name, value in (("seq_len", seq_len), ("world_size", world_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r}: give a positive integer")
+        whole(name, value, low=1)
     if seq_len % world_size:
         raise ValueError(
             f"seq_len={seq_len} is not divisible by the context-parallel degree {world_size}: "

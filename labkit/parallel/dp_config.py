@@ -15,24 +15,32 @@ reducer finishes in a callback queued on the autograd engine): so the one ``trai
 every lab uses works unchanged, and ``after_backward`` is where each strategy's own
 synchronisation lives. ZeRO-1 communicates in its optimizer's ``step`` instead.
 
-``validate_dp_config`` turns a job's config dict into a complete one or raises ValueError
-naming the field, before any process starts.
+:class:`DPSettings` is what a data-parallel job trains and how (the fields of the worker's
+``DPTrainConfig``), checked when built; ``settings.resolve(world_size)`` checks what the
+launch decides and returns the complete :class:`DPJob`, before any process starts:
+
+    job = DPSettings(strategies=("ddp", "zero1"), global_batch=8).resolve(2)
+    job.train.micro_batch, job.backend          # 4, "gloo"
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from labkit.config import ModelConfig, RunConfig, TrainConfig
+from labkit.jobs.spec import WorkerConfig
 from labkit.memory import optimizer_state_tensors, storage_bytes
 from labkit.parallel.comm import ByteCounter
+from labkit.parallel.mesh import as_spec, validate_mesh
 from labkit.train import make_optimizer
+from labkit.validate import InvalidValue, flag, is_integer, one_of, positive, refuse, whole
 
 STRATEGIES = (
     "naive",
@@ -139,229 +147,251 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
-# --- config checks (no process started) --------------------------------------------------------
+# --- the job's settings, checked (no process started) -------------------------------------------
+
+DEFAULT_MODEL: dict[str, Any] = {"seq_len": 64, "n_layer": 2, "n_head": 2, "d_model": 64}
+"""A 2-layer, 64-wide GPT: small enough for two CPU ranks."""
+DEFAULT_TRAIN: dict[str, Any] = {"micro_batch": 4, "steps": 3, "lr": 1e-2, "grad_clip": None}
+"""The ``TrainConfig`` fields a data-parallel job sets unless ``train`` names them. No clipping
+by default: ZeRO-1 reduces its gradients inside the optimizer step, after clipping would run."""
+AUTO = "auto"
+"""``fsdp_mixed_precision``'s default: "bf16" when train's dtype is bfloat16, else None."""
+DEVICES = ("cpu", "cuda")
+MESH_NEEDS_NAMES = ("strategies take their process group from a named dimension, so a mesh "
+                    "of more than one dimension needs names")  # fmt: skip
 
 
-def _fail(field: str, value: Any, allowed: str) -> None:
-    raise ValueError(f"{field}={value!r} is not allowed: {allowed}")
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DPSettings(WorkerConfig):
+    """What a data-parallel job trains, and how: every check that holds on any number of ranks
+    runs when it is built (ValueError naming the field); :meth:`resolve` adds the launch's
+    (the ranks, the device) and returns the complete :class:`DPJob`.
 
-
-def validate_dp_config(
-    cfg: dict[str, Any], world_size: int, gpu_count: int, *, device: str = "cpu"
-) -> dict[str, Any]:
-    """Check a data-parallel job config and return it complete, or raise ValueError.
-
-    Config keys (all optional but ``strategies``):
-        strategies   names from STRATEGIES, run one after the other in the same job
-        model        ModelConfig fields (default: a 2-layer, 64-wide GPT)
-        train        TrainConfig fields; ``grad_clip`` defaults to None here
-        global_batch sequences per optimizer step over all ranks; sets micro_batch to
-                     global_batch / (world_size x grad_accum), which must be a whole number
-        optimizer    "adamw" (default, labkit.train.make_optimizer), "sgd" (parity tests) or
-                     "sgd_momentum" (momentum 0.9: PowerSGD's setting)
-        freeze       parameter names to freeze (requires_grad False), e.g. ["wpe.weight"]
-        bucket_cap_mb  bucket size in MiB for "bucketed" and DDP; None (default): DDP's own
-                     default, 25 MiB with a 1 MiB first bucket (a number caps every bucket,
-                     the first included: labkit.parallel.ddp), and 25 for "bucketed"
-        gradient_as_bucket_view  DDP's .grad as views into its buckets (default True:
-                     4 bytes of gradient memory per parameter, not 8)
-        powersgd_rank  PowerSGD matrix rank (default 2); powersgd_start_iter (default 2)
-        mesh         the device mesh the strategies communicate over: [world_size] (1-D,
-                     unnamed), or one named dimension {"dp": world_size}, whose process
-                     group every strategy then takes (labkit.parallel.mesh). Required for
-                     "fsdp2". A 2-D mesh composes data parallelism with another dimension:
-                     labkit.parallel.compose (FSDP2 x TP, HSDP), run by
-                     labkit.workers.mesh_train
-        fsdp_mixed_precision  None or "bf16": FSDP2's MixedPrecisionPolicy with bf16
-                     parameters and fp32 gradient reduction (labkit.parallel.fsdp). Default:
-                     "bf16" when train.dtype is "bfloat16" (the gpu preset), else None
-        fsdp_reshard_after_forward  True (default: ZeRO-3, every block gathered again in
-                     backward) or False (blocks stay unsharded from forward to backward)
-        spy          also count every collective with CollectiveSpy (slower; for checks)
-        save_params  save each strategy's final parameters in the job directory
-
-    Args:
-        world_size: ranks the job will start.
-        gpu_count: CUDA GPUs visible to the launcher.
-        device: "cpu" (gloo) or "cuda" (one GPU per rank, NCCL).
+    The body of ``labkit.workers.dp_train.DPTrainConfig``, which adds only its worker's name:
+    this layer cannot import the worker, and the rules must live where the strategies do. Lists
+    given for tuple fields become tuples and a dict given for ``model`` a ``ModelConfig``
+    (``WorkerConfig``), so the same settings come back from JSON.
     """
-    if device not in ("cpu", "cuda"):
-        _fail("device", device, "'cpu' (gloo) or 'cuda' (NCCL)")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        _fail("world_size", world_size, "a positive integer (ranks to start)")
-    if device == "cuda" and world_size > gpu_count:
-        raise ValueError(
-            f"world_size={world_size} is larger than the {gpu_count} visible GPU(s): data "
-            f"parallelism on device='cuda' needs one GPU per rank; use world_size<={gpu_count} "
-            "or device='cpu' (gloo)"
-        )
-    if not isinstance(cfg, dict):
-        raise ValueError(f"config must be a dict, got {type(cfg).__name__}")
-    known = {
-        "strategies",
-        "model",
-        "train",
-        "global_batch",
-        "optimizer",
-        "freeze",
-        "bucket_cap_mb",
-        "gradient_as_bucket_view",
-        "powersgd_rank",
-        "powersgd_start_iter",
-        "mesh",
-        "fsdp_mixed_precision",
-        "fsdp_reshard_after_forward",
-        "spy",
-        "save_params",
-    }
-    unknown = sorted(set(cfg) - known)
-    if unknown:
-        raise ValueError(f"unknown config key(s) {unknown}: allowed keys are {sorted(known)}")
-    backend = "nccl" if device == "cuda" else "gloo"
 
-    strategies = cfg.get("strategies")
-    if not isinstance(strategies, list) or not strategies:
-        _fail("strategies", strategies, f"a non-empty list of names from {STRATEGIES}")
-    for s in strategies:
-        if s not in STRATEGIES:
-            _fail("strategies", s, f"each one of {STRATEGIES}")
+    strategies: tuple[str, ...] = ()
+    """Names from ``STRATEGIES``, run one after the other in the same job (at least one)."""
+    model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(**DEFAULT_MODEL))
+    """The GPT (a dict of ``ModelConfig`` fields changes DEFAULT_MODEL's)."""
+    train: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """``TrainConfig`` fields over DEFAULT_TRAIN (so ``grad_clip`` defaults to None here)."""
+    global_batch: int | None = None
+    """Sequences per optimizer step over all ranks; sets train's micro_batch to global_batch /
+    (world_size x grad_accum), which must be a whole number (None: train's micro_batch on
+    every rank)."""
+    optimizer: str = "adamw"
+    """"adamw" (labkit.train.make_optimizer), "sgd" (parity tests) or "sgd_momentum" (momentum
+    0.9: PowerSGD's setting); see :func:`optimizer_factory`."""
+    freeze: tuple[str, ...] = ()
+    """Parameter names to freeze (requires_grad False), e.g. ("wpe.weight",)."""
+    bucket_cap_mb: float | None = None
+    """Bucket size in MiB for "bucketed" and DDP. None: DDP's own default, 25 MiB with a 1 MiB
+    first bucket (a number caps every bucket, the first included: labkit.parallel.ddp), and 25
+    for "bucketed"."""
+    gradient_as_bucket_view: bool = True
+    """DDP's .grad as views into its buckets: 4 bytes of gradient memory per parameter, not 8."""
+    powersgd_rank: int = 2
+    """PowerSGD's matrix rank."""
+    powersgd_start_iter: int = 2
+    """The step PowerSGD starts compressing at (>= 2: error feedback's own assertion)."""
+    mesh: list[int] | dict[str, int] | None = None
+    """The device mesh the strategies communicate over: [world_size] (1-D, unnamed), or one
+    named dimension {"dp": world_size}, whose process group every strategy then takes
+    (labkit.parallel.mesh). Required for "fsdp2". A 2-D mesh composes data parallelism with
+    another dimension: labkit.parallel.compose (FSDP2 x TP, HSDP), worker mesh_train."""
+    fsdp_mixed_precision: str | None = AUTO
+    """None or "bf16": FSDP2's MixedPrecisionPolicy with bf16 parameters and fp32 gradient
+    reduction (labkit.parallel.fsdp). AUTO: "bf16" when train's dtype is bfloat16 (the gpu
+    preset), else None."""
+    fsdp_reshard_after_forward: bool = True
+    """True: ZeRO-3, every block gathered again in backward; False: blocks stay unsharded from
+    forward to backward."""
+    spy: bool = False
+    """Also count every collective with CollectiveSpy (slower; a check)."""
+    save_params: bool = False
+    """Save each strategy's final parameters in the job directory."""
 
-    model = ModelConfig(
-        **{"seq_len": 64, "n_layer": 2, "n_head": 2, "d_model": 64, **cfg.get("model", {})}
-    )
-    train_in = dict(cfg.get("train", {}))
-    train_in.setdefault("grad_clip", None)
-    accum = train_in.get("grad_accum", 1)
-    if "global_batch" in cfg:
-        gb = cfg["global_batch"]
-        if isinstance(gb, bool) or not isinstance(gb, int) or gb < 1:
-            _fail("global_batch", gb, "a positive integer (sequences per step, all ranks)")
-        if not isinstance(accum, int) or accum < 1:
-            _fail("grad_accum", accum, "a positive integer")
-        if gb % (world_size * accum):
-            raise ValueError(
-                f"global_batch={gb} does not divide by world_size={world_size} x "
-                f"grad_accum={accum} = {world_size * accum}: every rank must get the same "
-                f"number of sequences per micro-batch; use a multiple of {world_size * accum}"
-            )
-        if "micro_batch" in train_in and train_in["micro_batch"] != gb // (world_size * accum):
-            _fail(
-                "train.micro_batch",
-                train_in["micro_batch"],
-                f"global_batch/(world_size x grad_accum) = {gb // (world_size * accum)} "
-                "or left out",
-            )
-        train_in["micro_batch"] = gb // (world_size * accum)
-    train = TrainConfig(**{"micro_batch": 4, "steps": 3, "lr": 1e-2, **train_in})
-    RunConfig(model=model, train=train)  # what only the pair can check (the corpus's vocabulary)
+    def __post_init__(self) -> None:
+        super().__post_init__()  # lists to tuples, a model dict to a ModelConfig
+        if not isinstance(self.strategies, tuple) or not self.strategies:
+            allowed = f"a non-empty list of names from {STRATEGIES}"
+            raise refuse("strategies", self.strategies, allowed)
+        for name in self.strategies:
+            one_of("strategies", name, STRATEGIES)
+        if not isinstance(self.model, ModelConfig):
+            raise refuse("model", self.model, "a ModelConfig, or a dict of its fields")
+        if not isinstance(self.train, dict):
+            raise refuse("train", self.train, "a dict of TrainConfig fields")
+        if self.global_batch is not None:
+            whole("global_batch", self.global_batch, low=1, why="sequences per step, all ranks")
+        train = self._train()
+        RunConfig(model=self.model, train=train)  # what only the pair can check (the vocabulary)
+        if train.grad_clip is not None and "zero1" in self.strategies:
+            raise refuse("train.grad_clip", train.grad_clip,
+                         "None with 'zero1': its gradients are reduced inside the optimizer "
+                         "step, after train_step would clip them, so the norm would be a local "
+                         "one")  # fmt: skip
+        if train.dtype == "float16" and any(s in SHARDED for s in self.strategies):
+            raise refuse("train.dtype", "float16", "float32 or bfloat16 with zero1/fsdp2 (a "
+                         "float16 loss scaler would need a sharding-aware GradScaler)")  # fmt: skip
+        one_of("optimizer", self.optimizer, OPTIMIZERS)
+        names = [n for n, _ in _param_names(self.model)]
+        if not isinstance(self.freeze, tuple):
+            raise refuse("freeze", self.freeze, f"a list of parameter names from {names}")
+        for name in self.freeze:
+            one_of("freeze", name, names, why="parameter names to freeze")
+        if self.bucket_cap_mb is not None:
+            positive("bucket_cap_mb", self.bucket_cap_mb, why="MiB, or None for DDP's default")
+        flag("gradient_as_bucket_view", self.gradient_as_bucket_view,
+             why="True: .grad views into DDP's buckets")  # fmt: skip
+        whole("powersgd_rank", self.powersgd_rank, low=1)
+        # PowerSGD with error feedback needs start_powerSGD_iter >= 2 (its own assertion).
+        whole("powersgd_start_iter", self.powersgd_start_iter, low=2)
+        if self.mesh is not None:
+            object.__setattr__(self, "mesh", self._mesh(None))  # frozen: one shape, once
+        elif "fsdp2" in self.strategies:
+            raise refuse("mesh", None, "a mesh with strategy 'fsdp2': FSDP2 shards over an "
+                         "explicit device mesh (on CPU/gloo it cannot infer one: pytorch "
+                         "#132471); pass mesh=[n] for n ranks, e.g. mesh=[2]")  # fmt: skip
+        one_of("fsdp_mixed_precision", self.fsdp_mixed_precision, (AUTO, None, "bf16"),
+               why="None: parameters' own dtype; 'bf16': bf16 parameters, fp32 reduction")  # fmt: skip
+        flag("fsdp_reshard_after_forward", self.fsdp_reshard_after_forward,
+             why="True: ZeRO-3; False: ZeRO-2-like")  # fmt: skip
+        flag("spy", self.spy)
+        flag("save_params", self.save_params)
 
-    if train.grad_clip is not None and "zero1" in strategies:
-        _fail(
-            "train.grad_clip",
-            train.grad_clip,
-            "None with 'zero1': its gradients are reduced inside the optimizer step, after "
-            "train_step would clip them, so the norm would be a local one",
-        )
-    if train.dtype == "float16" and any(s in SHARDED for s in strategies):
-        _fail(
-            "train.dtype",
-            "float16",
-            "float32 or bfloat16 with zero1/fsdp2 (a float16 "
-            "loss scaler would need a sharding-aware GradScaler)",
-        )
-    if train.device not in ("auto", device):
-        _fail("train.device", train.device, f"'auto' or {device!r}, the job's device")
+    def _train(self, **resolved: Any) -> TrainConfig:
+        """``train`` over DEFAULT_TRAIN, with what the launch resolved (the micro-batch)."""
+        return TrainConfig(**{**DEFAULT_TRAIN, **self.train, **resolved})
 
-    optimizer = cfg.get("optimizer", "adamw")
-    if optimizer not in OPTIMIZERS:
-        _fail("optimizer", optimizer, f"one of {OPTIMIZERS}")
-
-    names = {n for n, _ in _param_names(model)}
-    freeze = cfg.get("freeze", [])
-    if not isinstance(freeze, list) or any(f not in names for f in freeze):
-        _fail("freeze", freeze, f"a list of parameter names from {sorted(names)}")
-
-    bucket_cap_mb = cfg.get("bucket_cap_mb")
-    if bucket_cap_mb is not None and (
-        isinstance(bucket_cap_mb, bool)
-        or not isinstance(bucket_cap_mb, (int, float))
-        or bucket_cap_mb <= 0
-    ):
-        _fail("bucket_cap_mb", bucket_cap_mb, "a positive number of MiB, or None for DDP's default")
-    as_view = cfg.get("gradient_as_bucket_view", True)
-    if not isinstance(as_view, bool):
-        _fail("gradient_as_bucket_view", as_view, "True (.grad views into DDP's buckets) or False")
-    for key, default, low in (("powersgd_rank", 2, 1), ("powersgd_start_iter", 2, 2)):
-        v = cfg.get(key, default)
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            # PowerSGD with error feedback needs start_powerSGD_iter >= 2 (its own assertion).
-            _fail(key, v, f"an integer >= {low}")
-
-    if "ddp_bf16" in strategies and backend == "nccl":
-        nccl = torch.cuda.nccl.version() if torch.cuda.is_available() else (0,)
-        if tuple(nccl) < (2, 10):
-            _fail("strategies", "ddp_bf16", "with NCCL >= 2.10 only (bf16 all-reduce)")
-
-    mesh = cfg.get("mesh")
-    if "fsdp2" in strategies and mesh is None:
-        raise ValueError(
-            "mesh=None with strategy 'fsdp2': FSDP2 shards over an explicit device mesh "
-            f"(on CPU/gloo it cannot infer one: pytorch #132471); pass mesh=[{world_size}]"
-        )
-    if isinstance(mesh, list) and all(isinstance(m, int) and not isinstance(m, bool) for m in mesh):
-        if mesh != [world_size]:
-            _fail(
-                "mesh",
-                mesh,
-                f"[{world_size}] (1-D over all ranks) or a named dimension such as "
-                f"{{'dp': {world_size}}}: strategies take their process group from a named "
-                "dimension, so a mesh of more than one dimension needs names",
-            )
-    elif mesh is not None:
-        from labkit.parallel.mesh import validate_mesh
-
-        spec = validate_mesh(mesh, world_size)
+    def _mesh(self, world_size: int | None) -> list[int] | dict[str, int]:
+        """The mesh checked, on ``world_size`` ranks (None: on its own size, before a launch):
+        [n] as it is, a named one as {name: size}."""
+        mesh = self.mesh
+        if isinstance(mesh, (list, tuple)) and all(is_integer(n) for n in mesh):
+            n = world_size or (mesh[0] if len(mesh) == 1 and mesh[0] >= 1 else None)
+            if n is None or list(mesh) != [n]:
+                shown_n = "n" if n is None else n
+                raise refuse("mesh", mesh, f"[{shown_n}] (1-D over all {shown_n} ranks) or a named "
+                             f"dimension such as {{'dp': {shown_n}}}: {MESH_NEEDS_NAMES}")  # fmt: skip
+            return [int(n)]
+        spec = validate_mesh(mesh, world_size or as_spec(mesh).size)
         if len(spec.dims) > 1:
-            _fail(
-                "mesh",
-                mesh,
-                f"one named dimension such as {{'dp': {world_size}}}: this job trains every "
-                "rank data-parallel; a 2-D mesh composes data parallelism with another "
-                "dimension (labkit.parallel.compose: FSDP2 x TP, HSDP; worker "
-                "labkit.workers.mesh_train)",
+            n = spec.size
+            raise refuse("mesh", mesh, f"one named dimension such as {{'dp': {n}}}: this job "
+                         "trains every rank data-parallel; a 2-D mesh composes data parallelism "
+                         "with another dimension (labkit.parallel.compose: FSDP2 x TP, HSDP; "
+                         "worker labkit.workers.mesh_train)")  # fmt: skip
+        return spec.as_dict()
+
+    def resolve(self, world_size: int, gpu_count: int = 0, *, device: str = "cpu") -> DPJob:
+        """The complete job on ``world_size`` ranks, or ValueError naming the field.
+
+        Args:
+            world_size: ranks the job will start.
+            gpu_count: CUDA GPUs visible to the launcher.
+            device: "cpu" (gloo) or "cuda" (one GPU per rank, NCCL).
+        """
+        one_of("device", device, DEVICES, why="'cpu': gloo; 'cuda': NCCL, one GPU per rank")
+        whole("world_size", world_size, low=1, why="ranks to start")
+        if device == "cuda" and world_size > gpu_count:
+            raise InvalidValue(
+                f"world_size={world_size} is larger than the {gpu_count} visible GPU(s): data "
+                f"parallelism on device='cuda' needs one GPU per rank; use "
+                f"world_size<={gpu_count} or device='cpu' (gloo)"
             )
-        mesh = spec.as_dict()
-
-    fsdp_mp = cfg.get("fsdp_mixed_precision", "bf16" if train.dtype == "bfloat16" else None)
-    if fsdp_mp not in (None, "bf16"):
-        _fail(
-            "fsdp_mixed_precision",
-            fsdp_mp,
-            "None (parameters' own dtype) or 'bf16' (bf16 parameters, fp32 reduction)",
+        backend = "nccl" if device == "cuda" else "gloo"
+        train = self._train()
+        if self.global_batch is not None:
+            gb, ranks = self.global_batch, world_size * train.grad_accum
+            if gb % ranks:
+                raise InvalidValue(
+                    f"global_batch={gb} does not divide by world_size={world_size} x "
+                    f"grad_accum={train.grad_accum} = {ranks}: every rank must get the same "
+                    f"number of sequences per micro-batch; use a multiple of {ranks}"
+                )
+            if "micro_batch" in self.train and self.train["micro_batch"] != gb // ranks:
+                raise refuse("train.micro_batch", self.train["micro_batch"],
+                             f"global_batch/(world_size x grad_accum) = {gb // ranks} or left "
+                             "out")  # fmt: skip
+            train = self._train(micro_batch=gb // ranks)
+        if train.device not in (AUTO, device):
+            raise refuse("train.device", train.device, f"'auto' or {device!r}, the job's device")
+        if "ddp_bf16" in self.strategies and backend == "nccl":
+            nccl = torch.cuda.nccl.version() if torch.cuda.is_available() else (0,)
+            if tuple(nccl) < (2, 10):
+                raise refuse("strategies", "ddp_bf16", "with NCCL >= 2.10 only (bf16 all-reduce)")
+        mixed = self.fsdp_mixed_precision
+        if mixed == AUTO:
+            mixed = "bf16" if train.dtype == "bfloat16" else None
+        return DPJob(
+            strategies=self.strategies,
+            model=self.model,
+            train=train,
+            global_batch=train.micro_batch * train.grad_accum * world_size,
+            optimizer=self.optimizer,
+            freeze=self.freeze,
+            bucket_cap_mb=None if self.bucket_cap_mb is None else float(self.bucket_cap_mb),
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            powersgd_rank=self.powersgd_rank,
+            powersgd_start_iter=self.powersgd_start_iter,
+            mesh=None if self.mesh is None else self._mesh(world_size),
+            fsdp_mixed_precision=mixed,
+            fsdp_reshard_after_forward=self.fsdp_reshard_after_forward,
+            spy=self.spy,
+            save_params=self.save_params,
+            world_size=world_size,
+            device=device,
+            backend=backend,
         )
-    reshard = cfg.get("fsdp_reshard_after_forward", True)
-    if not isinstance(reshard, bool):
-        _fail("fsdp_reshard_after_forward", reshard, "True (ZeRO-3) or False (ZeRO-2-like)")
 
-    return {
-        "strategies": list(strategies),
-        "model": dataclasses.asdict(model),
-        "train": dataclasses.asdict(train),
-        "global_batch": train.micro_batch * train.grad_accum * world_size,
-        "optimizer": optimizer,
-        "freeze": list(freeze),
-        "bucket_cap_mb": None if bucket_cap_mb is None else float(bucket_cap_mb),
-        "gradient_as_bucket_view": as_view,
-        "powersgd_rank": int(cfg.get("powersgd_rank", 2)),
-        "powersgd_start_iter": int(cfg.get("powersgd_start_iter", 2)),
-        "mesh": mesh,
-        "fsdp_mixed_precision": fsdp_mp,
-        "fsdp_reshard_after_forward": reshard,
-        "spy": bool(cfg.get("spy", False)),
-        "save_params": bool(cfg.get("save_params", False)),
-        "device": device,
-        "backend": backend,
-    }
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DPJob:
+    """A data-parallel job resolved for its launch (:meth:`DPSettings.resolve`): every default
+    filled in, the micro-batch derived from the global batch, the backend chosen. The worker
+    and the single-process reference read it; ``to_dict`` is what a rank reports as its
+    ``config``, and ``from_dict`` reads that back (notebook 05 trains its reference from it)."""
+
+    strategies: tuple[str, ...]
+    model: ModelConfig
+    train: TrainConfig
+    global_batch: int
+    """Sequences per optimizer step, all ranks: micro_batch x grad_accum x world_size."""
+    optimizer: str
+    freeze: tuple[str, ...]
+    bucket_cap_mb: float | None
+    gradient_as_bucket_view: bool
+    powersgd_rank: int
+    powersgd_start_iter: int
+    mesh: list[int] | dict[str, int] | None
+    fsdp_mixed_precision: str | None
+    """None or "bf16" (AUTO resolved)."""
+    fsdp_reshard_after_forward: bool
+    spy: bool
+    save_params: bool
+    world_size: int
+    device: str
+    """"cpu" or "cuda"."""
+    backend: str
+    """"gloo" or "nccl"."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The job as JSON-ready values (nested configs as dicts, tuples as lists)."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> DPJob:
+        """The job ``to_dict`` wrote (a rank's reported ``config``)."""
+        fields = dict(values)
+        fields["model"] = ModelConfig(**fields["model"])
+        fields["train"] = TrainConfig(**fields["train"])
+        return cls(**{**fields, "strategies": tuple(fields["strategies"]),
+                      "freeze": tuple(fields["freeze"])})  # fmt: skip
 
 
 def _param_names(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:

@@ -70,6 +70,7 @@ from labkit.parallel.expert_report import expert_load as expert_load
 from labkit.parallel.expert_report import plot_dispatch as plot_dispatch
 from labkit.parallel.expert_report import plot_expert_load as plot_expert_load
 from labkit.parallel.expert_report import predict_alltoall as predict_alltoall
+from labkit.validate import whole
 
 # --- validation: before any process group ------------------------------------------------------
 
@@ -82,8 +83,7 @@ def validate_moe(n_experts: int, top_k: int, world_size: int = 1) -> None:
       experts, so there can be no more ranks than experts and no remainder.
     """
     for name, value in (("n_experts", n_experts), ("top_k", top_k), ("world_size", world_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r}: need a positive integer")
+        whole(name, value, low=1)
     if top_k > n_experts:
         raise ValueError(
             f"top_k={top_k} > n_experts={n_experts}: each token is sent to top_k distinct "

@@ -70,10 +70,7 @@ class MeshSpec:
                 raise ValueError(
                     f"mesh dimension name {name!r}: need a non-empty string such as 'dp' or 'tp'"
                 )
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise ValueError(
-                    f"mesh dimension {name!r} has size {size!r}: need a positive integer"
-                )
+            whole("size", size, low=1, why=f"of mesh dimension {name!r}")
             names.append(name)
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
@@ -181,8 +178,7 @@ def group_ranks(spec: MeshLike, dim: str, rank: int) -> list[int]:
     dimension i. The group holds the ranks that share every coordinate but ``dim``'s.
     """
     s = as_spec(spec)
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < s.size:
-        raise ValueError(f"rank={rank!r}: need an integer in 0..{s.size - 1} for mesh {s}")
+    rank = whole("rank", rank, low=0, high=s.size - 1, why=f"a rank of mesh {s}")
     i = s.names.index(dim) if dim in s.names else None
     if i is None:
         raise ValueError(f"mesh has no dimension {dim!r}: its dimensions are {list(s.names)}")

@@ -16,6 +16,7 @@ from torch import nn
 
 from labkit.config import ModelConfig
 from labkit.timing import synchronize
+from labkit.validate import whole
 
 SCHEDULES = ("naive", "gpipe", "1f1b", "torch_gpipe", "torch_1f1b")
 PARTITION_BY = ("params", "time")
@@ -39,8 +40,7 @@ def validate_pipeline(
     a traceback from every rank a few seconds later.
     """
     for name, value in (("p", p), ("batch_size", batch_size), ("n_microbatches", n_microbatches)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r}: need a positive integer")
+        whole(name, value, low=1)
     if p > model_cfg.n_layer:
         raise ValueError(
             f"p={p} pipeline stages but the model has n_layer={model_cfg.n_layer} blocks: each"
@@ -108,8 +108,7 @@ def dp_sync_per_step(
     """
     for name, value in (("stage_params", stage_params), ("dp", dp), ("m", m),
                         ("param_bytes", param_bytes), ("buffers", buffers)):  # fmt: skip
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r}: need a positive integer")
+        whole(name, value, low=1)
     S = stage_params * param_bytes
     share = (dp - 1) / dp * S  # one all-gather or reduce-scatter, per rank
     calls, sent = {
@@ -128,14 +127,13 @@ def validate_dp_pp(
 ) -> None:
     """Raise ValueError for a data × pipeline layout that cannot run, before any launch."""
     for name, value in (("pp", pp), ("dp", dp), ("world_size", world_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r}: need a positive integer")
+        whole(name, value, low=1)
     if pp * dp != world_size:
         raise ValueError(
             f"a mesh of pp={pp} × dp={dp} = {pp * dp} ranks but the job has {world_size}:"
             f" the mesh must cover every rank (launch nproc={pp * dp})"
         )
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size % dp:
+    if whole("batch_size", batch_size, low=1) % dp:
         raise ValueError(
             f"batch_size={batch_size!r} does not split into dp={dp} equal replica batches:"
             f" use a multiple of {dp}"
@@ -177,8 +175,7 @@ def partition(
         runs the embeddings and the last stage ``ln_f``, ``lm_head`` (their cost counts).
     """
     L = model_cfg.n_layer
-    if isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= L:
-        raise ValueError(f"p={p!r}: need an integer with 1 <= p <= n_layer={L}")
+    p = whole("p", p, low=1, high=L, why="stages, at most one layer each")
     if by == "params":
         if times is not None:
             raise ValueError("times is only used with by='time'")

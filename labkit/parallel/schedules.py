@@ -27,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from labkit.validate import whole
+
 Action = tuple[str, int]  # ("F" or "B", micro-batch index)
 
 ORDERS = ("naive", "gpipe", "1f1b")
@@ -34,8 +36,7 @@ ORDERS = ("naive", "gpipe", "1f1b")
 
 def _check(p: int, m: int, stage: int) -> None:
     for name, value in (("p", p), ("m", m)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r}: need a positive integer")
+        whole(name, value, low=1)
     if not isinstance(stage, int) or not 0 <= stage < p:
         raise ValueError(f"stage={stage!r}: need 0 <= stage < p={p}")
 
@@ -175,8 +176,7 @@ def validate_torch_schedule(name: str, p: int, m: int, batch_size: int, n_layer:
     if name not in TORCH_SCHEDULES:
         raise ValueError(f"schedule={name!r}: use one of {tuple(TORCH_SCHEDULES)}")
     for arg, value in (("p", p), ("m", m), ("batch_size", batch_size), ("n_layer", n_layer)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{arg}={value!r}: need a positive integer")
+        whole(arg, value, low=1)
     v = TORCH_SCHEDULES[name][1]
     if v * p > n_layer:
         raise ValueError(
@@ -227,8 +227,7 @@ def interleaved_overhead(p: int, v: int, m: int) -> float:
     times; the price is v times more point-to-point messages. v = 1 is 1F1B's (p−1)/m.
     """
     for arg, value in (("p", p), ("v", v), ("m", m)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{arg}={value!r}: need a positive integer")
+        whole(arg, value, low=1)
     return (p - 1) / (v * m)
 
 
@@ -251,8 +250,7 @@ def zero_bubble_time(schedule: str, p: int, t_f: float, t_b: float, t_w: float) 
     for arg, value in (("t_f", t_f), ("t_b", t_b), ("t_w", t_w)):
         if not isinstance(value, (int, float)) or value < 0:
             raise ValueError(f"{arg}={value!r}: need a non-negative number of seconds")
-    if isinstance(p, bool) or not isinstance(p, int) or p < 1:
-        raise ValueError(f"p={p!r}: need a positive integer")
+    p = whole("p", p, low=1)
     if schedule == "1f1b":
         return (p - 1) * (t_f + t_b + t_w)
     if schedule == "zb-h1":

@@ -20,6 +20,7 @@ from torch import nn
 from labkit import memory
 from labkit.config import ModelConfig
 from labkit.parallel import comm, tensor
+from labkit.validate import whole
 
 # --- checks before anything is launched ------------------------------------------------------
 
@@ -31,9 +32,7 @@ def validate_sequence_parallel(
     model (heads, as for tensor parallelism) and the sequence (every rank the same number of
     tokens: ``seq_len`` of the batches, the model's by default)."""
     tensor.validate_tensor_parallel(model_cfg, tp)
-    s = model_cfg.seq_len if seq_len is None else seq_len
-    if isinstance(s, bool) or not isinstance(s, int) or s < 1:
-        raise ValueError(f"seq_len={s!r}: need a positive integer")
+    s = whole("seq_len", model_cfg.seq_len if seq_len is None else seq_len, low=1)
     if s % tp:
         raise ValueError(
             f"tp={tp} does not divide seq_len={s}: sequence parallelism gives each rank"
@@ -61,8 +60,7 @@ def paper_activation_bytes_per_layer(
     dropout masks (1 + 1); sequence parallelism divides them by t.
     """
     for name, v in (("s", s), ("b", b), ("h", h), ("a", a), ("t", t)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}={v!r}: need a positive integer")
+        whole(name, v, low=1)
     attention = 5 * a * s / (h * t)
     inside = 34 / t if sequence_parallel else 10 + 24 / t
     return s * b * h * (inside + attention)
@@ -98,8 +96,7 @@ def layer_activation_bytes(
     layer (the paper leaves them out), split by t under sequence parallelism.
     """
     for name, v in (("s", s), ("b", b), ("h", h), ("a", a), ("t", t)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}={v!r}: need a positive integer")
+        whole(name, v, low=1)
     if attention not in ("materialized", "flash"):
         raise ValueError(f"attention={attention!r}: use 'materialized' or 'flash'")
     e, k = bytes_per_element, (dropout_mask_bytes if dropout else 0)

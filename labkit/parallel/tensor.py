@@ -656,8 +656,7 @@ def tp_allreduce_bytes_per_step(
         ("n_microbatches", n_microbatches),
         ("bytes_per_element", bytes_per_element),
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r}: need a positive integer")
+        whole(name, value, low=1)
     per_call = micro_batch * cfg.seq_len * cfg.d_model * bytes_per_element
     calls = 4 * cfg.n_layer * n_microbatches
     return {"calls": calls, "message_bytes": calls * per_call, "bytes_per_call": per_call}

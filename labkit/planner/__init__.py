@@ -57,7 +57,7 @@ overlapped with compute other than the data-parallel sync; latency beyond each l
 allocator's fragmentation, CUDA context and NCCL buffers; stragglers and failures; GQA's and
 SwiGLU's activation shapes (the activation count is a GPT block's, Korthikanti's).
 
-By concern, one module each (every name is re-exported here: ``planner.<name>``)::
+By concern, one module each (what notebooks and tests use is re-exported here: ``planner.<name>``)::
 
     specs       the inputs (model, link, device, cluster, workload, search, layout) and the checks
     prediction  memory, time and bytes per step of one layout, modelled
@@ -73,13 +73,11 @@ from labkit.planner.prediction import (
     predict,
 )
 from labkit.planner.published import (
-    Published,
     published_cases,
     this_machine,
 )
 from labkit.planner.report import (
     DPSyncCheck,
-    LinkFit,
     check_dp_sync,
     describe_bytes,
     describe_choices,
@@ -89,15 +87,11 @@ from labkit.planner.report import (
     plot_layouts,
 )
 from labkit.planner.search import (
-    Plan,
-    enumerate_layouts,
     plan,
     sensitivity,
     sensitivity_summary,
 )
 from labkit.planner.specs import (
-    MODELLED,
-    RECOMPUTE,
     Cluster,
     Device,
     Layout,
@@ -109,18 +103,13 @@ from labkit.planner.specs import (
 )
 
 __all__ = [
-    "MODELLED",
-    "RECOMPUTE",
     "Cluster",
     "DPSyncCheck",
     "Device",
     "Layout",
     "Link",
-    "LinkFit",
     "ModelSpec",
-    "Plan",
     "Prediction",
-    "Published",
     "Search",
     "Workload",
     "check_dp_sync",
@@ -129,7 +118,6 @@ __all__ = [
     "describe_choices",
     "describe_published",
     "describe_sensitivity",
-    "enumerate_layouts",
     "fit_link",
     "plan",
     "plot_layouts",

@@ -16,8 +16,8 @@ from labkit.planner.specs import (
     ModelSpec,
     Search,
     Workload,
-    _divisors,
     check_layout,
+    divisors,
 )
 
 # ----------------------------------------------------------------------------------------------
@@ -38,14 +38,14 @@ def enumerate_layouts(model: ModelSpec, cluster: Cluster, workload: Workload,
     search = search or Search()
     n = cluster.n_gpus
     out = []
-    for tp in _divisors(min(cluster.gpus_per_node, n)):
+    for tp in divisors(min(cluster.gpus_per_node, n)):
         for cp in _powers_of_two(search.max_cp):
             if n % (tp * cp):
                 continue
-            for pp in _divisors(n // (tp * cp)):
+            for pp in divisors(n // (tp * cp)):
                 dp = n // (tp * cp * pp)
                 eps = (
-                    [d for d in _divisors(dp) if model.moe_experts % d == 0]
+                    [d for d in divisors(dp) if model.moe_experts % d == 0]
                     if model.is_moe
                     else [1]
                 )

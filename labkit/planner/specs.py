@@ -14,31 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from labkit import formulas, hardware
-from labkit.validate import one_of
+from labkit.validate import number, one_of, positive, whole
 
 RECOMPUTE = ("none", "selective", "full")
 MODELLED = "modelled"
 
 
-def _int(name: str, value: Any, low: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}={value!r} is not allowed: a whole number >= {low}")
-    return value
-
-
-def _num(name: str, value: Any, *, low: float = 0.0, high: float = math.inf,
-         open_low: bool = True) -> float:  # fmt: skip
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value > low if open_low else value >= low) and value <= high
-    if not ok:
-        rng = f"{'>' if open_low else '>='} {low:g}" + (
-            f" and <= {high:g}" if high < math.inf else ""
-        )
-        raise ValueError(f"{name}={value!r} is not allowed: a finite number {rng}")
-    return float(value)
-
-
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -81,19 +63,19 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         for f in ("n_layer", "d_model", "n_head", "vocab_size", "seq_len", "moe_top_k"):
-            _int(f, getattr(self, f))
-        _int("moe_experts", self.moe_experts, low=0)
+            whole(f, getattr(self, f), low=1)
+        whole("moe_experts", self.moe_experts, low=0)
         if self.d_model % self.n_head:
             raise ValueError(f"n_head={self.n_head} does not divide d_model={self.d_model}: "
                              "each head gets d_model/n_head channels; pick a divisor")  # fmt: skip
         if self.n_kv_head is not None:
-            _int("n_kv_head", self.n_kv_head)
+            whole("n_kv_head", self.n_kv_head, low=1)
             if self.n_head % self.n_kv_head:
                 raise ValueError(f"n_kv_head={self.n_kv_head} does not divide n_head="
                                  f"{self.n_head}: query heads share key/value heads in equal "
                                  "groups; pick a divisor")  # fmt: skip
         if self.ffn_hidden is not None:
-            _int("ffn_hidden", self.ffn_hidden)
+            whole("ffn_hidden", self.ffn_hidden, low=1)
         if self.moe_experts and self.moe_top_k > self.moe_experts:
             raise ValueError(f"moe_top_k={self.moe_top_k} exceeds moe_experts="
                              f"{self.moe_experts}: route each token to at most that many")  # fmt: skip
@@ -170,8 +152,8 @@ class Link:
     """Where the figure comes from: a LINK_TABLE row's source, or "measured: ..."."""
 
     def __post_init__(self) -> None:
-        _num("bytes_per_s", self.bytes_per_s)
-        _num("latency_s", self.latency_s, open_low=False)
+        positive("bytes_per_s", self.bytes_per_s)
+        number("latency_s", self.latency_s, low=0)
 
     @classmethod
     def from_table(cls, name: str) -> Link:
@@ -190,9 +172,9 @@ class Device:
     source: str
 
     def __post_init__(self) -> None:
-        _num("peak_flops_per_s", self.peak_flops_per_s)
+        positive("peak_flops_per_s", self.peak_flops_per_s)
         if self.memory_bytes is not None:
-            _num("memory_bytes", self.memory_bytes)
+            positive("memory_bytes", self.memory_bytes)
 
     @classmethod
     def from_table(cls, device_name: str, dtype: str = "bf16") -> Device:
@@ -225,8 +207,8 @@ class Cluster:
     inter_node: Link
 
     def __post_init__(self) -> None:
-        _int("n_gpus", self.n_gpus)
-        _int("gpus_per_node", self.gpus_per_node)
+        whole("n_gpus", self.n_gpus, low=1)
+        whole("gpus_per_node", self.gpus_per_node, low=1)
         if self.n_gpus > self.gpus_per_node and self.n_gpus % self.gpus_per_node:
             raise ValueError(f"n_gpus={self.n_gpus} is not a whole number of nodes of "
                              f"gpus_per_node={self.gpus_per_node}: use a multiple of it")  # fmt: skip
@@ -271,18 +253,18 @@ class Workload:
     formulas to the byte; ``sensitivity`` shows what each choice does to the ranking."""
 
     def __post_init__(self) -> None:
-        _int("global_batch", self.global_batch)
-        _num("mfu", self.mfu, high=1.0)
+        whole("global_batch", self.global_batch, low=1)
+        number("mfu", positive("mfu", self.mfu), high=1.0)
         for f in ("param_bytes", "grad_bytes", "activation_bytes"):
-            _num(f, getattr(self, f))
-        _num("optimizer_bytes", self.optimizer_bytes, open_low=False)
-        _num("usable_memory", self.usable_memory, high=1.0)
+            positive(f, getattr(self, f))
+        number("optimizer_bytes", self.optimizer_bytes, low=0)
+        number("usable_memory", positive("usable_memory", self.usable_memory), high=1.0)
         one_of("attention", self.attention, formulas.ATTENTION_KINDS)
 
     @classmethod
     def from_tokens(cls, tokens: int, seq_len: int, **kwargs: Any) -> Workload:
         """A global batch given in tokens: it must be a whole number of sequences."""
-        _int("tokens", tokens)
+        whole("tokens", tokens, low=1)
         if tokens % seq_len:
             raise ValueError(f"tokens={tokens} is not a whole number of sequences of seq_len="
                              f"{seq_len}: use a multiple of seq_len")  # fmt: skip
@@ -314,15 +296,14 @@ class Search:
             if not getattr(self, name):
                 raise ValueError(f"{name}=() is not allowed: give at least one value")
         for b in self.micro_batches:
-            _int("micro_batches entry", b)
+            whole("micro_batches entry", b, low=1)
         for v in self.interleave:
-            _int("interleave entry", v)
+            whole("interleave entry", v, low=1)
         for z in self.zero_stages:
-            if isinstance(z, bool) or z not in formulas.ZERO_STAGES:
-                raise ValueError(f"zero_stages entry {z!r}: ZeRO stages are 0, 1, 2, 3")
+            one_of("zero_stages entry", z, formulas.ZERO_STAGES, why="ZeRO stages")
         for r in self.recompute:
             one_of("recompute entry", r, RECOMPUTE)
-        _int("max_cp", self.max_cp)
+        whole("max_cp", self.max_cp, low=1)
 
 
 @dataclass(frozen=True)
@@ -341,9 +322,8 @@ class Layout:
 
     def __post_init__(self) -> None:
         for f in ("dp", "tp", "pp", "cp", "ep", "v", "micro_batch"):
-            _int(f, getattr(self, f))
-        if isinstance(self.zero, bool) or self.zero not in formulas.ZERO_STAGES:
-            raise ValueError(f"zero={self.zero!r}: ZeRO stages are 0, 1, 2, 3")
+            whole(f, getattr(self, f), low=1)
+        one_of("zero", self.zero, formulas.ZERO_STAGES, why="ZeRO stages")
         one_of("recompute", self.recompute, RECOMPUTE)
 
     @property
@@ -379,9 +359,8 @@ def check_layout(model: ModelSpec, cluster: Cluster, workload: Workload, layout:
     search = search or Search()
     lay = layout
     for f in ("dp", "tp", "pp", "cp", "ep", "v", "micro_batch"):
-        _int(f, getattr(lay, f))
-    if lay.zero not in formulas.ZERO_STAGES or isinstance(lay.zero, bool):
-        raise ValueError(f"zero={lay.zero!r}: ZeRO stages are 0, 1, 2, 3")
+        whole(f, getattr(lay, f), low=1)
+    one_of("zero", lay.zero, formulas.ZERO_STAGES, why="ZeRO stages")
     one_of("recompute", lay.recompute, RECOMPUTE)
     if lay.n_gpus != cluster.n_gpus:
         raise ValueError(f"DP × TP × PP × CP = {lay.dp} × {lay.tp} × {lay.pp} × {lay.cp} = "

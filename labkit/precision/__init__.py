@@ -17,7 +17,7 @@ Four tools, kept apart:
 
 Importing this package reads ``torch.finfo`` (pure) and touches no device.
 
-One module per tool (every name is re-exported here: ``precision.<name>``)::
+One module per tool (what notebooks and tests use is re-exported here: ``precision.<name>``)::
 
     formats    the number formats' bits, range and spacing, read from torch.finfo
     underflow  the share of a tensor's values a narrower format flushes to zero
@@ -49,7 +49,6 @@ Sources the modules cite:
 from __future__ import annotations
 
 from labkit.precision.accumulation import (
-    RunningSums,
     plot_running_sums,
     running_sums,
 )
@@ -66,7 +65,6 @@ from labkit.precision.formats import (
     FORMAT_NAMES,
     FORMATS,
     TORCH_DTYPE_NAMES,
-    FloatFormat,
     describe_formats,
     dtype_of,
     format_name,
@@ -82,10 +80,8 @@ from labkit.precision.runs import (
     GainPrediction,
     Gradients,
     LateLosses,
-    ScalerComparison,
     ScalerRace,
     ShrinkResult,
-    StuckParameters,
     activation_gradients,
     compare_scaler,
     fp32_gradients,
@@ -103,14 +99,12 @@ from labkit.precision.scaling import (
     ScalerStep,
 )
 from labkit.precision.speed import (
-    MATMUL_OPS,
     OpRow,
     StepProfile,
     profile_step,
     step_times,
 )
 from labkit.precision.underflow import (
-    UNDERFLOW_KINDS,
     per_parameter_underflow,
     underflow_fraction,
 )
@@ -119,25 +113,19 @@ __all__ = [
     "ALIASES",
     "FORMATS",
     "FORMAT_NAMES",
-    "MATMUL_OPS",
     "SHRINK_RUNS",
     "TORCH_DTYPE_NAMES",
-    "UNDERFLOW_KINDS",
     "CopyTrainer",
     "DtypeRow",
-    "FloatFormat",
     "GainPrediction",
     "Gradients",
     "LateLosses",
     "ManualScaler",
     "OpRow",
-    "RunningSums",
-    "ScalerComparison",
     "ScalerRace",
     "ScalerStep",
     "ShrinkResult",
     "StepProfile",
-    "StuckParameters",
     "activation_gradients",
     "autocast_formats",
     "capture_dtypes",

@@ -13,6 +13,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from labkit.validate import whole
+
 # ----------------------------------------------------------------------------------------------
 # Dynamic loss scaling
 
@@ -69,9 +71,7 @@ class ManualScaler:
             raise ValueError(f"growth_factor must be > 1.0, got {growth_factor!r}")
         if not 0.0 < backoff_factor < 1.0:
             raise ValueError(f"backoff_factor must be between 0 and 1, got {backoff_factor!r}")
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) \
-                or growth_interval < 1:  # fmt: skip
-            raise ValueError(f"growth_interval must be a positive int, got {growth_interval!r}")
+        growth_interval = whole("growth_interval", growth_interval, low=1)
         self.scale_factor = _fp32(init_scale)
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor

@@ -17,7 +17,9 @@ import torch
 from torch import nn
 
 from labkit.formulas import dtype_name
+from labkit.op_kinds import is_matmul
 from labkit.precision.autocast import checked_autocast
+from labkit.validate import whole
 
 if TYPE_CHECKING:
     from labkit.config import TrainConfig
@@ -86,10 +88,6 @@ def step_times(
 # Where a training step's time goes, per precision: is the 16-bit arithmetic engaged, and how
 # much of the step could it speed up at all?
 
-# The ATen operators that do a dense matrix multiply (F.linear reaches one of the first two).
-MATMUL_OPS = ("aten::addmm", "aten::mm", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation")
-
-
 class OpRow(NamedTuple):
     """One kind of operator call in a profiled step: its name, the dtype of its first tensor
     input (as the profiler recorded it), how often it ran and its self time (seconds)."""
@@ -144,9 +142,9 @@ def profile_step(
     ``dtype`` (autocast, or fp32) after ``warmup`` unprofiled ones, and say where the time of
     one step went (every time is the mean over the profiled steps).
 
-    Matrix multiplies are the ATen ops of :data:`MATMUL_OPS`, grouped by the dtype of their
-    first input, which is what tells whether autocast engaged them in 16 bits (PyTorch
-    profiler, ``record_shapes=True`` records each op's input dtypes). Attention is every op
+    Matrix multiplies are the ATen ops :func:`labkit.op_kinds.is_matmul` names, grouped by the
+    dtype of their first input, which is what tells whether autocast engaged them in 16 bits
+    (PyTorch profiler, ``record_shapes=True`` records each op's input dtypes). Attention is every op
     whose name holds ``scaled_dot_product``. Casts are the outermost ``aten::_to_copy`` calls
     (autocast's weight and input casts, with the copies inside them). On CUDA the device's
     kernels whose names contain a GEMM word (gemm, xmma, cutlass, wgmma, mma) are listed with
@@ -167,8 +165,7 @@ def profile_step(
         train.train_step(copy_, optimizer, [batch], device=device, dtype=name, scaler=scaler,
                          grad_clip=train_cfg.grad_clip)  # fmt: skip
 
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps={steps!r} is not allowed: an integer >= 1")
+    steps = whole("steps", steps, low=1)
     for _ in range(warmup):
         step()
     activities = [ProfilerActivity.CPU]
@@ -194,7 +191,7 @@ def profile_step(
             if any(w in e.name.lower() for w in _GEMM_KERNEL_WORDS):
                 kernels.setdefault(e.name, []).append(e.time_range.elapsed_us() / 1e6)
             continue
-        if e.name in MATMUL_OPS:
+        if is_matmul(e.name):
             dtypes_in = [d for d in (getattr(e, "input_dtypes", None) or []) if d]
             key = (e.name, _PROFILER_DTYPES.get(str(dtypes_in[0]), str(dtypes_in[0]))
                    if dtypes_in else "?")  # fmt: skip

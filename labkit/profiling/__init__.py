@@ -4,8 +4,9 @@ One short module each, measurement apart from display:
 
     phases             phase(name): a record_function range and an NVTX range with one name
     capture            profile_steps (a schedule, tables, one trace per active window),
-                       counted_flops and net_bytes (the tables' FLOP and memory columns) and
-                       profiler_overhead (the cost of looking, measured)
+                       counted_flops and net_bytes (the tables' FLOP and memory columns),
+                       profiler_overhead (the cost of looking, measured) and time_cpu_step (a
+                       CPU rank's step, profiler off)
     attribution        attribute_step: a step's time by kind of operator (matmul, attention,
                        optimizer, ...), from the profiler's self times
     trace              load_trace / load_traces: exported Chrome traces, refused when truncated,
@@ -46,44 +47,36 @@ Importing this package profiles nothing, touches no GPU and imports no plotting 
 
 from __future__ import annotations
 
-from labkit.profiling.attribution import Attribution, attribute_step, kind_of
+from labkit._moved import submodules_on_demand
+from labkit.profiling.attribution import Attribution, attribute_step
 from labkit.profiling.capture import (
-    MEMORY_COLUMNS,
     MODES,
     Overhead,
-    ProfiledRun,
     counted_flops,
     judge_prediction,
     net_bytes,
     profile_steps,
     profiler_overhead,
     quiet_kineto,
+    time_cpu_step,
 )
 from labkit.profiling.dp_report import (
     DpPrediction,
-    DpRuns,
     describe_diff_counts,
     dp_runs,
-    time_cpu_step,
 )
-from labkit.profiling.fix_report import CompileBound, LoadingFix, judge_compile, predict_loading
-from labkit.profiling.hta import HtaReport, LaunchStats, TraceDiffResult, hta_report
+from labkit.profiling.fix_report import CompileBound, judge_compile, predict_loading
+from labkit.profiling.hta import HtaReport, hta_report
 from labkit.profiling.hta import launch_stats as hta_launch_stats
 from labkit.profiling.hta import side_by_side as hta_side_by_side
 from labkit.profiling.hta import trace_diff as hta_trace_diff
 from labkit.profiling.memory_timeline import (
-    MemoryTimeline,
     forward_rise,
     plot_memory_timeline,
     record_memory_timeline,
-    timeline_from_snapshot,
-    timeline_from_trace_events,
 )
 from labkit.profiling.nsight import (
     NcuCommand,
-    NotRun,
-    NsysCommand,
-    NsysTorchrunCommand,
     linear_snippet,
     place_on_roofline,
     plot_kernel_summary,
@@ -92,22 +85,16 @@ from labkit.profiling.nsight import (
     step_snippet,
 )
 from labkit.profiling.overlap import (
-    GpuSplit,
     RankTimes,
-    Straggler,
     compute_and_comm,
     find_straggler,
-    gpu_split,
-    gpu_work,
     hidden_fraction,
     rank_steps,
     rank_times,
 )
-from labkit.profiling.phases import COMMUNICATION, PHASES, nvtx_backend, phase
+from labkit.profiling.phases import PHASES, nvtx_backend, phase
 from labkit.profiling.plot import plot_trace
 from labkit.profiling.step_report import (
-    MemoryPrediction,
-    OverheadReport,
     flop_check,
     judge_overhead,
     net_bytes_check,
@@ -116,37 +103,20 @@ from labkit.profiling.step_report import (
     run_folder,
     tier_note,
 )
-from labkit.profiling.summary import JobSummary, summarize_job
-from labkit.profiling.trace import Span, Trace, TraceError, load_trace, load_traces, trace_files
+from labkit.profiling.summary import summarize_job
+from labkit.profiling.trace import Trace, TraceError, load_trace, load_traces
 
 __all__ = [
-    "COMMUNICATION",
-    "MEMORY_COLUMNS",
     "MODES",
     "PHASES",
     "Attribution",
     "CompileBound",
     "DpPrediction",
-    "DpRuns",
-    "GpuSplit",
     "HtaReport",
-    "JobSummary",
-    "LaunchStats",
-    "LoadingFix",
-    "MemoryPrediction",
-    "MemoryTimeline",
     "NcuCommand",
-    "NotRun",
-    "NsysCommand",
-    "NsysTorchrunCommand",
     "Overhead",
-    "OverheadReport",
-    "ProfiledRun",
     "RankTimes",
-    "Span",
-    "Straggler",
     "Trace",
-    "TraceDiffResult",
     "TraceError",
     "attribute_step",
     "compute_and_comm",
@@ -156,8 +126,6 @@ __all__ = [
     "find_straggler",
     "flop_check",
     "forward_rise",
-    "gpu_split",
-    "gpu_work",
     "hidden_fraction",
     "hta_launch_stats",
     "hta_report",
@@ -166,7 +134,6 @@ __all__ = [
     "judge_compile",
     "judge_overhead",
     "judge_prediction",
-    "kind_of",
     "linear_snippet",
     "load_trace",
     "load_traces",
@@ -194,7 +161,6 @@ __all__ = [
     "summarize_job",
     "tier_note",
     "time_cpu_step",
-    "timeline_from_snapshot",
-    "timeline_from_trace_events",
-    "trace_files",
 ]
+
+__getattr__ = submodules_on_demand(__name__)  # profiling.bottlenecks: imported when first named

@@ -9,8 +9,9 @@ The roofline of notebook 01 predicts a step from its FLOPs at the measured matmu
 finds that the FLOPs fill only part of the step; this says where the rest went. It runs the
 step under ``torch.profiler`` (``warmup`` steps recorded and dropped, then ``steps`` kept) and
 sums each operator's *self* time (its own time, without the operators it called) into a few
-kinds (:data:`KINDS`, matched on the operator's name, :func:`kind_of`); every operator run
-inside ``optimizer.step()`` counts as "optimizer", whatever its name.
+kinds (matched on the operator's name by ``labkit.op_kinds.kind_of``, the one classifier, which
+this module re-exports); every operator run inside ``optimizer.step()`` counts as "optimizer",
+whatever its name.
 
 Which clock: on a CPU, self CPU time, on the thread that ran the step; what the step's wall
 time holds beyond the operators ("outside any operator": Python between operators, the
@@ -40,33 +41,17 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import profile, schedule
 
+from labkit.op_kinds import KINDS, OTHER, kind_of
 from labkit.profiling.capture import activities
 from labkit.timing import synchronize
 from labkit.validate import whole
 
-KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addmv")),
-    ("attention (SDPA)", ("scaled_dot_product", "flash_attention", "efficient_attention",
-                          "cudnn_attention")),
-    ("layer norm", ("layer_norm",)),
-    ("loss (log-softmax, NLL)", ("log_softmax", "nll_loss", "cross_entropy")),
-)
-"""Kind -> substrings of the operator names it covers (first match wins)."""
 NOT_OPERATORS = ("ProfilerStep", "autograd::engine::evaluate_function")
 """Ranges whose self time is not an operator's: the profiler's step range (Python between
 operators) and the autograd engine's wrapper around each backward function."""
 OPTIMIZER = "optimizer"
-OTHER = "other operators"
 OUTSIDE = "outside any operator"
 ORDER = (*(k for k, _ in KINDS), OPTIMIZER, OTHER, OUTSIDE)
-
-
-def kind_of(name: str) -> str:
-    """The kind of the operator called ``name`` (outside ``optimizer.step()``)."""
-    for kind, parts in KINDS:
-        if any(part in name for part in parts):
-            return kind
-    return OTHER
 
 
 def _in_optimizer(event) -> bool:

@@ -32,8 +32,10 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from labkit import verdict
-from labkit.timing import synchronize
+from labkit import data, train, verdict
+from labkit.config import RunConfig
+from labkit.model import GPT
+from labkit.timing import benchmark, synchronize
 from labkit.validate import whole
 
 Step = Callable[[int], Any]
@@ -287,3 +289,37 @@ def profiler_overhead(
                     f"{rounds} rounds × {steps_per_block - 1} kept steps per setting, interleaved; "
                     "wall time per step (time.perf_counter, synchronised)",
                     block=steps_per_block - 1)
+
+
+@dataclass(frozen=True)
+class CpuRankStep:
+    """A step of the model CPU ranks run, timed on this process's CPU with no profiler."""
+
+    step_s: float
+    n_layer: int
+    nproc: int
+
+    def describe(self) -> str:
+        return (f"One GPU and {self.nproc} ranks: the ranks run on the CPU over gloo, with the "
+                f"CPU tier's {self.n_layer}-layer model (measured: {self.step_s * 1e3:.1f} ms per "
+                "step on the CPU, profiler off); the GPU preset's step would take minutes on a "
+                "CPU rank")  # fmt: skip
+
+
+def time_cpu_step(step: Callable[..., Any], preset: RunConfig, shard: torch.Tensor, *,
+                  nproc: int, steps: int = 6) -> CpuRankStep:
+    """Median wall time of ``step(model, optimizer, next_batch, "float32")`` on the CPU with
+    ``preset``'s model, as the CPU ranks will run it: ``labkit.timing.benchmark``, the first of
+    ``steps`` a warm-up, the rest timed one by one."""
+    steps = whole("steps", steps, low=2)
+    model = GPT(preset.model)
+    opt = train.make_optimizer(model, preset.train)
+    gen = torch.Generator().manual_seed(0)
+    micro, seq_len = preset.train.micro_batch, preset.model.seq_len
+
+    def one_step() -> None:
+        step(model, opt, lambda: data.get_batch(shard, micro, seq_len, gen, "cpu"),
+             "float32")  # what the CPU ranks train in
+
+    timed = benchmark(one_step, device="cpu", warmup=1, repeats=steps - 1, name="CPU rank step")
+    return CpuRankStep(timed.median_s, preset.model.n_layer, nproc)

@@ -9,16 +9,11 @@ notebook cell is the job, the traces and one ``print(x.describe())``.
 from __future__ import annotations
 
 import statistics
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from labkit import data, train, verdict
-from labkit.config import RunConfig
-from labkit.model import GPT
+from labkit import verdict
 from labkit.profiling.capture import judge_prediction
 from labkit.profiling.hta import TraceDiffResult
 from labkit.profiling.overlap import RankTimes, Straggler, find_straggler, rank_steps, rank_times
@@ -49,38 +44,6 @@ class DpPrediction:
                 f"{self.sent_bytes / MiB:.2f} MiB per rank per step on {self.nproc} ranks\n"
                 f"predicted: naive hides 0% of its communication; ddp with {self.bucket_cap_mb} "
                 f"MB buckets ({self.buckets} of them) can hide at most about {self.bound:.0%}")
-
-
-@dataclass(frozen=True)
-class CpuRankStep:
-    """A step of the model CPU ranks run, timed on this process's CPU with no profiler."""
-
-    step_s: float
-    n_layer: int
-    nproc: int
-
-    def describe(self) -> str:
-        return (f"One GPU and {self.nproc} ranks: the ranks run on the CPU over gloo, with the "
-                f"CPU tier's {self.n_layer}-layer model (measured: {self.step_s * 1e3:.1f} ms per "
-                "step on the CPU, profiler off); the GPU preset's step would take minutes on a "
-                "CPU rank")  # fmt: skip
-
-
-def time_cpu_step(step: Callable[..., Any], preset: RunConfig, shard: torch.Tensor, *,
-                  nproc: int, steps: int = 6) -> CpuRankStep:
-    """Median wall time of ``step(model, optimizer, next_batch, "float32")`` on the CPU with
-    ``preset``'s model (the first of ``steps`` warms up), as the CPU ranks will run it."""
-    model = GPT(preset.model)
-    opt = train.make_optimizer(model, preset.train)
-    gen = torch.Generator().manual_seed(0)
-    micro, seq_len = preset.train.micro_batch, preset.model.seq_len
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step(model, opt, lambda: data.get_batch(shard, micro, seq_len, gen, "cpu"),
-             "float32")  # what the CPU ranks train in
-        times.append(time.perf_counter() - t0)
-    return CpuRankStep(statistics.median(times[1:]), preset.model.n_layer, nproc)
 
 
 _WAIT_VERDICTS = {

@@ -9,12 +9,11 @@ cell is the measurement and one ``print(x.describe())``.
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Any
 
 from labkit import verdict
-from labkit.profiling.bottlenecks import BeforeAfter, CompileResult
+from labkit.profiling.bottlenecks import BeforeAfter, CompileResult, time_batch_loading
 
 
 @dataclass(frozen=True)
@@ -48,14 +47,11 @@ class LoadingPrediction:
 
 def predict_loading(dataset: Any, *, batch_size: int, compute_s: float,
                     batches: int = 3) -> LoadingPrediction:
-    """Time loading ``batches`` batches of ``dataset`` in this process (median) beside a step's
-    ``compute_s``."""
-    times = []
-    for k in range(batches):
-        t0 = time.perf_counter()
-        [dataset[i] for i in range(k * batch_size, (k + 1) * batch_size)]
-        times.append(time.perf_counter() - t0)
-    return LoadingPrediction(statistics.median(times), compute_s, dataset.passes)
+    """The prediction from ``bottlenecks.time_batch_loading`` (``batches`` batches of
+    ``dataset`` loaded in this process, the median) beside a step's ``compute_s``: the
+    measuring is there, this only reads its result."""
+    loading = time_batch_loading(dataset, batch_size=batch_size, batches=batches)
+    return LoadingPrediction(loading.median_s, compute_s, dataset.passes)
 
 
 @dataclass(frozen=True)

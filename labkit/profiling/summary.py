@@ -18,12 +18,12 @@ Every figure is measured from the traces; nothing here is modelled. Display only
 
 from __future__ import annotations
 
-import re
 import statistics
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from labkit.profiling.nsys_reports import short_kernel_name
 from labkit.profiling.overlap import (
     GpuSplit,
     RankTimes,
@@ -40,20 +40,6 @@ from labkit.profiling.trace import COLLECTIVE, Trace, TraceError
 WAITING = 0.10
 """Ranks "wait" when exposed communication (not hidden behind compute) takes more than this
 share of their step: more than a tenth of the step goes to the network alone."""
-
-_KERNEL_NAME = re.compile(r"^(?:void\s+)?([^(<]+)")  # the name before its template and arguments
-
-
-def short_kernel_name(name: str) -> str:
-    """A kernel's name without its template arguments and parameter list.
-
-    ``ncclKernel_SendRecv_RING_SIMPLE_Sum_int8_t(ncclDevComm*, unsigned long, ncclWork*)``
-    becomes ``ncclKernel_SendRecv_RING_SIMPLE_Sum_int8_t``; NCCL's name already says the
-    collective (SendRecv, AllReduce), the algorithm (RING, TREE), the protocol (SIMPLE, LL,
-    LL128), the reduction and the element type."""
-    m = _KERNEL_NAME.match(name.strip())
-    return (m.group(1) if m else name).strip()
-
 
 @dataclass(frozen=True)
 class KernelGroup:

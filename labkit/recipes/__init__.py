@@ -27,7 +27,7 @@ during a step are another, and are counted apart:
   ``Float16OptimizerWithFloat16Params._copy_model_grads_to_main_grads`` does in
   megatron/core/optimizer/optimizer.py), freed after it.
 
-By concern, one module each (every name is re-exported here: ``recipes.<name>``)::
+By concern, one module each (what notebooks and tests use is re-exported here: ``recipes.<name>``)::
 
     recipe    the Recipe (a dtype per per-parameter tensor, validated) and RECIPES
     measured  one real step under a recipe, its tensors counted by category
@@ -61,13 +61,10 @@ from __future__ import annotations
 from labkit.formulas.state_bytes import predicted_breakdown, predicted_bytes_per_param
 from labkit.recipes.choosing import (
     PLAN_CANDIDATES,
-    RecipeRun,
     Situation,
     train_recipe,
 )
 from labkit.recipes.fsdp2 import (
-    FSDP2_PARTS,
-    FSDP2Comparison,
     FSDP2Measurement,
     compare_fsdp2,
     describe_fsdp2,
@@ -75,7 +72,6 @@ from labkit.recipes.fsdp2 import (
 )
 from labkit.recipes.held import (
     AutocastActivations,
-    StepDtypes,
     autocast_activations,
     step_dtypes,
 )
@@ -86,9 +82,7 @@ from labkit.recipes.measured import (
     plot_measured,
 )
 from labkit.recipes.recipe import (
-    OPTIMIZERS,
     PERSISTENT,
-    RECIPE_DTYPES,
     RECIPES,
     Recipe,
     autocast_copy_bytes_per_param,
@@ -96,20 +90,14 @@ from labkit.recipes.recipe import (
 )
 
 __all__ = [
-    "FSDP2_PARTS",
-    "OPTIMIZERS",
     "PERSISTENT",
     "PLAN_CANDIDATES",
     "RECIPES",
-    "RECIPE_DTYPES",
     "AutocastActivations",
-    "FSDP2Comparison",
     "FSDP2Measurement",
     "Recipe",
     "RecipeMeasurement",
-    "RecipeRun",
     "Situation",
-    "StepDtypes",
     "autocast_activations",
     "autocast_copy_bytes_per_param",
     "compare_fsdp2",

@@ -16,7 +16,7 @@ from torch import nn
 
 from labkit.memory import optimizer_state_tensors, storage_bytes
 from labkit.precision import checked_autocast
-from labkit.recipes.measured import _make_optimizer
+from labkit.recipes.measured import recipe_optimizer
 from labkit.recipes.recipe import RECIPES, Recipe
 from labkit.train import DTYPES, Batch
 
@@ -130,7 +130,7 @@ def train_recipe(
     master = [p.detach().to(DTYPES[recipe.master_dtype]).requires_grad_()
               for p in params] if recipe.master_dtype else []  # fmt: skip
     buffers = [torch.zeros_like(m) for m in master] if recipe.grad_buffer_dtype else []
-    optimizer = _make_optimizer(recipe.optimizer, master or params)
+    optimizer = recipe_optimizer(recipe.optimizer, master or params)
     for group in optimizer.param_groups:
         group["lr"] = lr
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0**16) if recipe.loss_scaler else None

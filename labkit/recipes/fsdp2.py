@@ -21,7 +21,7 @@ from labkit.formulas import (
     predicted_breakdown,
 )
 from labkit.memory import storage_bytes
-from labkit.recipes.recipe import Recipe, _dtype
+from labkit.recipes.recipe import Recipe, recipe_dtype
 from labkit.train import DTYPES, Batch
 
 if TYPE_CHECKING:  # a type only: nothing here is built from measure_recipe's counts
@@ -177,8 +177,8 @@ def measure_fsdp2(
 
     if not batches:
         raise ValueError("batches is empty: pass one (x, y) pair per micro-batch")
-    low, reduce = DTYPES[_dtype("param_dtype", param_dtype)], \
-        DTYPES[_dtype("reduce_dtype", reduce_dtype)]  # fmt: skip
+    low, reduce = DTYPES[recipe_dtype("param_dtype", param_dtype)], \
+        DTYPES[recipe_dtype("reduce_dtype", reduce_dtype)]  # fmt: skip
     own_group = not dist.is_initialized()
     before = _live_storages()  # held until the count: no address is reused meanwhile
     if own_group:

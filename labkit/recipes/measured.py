@@ -107,7 +107,7 @@ def _split_saved(saved: list[torch.Tensor], params: list[torch.Tensor],
     return sum(copies.values()), sum(others.values())
 
 
-def _make_optimizer(name: str, tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
+def recipe_optimizer(name: str, tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
     if name == "adamw":
         return torch.optim.AdamW(tensors, lr=1e-3)
     return torch.optim.SGD(tensors, lr=1e-3, momentum=0.9 if name == "sgd_momentum" else 0.0)
@@ -141,7 +141,7 @@ def measure_recipe(
     master = [p.detach().to(DTYPES[recipe.master_dtype]).requires_grad_()
               for p in params] if recipe.master_dtype else []  # fmt: skip
     buffers = [torch.zeros_like(m) for m in master] if recipe.grad_buffer_dtype else []
-    optimizer = _make_optimizer(recipe.optimizer, master or params)
+    optimizer = recipe_optimizer(recipe.optimizer, master or params)
 
     saved: list[torch.Tensor] = []
 

@@ -26,7 +26,7 @@ PERSISTENT = ("parameters", "gradients", "master", "grad_buffer", "optimizer_sta
 """The categories of persistent model state, in the order tables show them."""
 
 
-def _dtype(field: str, value: object, allowed: tuple[str, ...] = RECIPE_DTYPES) -> str:
+def recipe_dtype(field: str, value: object, allowed: tuple[str, ...] = RECIPE_DTYPES) -> str:
     try:
         name = dtype_name(value)
     except ValueError:
@@ -87,9 +87,9 @@ class Recipe:
 
         if not isinstance(self.name, str) or not self.name.strip():
             raise ValueError(f"name={self.name!r} is not allowed: give the recipe a name")
-        param = _dtype("param_dtype", self.param_dtype)
+        param = recipe_dtype("param_dtype", self.param_dtype)
         put("param_dtype", param)
-        grad = param if self.grad_dtype is None else _dtype("grad_dtype", self.grad_dtype)
+        grad = param if self.grad_dtype is None else recipe_dtype("grad_dtype", self.grad_dtype)
         if grad != param:
             raise ValueError(
                 f"grad_dtype={self.grad_dtype!r} with param_dtype={param!r} is not allowed: "
@@ -99,7 +99,7 @@ class Recipe:
             )
         put("grad_dtype", grad)
         if self.master_dtype is not None:
-            put("master_dtype", _dtype("master_dtype", self.master_dtype, ("float32",)))
+            put("master_dtype", recipe_dtype("master_dtype", self.master_dtype, ("float32",)))
             if param == "float32":
                 raise ValueError(
                     "master_dtype='float32' with param_dtype='float32' is not allowed: the "
@@ -107,7 +107,7 @@ class Recipe:
                 )
         if self.grad_buffer_dtype is not None:
             put("grad_buffer_dtype",
-                _dtype("grad_buffer_dtype", self.grad_buffer_dtype, ("float32",)))  # fmt: skip
+                recipe_dtype("grad_buffer_dtype", self.grad_buffer_dtype, ("float32",)))  # fmt: skip
             if self.master_dtype is None:
                 raise ValueError(
                     "grad_buffer_dtype needs master_dtype='float32': the float32 gradient "
@@ -117,7 +117,7 @@ class Recipe:
             raise ValueError(f"optimizer={self.optimizer!r} is not allowed: use one of "
                              f"{', '.join(map(repr, OPTIMIZERS))}")  # fmt: skip
         stepped = self.master_dtype or param
-        state = stepped if self.state_dtype is None else _dtype("state_dtype", self.state_dtype)
+        state = stepped if self.state_dtype is None else recipe_dtype("state_dtype", self.state_dtype)
         if state != stepped:
             raise ValueError(
                 f"state_dtype={self.state_dtype!r} is not allowed here: torch.optim creates its "
@@ -127,7 +127,7 @@ class Recipe:
             )
         put("state_dtype", state)
         if self.autocast is not None:
-            put("autocast", _dtype("autocast", self.autocast, ("bfloat16", "float16")))
+            put("autocast", recipe_dtype("autocast", self.autocast, ("bfloat16", "float16")))
             if param != "float32":
                 raise ValueError(
                     f"autocast={self.autocast!r} with param_dtype={param!r} is not allowed: "

@@ -48,8 +48,11 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from labkit._moved import submodules_on_demand
 from labkit.errors import LabkitError
 from labkit.timing import format_seconds, quartiles
+
+__getattr__ = submodules_on_demand(__name__)  # recordings.show: imported when first named
 
 FORMAT = "labkit-gpu-recording"
 VERSION = 1

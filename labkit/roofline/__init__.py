@@ -23,7 +23,7 @@ Measurement apart from display, one short module each:
     plot        plot_roofline, plot_sweep: the figures (matplotlib imported only when drawing)
     placed      place_kernels: the sweep's matmuls and an elementwise kernel on the roof, told
 
-Everything public is importable from here: ``from labkit import roofline;
+What notebooks and tests call is importable from here: ``from labkit import roofline;
 roofline.measure_roofline("cpu")``. Importing this package measures nothing, touches no GPU
 and imports no plotting library.
 """
@@ -31,14 +31,13 @@ and imports no plotting library.
 from __future__ import annotations
 
 from labkit.roofline.ceilings import (
-    Published,
     device_name,
     measure_bandwidth_ceiling,
     measure_compute_ceiling,
     measure_roofline,
     published_ceilings,
 )
-from labkit.roofline.cpu import CpuPrecisionSupport, cpu_precision_support
+from labkit.roofline.cpu import cpu_precision_support
 from labkit.roofline.model import (
     BYTES,
     FLOPS,
@@ -49,7 +48,7 @@ from labkit.roofline.model import (
     attainable,
     matmul_traffic,
 )
-from labkit.roofline.placed import PlacedKernels, place_kernels
+from labkit.roofline.placed import place_kernels
 from labkit.roofline.plot import plot_roofline, plot_sweep
 from labkit.roofline.precisions import PRECISIONS, precision_name, tf32_matmuls
 from labkit.roofline.sweep import MatmulSweep, SweepRow, matmul_sweep
@@ -59,11 +58,8 @@ __all__ = [
     "FLOPS",
     "PRECISIONS",
     "Ceiling",
-    "CpuPrecisionSupport",
     "MatmulSweep",
-    "PlacedKernels",
     "Point",
-    "Published",
     "Roofline",
     "SweepRow",
     "arithmetic_intensity",

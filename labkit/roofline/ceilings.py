@@ -37,7 +37,7 @@ from labkit.roofline.precisions import (
 from labkit.validate import positive, whole
 
 
-def _device(device: str | torch.device) -> torch.device:
+def as_device(device: str | torch.device) -> torch.device:
     # train.resolve_device refuses "cuda" on a machine without one, naming the fix.
     if not isinstance(device, (str, torch.device)):
         raise ValueError(f"device={device!r} is not allowed: 'cpu', 'cuda', 'cuda:N', 'auto' "
@@ -45,13 +45,13 @@ def _device(device: str | torch.device) -> torch.device:
     return train.resolve_device(str(device))
 
 
-def _utc_now() -> str:
+def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
 
 
 def device_name(device: str | torch.device) -> str:
     """What the device is called: the GPU's name from the driver, or the CPU's model name."""
-    dev = _device(device)
+    dev = as_device(device)
     if dev.type == "cuda":
         return torch.cuda.get_device_name(dev)
     return hardware.cpu_info().model_name
@@ -117,7 +117,7 @@ def measure_compute_ceiling(
     only) enables TF32 for the measurement; "float32" on CUDA is measured with TF32 off,
     whatever the caller's setting.
     """
-    dev = _device(device)
+    dev = as_device(device)
     name = precision_name(precision)
     check_precision_on(name, dev)
     repeats = whole("repeats", repeats, low=1)
@@ -137,7 +137,7 @@ def measure_compute_ceiling(
         )
     return Ceiling(
         value=m.value, unit=FLOPS, precision=name, device_name=device_name(dev),
-        kind="measured", device=str(dev), when=_utc_now(),
+        kind="measured", device=str(dev), when=utc_now(),
         method=(f"{m.method.removeprefix('measured: ')}, {m.threads} threads"
                 + (", TF32 on" if name == "tf32" else "")),
     )  # fmt: skip
@@ -164,7 +164,7 @@ def measure_bandwidth_ceiling(
     the traffic a kernel asks for, as a kernel's byte count on the roofline does. Best of
     ``repeats`` copies after ``warmup`` (which also maps the destination's pages).
     """
-    dev = _device(device)
+    dev = as_device(device)
     if n_bytes is None:
         n_bytes = _COPY_BYTES["cuda" if dev.type == "cuda" else "cpu"]
     n_bytes = whole("n_bytes", n_bytes, low=1)
@@ -191,7 +191,7 @@ def measure_bandwidth_ceiling(
               f"{torch.get_num_threads()} threads, {timer.method}")  # fmt: skip
     return Ceiling(value=2 * n_bytes / best, unit=BYTES, precision=None,
                    device_name=device_name(dev), kind="measured", device=str(dev),
-                   when=_utc_now(), method=method)  # fmt: skip
+                   when=utc_now(), method=method)  # fmt: skip
 
 
 class Published(NamedTuple):

@@ -69,10 +69,10 @@ class Ceiling:
 
     def __str__(self) -> str:
         what = f"{self.precision} compute" if self.precision else "memory bandwidth"
-        return f"{what} {_rate(self.value, self.unit)} ({self.provenance})"
+        return f"{what} {format_rate(self.value, self.unit)} ({self.provenance})"
 
 
-def _rate(value: float, unit: str) -> str:
+def format_rate(value: float, unit: str) -> str:
     """1.23e12 FLOP/s -> "1.23 TFLOP/s"; 4.8e12 B/s -> "4.8 TB/s" (decimal prefixes)."""
     for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if value >= scale:
@@ -124,8 +124,8 @@ class Point:
 
     def __str__(self) -> str:
         return (f"{self.name}: I = {self.intensity:.3g} FLOP/B, "
-                f"{_rate(self.achieved_flops_per_s, FLOPS)} = {100 * self.fraction_of_roof:.0f}% "
-                f"of the {_rate(self.attainable_flops_per_s, FLOPS)} attainable "
+                f"{format_rate(self.achieved_flops_per_s, FLOPS)} = {100 * self.fraction_of_roof:.0f}% "
+                f"of the {format_rate(self.attainable_flops_per_s, FLOPS)} attainable "
                 f"({self.bound}-bound; ridge at {self.ridge_intensity:.3g} FLOP/B)")  # fmt: skip
 
 

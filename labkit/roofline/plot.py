@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from labkit.roofline.model import BYTES, FLOPS, Ceiling, Point, Roofline, _rate
+from labkit.roofline.model import BYTES, FLOPS, Ceiling, Point, Roofline, format_rate
 
 
 def _near_before(xy: Sequence[tuple[float, float]], i: int) -> int:
@@ -53,12 +53,12 @@ def plot_roofline(roofline: Roofline, points: Sequence[Point] = (), ax: Any = No
     ridge_xy = [(r, c.value) for r, c in zip(ridges, roofline.compute, strict=True)]
     for i, (c, ridge) in enumerate(zip(roofline.compute, ridges, strict=True)):
         (line,) = ax.plot(x, np.minimum(c.value, x * bw.value), linewidth=2,
-                          label=f"{c.precision} roof: {_rate(c.value, FLOPS)} (measured)")  # fmt: skip
+                          label=f"{c.precision} roof: {format_rate(c.value, FLOPS)} (measured)")  # fmt: skip
         ax.plot([ridge], [c.value], "o", color=line.get_color(), markersize=7)
         near = _near_before(ridge_xy, i)
         ax.annotate(f"ridge {ridge:.3g} FLOP/B", (ridge, c.value), textcoords="offset points",
                     xytext=(6, -14 - 10 * near), fontsize=8, color=line.get_color())  # fmt: skip
-    ax.plot([], [], " ", label=f"memory slope: {_rate(bw.value, BYTES)} (measured copy, "
+    ax.plot([], [], " ", label=f"memory slope: {format_rate(bw.value, BYTES)} (measured copy, "
                                "read + write)")  # fmt: skip
     for c in published:
         if c.unit == FLOPS:
@@ -67,7 +67,7 @@ def plot_roofline(roofline: Roofline, points: Sequence[Point] = (), ax: Any = No
                 linestyle="--",
                 color="grey",
                 linewidth=1,
-                label=f"{c.precision} {_rate(c.value, FLOPS)} (datasheet, not measured)",
+                label=f"{c.precision} {format_rate(c.value, FLOPS)} (datasheet, not measured)",
             )
         else:
             ax.plot(
@@ -76,7 +76,7 @@ def plot_roofline(roofline: Roofline, points: Sequence[Point] = (), ax: Any = No
                 linestyle="--",
                 color="grey",
                 linewidth=1,
-                label=f"memory {_rate(c.value, BYTES)} (datasheet, not measured)",
+                label=f"memory {format_rate(c.value, BYTES)} (datasheet, not measured)",
             )
     for i, p in enumerate(points):
         ax.plot([p.intensity], [p.achieved_flops_per_s], "s", color="black", markersize=5)

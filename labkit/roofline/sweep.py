@@ -16,7 +16,7 @@ from numbers import Integral
 import torch
 
 from labkit import timing
-from labkit.roofline.ceilings import _device, _utc_now, device_name
+from labkit.roofline.ceilings import as_device, device_name, utc_now
 from labkit.roofline.cpu import CpuPrecisionSupport, cpu_precision_support
 from labkit.roofline.model import matmul_traffic
 from labkit.roofline.precisions import (
@@ -132,7 +132,7 @@ def matmul_sweep(
     "tf32" is refused off CUDA; on CUDA "float32" runs with TF32 off and "tf32" with it on,
     and the caller's setting is restored. Default sizes: 64–512 on a CPU, 512–8192 on a GPU.
     """
-    dev = _device(device)
+    dev = as_device(device)
     if isinstance(precisions, (str, torch.dtype)) or not precisions:
         raise ValueError(f"precisions={precisions!r} is not allowed: a non-empty sequence, "
                          "e.g. ('float32', 'bfloat16', 'float16')")  # fmt: skip
@@ -174,6 +174,6 @@ def matmul_sweep(
     method = (f"measured: {repeats} alternated rounds after {warmup} warm-up, "
               f"{torch.get_num_threads()} threads, {timer.method}")  # fmt: skip
     return MatmulSweep(
-        rows=rows, device=str(dev), device_name=device_name(dev), when=_utc_now(),
+        rows=rows, device=str(dev), device_name=device_name(dev), when=utc_now(),
         method=method, cpu_support=None if dev.type == "cuda" else cpu_precision_support(),
     )  # fmt: skip

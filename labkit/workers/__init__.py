@@ -49,4 +49,11 @@ every rank reads the same dataclass back from ``ctx.config``.
 
 The exercise checks' own workers live with the checks (``labkit.course.exercises.data_parallel.worker`` and
 ``model_parallel.worker``): workers here know nothing of exercises.
+
+Nothing is imported up front (a rank imports only its own worker); a notebook writes ``from
+labkit import workers`` and then ``workers.pp_train.run(...)``, which imports ``pp_train`` there.
 """
+
+from labkit._moved import submodules_on_demand
+
+__getattr__ = submodules_on_demand(__name__)  # workers.pp_train: imported when first named

@@ -39,7 +39,7 @@ a caller counting the network interface's bytes can hold them against it.
 
 Notebook 00's sizes are :func:`preset`; what the notebook makes of the result (the value
 check, the bytes and the time reconciled, its summary) is :mod:`labkit.workers.allreduce_report`,
-re-exported here.
+which runs in the notebook's kernel, not in the ranks.
 
 Bytes on the wire (``labkit.metrics.net``): gloo ranks on one host talk TCP over loopback, so
 the ``lo`` counters read between two barriers around the timed loop (``wire_loop_bytes`` in
@@ -67,21 +67,6 @@ from labkit import formulas, validate
 from labkit.jobs import launch, runtime
 from labkit.jobs.spec import WorkerConfig
 from labkit.metrics import net
-
-# Notebook 00's reading of this worker's result runs in the kernel, not in the ranks: its own
-# module, re-exported here so that the notebook reaches the whole job as ``worker.<name>``.
-from labkit.workers.allreduce_report import FirstJobSummary as FirstJobSummary
-from labkit.workers.allreduce_report import Prediction as Prediction
-from labkit.workers.allreduce_report import TimeReconcile as TimeReconcile
-from labkit.workers.allreduce_report import ValueCheck as ValueCheck
-from labkit.workers.allreduce_report import WireReconcile as WireReconcile
-from labkit.workers.allreduce_report import check_values as check_values
-from labkit.workers.allreduce_report import count_job_wire as count_job_wire
-from labkit.workers.allreduce_report import describe_speed as describe_speed
-from labkit.workers.allreduce_report import predict as predict
-from labkit.workers.allreduce_report import reconcile_time as reconcile_time
-from labkit.workers.allreduce_report import reconcile_wire as reconcile_wire
-from labkit.workers.allreduce_report import summarize as summarize
 
 OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX}
 FAIL_HOWS = ("raise", "kill")
@@ -115,6 +100,7 @@ class AllReduceConfig(WorkerConfig):
     """How ``fail_rank`` fails: "raise" (an exception) or "kill" (SIGKILL)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         validate.whole("numel", self.numel, low=1)
         validate.whole("repeats", self.repeats, low=1)
         validate.whole("warmup", self.warmup, low=0)

@@ -5,15 +5,15 @@ Apart from :mod:`labkit.workers.allreduce`, which every rank of the job runs: th
 in the notebook's kernel, on the ``JobResult`` those ranks returned. The worker reports what it
 holds and what it timed; the sentences here are chosen by those measurements (with
 ``labkit.verdict`` where a prediction is held against a measured figure), never written in
-advance. :mod:`labkit.workers.allreduce` re-exports the public names, so notebook 00 writes
-``worker.check_values(result, ...)``::
+advance. Notebook 00 names the worker ``worker`` and this module ``report``
+(``worker, report = workers.allreduce, workers.allreduce_report``)::
 
-    prediction = worker.predict(job_config, nproc, backend, device, sent_per_rank=..., whose=...)
-    with worker.count_job_wire(backend) as wire:
+    prediction = report.predict(job_config, nproc, backend, device, sent_per_rank=..., whose=...)
+    with report.count_job_wire(backend) as wire:
         result = worker.run(job_config, nproc=nproc)
-    print(worker.check_values(result, expected, op="sum").describe())
-    print(worker.reconcile_wire(result, wire, predicted_per_rank=..., whose=...).describe())
-    print(worker.reconcile_time(result).describe())
+    print(report.check_values(result, expected, op="sum").describe())
+    print(report.reconcile_wire(result, wire, predicted_per_rank=..., whose=...).describe())
+    print(report.reconcile_time(result).describe())
 """
 
 from __future__ import annotations

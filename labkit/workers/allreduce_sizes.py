@@ -44,6 +44,7 @@ class AllReduceSizesConfig(WorkerConfig):
     """Untimed rounds first."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         counts("sizes", self.sizes, why="message sizes in bytes")
         validate.whole("rounds", self.rounds, low=1)
         validate.whole("warmup", self.warmup, low=0)

@@ -17,8 +17,11 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from labkit import validate
+from labkit.config import ModelConfig
 from labkit.course.sealed import seal, unseal
 from labkit.jobs.spec import WorkerConfig
+from labkit.validate import InvalidValue
 
 SMOKE_MODEL = {"seq_len": 64, "n_layer": 2, "n_head": 2, "d_model": 64}
 KNOBS: dict[str, Any] = {
@@ -32,7 +35,7 @@ KNOBS: dict[str, Any] = {
 }  # fmt: skip
 """Every knob and its healthy value (the worker's module docstring says what each does)."""
 SIZES: dict[str, Any] = {"steps": 8, "epoch_steps": 4, "loader_passes": 200, "profile_steps": 2,
-                         "eval_batches": 4, "seed": 0, "lr": 1e-3, "model": {}}  # fmt: skip
+                         "eval_batches": 4, "seed": 0, "lr": 1e-3, "model": SMOKE_MODEL}  # fmt: skip
 """The job's size and recipe, which name no fault: the spec may show them."""
 DEFAULTS: dict[str, Any] = {**KNOBS, **SIZES}
 """The worker's whole config, flat, with the healthy job's values."""
@@ -57,18 +60,27 @@ class CapstoneConfig(WorkerConfig):
     """Seeds the model, the sampler and the data."""
     lr: float = SIZES["lr"]
     """AdamW's learning rate."""
-    model: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """GPT fields over SMOKE_MODEL."""
+    model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(**SMOKE_MODEL))
+    """The GPT (a dict of ModelConfig fields changes SMOKE_MODEL's); the knob ``vocab_size``
+    sets its vocabulary."""
     settings: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Knobs (names of KNOBS) in plain form."""
     sealed: str | None = None
     """Knobs sealed (:func:`labkit.course.sealed.seal`); they win over ``settings``."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         unknown = sorted(set(self.knobs()) - set(KNOBS))
         if unknown:
-            raise ValueError(f"config keys {unknown} are not settings of this job; it has "
-                             f"{sorted(DEFAULTS)}")  # fmt: skip
+            raise InvalidValue(f"config keys {unknown} are not settings of this job; it has "
+                               f"{sorted(DEFAULTS)}")  # fmt: skip
+        if not isinstance(self.model, ModelConfig):
+            raise validate.refuse("model", self.model, "a ModelConfig, or a dict of its fields")
+        for name in ("steps", "epoch_steps", "eval_batches"):
+            validate.whole(name, getattr(self, name), low=1)
+        for name in ("loader_passes", "profile_steps", "seed"):
+            validate.whole(name, getattr(self, name), low=0)
+        validate.positive("lr", self.lr)
 
     def knobs(self) -> dict[str, Any]:
         """The knobs given, plain and sealed (the others keep their KNOBS value)."""
@@ -78,6 +90,24 @@ class CapstoneConfig(WorkerConfig):
         """The worker's whole config: DEFAULTS under the sizes under the knobs given."""
         sizes = {k: v for k, v in self.to_dict().items() if k in SIZES}
         return {**DEFAULTS, **sizes, **self.knobs()}
+
+    def gpt(self) -> ModelConfig:
+        """The GPT the job trains: ``model`` with the vocabulary the knob ``vocab_size`` sets."""
+        return dataclasses.replace(self.model, vocab_size=int(self.flat()["vocab_size"]))
+
+    def split(self, world_size: int) -> tuple[int, int]:
+        """(sequences per rank, sequences per micro-batch) on ``world_size`` ranks; a global
+        batch the ranks cannot share, or a micro-batch that does not divide a rank's share, is
+        refused by name."""
+        knobs = self.flat()
+        g = int(knobs["global_batch"])
+        if g % world_size:
+            raise InvalidValue(f"global_batch={g} does not split over {world_size} ranks")
+        share = g // world_size
+        micro = int(knobs["micro_batch"] or max(1, share // 2))
+        if share % micro:
+            raise InvalidValue(f"micro_batch={micro} does not divide a rank's {share} sequences")
+        return share, micro
 
     @classmethod
     def of(cls, config: CapstoneConfig | Mapping[str, Any]) -> CapstoneConfig:

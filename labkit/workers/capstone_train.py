@@ -50,6 +50,7 @@ healthy job; every field below but the last line's is a knob, in ``settings`` or
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import statistics
 import tempfile
@@ -68,7 +69,7 @@ from torch.utils.data import DataLoader, RandomSampler, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 from labkit import data
-from labkit.config import ModelConfig, TrainConfig
+from labkit.config import TrainConfig
 from labkit.jobs import launch, runtime
 from labkit.model import GPT
 from labkit.parallel import comm
@@ -78,7 +79,7 @@ from labkit.profiling.phases import phase
 from labkit.timing import synchronize
 from labkit.train import autocast, make_optimizer
 from labkit.workers.capstone_config import DEFAULTS as DEFAULTS
-from labkit.workers.capstone_config import SMOKE_MODEL, CapstoneConfig
+from labkit.workers.capstone_config import CapstoneConfig
 
 PHASES = ("data", "forward", "backward", "optimizer")
 ENV_SHOWN = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
@@ -163,21 +164,6 @@ class Recording(Sampler[int]):
             yield i
 
 
-def validate(config: CapstoneConfig | dict[str, Any], n: int) -> dict[str, Any]:
-    """The config, flat, with its defaults and its sealed knobs opened; an unknown key or a
-    split ``n`` ranks cannot make is refused. ``config`` may be flat too, knobs among sizes."""
-    cfg = CapstoneConfig.of(config).flat()
-    g = int(cfg["global_batch"])
-    if g % n:
-        raise ValueError(f"global_batch={g} does not split over {n} ranks")
-    share = g // n
-    micro = int(cfg["micro_batch"] or max(1, share // 2))
-    if share % micro:
-        raise ValueError(f"micro_batch={micro} does not divide a rank's {share} sequences")
-    return {**cfg, "global_batch": g, "share": share, "micro_batch": micro,
-            "model": {**SMOKE_MODEL, **cfg["model"], "vocab_size": int(cfg["vocab_size"])}}
-
-
 def _rss_mb() -> float:
     """This process's resident memory in MiB (Linux's /proc; 0 where there is none)."""
     try:
@@ -207,7 +193,10 @@ def _checkpointed(block: torch.nn.Module) -> None:
 @runtime.entrypoint
 def main(ctx: runtime.Context) -> dict[str, Any]:
     n, rank, device = ctx.world_size, ctx.rank, ctx.device
-    cfg = validate(ctx.config, n)
+    job = CapstoneConfig.from_dict(ctx.config)
+    share, micro = job.split(n)
+    gpt = job.gpt()
+    cfg = job.flat()  # the knobs by name: a planted fault is a knob set wrong
     quiet_kineto()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cores = cores or 1
@@ -216,7 +205,7 @@ def main(ctx: runtime.Context) -> dict[str, Any]:
     on_gpu = device.type == "cuda"
 
     # The data: windows of the course corpus, tokenised in __getitem__ or once, up front.
-    seq_len, share, micro = cfg["model"]["seq_len"], cfg["share"], cfg["micro_batch"]
+    seq_len = gpt.seq_len
     raw = TokenizingDataset(seq_len=seq_len, passes=cfg["loader_passes"],
                             n_items=cfg["global_batch"] * cfg["epoch_steps"])  # fmt: skip
     t0 = time.perf_counter()
@@ -247,7 +236,7 @@ def main(ctx: runtime.Context) -> dict[str, Any]:
     val_x, val_y = (torch.stack(t).to(device) for t in zip(*(val[i] for i in range(len(val))), strict=True))
 
     torch.manual_seed(cfg["seed"])  # the same initial weights on every rank (DDP broadcasts)
-    model = GPT(ModelConfig(**cfg["model"])).to(device)
+    model = GPT(gpt).to(device)
     if cfg["activation_checkpointing"]:
         for block in model.blocks:
             _checkpointed(block)
@@ -396,7 +385,7 @@ def main(ctx: runtime.Context) -> dict[str, Any]:
                    "pin_memory": loader.pin_memory, "drop_last": loader.drop_last},
         "optimizer": {"class": type(opt).__name__, "lr": group["lr"], "betas": group["betas"],
                       "weight_decay": group["weight_decay"]},
-        "model": {**cfg["model"], "parameters": params,
+        "model": {**dataclasses.asdict(gpt), "parameters": params,
                   "gradient_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
                   "tensors": len(list(model.parameters()))},
         "indices": epochs, "checksum": checksum, "dtype": dtype,
@@ -408,7 +397,7 @@ def main(ctx: runtime.Context) -> dict[str, Any]:
 def run(config: CapstoneConfig, *, nproc: int = 2, **launch_options: Any) -> launch.JobResult:
     """Launch ``config`` on ``nproc`` ranks (refused first if they cannot split its batch);
     ``launch_options`` go to ``launch.run``."""
-    validate(config, nproc)
+    config.split(nproc)
     return launch.run(config, nproc=nproc, **launch_options)
 
 

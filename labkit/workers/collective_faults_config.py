@@ -35,6 +35,7 @@ class CollectiveFaultsConfig(WorkerConfig):
     """float32 values in each step's gradient all-reduce."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         validate.one_of("fault", self.fault, FAULTS)
         validate.whole("steps", self.steps, low=1)
         validate.whole("fault_step", self.fault_step, low=1, high=self.steps,

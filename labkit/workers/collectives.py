@@ -56,6 +56,7 @@ class CollectivesConfig(WorkerConfig):
     """Untimed runs per size first."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         counts("sizes", self.sizes, why="message sizes in bytes")
         for kind in self.collectives:
             validate.one_of("collectives", kind, COLLECTIVES)

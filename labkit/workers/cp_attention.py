@@ -76,6 +76,7 @@ class CPAttentionConfig(WorkerConfig):
     """Measure the memory part's peaks on CPU ranks too."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for key in ("batch", "heads", "seq_len", "head_dim", "repeats"):
             checks.whole(key, getattr(self, key), low=1)
         checks.whole("seed", self.seed, low=0)

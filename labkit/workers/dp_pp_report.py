@@ -4,14 +4,13 @@ result with ``describe()``, and the timeline drawn from the ranks' timestamps.
 
 Apart from :mod:`labkit.workers.pp_compose`, which every rank of the job runs: this module runs
 in the notebook's kernel, on the ``JobResult`` those ranks returned; the sentences are chosen
-by those numbers, never written in advance. :mod:`labkit.workers.pp_compose` re-exports the
-public names::
+by those numbers, never written in advance. Notebook 03b (``from labkit import workers``)::
 
-    pred = pp_compose.predict_dp_pp(model_cfg, 4, pp=2, dp=2, batch_size=8, microbatches=4)
-    job = pp_compose.run(pp_compose.PPComposeConfig(part="dp_pp", ...), nproc=4)
-    check = pp_compose.check_dp_pp(job)
+    pred = workers.dp_pp_report.predict_dp_pp(model_cfg, 4, pp=2, dp=2, batch_size=8, microbatches=4)
+    job = workers.pp_compose.run(workers.pp_compose.PPComposeConfig(part="dp_pp", ...), nproc=4)
+    check = workers.dp_pp_report.check_dp_pp(job)
     print(check.describe())
-    pp_compose.plot_dp_pp(check)
+    workers.dp_pp_report.plot_dp_pp(check)
 """
 
 from __future__ import annotations

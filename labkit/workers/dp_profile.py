@@ -24,10 +24,11 @@ every step (a slow disk, a busy data loader); switch it off with 0. Traces are w
 active window ends; a rank that dies before that leaves no trace, and the launcher ends the
 others (``labkit.jobs.launch``), so no partial set is ever returned as complete.
 
-Config: :class:`DPProfileConfig`, every field optional (``run`` takes them as a dict too):
-model (a ModelConfig dict; default the smoke GPT), micro_batch (8), runs (naive then ddp, none
-slowed), each {"name", "strategy", "slow_ms"}; bucket_cap_mb (0.05), wait (1), warmup (1),
-active (3), slow_rank (1), profiler ("torch"), seed (0), lr (1e-3), dtype ("float32").
+Config: :class:`DPProfileConfig` (``run`` and ``nsys_command`` take only this class), every
+field optional: model (a ModelConfig, or a dict of its fields; default the smoke GPT),
+micro_batch (8), runs (naive then ddp, none slowed), each {"name", "strategy", "slow_ms"};
+bucket_cap_mb (0.05), wait (1), warmup (1), active (3), slow_rank (1), profiler ("torch"),
+seed (0), lr (1e-3), dtype ("float32").
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import torch
 from torch.profiler import profile, schedule
 
 from labkit import config as lk_config
-from labkit import data, train
+from labkit import data, train, validate
 from labkit.config import ModelConfig
 from labkit.jobs import launch, runtime
 from labkit.jobs.spec import WorkerConfig
@@ -54,6 +55,7 @@ from labkit.parallel.dp_naive import NaiveDP
 from labkit.profiling.capture import activities, quiet_kineto
 from labkit.profiling.nsight import NsysCommand, NsysTorchrunCommand, cuda_profiler_capture
 from labkit.profiling.phases import COMMUNICATION, phase
+from labkit.validate import InvalidValue
 
 MODULE = "labkit.workers.dp_profile"
 STRATEGIES = ("naive", "ddp")
@@ -64,8 +66,8 @@ class DPProfileConfig(WorkerConfig):
     """The runs to profile, one after another, and the profiler's schedule."""
 
     WORKER: ClassVar[str] = MODULE
-    model: dict[str, Any] | None = None
-    """ModelConfig fields (None: the smoke preset's GPT)."""
+    model: ModelConfig = dataclasses.field(default_factory=lambda: lk_config.smoke().model)
+    """The GPT (default: the smoke preset's; a dict of ModelConfig fields changes that one)."""
     micro_batch: int = 8
     """Sequences per rank per step."""
     runs: tuple[dict[str, Any], ...] = tuple({"name": s, "strategy": s, "slow_ms": 0.0}
@@ -96,65 +98,57 @@ class DPProfileConfig(WorkerConfig):
     the job profiles the step its header names; float32 on CPU ranks."""
 
     def __post_init__(self) -> None:
-        model = dataclasses.asdict(lk_config.smoke().model) if self.model is None else self.model
-        ModelConfig(**model)
-        for key in ("micro_batch", "active"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{key}={value!r} is not allowed: an integer >= 1 "
-                                 + ("(a schedule with no active step records nothing)" if key == "active" else ""))
-        for key in ("wait", "warmup"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{key}={value!r} is not allowed: an integer >= 0")
-        if not isinstance(self.runs, (list, tuple)) or not self.runs:
-            raise ValueError(f"runs={self.runs!r}: a non-empty list of {{'name', 'strategy', 'slow_ms'}}")
-        runs = []
-        for run in self.runs:
-            run = {"slow_ms": 0.0, **run}
-            if set(run) != {"name", "strategy", "slow_ms"}:
-                raise ValueError(f"run {run!r}: give exactly 'name', 'strategy' and optionally 'slow_ms'")
-            if run["strategy"] not in STRATEGIES:
-                raise ValueError(f"run {run['name']!r}: strategy={run['strategy']!r}, choose from {list(STRATEGIES)}")
-            if not (isinstance(run["slow_ms"], (int, float)) and run["slow_ms"] >= 0):
-                raise ValueError(f"run {run['name']!r}: slow_ms={run['slow_ms']!r}, a delay in ms >= 0")
-            runs.append(run)
+        super().__post_init__()
+        if not isinstance(self.model, ModelConfig):
+            raise validate.refuse("model", self.model, "a ModelConfig, or a dict of its fields")
+        validate.whole("micro_batch", self.micro_batch, low=1)
+        validate.whole("active", self.active, low=1,
+                       why="a schedule with no active step records nothing")  # fmt: skip
+        for name in ("wait", "warmup", "seed"):
+            validate.whole(name, getattr(self, name), low=0)
+        if not self.runs:
+            raise validate.refuse("runs", self.runs, "a non-empty list of {'name', 'strategy', 'slow_ms'}")
+        runs = tuple(_checked_run(run) for run in self.runs)
         names = [r["name"] for r in runs]
         if len(set(names)) != len(names):
-            raise ValueError(f"runs have repeated names {names}: each names a folder of traces")
-        object.__setattr__(self, "runs", tuple(runs))  # one shape: every run has its slow_ms
-        if self.profiler not in ("torch", "nsys"):
-            raise ValueError(f"profiler={self.profiler!r}: 'torch' (traces) or 'nsys' (capture range)")
-        if not self.bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb={self.bucket_cap_mb!r}: a size in MB, > 0")
-        if self.dtype not in train.DTYPES:
-            raise ValueError(f"dtype={self.dtype!r}: choose from {sorted(train.DTYPES)}")
+            raise InvalidValue(f"runs have repeated names {names}: each names a folder of traces")
+        object.__setattr__(self, "runs", runs)  # one shape: every run has its slow_ms
+        validate.one_of("profiler", self.profiler, ("torch", "nsys"),
+                        why="'torch': traces; 'nsys': a capture range")  # fmt: skip
+        validate.positive("bucket_cap_mb", self.bucket_cap_mb, why="a size in MB")
+        validate.positive("lr", self.lr)
+        validate.one_of("dtype", self.dtype, sorted(train.DTYPES))
 
     def check_ranks(self, world_size: int) -> None:
         """Refuse a slowed run's ``slow_rank`` that is not one of ``world_size`` ranks."""
-        slowed = any(r["slow_ms"] for r in self.runs)
-        if slowed and not (isinstance(self.slow_rank, int) and 0 <= self.slow_rank < world_size):
-            raise ValueError(f"slow_rank={self.slow_rank!r}: a rank in 0..{world_size - 1}")
+        if any(r["slow_ms"] for r in self.runs):
+            validate.whole("slow_rank", self.slow_rank, low=0, high=world_size - 1,
+                           why="the rank a run's slow_ms slows")  # fmt: skip
+
+
+def _checked_run(run: Any) -> dict[str, Any]:
+    """One of ``runs``, with its ``slow_ms`` (0 if left out), or refused naming it."""
+    if not isinstance(run, Mapping):
+        raise validate.refuse("runs", run, "a dict {'name', 'strategy', 'slow_ms'} per run")
+    run = {"slow_ms": 0.0, **run}
+    if set(run) != {"name", "strategy", "slow_ms"}:
+        raise InvalidValue(f"run {run!r}: give exactly 'name', 'strategy' and optionally 'slow_ms'")
+    validate.one_of("strategy", run["strategy"], STRATEGIES, why=f"run {run['name']!r}")
+    validate.number("slow_ms", run["slow_ms"], low=0, why=f"run {run['name']!r}: a delay in ms")
+    return run
 
 
 DEFAULTS: dict[str, Any] = {k: v for k, v in DPProfileConfig().to_dict().items() if k != "model"}
 """Every field's default but the model's (the notebook reads ``bucket_cap_mb`` from here)."""
 
 
-def _as_config(config: DPProfileConfig | Mapping[str, Any] | None) -> DPProfileConfig:
-    """``config``, or its fields given as a dict (the notebooks'), as a DPProfileConfig."""
-    if isinstance(config, DPProfileConfig):
-        return config
-    return DPProfileConfig.from_dict(dict(config or {}))
-
-
-def validate(config: DPProfileConfig | Mapping[str, Any], world_size: int) -> dict[str, Any]:
-    """The config with defaults filled in, checked against ``world_size`` ranks too;
-    ValueError naming the bad field and what is allowed."""
-    job = _as_config(config)
-    job.check_ranks(world_size)
-    model = dataclasses.asdict(lk_config.smoke().model) if job.model is None else job.model
-    return {**job.to_dict(), "model": dataclasses.asdict(ModelConfig(**model))}
+def _checked(config: DPProfileConfig, nproc: int) -> DPProfileConfig:
+    """``config``, refused unless it is a DPProfileConfig that ``nproc`` ranks can run."""
+    if not isinstance(config, DPProfileConfig):
+        raise validate.refuse("config", config, "a DPProfileConfig (DPProfileConfig(**fields) "
+                              "builds one from a dict of its fields)")  # fmt: skip
+    config.check_ranks(nproc)
+    return config
 
 
 def forward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
@@ -165,23 +159,23 @@ def forward(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
     return loss
 
 
-def _profile_one(ctx: runtime.Context, cfg: dict[str, Any], run: dict[str, Any], out: Path,
+def _profile_one(ctx: runtime.Context, cfg: DPProfileConfig, run: dict[str, Any], out: Path,
                  done: int, total: int) -> list[float]:
     """Train one run under the profiler; return the wall time of every step."""
     name = run["strategy"]
-    torch.manual_seed(cfg["seed"])  # identical replicas on every rank
-    model = GPT(ModelConfig(**cfg["model"])).to(ctx.device)
+    torch.manual_seed(cfg.seed)  # identical replicas on every rank
+    model = GPT(cfg.model).to(ctx.device)
     if name == "naive":
         strategy: NaiveDP | TorchDDP = NaiveDP(ctx.world_size, ctx.backend)
     else:
-        strategy = TorchDDP(ctx.world_size, ctx.backend, bucket_cap_mb=cfg["bucket_cap_mb"])
+        strategy = TorchDDP(ctx.world_size, ctx.backend, bucket_cap_mb=cfg.bucket_cap_mb)
     wrapped = strategy.wrap(model)
-    opt = torch.optim.AdamW(wrapped.parameters(), lr=cfg["lr"])
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=cfg.lr)
     shard = data.shard(data.load_splits().train, ctx.rank, ctx.world_size)
-    gen = torch.Generator().manual_seed(cfg["seed"] + ctx.rank)
-    seq_len = cfg["model"]["seq_len"]
-    slow = run["slow_ms"] / 1e3 if ctx.rank == cfg["slow_rank"] else 0.0
-    steps = cfg["wait"] + cfg["warmup"] + cfg["active"]
+    gen = torch.Generator().manual_seed(cfg.seed + ctx.rank)
+    seq_len = cfg.model.seq_len
+    slow = run["slow_ms"] / 1e3 if ctx.rank == cfg.slow_rank else 0.0
+    steps = cfg.wait + cfg.warmup + cfg.active
     out.parent.mkdir(parents=True, exist_ok=True)
     seconds: list[float] = []
 
@@ -190,10 +184,10 @@ def _profile_one(ctx: runtime.Context, cfg: dict[str, Any], run: dict[str, Any],
         prof.export_chrome_trace(str(tmp))
         tmp.replace(out)
 
-    sched = schedule(wait=cfg["wait"], warmup=cfg["warmup"], active=cfg["active"], repeat=1)
-    first_active = cfg["wait"] + cfg["warmup"]
+    sched = schedule(wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=1)
+    first_active = cfg.wait + cfg.warmup
     capture = contextlib.ExitStack()
-    with_torch = cfg["profiler"] == "torch"
+    with_torch = cfg.profiler == "torch"
     with (profile(activities=activities(ctx.device), schedule=sched, on_trace_ready=export) if with_torch
           else contextlib.nullcontext()) as prof, capture:  # fmt: skip
         for step in range(steps):
@@ -201,10 +195,10 @@ def _profile_one(ctx: runtime.Context, cfg: dict[str, Any], run: dict[str, Any],
                 capture.enter_context(cuda_profiler_capture())
             t0 = time.perf_counter()
             with phase("data"):
-                x, y = data.get_batch(shard, cfg["micro_batch"], seq_len, gen, ctx.device)
+                x, y = data.get_batch(shard, cfg.micro_batch, seq_len, gen, ctx.device)
                 if slow:
                     time.sleep(slow)  # the planted straggler
-            loss = forward(wrapped, x, y, cfg["dtype"])
+            loss = forward(wrapped, x, y, cfg.dtype)
             if name == "naive":
                 with strategy.no_sync(), phase("backward"):
                     loss.backward()
@@ -229,26 +223,27 @@ def _profile_one(ctx: runtime.Context, cfg: dict[str, Any], run: dict[str, Any],
 
 @runtime.entrypoint
 def main(ctx: runtime.Context) -> dict[str, Any]:
-    cfg = validate(ctx.config, ctx.world_size)
+    cfg = DPProfileConfig.from_dict(ctx.config)
+    cfg.check_ranks(ctx.world_size)
     quiet_kineto()  # one "profiler_start" line per rank and run would bury the job's output
     if ctx.device.type == "cpu":
         torch.set_num_threads(1)  # ranks share the cores; more threads only contend
     root = (ctx.job_dir or Path.cwd()) / "traces"
-    steps = cfg["wait"] + cfg["warmup"] + cfg["active"]
-    total = steps * len(cfg["runs"])
+    steps = cfg.wait + cfg.warmup + cfg.active
+    total = steps * len(cfg.runs)
     traces: dict[str, str] = {}
     step_s: dict[str, list[float]] = {}
-    for i, run in enumerate(cfg["runs"]):
+    for i, run in enumerate(cfg.runs):
         name = run["name"]
-        ctx.heartbeat(part=f"{name} ({i + 1}/{len(cfg['runs'])})")
+        ctx.heartbeat(part=f"{name} ({i + 1}/{len(cfg.runs)})")
         out = root / f"run{i}" / f"rank{ctx.rank}.json"
         step_s[name] = _profile_one(ctx, cfg, run, out, i * steps, total)
-        if cfg["profiler"] == "torch":
+        if cfg.profiler == "torch":
             traces[name] = str(out)
-            ctx.print0(f"{name}: traced {cfg['active']} steps -> {out.parent}")
+            ctx.print0(f"{name}: traced {cfg.active} steps -> {out.parent}")
     with contextlib.suppress(Exception):
         torch.distributed.barrier()  # every rank's traces written before rank 0 reports
-    return {"rank": ctx.rank, "traces": traces, "step_s": step_s, "config": cfg,
+    return {"rank": ctx.rank, "traces": traces, "step_s": step_s, "config": cfg.to_dict(),
             "device": str(ctx.device), "backend": ctx.backend, "torch": torch.__version__}
 
 
@@ -263,7 +258,7 @@ def trace_paths(res: launch.JobResult, run: str) -> list[Path]:
     return paths
 
 
-def nsys_command(config: DPProfileConfig | Mapping[str, Any] | None, *, nproc: int, out_dir: str | Path,
+def nsys_command(config: DPProfileConfig, *, nproc: int, out_dir: str | Path,
                  python: str = sys.executable) -> tuple[NsysCommand | NsysTorchrunCommand, dict[str, str]]:
     """The ``nsys profile`` command for this job, and the environment it needs.
 
@@ -272,8 +267,7 @@ def nsys_command(config: DPProfileConfig | Mapping[str, Any] | None, *, nproc: i
     job directory under ``out_dir`` (``LABKIT_JOB_DIR``), with the torch profiler off and the
     CUDA capture range on. Writes that directory; runs nothing.
     """
-    job = dataclasses.replace(_as_config(config), profiler="nsys")
-    job.check_ranks(nproc)
+    job = dataclasses.replace(_checked(config, nproc), profiler="nsys")
     out_dir = Path(out_dir)
     job_dir = out_dir / "job"
     runtime.write_json_atomic(job_dir / runtime.SPEC_FILE, {"config": job.to_dict()})
@@ -284,13 +278,10 @@ def nsys_command(config: DPProfileConfig | Mapping[str, Any] | None, *, nproc: i
     return NsysTorchrunCommand(module=MODULE, nproc=nproc, output=output, python=python), env
 
 
-def run(config: DPProfileConfig | Mapping[str, Any] | None = None, *, nproc: int = 2,
-        **launch_kwargs: Any) -> launch.JobResult:
-    """Check ``config`` (its fields as a dict, too) against ``nproc`` ranks (ValueError before
-    anything starts), then launch the job."""
-    job = _as_config(config)
-    job.check_ranks(nproc)
-    return launch.run(job, nproc=nproc, **launch_kwargs)
+def run(config: DPProfileConfig, *, nproc: int = 2, **launch_kwargs: Any) -> launch.JobResult:
+    """Check ``config`` against ``nproc`` ranks (ValueError before anything starts), then launch
+    the job."""
+    return launch.run(_checked(config, nproc), nproc=nproc, **launch_kwargs)
 
 
 if __name__ == "__main__":

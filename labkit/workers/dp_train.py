@@ -10,8 +10,8 @@ Starting a job costs seconds, so one job runs every strategy asked for, in order
 same process group. Each one starts from the same seed (same weights, same batches), so
 their results compare directly with each other and with :func:`train_reference`, plain
 training in one process on the whole global batch. Config: :class:`DPTrainConfig`, whose fields
-are the keys ``labkit.parallel.dp_config.validate_dp_config`` documents (``run`` takes them as
-a dict too).
+``labkit.parallel.dp_config.DPSettings`` documents and checks (``run`` takes them as a dict
+too); resolved for the launch it is a ``DPJob``, which every function here reads.
 
 Per strategy, each rank reports: the loss per step (mean over ranks), step times, the bytes
 sent (counted; see labkit.parallel.comm) beside the ring-formula prediction, and the bytes
@@ -20,7 +20,7 @@ of parameters, gradients and optimizer state it holds (measured on local shards)
 counters around every step (``wire``: the bytes really carried, see :func:`wire_window`). With ``save_params`` the final parameters go to
 ``<job dir>/params_rank{r}.pt`` as {strategy: {name: tensor}}.
 
-Data: step s uses the s-th global batch of ``global_batches(cfg)`` (G sequences); rank r
+Data: step s uses the s-th global batch of ``global_batches(job)`` (G sequences); rank r
 takes rows [r·A·b, (r+1)·A·b) as A micro-batches of b rows (A = grad_accum, b = micro_batch).
 """
 
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -37,112 +36,46 @@ import torch.distributed as tdist
 from torch import nn
 
 from labkit import formulas, validate
-from labkit.config import ModelConfig, TrainConfig
 from labkit.jobs import launch, runtime
-from labkit.jobs.spec import WorkerConfig
 from labkit.memory import storage_bytes
 from labkit.metrics import net
 from labkit.model import GPT
 from labkit.parallel import comm
+from labkit.parallel.dp_config import AUTO as AUTO  # the worker's names, as every worker has
+from labkit.parallel.dp_config import DEFAULT_MODEL as DEFAULT_MODEL
 from labkit.parallel.dp_config import (
     ZERO_STAGE,
+    DPJob,
+    DPSettings,
     Strategy,
     optimizer_factory,
-    validate_dp_config,
 )
 from labkit.train import Batch, make_scaler, train_step
 
 MODULE = "labkit.workers.dp_train"
 # What gloo cannot do on GPU tensors that this worker does (runtime.require_gpu_backend).
 NEEDS = "ZeRO-1 and FSDP2 reduce-scatter gradients"
-AUTO = "auto"
-"""``fsdp_mixed_precision``'s default: validate_dp_config's choice from the train dtype."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DPTrainConfig(WorkerConfig):
-    """Data-parallel strategies run one after another in one job (``validate_dp_config``
-    documents every field; its defaults are these)."""
+class DPTrainConfig(DPSettings):
+    """Data-parallel strategies run one after another in one job. Every field, its default and
+    its check is :class:`~labkit.parallel.dp_config.DPSettings`'s (checked when built);
+    ``config.resolve(world_size, gpu_count, device=...)`` gives the complete
+    :class:`~labkit.parallel.dp_config.DPJob` the ranks run."""
 
     WORKER: ClassVar[str] = MODULE
-    strategies: tuple[str, ...] = ()
-    """Names from ``dp_config.STRATEGIES``, run in this order (at least one)."""
-    model: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """``ModelConfig`` fields over a 2-layer, 64-wide GPT."""
-    train: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """``TrainConfig`` fields; ``grad_clip`` defaults to None here."""
-    global_batch: int | None = None
-    """Sequences per optimizer step over all ranks (None: train's micro_batch on every rank)."""
-    optimizer: str = "adamw"
-    """One of "adamw", "sgd" (parity tests), "sgd_momentum" (PowerSGD's setting)."""
-    freeze: tuple[str, ...] = ()
-    """Parameter names to freeze."""
-    bucket_cap_mb: float | None = None
-    """Bucket size in MiB for "bucketed" and DDP (None: each one's default)."""
-    gradient_as_bucket_view: bool = True
-    """DDP's .grad as views into its buckets."""
-    powersgd_rank: int = 2
-    """PowerSGD's matrix rank."""
-    powersgd_start_iter: int = 2
-    """The step PowerSGD starts compressing at (>= 2)."""
-    mesh: list[int] | dict[str, int] | None = None
-    """[world_size] or one named dimension {"dp": world_size}; required for "fsdp2"."""
-    fsdp_mixed_precision: str | None = AUTO
-    """None, "bf16", or AUTO: "bf16" when train's dtype is bfloat16, else None."""
-    fsdp_reshard_after_forward: bool = True
-    """True: ZeRO-3; False: blocks stay gathered from forward to backward."""
-    spy: bool = False
-    """Also count every collective by interception (slower; a check)."""
-    save_params: bool = False
-    """Save each strategy's final parameters in the job directory."""
-
-    def __post_init__(self) -> None:
-        for name in ("model", "train"):
-            if not isinstance(getattr(self, name), dict):
-                raise validate.refuse(name, getattr(self, name), "a dict of fields")
-        if self.global_batch is not None:
-            validate.whole("global_batch", self.global_batch, low=1,
-                           why="sequences per step, all ranks")  # fmt: skip
-        # validate_dp_config's checks that hold on any world and device, now. What depends on
-        # the launch is left to run(): how global_batch divides among the ranks, train's
-        # device, and the size of FSDP2's mesh (the mesh's own size stands for the world).
-        fields = self.job_dict()
-        fields.pop("global_batch", None)
-        fields["train"] = {k: v for k, v in self.train.items() if k != "device"}
-        fields["mesh"] = [1] if self.mesh is None else self.mesh
-        validate_dp_config(fields, _mesh_size(self.mesh), 0, device="cpu")
-
-    def job_dict(self) -> dict[str, Any]:
-        """The fields as ``validate_dp_config`` reads them: those left to its default out."""
-        fields = self.to_dict()
-        if self.global_batch is None:
-            del fields["global_batch"]
-        if self.fsdp_mixed_precision == AUTO:
-            del fields["fsdp_mixed_precision"]
-        return fields
-
-    def checked(self, world_size: int, gpu_count: int = 0, *, device: str = "cpu") -> dict[str, Any]:
-        """The complete job for ``world_size`` ranks on ``device`` (``validate_dp_config``)."""
-        return validate_dp_config(self.job_dict(), world_size, gpu_count, device=device)
-
-
-def _mesh_size(mesh: Any) -> int:
-    """The ranks ``mesh`` covers, or 1 where it names none (or is malformed: then
-    ``validate_dp_config`` refuses it by name)."""
-    sizes = list(mesh.values()) if isinstance(mesh, dict) else mesh if isinstance(mesh, list) else []
-    whole = all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes)
-    return math.prod(sizes) if sizes and whole else 1
 
 
 # --- pieces shared by the worker and the single-process reference -----------------------------
 
 
-def build_model(cfg: dict[str, Any], device: torch.device | str = "cpu") -> GPT:
-    """The GPT of ``cfg["model"]``, seeded with ``train.seed``, with ``cfg["freeze"]`` frozen."""
-    torch.manual_seed(cfg["train"]["seed"])
-    model = GPT(ModelConfig(**cfg["model"])).to(device)
+def build_model(job: DPJob, device: torch.device | str = "cpu") -> GPT:
+    """The GPT of ``job.model``, seeded with ``job.train.seed``, with ``job.freeze`` frozen."""
+    torch.manual_seed(job.train.seed)
+    model = GPT(job.model).to(device)
     params = dict(model.named_parameters())
-    for name in cfg["freeze"]:
+    for name in job.freeze:
         params[name].requires_grad_(False)
     return model
 
@@ -154,19 +87,19 @@ def _train_split() -> torch.Tensor:
     return load_splits().train
 
 
-def global_batches(cfg: dict[str, Any]) -> list[Batch]:
+def global_batches(job: DPJob) -> list[Batch]:
     """One (x, y) pair of int64 (G, T) per step: G = global_batch, T = seq_len."""
     from labkit.data import get_batch
 
-    g = torch.Generator().manual_seed(cfg["train"]["seed"])
-    G, T = cfg["global_batch"], cfg["model"]["seq_len"]
-    return [get_batch(_train_split(), G, T, g) for _ in range(cfg["train"]["steps"])]
+    g = torch.Generator().manual_seed(job.train.seed)
+    G, T = job.global_batch, job.model.seq_len
+    return [get_batch(_train_split(), G, T, g) for _ in range(job.train.steps)]
 
 
-def rank_micro_batches(batch: Batch, rank: int, cfg: dict[str, Any]) -> list[Batch]:
+def rank_micro_batches(batch: Batch, rank: int, job: DPJob) -> list[Batch]:
     """Rank ``rank``'s micro-batches of one global batch: A slices of b rows each."""
     x, y = batch
-    b, accum = cfg["train"]["micro_batch"], cfg["train"]["grad_accum"]
+    b, accum = job.train.micro_batch, job.train.grad_accum
     start = rank * accum * b
     return [
         (x[start + i * b : start + (i + 1) * b], y[start + i * b : start + (i + 1) * b])
@@ -184,23 +117,25 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def train_reference(
-    cfg: dict[str, Any], *, grad_scale: float = 1.0
+    job: DPJob | Mapping[str, Any], *, grad_scale: float = 1.0
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Single-process training on each whole global batch: the parity reference.
 
-    ``grad_scale`` multiplies every gradient (2.0 imitates a 2-rank job that sums gradients
-    instead of averaging them, the bug of pytorch #162338): tests use it to show their
-    tolerance can tell the two apart. Returns (final parameters by name, loss per step).
+    ``job``: the resolved job (``DPTrainConfig.resolve``), or the ``config`` a rank reported
+    (its ``to_dict``). ``grad_scale`` multiplies every gradient (2.0 imitates a 2-rank job that
+    sums gradients instead of averaging them, the bug of pytorch #162338): tests use it to show
+    their tolerance can tell the two apart. Returns (final parameters by name, loss per step).
     """
-    model = build_model(cfg)
-    train = TrainConfig(**cfg["train"])
+    job = job if isinstance(job, DPJob) else DPJob.from_dict(job)
+    model = build_model(job)
+    train = job.train
     if grad_scale != 1.0:
         for p in model.parameters():
             if p.requires_grad:
                 p.register_hook(lambda g: g * grad_scale)
-    opt = optimizer_factory(cfg["optimizer"], train)(model)
+    opt = optimizer_factory(job.optimizer, train)(model)
     losses = []
-    for batch in global_batches(cfg):
+    for batch in global_batches(job):
         stats = train_step(
             model,
             opt,
@@ -216,12 +151,12 @@ def train_reference(
 # --- strategies --------------------------------------------------------------------------------
 
 
-def device_mesh(cfg: dict[str, Any], device_type: str) -> tuple[Any, str | None]:
+def device_mesh(job: DPJob, device_type: str) -> tuple[Any, str | None]:
     """(the job's DeviceMesh, the name of its data-parallel dimension), or (None, None)
-    without a mesh. ``cfg["mesh"]`` is [n] (unnamed) or {name: n} (validate_dp_config)."""
+    without a mesh. ``job.mesh`` is [n] (unnamed) or {name: n} (``DPSettings.mesh``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    spec = cfg.get("mesh")
+    spec = job.mesh
     if spec is None:
         return None, None
     if isinstance(spec, dict):
@@ -232,13 +167,13 @@ def device_mesh(cfg: dict[str, Any], device_type: str) -> tuple[Any, str | None]
 
 
 def make_strategy(
-    name: str, cfg: dict[str, Any], rank: int, world_size: int, device_type: str = "cpu"
+    name: str, job: DPJob, rank: int, world_size: int, device_type: str = "cpu"
 ) -> Strategy:
-    """The strategy called ``name``, configured from ``cfg`` (a validated config). With a
-    named mesh every strategy but ZeRO-1 takes its process group from the named dimension."""
-    backend = cfg["backend"]
-    named = isinstance(cfg.get("mesh"), dict)  # [n] as before: only FSDP2 builds a mesh
-    dm, dim = device_mesh(cfg, device_type) if named or name == "fsdp2" else (None, None)
+    """The strategy called ``name``, configured from ``job``. With a named mesh every
+    strategy but ZeRO-1 takes its process group from the named dimension."""
+    backend = job.backend
+    named = isinstance(job.mesh, dict)  # [n] as before: only FSDP2 builds a mesh
+    dm, dim = device_mesh(job, device_type) if named or name == "fsdp2" else (None, None)
     group = dm.get_group(dim) if dim is not None else None
     if name in ("naive", "bucketed"):
         from labkit.parallel.dp_bucketed import BucketedDP
@@ -246,7 +181,7 @@ def make_strategy(
 
         if name == "naive":
             return NaiveDP(world_size, backend, group=group)
-        cap = cfg.get("bucket_cap_mb")
+        cap = job.bucket_cap_mb
         return BucketedDP(
             world_size, backend, bucket_cap_mb=25.0 if cap is None else cap, group=group
         )
@@ -257,10 +192,10 @@ def make_strategy(
             world_size,
             backend,
             compression=name.partition("_")[2] or None,
-            bucket_cap_mb=cfg.get("bucket_cap_mb"),
-            powersgd_rank=cfg["powersgd_rank"],
-            powersgd_start_iter=cfg["powersgd_start_iter"],
-            gradient_as_bucket_view=cfg.get("gradient_as_bucket_view", True),
+            bucket_cap_mb=job.bucket_cap_mb,
+            powersgd_rank=job.powersgd_rank,
+            powersgd_start_iter=job.powersgd_start_iter,
+            gradient_as_bucket_view=job.gradient_as_bucket_view,
             group=group,
         )
     if name == "zero1":
@@ -275,8 +210,8 @@ def make_strategy(
             backend,
             mesh=dm,
             mesh_dim=dim,
-            mixed_precision=cfg.get("fsdp_mixed_precision"),
-            reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True),
+            mixed_precision=job.fsdp_mixed_precision,
+            reshard_after_forward=job.fsdp_reshard_after_forward,
         )
     raise ValueError(f"strategy={name!r}: unknown")
 
@@ -383,7 +318,7 @@ def unsharded_param_bytes(model: nn.Module) -> int:
 
 
 def reshard_probe(
-    cfg: dict[str, Any], ctx: runtime.Context, batch: Batch
+    job: DPJob, ctx: runtime.Context, batch: Batch
 ) -> dict[str, dict[str, float]] | None:
     """FSDP2 with ``reshard_after_forward`` True (ZeRO-3) and False (ZeRO-2-like), one
     micro-batch each on a fresh model: the gathered weights still held between forward and
@@ -391,17 +326,15 @@ def reshard_probe(
     has no such option."""
     from labkit.parallel.fsdp import FSDP2
 
-    mesh, _ = device_mesh(cfg, ctx.device.type)
+    mesh, _ = device_mesh(job, ctx.device.type)
     x, y = (t.to(ctx.device) for t in batch)
     out = {}
     for reshard in (True, False):
         try:
-            strategy = FSDP2(
-                ctx.world_size, cfg["backend"], mesh=mesh, reshard_after_forward=reshard
-            )
+            strategy = FSDP2(ctx.world_size, job.backend, mesh=mesh, reshard_after_forward=reshard)
         except TypeError:
             return None
-        model = strategy.wrap(build_model(cfg, ctx.device))
+        model = strategy.wrap(build_model(job, ctx.device))
         with comm.spying(strategy.bytes_counter):
             _, loss = model(x, y)
             held = unsharded_param_bytes(model)
@@ -458,23 +391,23 @@ def wire_window(interface: str | None) -> int | None:
 
 
 def _one_strategy(
-    ctx: runtime.Context, cfg: dict[str, Any], name: str, batches: list[Batch], done: int = 0
+    ctx: runtime.Context, job: DPJob, name: str, batches: list[Batch], done: int = 0
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Train with strategy ``name`` on ``batches``. ``done``: steps of the job so far (the
     strategies before this one), so the heartbeat counts steps over the whole job."""
     n, device = ctx.world_size, ctx.device
-    train = TrainConfig(**cfg["train"])
-    strategy = make_strategy(name, cfg, ctx.rank, n, device.type)
-    base = build_model(cfg, device)  # same seed on every rank: identical replicas
+    train = job.train
+    strategy = make_strategy(name, job, ctx.rank, n, device.type)
+    base = build_model(job, device)  # same seed on every rank: identical replicas
     model = strategy.wrap(base)
-    opt = strategy.optimizer(model, optimizer_factory(cfg["optimizer"], train))
+    opt = strategy.optimizer(model, optimizer_factory(job.optimizer, train))
     scaler = make_scaler(device, train.dtype)
     # FSDP2 has no hook to wrap: its collectives are counted by interception (CollectiveSpy).
-    # The others are counted by our wrappers and hooks and, with cfg["spy"], a second time by
+    # The others are counted by our wrappers and hooks and, with job.spy, a second time by
     # interception, as a check. The spy slows every operator: FSDP2's step times include it.
     if name == "fsdp2":
         spy = strategy.bytes_counter
-    elif cfg["spy"]:
+    elif job.spy:
         spy = comm.ByteCounter(n, ctx.backend, "intercepted c10d collectives")
     else:
         spy = None
@@ -484,7 +417,7 @@ def _one_strategy(
     losses, seconds, wire, idle = [], [], [], []
     consumed = []  # sequences this rank's forward passes took, per step (counted, not configured)
     for step, batch in enumerate(batches):
-        micro = rank_micro_batches(batch, ctx.rank, cfg)
+        micro = rank_micro_batches(batch, ctx.rank, job)
         consumed.append(sum(int(x.shape[0]) for x, _ in micro))
         opened = wire_window(iface)
         with ctx.phase(f"{name} step"), comm.spying(spy):
@@ -514,9 +447,9 @@ def _one_strategy(
     tdist.all_reduce(per_step)  # every rank's count summed (not counted: reporting)
     params = full_params(base)
     memory = measure_memory(
-        strategy, model, opt, rank_micro_batches(batches[0], ctx.rank, cfg)[0], device
+        strategy, model, opt, rank_micro_batches(batches[0], ctx.rank, job)[0], device
     )
-    tokens = cfg["global_batch"] * cfg["model"]["seq_len"]
+    tokens = job.global_batch * job.model.seq_len
     result = {
         "loss": losses,
         "step_s": seconds,
@@ -530,11 +463,11 @@ def _one_strategy(
             base,
             n,
             train.grad_accum,
-            fsdp_param_bytes=2 if cfg.get("fsdp_mixed_precision") == "bf16" else 4,
-            fsdp_reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True),
+            fsdp_param_bytes=2 if job.fsdp_mixed_precision == "bf16" else 4,
+            fsdp_reshard_after_forward=job.fsdp_reshard_after_forward,
         ),
         "memory": {**memory, "method": "storage bytes of local tensors after a real step"},
-        "memory_predicted": predicted_memory(name, base, n, cfg["optimizer"]),
+        "memory_predicted": predicted_memory(name, base, n, job.optimizer),
         "wire": None
         if iface is None
         else {
@@ -548,7 +481,7 @@ def _one_strategy(
         result["bytes_spy"] = check.summary()
     if name == "fsdp2":
         result["reshard_probe"] = reshard_probe(
-            cfg, ctx, rank_micro_batches(batches[0], ctx.rank, cfg)[0]
+            job, ctx, rank_micro_batches(batches[0], ctx.rank, job)[0]
         )
     return result, params
 
@@ -556,28 +489,28 @@ def _one_strategy(
 @runtime.entrypoint
 def main(ctx: runtime.Context) -> dict[str, Any]:
     runtime.require_gpu_backend(ctx.backend, ctx.device.type, NEEDS)  # launched without run()
-    cfg = DPTrainConfig.from_dict(ctx.config).checked(
+    job = DPTrainConfig.from_dict(ctx.config).resolve(
         ctx.world_size, torch.cuda.device_count(), device=ctx.device.type
     )
-    batches = global_batches(cfg)
-    probe = build_model(cfg)
+    batches = global_batches(job)
+    probe = build_model(job)
     runs: dict[str, Any] = {}
     saved: dict[str, dict[str, torch.Tensor]] = {}
-    strategies = cfg["strategies"]
-    for i, name in enumerate(strategies):
+    for i, name in enumerate(job.strategies):
         ctx.print0(f"--- {name}")
         # Steps count over the whole job: "step 12/12" must not show while 7 strategies wait.
-        part = f"{name} ({i + 1}/{len(strategies)})"
-        ctx.heartbeat(total=len(strategies) * len(batches), part=part)
-        runs[name], saved[name] = _one_strategy(ctx, cfg, name, batches, done=i * len(batches))
+        part = f"{name} ({i + 1}/{len(job.strategies)})"
+        ctx.heartbeat(total=len(job.strategies) * len(batches), part=part)
+        runs[name], saved[name] = _one_strategy(ctx, job, name, batches, done=i * len(batches))
         ctx.print0(
             f"{name}: loss {runs[name]['loss'][0]:.4f} -> {runs[name]['loss'][-1]:.4f}, "
             f"{runs[name]['bytes']['sent_per_rank_last_step'] / 1e3:.1f} kB sent/rank "
             "in the last step"
         )
-    if cfg["save_params"] and ctx.job_dir is not None:
-        path = ctx.job_dir / f"params_rank{ctx.rank}.pt"
-        torch.save(saved, path)
+    params_file = None
+    if job.save_params and ctx.job_dir is not None:
+        params_file = ctx.job_dir / f"params_rank{ctx.rank}.pt"
+        torch.save(saved, params_file)
     return {
         "rank": ctx.rank,
         "world_size": ctx.world_size,
@@ -586,30 +519,31 @@ def main(ctx: runtime.Context) -> dict[str, Any]:
         "torch": torch.__version__,
         "n_params": sum(p.numel() for p in probe.parameters()),
         "n_trainable": sum(p.numel() for p in probe.parameters() if p.requires_grad),
-        "global_batch": cfg["global_batch"],
-        "config": cfg,
+        "global_batch": job.global_batch,
+        "config": job.to_dict(),  # DPJob.from_dict reads it back (train_reference does)
         "runs": runs,
-        "params_file": str(ctx.job_dir / f"params_rank{ctx.rank}.pt")
-        if cfg["save_params"] and ctx.job_dir is not None
-        else None,
+        "params_file": None if params_file is None else str(params_file),
     }
 
 
 def run(
-    config: DPTrainConfig | Mapping[str, Any],
+    config: DPTrainConfig,
     *,
     nproc: int = 2,
     device: str = "auto",
     backend: str = "auto",
     **launch_kwargs: Any,
 ) -> launch.JobResult:
-    """Check ``config`` (its fields as a dict, too) against ``nproc`` ranks and the backend
-    (ValueError before anything starts), then launch."""
-    job = config if isinstance(config, DPTrainConfig) else DPTrainConfig.from_dict(dict(config))
+    """Check ``config`` against ``nproc`` ranks and the backend (ValueError before anything
+    starts), then launch."""
+    if not isinstance(config, DPTrainConfig):
+        raise validate.refuse("config", config, "a DPTrainConfig (DPTrainConfig(**fields) "
+                              "builds one from a dict of its fields)")  # fmt: skip
+    job = config
     gpu_count = launch.visible_gpu_count()
     be, dev = launch.resolve_backend(nproc, device, backend, gpu_count=gpu_count)
     runtime.require_gpu_backend(be, dev, NEEDS)
-    job.checked(nproc, gpu_count, device=dev)
+    job.resolve(nproc, gpu_count, device=dev)
     return launch.run(job, nproc=nproc, device=dev, backend=be, **launch_kwargs)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection, Sequence
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from labkit import validate
 from labkit.config import ModelConfig, RunConfig, TrainConfig
@@ -38,28 +38,24 @@ def counts(name: str, values: Sequence[int], *, why: str = "") -> tuple[int, ...
 class GPTJobConfig(WorkerConfig):
     """A job on the course GPT: its shape, the batch, the seed."""
 
-    DEFAULT_MODEL: ClassVar[dict[str, Any]] = {}
-    """The worker's small GPT; ``model`` overrides its fields."""
     ON_CORPUS: ClassVar[bool] = True
     """The model reads the byte corpus, so its vocabulary must hold every byte (RunConfig)."""
-    model: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """``ModelConfig`` fields over the worker's ``DEFAULT_MODEL``."""
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    """The GPT the job builds; each worker's config declares its own small default. A dict of
+    ``ModelConfig`` fields is taken as changes to that default (``model=dict(n_layer=2)``)."""
     batch_size: int = 4
     """Sequences per step."""
     seed: int = 0
     """Seeds the model's initial weights and the batches."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model, dict):
-            raise validate.refuse("model", self.model, "a dict of ModelConfig fields")
-        self.model_config()  # ModelConfig's own checks, before anything starts
+        super().__post_init__()
+        if not isinstance(self.model, ModelConfig):
+            raise validate.refuse("model", self.model, "a ModelConfig, or a dict of its fields")
+        if self.ON_CORPUS:
+            RunConfig(model=self.model)  # the corpus's vocabulary, before anything starts
         validate.whole("batch_size", self.batch_size, low=1)
         validate.whole("seed", self.seed, low=0)
-
-    def model_config(self) -> ModelConfig:
-        """The GPT this job builds."""
-        model = ModelConfig(**{**self.DEFAULT_MODEL, **self.model})
-        return RunConfig(model=model).model if self.ON_CORPUS else model
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -4,17 +4,16 @@ ranks measured held against it, each a frozen result with ``describe()``.
 Apart from :mod:`labkit.workers.mesh_train`, which every rank of the job runs: this module
 runs in the notebook's kernel, on the ``JobResult`` those ranks returned. The sentences are
 chosen by the measurements (``labkit.verdict`` where two measured samples are compared), never
-written in advance. :mod:`labkit.workers.mesh_train` re-exports the public names, so notebook
-03b writes::
+written in advance. Notebook 03b (``from labkit import workers``) writes::
 
-    pred = mesh_train.predict(model_dict, {"fsdp_tp": tp_mesh, "hsdp": hsdp_mesh}, batch_size)
-    job = mesh_train.run(mesh_train.MeshTrainConfig(...), nproc=4)
-    groups = mesh_train.check_groups(job, {"fsdp_tp": tp_mesh, "hsdp": hsdp_mesh})
-    counted = mesh_train.check_bytes(job, pred)
-    parity = mesh_train.check_parity(job)
-    memory = mesh_train.check_memory(job, pred)
-    print(mesh_train.reconcile(groups, counted, memory, parity).describe())
-    print(mesh_train.compare_steps(job).describe())
+    pred = workers.mesh_report.predict(model_dict, {"fsdp_tp": tp_mesh, "hsdp": hsdp_mesh}, batch_size)
+    job = workers.mesh_train.run(workers.mesh_train.MeshTrainConfig(...), nproc=4)
+    groups = workers.mesh_report.check_groups(job, {"fsdp_tp": tp_mesh, "hsdp": hsdp_mesh})
+    counted = workers.mesh_report.check_bytes(job, pred)
+    parity = workers.mesh_report.check_parity(job)
+    memory = workers.mesh_report.check_memory(job, pred)
+    print(workers.mesh_report.reconcile(groups, counted, memory, parity).describe())
+    print(workers.mesh_report.compare_steps(job).describe())
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ STATE_KEYS = ("parameters", "gradients", "optimizer_state")
 
 def _data_degree(spec: mesh.MeshLike, part: str) -> int:
     """The data-parallel degree of ``part`` on ``spec``: how many shards the batch is cut in."""
-    from labkit.workers.mesh_train import data_index  # it re-exports this module's names
+    from labkit.workers.mesh_train import data_index  # here: the worker imports torch
 
     return data_index(spec, part, 0)[1]
 
@@ -240,7 +239,7 @@ def reference_run(config: Any) -> tuple[list[float], dict[str, Any], dict[str, A
     from labkit.model import GPT
     from labkit.train import make_optimizer
 
-    cfg, tcfg = config.model_config(), config.train_config()
+    cfg, tcfg = config.model, config.train_config()
     threads = torch.get_num_threads()
     # One thread, as each rank had: on a busy machine two spinning threads of this small model
     # run slower than one.

@@ -31,8 +31,7 @@ further meshes of any names and shape whose groups the "groups" part reads too, 
 {"flat": {"x": 4}}).
 
 Notebook 03b's reading of the job in its kernel (the prediction; the groups, bytes, parity and
-memory held against it; the step times compared) is :mod:`labkit.workers.mesh_report`, whose
-public names this module re-exports.
+memory held against it; the step times compared) is :mod:`labkit.workers.mesh_report`.
 """
 
 from __future__ import annotations
@@ -46,6 +45,7 @@ import torch
 import torch.distributed as tdist
 
 from labkit import data, timing
+from labkit.config import ModelConfig
 from labkit.jobs import launch, runtime
 from labkit.memory import optimizer_state_tensors, storage_bytes
 from labkit.model import GPT
@@ -54,28 +54,6 @@ from labkit.parallel.dp_config import local
 from labkit.train import make_optimizer
 from labkit.validate import InvalidValue
 from labkit.workers.job_config import GPTTrainingConfig, some_of
-from labkit.workers.mesh_report import BytesCheck as BytesCheck
-from labkit.workers.mesh_report import ChoiceRun as ChoiceRun
-from labkit.workers.mesh_report import GroupCheck as GroupCheck
-from labkit.workers.mesh_report import MemoryCheck as MemoryCheck
-from labkit.workers.mesh_report import MeshChecks as MeshChecks
-from labkit.workers.mesh_report import MeshPrediction as MeshPrediction
-from labkit.workers.mesh_report import Parity as Parity
-from labkit.workers.mesh_report import StepComparison as StepComparison
-from labkit.workers.mesh_report import check_bytes as check_bytes
-from labkit.workers.mesh_report import check_choice as check_choice
-from labkit.workers.mesh_report import check_groups as check_groups
-from labkit.workers.mesh_report import check_memory as check_memory
-from labkit.workers.mesh_report import check_parity as check_parity
-from labkit.workers.mesh_report import compare_steps as compare_steps
-from labkit.workers.mesh_report import composition_of as composition_of
-from labkit.workers.mesh_report import describe_choice as describe_choice
-from labkit.workers.mesh_report import describe_measured as describe_measured
-from labkit.workers.mesh_report import measured as measured
-from labkit.workers.mesh_report import plot_memory as plot_memory
-from labkit.workers.mesh_report import predict as predict
-from labkit.workers.mesh_report import reconcile as reconcile
-from labkit.workers.mesh_report import reference_run as reference_run
 
 DEFAULT_MODEL = {"seq_len": 32, "n_layer": 2, "n_head": 4, "d_model": 64}
 PARTS = ("groups", "fsdp_tp", "hsdp")
@@ -103,7 +81,7 @@ class MeshTrainConfig(GPTTrainingConfig):
     """Two compositions of a 4-rank mesh, and the groups of every mesh (module docstring)."""
 
     WORKER: ClassVar[str] = "labkit.workers.mesh_train"
-    DEFAULT_MODEL: ClassVar[dict[str, Any]] = DEFAULT_MODEL
+    model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(**DEFAULT_MODEL))
     batch_size: int = 8
     """The global batch: every data-parallel shard of a mesh takes an equal share of it."""
     parts: tuple[str, ...] = PARTS
@@ -120,7 +98,7 @@ class MeshTrainConfig(GPTTrainingConfig):
         some_of("parts", self.parts, PARTS)
         B = self.batch_size
         for part in MESHES:
-            spec = _own_world(getattr(self, f"{part}_mesh"), model_cfg=self.model_config())
+            spec = _own_world(getattr(self, f"{part}_mesh"), model_cfg=self.model)
             missing = [d for d in MESHES[part] if d not in spec.names]
             if missing or len(spec.names) != 2:
                 raise InvalidValue(
@@ -156,7 +134,7 @@ def validate(conf: MeshTrainConfig | dict[str, Any], world_size: int) -> dict[st
     cfg = conf if isinstance(conf, MeshTrainConfig) else MeshTrainConfig.from_dict(conf)
     meshes = {part: mesh.validate_mesh(getattr(cfg, f"{part}_mesh"), world_size) for part in MESHES}
     return {
-        "model": cfg.model_config(),
+        "model": cfg.model,
         "train": cfg.train_config(),
         "parts": list(cfg.parts),
         "meshes": meshes,

@@ -49,7 +49,7 @@ class MoETrainConfig(GPTJobConfig):
     """A mixture-of-experts layer split over the ranks, checked against one process."""
 
     WORKER: ClassVar[str] = "labkit.workers.moe_train"
-    DEFAULT_MODEL: ClassVar[dict[str, Any]] = DEFAULT_MODEL
+    model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(**DEFAULT_MODEL))
     ON_CORPUS: ClassVar[bool] = False  # a layer's shape: the vocabulary is the model's own
     batch_size: int = 2
     """Sequences per rank."""
@@ -150,7 +150,7 @@ def reference_moe(cfg: ModelConfig, n_experts: int, top_k: int, seed: int) -> ex
 @runtime.entrypoint
 def main(ctx: runtime.Context) -> dict[str, Any]:
     job = MoETrainConfig.from_dict(ctx.config)
-    cfg = job.model_config()
+    cfg = job.model
     E, k = job.n_experts, job.top_k
     expert.validate_moe(E, k, ctx.world_size)  # again here: the kernel checked before launch
     B, seed, impl = job.batch_size, job.seed, job.impl

@@ -1,6 +1,6 @@
 """A job of several machines in miniature: where each rank runs, one all-reduce, one DDP step.
 
-    launch.run("labkit.workers.multinode", nproc=1,
+    launch.run(MultinodeConfig(), nproc=1,
                nodes=launch.Nodes(2, endpoint="head-node:29400", rdzv_id="demo"))
 
 The same module runs on one machine (``nproc`` ranks), on several under torchrun's c10d
@@ -36,10 +36,6 @@ from torch.nn.parallel import DistributedDataParallel
 from labkit import validate
 from labkit.jobs import launch, runtime
 from labkit.jobs.spec import WorkerConfig
-from labkit.workers.multinode_report import Prediction as Prediction
-from labkit.workers.multinode_report import Reconcile as Reconcile
-from labkit.workers.multinode_report import describe_rehearsal as describe_rehearsal
-from labkit.workers.multinode_report import reconcile as reconcile
 
 IN, HIDDEN = 8, 4
 
@@ -62,6 +58,7 @@ class MultinodeConfig(WorkerConfig):
     already waits: a job with a node to pull the plug on (0: no wait, no barrier)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         validate.whole("seed", self.seed, low=0)
         validate.whole("batch", self.batch, low=1)
         validate.whole("numel", self.numel, low=1)
@@ -152,20 +149,6 @@ def main(ctx: runtime.Context) -> dict:
         "params": params.tolist(),
         "checksum": params.sum().item(),
     }
-
-
-# --- notebook 02b's prediction (the rest of its reading: labkit.workers.multinode_report) ----
-
-
-def predict(nodes: int, nproc_per_node: int, *, seed: int = 0, batch: int = 8,
-            lr: float = 0.1) -> Prediction:  # fmt: skip
-    """Ranks numbered node by node (``nodes.rank_range``), the all-reduce's n(n+1)/2, and one
-    process's step on all the ranks' batches, for a job of the default config's seed, batch and
-    learning rate."""
-    nodes = validate.whole("nodes", nodes, low=1)
-    nproc_per_node = validate.whole("nproc_per_node", nproc_per_node, low=1)
-    reference = reference_params(nodes * nproc_per_node, seed=seed, batch=batch, lr=lr)
-    return Prediction(nodes, nproc_per_node, reference)
 
 
 if __name__ == "__main__":

@@ -4,14 +4,14 @@ in a rehearsal, and the reconcile, each a frozen result with ``describe()``.
 Apart from :mod:`labkit.workers.multinode`, which every rank of the job runs: this module runs
 in the notebook's kernel, on the ``Rehearsal`` (``labkit.jobs.launch.rehearse_nodes``) those
 ranks reported to. The sentences are chosen by what the ranks hold, never written in advance.
-:mod:`labkit.workers.multinode` re-exports the public names (and builds the prediction, which
-needs its reference step), so notebook 02b writes::
+The prediction's reference step is the worker's own (``multinode.reference_params``). Notebook
+02b (``from labkit import workers``) writes::
 
-    prediction = multinode.predict(nodes, nproc_per_node)
+    prediction = workers.multinode_report.predict(nodes, nproc_per_node)
     print(prediction.describe())
-    rehearsal = launch.rehearse_nodes("labkit.workers.multinode", nodes=nodes, nproc=...)
-    print(multinode.describe_rehearsal(prediction, rehearsal))
-    print(multinode.reconcile(prediction, rehearsal).describe())
+    rehearsal = launch.rehearse_nodes(workers.multinode.MultinodeConfig(), nodes=nodes, nproc=...)
+    print(workers.multinode_report.describe_rehearsal(prediction, rehearsal))
+    print(workers.multinode_report.reconcile(prediction, rehearsal).describe())
 """
 
 from __future__ import annotations
@@ -21,14 +21,16 @@ from typing import Any
 
 import torch
 
+from labkit import validate
 from labkit.jobs.launch import Rehearsal
 from labkit.jobs.nodes import rank_range
+from labkit.workers.multinode import reference_params
 
 
 @dataclasses.dataclass(frozen=True)
 class Prediction:
     """What a job of ``nodes`` nodes of ``nproc_per_node`` ranks should report
-    (:func:`labkit.workers.multinode.predict`)."""
+    (:func:`predict`)."""
 
     nodes: int
     nproc_per_node: int
@@ -55,6 +57,17 @@ class Prediction:
     def gap(self, result: dict[str, Any]) -> float:
         """The largest |difference| between a rank's weights after the step and the reference."""
         return (torch.tensor(result["params"]) - self.reference).abs().max().item()
+
+
+def predict(nodes: int, nproc_per_node: int, *, seed: int = 0, batch: int = 8,
+            lr: float = 0.1) -> Prediction:  # fmt: skip
+    """Ranks numbered node by node (``nodes.rank_range``), the all-reduce's n(n+1)/2, and one
+    process's step on all the ranks' batches, for a job of the default config's seed, batch and
+    learning rate."""
+    nodes = validate.whole("nodes", nodes, low=1)
+    nproc_per_node = validate.whole("nproc_per_node", nproc_per_node, low=1)
+    reference = reference_params(nodes * nproc_per_node, seed=seed, batch=batch, lr=lr)
+    return Prediction(nodes, nproc_per_node, reference)
 
 
 def describe_rehearsal(prediction: Prediction, rehearsal: Rehearsal) -> str:

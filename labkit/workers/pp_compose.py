@@ -46,8 +46,7 @@ timed steps, default 1/3), pp and dp (dp_pp), schedules (names from
 micro_batch (rows, default 1).
 
 Notebook 03b's reading of the "dp_pp" part in its kernel (the prediction from the stage sizes,
-the counts and parity held against it, the timeline) is :mod:`labkit.workers.dp_pp_report`,
-whose public names this module re-exports.
+the counts and parity held against it, the timeline) is :mod:`labkit.workers.dp_pp_report`.
 """
 
 from __future__ import annotations
@@ -70,11 +69,6 @@ from labkit.parallel.timeline import bubble_from_events, common_t0
 from labkit.parallel.zero1 import ShardedOptimizer
 from labkit.timing import synchronize
 from labkit.train import make_optimizer
-from labkit.workers.dp_pp_report import DpPpCheck as DpPpCheck
-from labkit.workers.dp_pp_report import DpPpPrediction as DpPpPrediction
-from labkit.workers.dp_pp_report import check_dp_pp as check_dp_pp
-from labkit.workers.dp_pp_report import plot_dp_pp as plot_dp_pp
-from labkit.workers.dp_pp_report import predict_dp_pp as predict_dp_pp
 from labkit.workers.job_config import GPTJobConfig, some_of
 from labkit.workers.pp_train import DEFAULT_MODEL, build_model, make_batch
 
@@ -88,7 +82,7 @@ class PPComposeConfig(GPTJobConfig):
     its single-process reference takes."""
 
     WORKER: ClassVar[str] = "labkit.workers.pp_compose"
-    DEFAULT_MODEL: ClassVar[dict[str, Any]] = DEFAULT_MODEL
+    model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(**DEFAULT_MODEL))
     part: str = "dp_pp"
     """One of PARTS."""
     batch_size: int = 8
@@ -137,7 +131,7 @@ class PPComposeConfig(GPTJobConfig):
     def check_ranks(self, world_size: int) -> None:
         """Refuse a job of ``world_size`` ranks this part cannot run on (before launch, and
         again first thing on the rank)."""
-        cfg, B, m = self.model_config(), self.batch_size, self.microbatches
+        cfg, B, m = self.model, self.batch_size, self.microbatches
         if self.part == "dp_pp":
             pipeline.validate_dp_pp(cfg, world_size, self.pp, self.dp, B, m)
         elif self.part == "schedules":
@@ -426,8 +420,7 @@ def validate_layouts(cfg: ModelConfig, world_size: int, layouts: list[Any], batc
                      micro_batch: int) -> list[tuple[int, int]]:  # fmt: skip
     """[(pp, dp), ...] checked (each covers the world, its replicas' rows cut into micro-batches
     of ``micro_batch`` rows); ValueError naming the fix otherwise. Call it before launch."""
-    if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
-        raise ValueError(f"micro_batch={micro_batch!r}: need a positive integer")
+    validate.whole("micro_batch", micro_batch, low=1)
     out = []
     for lay in layouts:
         pp, dp = (int(v) for v in lay)
@@ -553,7 +546,7 @@ def main(ctx: runtime.Context) -> dict[str, Any]:
                              "activations with send/recv")  # fmt: skip
     torch.manual_seed(0)
     part = {"dp_pp": _dp_pp, "schedules": _schedules, "layouts": _layouts}[job.part]
-    return part(ctx, job.model_config(), job)
+    return part(ctx, job.model, job)
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ class PPTrainConfig(GPTJobConfig):
     """Every pipeline schedule on one batch (the fields are the docstring's list)."""
 
     WORKER: ClassVar[str] = "labkit.workers.pp_train"
-    DEFAULT_MODEL: ClassVar[dict[str, Any]] = DEFAULT_MODEL
+    model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(**DEFAULT_MODEL))
     batch_size: int = 8
     """Sequences per step, B, split into m micro-batches of B/m."""
     microbatches: int | tuple[int, ...] = 4
@@ -129,7 +129,7 @@ def _counts(schedule: str, ms: list[int], p: int) -> list[int]:
 @runtime.entrypoint
 def main(ctx: runtime.Context) -> dict[str, Any]:
     job = PPTrainConfig.from_dict(ctx.config)
-    cfg = job.model_config()  # on the byte corpus (vocab_size >= 256), checked before setup
+    cfg = job.model  # on the byte corpus (vocab_size >= 256), checked before setup
     B, ms, schedules, seed = job.batch_size, list(job.microbatches), job.schedules, job.seed
     warmup, repeats = job.warmup, job.repeats
     p = ctx.world_size

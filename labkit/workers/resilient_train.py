@@ -38,13 +38,13 @@ import json
 import os
 import signal
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as tdist
 
+from labkit import validate
 from labkit.config import ModelConfig, TrainConfig
 from labkit.data import fixed_batches
 from labkit.formulas.checkpoints import predicted_lost_steps as predicted_lost_steps
@@ -52,6 +52,7 @@ from labkit.jobs import checkpoint, launch, runtime
 from labkit.jobs.spec import WorkerConfig
 from labkit.model import GPT
 from labkit.train import lr_at, make_optimizer, set_lr, train_step
+from labkit.validate import InvalidValue
 
 _IMPORTED = time.time()
 MODULE = "labkit.workers.resilient_train"
@@ -70,8 +71,8 @@ class ResilientTrainConfig(WorkerConfig):
     """A DDP training job that checkpoints, and the failure planted in it (if any)."""
 
     WORKER: ClassVar[str] = MODULE
-    model: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """ModelConfig fields over DEFAULT_MODEL."""
+    model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(**DEFAULT_MODEL))
+    """The GPT (a dict of ModelConfig fields is taken as changes to DEFAULT_MODEL)."""
     seed: int = 0
     """Seeds the weights, the batches and each rank's dropout."""
     steps: int = 12
@@ -94,63 +95,42 @@ class ResilientTrainConfig(WorkerConfig):
     """Where the checkpoints go (None: <job folder>/checkpoints)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model, dict):
-            raise ValueError(f"model={self.model!r}: need a dict of ModelConfig fields")
-        ModelConfig(**self.model_fields())  # its own checks
-        for key in ("steps", "every", "keep", "global_batch"):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{key}={v!r}: need an integer >= 1")
+        super().__post_init__()
+        if not isinstance(self.model, ModelConfig):
+            raise validate.refuse("model", self.model, "a ModelConfig, or a dict of its fields")
+        for name in ("steps", "every", "keep", "global_batch"):
+            validate.whole(name, getattr(self, name), low=1)
+        validate.whole("seed", self.seed, low=0)
         if (self.kill_rank is None) != (self.kill_at_step is None):
-            raise ValueError("kill_rank and kill_at_step go together: both (a planted failure) "
-                             "or neither")  # fmt: skip
-        at = self.kill_at_step
-        if at is not None and not (isinstance(at, int) and 1 <= at < self.steps):
-            raise ValueError(f"kill_at_step={at!r}: a step count in 1..{self.steps - 1} "
-                             "(steps done when the rank dies)")  # fmt: skip
-
-    def model_fields(self) -> dict[str, Any]:
-        """The GPT's ModelConfig fields: ``model`` over DEFAULT_MODEL."""
-        return {**DEFAULT_MODEL, **self.model}
+            raise InvalidValue("kill_rank and kill_at_step go together: both (a planted failure) "
+                               "or neither")  # fmt: skip
+        if self.kill_at_step is not None:
+            validate.whole("kill_at_step", self.kill_at_step, low=1, high=self.steps - 1,
+                           why="steps done when the rank dies")  # fmt: skip
 
     def check_ranks(self, world_size: int) -> None:
         """Refuse a job of ``world_size`` ranks that cannot split the batch or has no
         ``kill_rank``."""
         if self.global_batch % world_size:
-            raise ValueError(f"global_batch={self.global_batch} does not split over {world_size} "
-                             "ranks: make it a multiple of nproc")  # fmt: skip
-        rank = self.kill_rank
-        if rank is not None and not (isinstance(rank, int) and 0 <= rank < world_size):
-            raise ValueError(f"kill_rank={rank!r}: a rank of this job, 0..{world_size - 1}")
+            raise InvalidValue(f"global_batch={self.global_batch} does not split over {world_size} "
+                               "ranks: make it a multiple of nproc")  # fmt: skip
+        if self.kill_rank is not None:
+            validate.whole("kill_rank", self.kill_rank, low=0, high=world_size - 1,
+                           why="a rank of this job")  # fmt: skip
+
+    def check_shared_root(self, agents: int) -> None:
+        """A job of several agents (machines) needs a checkpoint folder they all see: by default
+        each agent's job folder is its own, and the checkpoint would be split between them."""
+        if agents > 1 and not self.checkpoint_dir:
+            raise InvalidValue(
+                f"this job spans {agents} agents (nodes), and each has its own job folder: give "
+                "config checkpoint_dir, a folder on a file system every node sees, so that every "
+                "rank writes the same checkpoint"
+            )
 
 
-DEFAULTS: dict[str, Any] = {**ResilientTrainConfig().to_dict(), "model": DEFAULT_MODEL}
+DEFAULTS: dict[str, Any] = ResilientTrainConfig().to_dict()
 """Every field's default, the model's fields included (the notebook reads them here)."""
-
-
-def validate(config: ResilientTrainConfig | Mapping[str, Any], world_size: int) -> dict[str, Any]:
-    """``config`` (its fields as a dict, too) complete and checked against ``world_size`` ranks:
-    ValueError naming the field and the fix."""
-    job = _as_config(config)
-    job.check_ranks(world_size)
-    return {**job.to_dict(), "model": job.model_fields()}
-
-
-def _as_config(config: ResilientTrainConfig | Mapping[str, Any]) -> ResilientTrainConfig:
-    if isinstance(config, ResilientTrainConfig):
-        return config
-    return ResilientTrainConfig.from_dict(dict(config))
-
-
-def check_shared_root(cfg: dict[str, Any], agents: int) -> None:
-    """A job of several agents (machines) needs a checkpoint folder they all see: by default
-    each agent's job folder is its own, and the checkpoint would be split between them."""
-    if agents > 1 and not cfg["checkpoint_dir"]:
-        raise ValueError(
-            f"this job spans {agents} agents (nodes), and each has its own job folder: give "
-            "config checkpoint_dir, a folder on a file system every node sees, so that every "
-            "rank writes the same checkpoint"
-        )
 
 
 def weights_checksum(params: dict[str, torch.Tensor]) -> str:
@@ -204,13 +184,14 @@ def _append(path: Path | None, record: dict[str, Any]) -> None:
 def main(ctx: runtime.Context) -> dict[str, Any]:
     pg_up = time.time()  # runtime.entrypoint has just joined the process group
     started = process_start_time()
-    cfg = validate(ctx.config, ctx.world_size)
-    check_shared_root(cfg, int(os.environ.get("GROUP_WORLD_SIZE", "1")))
+    cfg = ResilientTrainConfig.from_dict(ctx.config)
+    cfg.check_ranks(ctx.world_size)
+    cfg.check_shared_root(int(os.environ.get("GROUP_WORLD_SIZE", "1")))
     attempt = 1 + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     job_dir = ctx.job_dir
     events = job_dir / EVENTS if job_dir else None
     losses_file = job_dir / LOSSES if job_dir else None
-    root = Path(cfg["checkpoint_dir"] or ((job_dir or Path.cwd()) / "checkpoints"))
+    root = Path(cfg.checkpoint_dir or ((job_dir or Path.cwd()) / "checkpoints"))
     marker = (job_dir or root) / KILL_MARKER
 
     def event(name: str, t: float | None = None, **more: Any) -> float:
@@ -222,19 +203,19 @@ def main(ctx: runtime.Context) -> dict[str, Any]:
     event("pg_up", pg_up)
 
     # Same seed on every rank: identical replicas (DDP would broadcast rank 0's anyway).
-    torch.manual_seed(cfg["seed"])
-    model = GPT(ModelConfig(**cfg["model"])).to(ctx.device)
+    torch.manual_seed(cfg.seed)
+    model = GPT(cfg.model).to(ctx.device)
     n_params = sum(p.numel() for p in model.parameters())
-    train = TrainConfig(steps=cfg["steps"], lr=cfg["lr"], grad_clip=cfg["grad_clip"],
-                        micro_batch=cfg["global_batch"] // ctx.world_size)  # fmt: skip
+    train = TrainConfig(steps=cfg.steps, lr=cfg.lr, grad_clip=cfg.grad_clip,
+                        micro_batch=cfg.global_batch // ctx.world_size)  # fmt: skip
     ddp = torch.nn.parallel.DistributedDataParallel(
         model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None
     )
     opt = make_optimizer(model, train)
     # Each rank its own dropout stream: what the per-rank RNG state in a checkpoint is for.
-    torch.manual_seed(cfg["seed"] + 1 + ctx.rank)
+    torch.manual_seed(cfg.seed + 1 + ctx.rank)
     if ctx.device.type == "cuda":
-        torch.cuda.manual_seed(cfg["seed"] + 1 + ctx.rank)
+        torch.cuda.manual_seed(cfg.seed + 1 + ctx.rank)
 
     with ctx.phase("loading checkpoint"):
         loaded = checkpoint.load_latest(root, ddp, opt, log=print)
@@ -250,13 +231,13 @@ def main(ctx: runtime.Context) -> dict[str, Any]:
                    f"(step {start}); {done_before} steps were done before the kill: "
                    f"{lost} lost, trained again")  # fmt: skip
 
-    batches = fixed_batches(cfg["model"]["seq_len"], cfg["global_batch"], cfg["steps"], cfg["seed"])
-    b = cfg["global_batch"] // ctx.world_size
-    ctx.heartbeat(step=start, total=cfg["steps"])
+    batches = fixed_batches(cfg.model.seq_len, cfg.global_batch, cfg.steps, cfg.seed)
+    b = cfg.global_batch // ctx.world_size
+    ctx.heartbeat(step=start, total=cfg.steps)
     first_step_at = None
     saved: checkpoint.Saved | None = None
-    for step in range(start, cfg["steps"]):
-        if (ctx.rank == cfg["kill_rank"] and step == cfg["kill_at_step"]
+    for step in range(start, cfg.steps):
+        if (ctx.rank == cfg.kill_rank and step == cfg.kill_at_step
                 and not marker.exists()):  # fmt: skip
             runtime.write_json_atomic(marker, {"rank": ctx.rank, "step": step, "time": time.time(),
                                             "attempt": attempt})  # fmt: skip
@@ -279,10 +260,10 @@ def main(ctx: runtime.Context) -> dict[str, Any]:
         if first_step_at is None:
             first_step_at = event("first_step", step=step + 1)
         ctx.heartbeat(step=step + 1)
-        if (step + 1) % cfg["every"] == 0:
+        if (step + 1) % cfg.every == 0:
             with ctx.phase("checkpoint"):
                 saved = checkpoint.save(root, step + 1, ddp, opt,
-                                        extra={"data_position": step + 1}, keep=cfg["keep"],
+                                        extra={"data_position": step + 1}, keep=cfg.keep,
                                         log=None)  # fmt: skip
 
     params = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
@@ -297,16 +278,16 @@ def main(ctx: runtime.Context) -> dict[str, Any]:
         return None if kill_t is None or t is None else t - kill_t
 
     lost_predicted = None
-    if cfg["kill_at_step"] is not None:
-        lost_predicted = predicted_lost_steps(cfg["kill_at_step"], cfg["every"])
+    if cfg.kill_at_step is not None:
+        lost_predicted = predicted_lost_steps(cfg.kill_at_step, cfg.every)
     return {
         "rank": ctx.rank,
         "world_size": ctx.world_size,
         "backend": ctx.backend,
         "device": str(ctx.device),
         "n_params": n_params,
-        "steps": cfg["steps"],
-        "every": cfg["every"],
+        "steps": cfg.steps,
+        "every": cfg.every,
         "attempts": attempt,
         "resumed_from_step": loaded.step if loaded else None,
         "resumed_from": loaded.path if loaded else None,
@@ -328,15 +309,17 @@ def main(ctx: runtime.Context) -> dict[str, Any]:
     }
 
 
-def run(config: ResilientTrainConfig | Mapping[str, Any], *, nproc: int = 2, max_restarts: int = 1,
+def run(config: ResilientTrainConfig, *, nproc: int = 2, max_restarts: int = 1,
         **launch_kwargs: Any) -> launch.JobResult:  # fmt: skip
-    """Check ``config`` (its fields as a dict, too; ValueError before anything starts), then
+    """Check ``config`` against ``nproc`` ranks (ValueError before anything starts), then
     launch with torchrun allowed ``max_restarts`` restarts (the launcher gives each attempt
     its own rendezvous store).
     """
-    job = _as_config(config)
-    job.check_ranks(nproc)
-    return launch.run(job, nproc=nproc, max_restarts=max_restarts, **launch_kwargs)
+    if not isinstance(config, ResilientTrainConfig):
+        raise validate.refuse("config", config, "a ResilientTrainConfig (ResilientTrainConfig(**fields) "
+                              "builds one from a dict of its fields)")  # fmt: skip
+    config.check_ranks(nproc)
+    return launch.run(config, nproc=nproc, max_restarts=max_restarts, **launch_kwargs)
 
 
 if __name__ == "__main__":

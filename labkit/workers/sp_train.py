@@ -54,7 +54,7 @@ class SPTrainConfig(GPTTrainingConfig):
     """Sequence-parallel GPT against plain tensor parallelism (parts: the module docstring)."""
 
     WORKER: ClassVar[str] = "labkit.workers.sp_train"
-    DEFAULT_MODEL: ClassVar[dict[str, Any]] = DEFAULT_MODEL
+    model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(**DEFAULT_MODEL))
     parts: tuple[str, ...] = PARTS
     """Which of PARTS to run."""
     train: bool = True
@@ -132,7 +132,7 @@ def _line(label: str, out: dict[str, Any]) -> str:
 @runtime.entrypoint
 def main(ctx: runtime.Context) -> dict[str, Any]:
     job = SPTrainConfig.from_dict(ctx.config)
-    cfg = job.model_config()
+    cfg = job.model
     sequence.validate_sequence_parallel(cfg, ctx.world_size)  # before any collective
     B, steps, seed = job.batch_size, job.steps, job.seed
     tcfg = job.train_config()

@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 import torch
 
 from labkit import data, timing
-from labkit.config import TrainConfig
+from labkit.config import ModelConfig, TrainConfig
 from labkit.jobs import launch, runtime
 from labkit.model import GPT
 from labkit.parallel import tensor
@@ -53,7 +53,7 @@ class TPTrainConfig(GPTTrainingConfig):
     """Tensor-parallel layers and GPT (the module docstring says what each part does)."""
 
     WORKER: ClassVar[str] = "labkit.workers.tp_train"
-    DEFAULT_MODEL: ClassVar[dict[str, Any]] = DEFAULT_MODEL
+    model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(**DEFAULT_MODEL))
     parts: tuple[str, ...] = PARTS
     """Which of PARTS to run."""
 
@@ -185,7 +185,7 @@ def _fmt_counts(counts: dict[str, dict[str, int]]) -> str:
 @runtime.entrypoint
 def main(ctx: runtime.Context) -> dict[str, Any]:
     job = TPTrainConfig.from_dict(ctx.config)
-    cfg = job.model_config()
+    cfg = job.model
     tensor.validate_tensor_parallel(cfg, ctx.world_size)
     B, steps, seed = job.batch_size, job.steps, job.seed
     tcfg = job.train_config()

@@ -28,7 +28,6 @@ from labkit.course.capstone.faults import (
     DEFAULT_LEVEL,
     FAULTS,
     LEVELS,
-    Fault,
     SeedError,
     available,
     describe,
@@ -52,9 +51,7 @@ from labkit.course.capstone.job import (
     run_job,
     tier_for,
 )
-from labkit.course.capstone.keys import CapstoneKeyError
 from labkit.course.capstone.prediction import (
-    JobAgainstPrediction,
     Prediction,
     Reconcile,
     describe_summary,
@@ -70,12 +67,9 @@ __all__ = [
     "FAULTS",
     "FIXES",
     "LEVELS",
-    "CapstoneKeyError",
     "CapstoneRun",
     "Evidence",
-    "Fault",
     "FixSequence",
-    "JobAgainstPrediction",
     "Prediction",
     "Reconcile",
     "SeedError",

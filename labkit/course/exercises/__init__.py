@@ -27,7 +27,7 @@ Exercises whose code must run on several ranks (notebooks 02, 03, 03b and 03c) a
 file by a ``%%writefile`` cell and checked with :func:`check_in_workers`, which reports the same
 way.
 
-The registry is data: each :class:`Exercise` has an id, a title, its hints, a ``verify``
+The registry is data: each :class:`.registry.Exercise` has an id, a title, its hints, a ``verify``
 function (takes the learner's answer, raises :class:`ExerciseFailed` or returns a sentence
 saying what it verified) and optionally the reference answer. Each notebook's checks live in
 their own module of this package (:data:`MODULES`), imported on first need: importing this
@@ -86,25 +86,19 @@ Its modules:
 
 from __future__ import annotations
 
+from labkit._moved import submodules_on_demand
 from labkit.course.exercises.feedback import EXPECT_SOLVED as EXPECT_SOLVED
 from labkit.course.exercises.feedback import hint as hint
-from labkit.course.exercises.feedback import report as report
 from labkit.course.exercises.feedback import whose as whose
 from labkit.course.exercises.feedback import without_failed_prefix as without_failed_prefix
 from labkit.course.exercises.learner_code import STUB_MESSAGE as STUB_MESSAGE
-from labkit.course.exercises.learner_code import _name as _name
-from labkit.course.exercises.learner_code import _require_callable as _require_callable
-from labkit.course.exercises.learner_code import _require_int as _require_int
 from labkit.course.exercises.learner_code import call as call
 from labkit.course.exercises.learner_code import incomplete as incomplete
 from labkit.course.exercises.learner_code import is_stub as is_stub
 from labkit.course.exercises.learner_code import learner_frame as learner_frame
 from labkit.course.exercises.learner_code import short_repr as short_repr
 from labkit.course.exercises.leftovers import Leftovers as Leftovers
-from labkit.course.exercises.registry import _REGISTRY as _REGISTRY
 from labkit.course.exercises.registry import MODULES as MODULES
-from labkit.course.exercises.registry import TIME_LIMIT_S_DEFAULT as TIME_LIMIT_S_DEFAULT
-from labkit.course.exercises.registry import Exercise as Exercise
 from labkit.course.exercises.registry import ExerciseError as ExerciseError
 from labkit.course.exercises.registry import ExerciseFailed as ExerciseFailed
 from labkit.course.exercises.registry import ExerciseIncomplete as ExerciseIncomplete
@@ -118,8 +112,10 @@ from labkit.course.exercises.running import verify as verify
 from labkit.course.exercises.time_limits import TimeLimitReached as TimeLimitReached
 from labkit.course.exercises.time_limits import time_limit as time_limit
 from labkit.course.exercises.time_limits import time_limit_paused as time_limit_paused
-from labkit.course.exercises.worker_jobs import SAME_ORDER as SAME_ORDER
 from labkit.course.exercises.worker_jobs import collective_ledger as collective_ledger
 from labkit.course.exercises.worker_jobs import explain_job_error as explain_job_error
 from labkit.course.exercises.worker_jobs import ranks_apart as ranks_apart
 from labkit.course.exercises.worker_jobs import workspace as workspace
+
+# ex.first_job, a notebook's checks: imported when first named, as the registry does on first need
+__getattr__ = submodules_on_demand(__name__)

@@ -45,7 +45,8 @@ from labkit.course.capstone import settings as st
 from labkit.course.capstone.evidence import OUTSIDE, Evidence, median
 from labkit.course.capstone.job import settings_after
 from labkit.course.capstone.trials import steps
-from labkit.course.exercises import ExerciseFailed, _require_callable, call, exercise, short_repr
+from labkit.course.exercises import ExerciseFailed, call, exercise, short_repr
+from labkit.course.exercises.learner_code import require_callable
 
 LOSS_TOLERANCE = 1e-4
 """The same training gives the same losses to rounding whatever its micro-batch split
@@ -293,7 +294,7 @@ def _record(run: CapstoneRun, passed: bool, said: str) -> None:
 def _verify_diagnose(diagnose: Any) -> str:
     from labkit.jobs.launch import ProgressLines
 
-    fn = _require_callable(diagnose, "diagnose(run) -> (faults found, changes)")
+    fn = require_callable(diagnose, "diagnose(run) -> (faults found, changes)")
     run = last_given()
     if run is None:
         raise ExerciseFailed("no capstone job has run in this kernel yet: run the cell that "

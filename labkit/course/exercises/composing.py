@@ -36,14 +36,8 @@ from typing import Any
 
 import torch
 
-from labkit.course.exercises import (
-    ExerciseFailed,
-    _require_callable,
-    call,
-    exercise,
-    rank_checks,
-    short_repr,
-)
+from labkit.course.exercises import ExerciseFailed, call, exercise, rank_checks, short_repr
+from labkit.course.exercises.learner_code import require_callable
 
 EXERCISES: dict[str, tuple[str, ...]] = {
     "03b.mesh_groups": ("groups_of",),
@@ -130,7 +124,7 @@ def check_groups(fn: Any) -> str:
     """Compare ``fn(shape, rank)`` with the row-major layout for every rank of every mesh."""
     from labkit.parallel import mesh
 
-    _require_callable(fn, "groups_of")
+    require_callable(fn, "groups_of")
     for shape in MESHES:
         for rank in range(math.prod(shape.values())):
             text = f"groups_of({shape}, {rank})"
@@ -349,7 +343,7 @@ def choose_mesh_diagnosis(measured: dict[str, Any], budget: float, got: dict[str
     reference=reference_choose_mesh,
 )
 def _verify_choose_mesh(answer: Any) -> str:
-    fn = _require_callable(answer, "choose_mesh(measured, budget_bytes) -> dict | None")
+    fn = require_callable(answer, "choose_mesh(measured, budget_bytes) -> dict | None")
 
     for measured, budget, what in _mesh_cases():
         got = call(fn, copy.deepcopy(measured), budget)

@@ -10,7 +10,9 @@
   ``QuantileDMatrix`` (``quantile=True``) or a ``DMatrix`` holds once ``hist`` trained on it,
   against :func:`labkit.formulas.boosting.quantised_bytes` and ``dmatrix_bytes``.
 
-Registers with :func:`labkit.course.exercises.exercise`; importing this module does nothing else.
+:func:`reveal` gives each exercise's closed form once the learner's answer passed: the notebook's
+markdown gives the mechanisms, not the formula. Registers with
+:func:`labkit.course.exercises.exercise`; importing this module does nothing else.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from labkit.course.exercises import ExerciseFailed, call, exercise, short_repr
+from labkit.course.exercises import ExerciseFailed, call, exercise, short_repr, whose
 from labkit.course.exercises.learner_code import callable_name, require_callable
 from labkit.formulas import boosting
 
@@ -67,7 +69,8 @@ def _round_diagnosis(fn: Any) -> str:
         if all(isinstance(a, (int, float)) and math.isclose(a, _round_mistakes(*c)[i][0], rel_tol=1e-9)
                for a, c in zip(answers, cases, strict=True)):  # fmt: skip
             return why
-    return "compare it with the prediction printed above for the lab's own shape"
+    return ("count the parts again: one node's histogram in bytes, the node histograms of a "
+            "full tree, then what XGBoost's ring sends of the message (ex.hint gives them in steps)")
 
 
 @exercise(
@@ -77,11 +80,13 @@ def _round_diagnosis(fn: Any) -> str:
         "a round all-reduces histograms only: for each node whose split is searched, one "
         "histogram per feature, summed over the workers; count the histograms, their bytes, "
         "and what the ring does with a message",
-        "a bin holds a gradient and a hessian in float64; the nodes per level are the root, then "
-        "one child of each node split (the subtraction trick gives the other), down to depth "
-        "max_depth - 1; a full tree all-reduces 2^(max_depth-1) node histograms",
-        "XGBoost's CPU ring sends (w-1)/w of the message per worker in the reduce-scatter and the "
-        "whole message per worker in its all-gather; one worker sends nothing",
+        "one node's histogram: every bin of every feature holds two float64 sums, so 16 bytes per "
+        "bin; the nodes per level: the root, then one child of each node split (the subtraction "
+        "trick gives the other), down to depth max_depth - 1, so 1 + 1 + 2 + ... + 2^(d-2) = "
+        "2^(max_depth-1) node histograms for a full tree",
+        "XGBoost's CPU ring: in the reduce-scatter each worker sends w - 1 segments of S/w, in "
+        "its all-gather w segments of S/w (the loop runs w steps): (w-1)·S + w·S = (2w-1)·S for "
+        "all workers together; one worker sends nothing",
         "recipe: first one node's histogram in bytes (every bin of every feature, two float64 "
         "values each); then the message, that many times the node histograms of a full tree; "
         "then what the ring sends of it, all workers together; one worker sends nothing",
@@ -126,7 +131,11 @@ def _matrix_mistakes(rows: int, f: int, b: int, quantile: bool) -> list[tuple[in
          "the quantised copy is kept twice, in the row layout and in the column layout hist "
          "partitions rows with"),
         (2 * rows * f * index + extra,
-         "each layout of rows needs an 8-byte offset per row"),
+         "the row layout needs an 8-byte offset per row (rows + 1 of them); the column layout of "
+         "dense data needs none"),
+        (2 * rows * f * index + 2 * offsets + extra,
+         "the row offsets are counted twice: only the row layout has them; the column layout of "
+         "dense data is one index per value and nothing else"),
         (2 * rows * f * 4 + offsets + extra,
          "a bin index is not a float32: it takes the fewest bytes that hold every bin number "
          "(1 byte up to 256 bins per feature)"),
@@ -146,9 +155,9 @@ def _matrix_mistakes(rows: int, f: int, b: int, quantile: bool) -> list[tuple[in
     hints=(
         "hist trains on a quantised copy of the data: one bin number per value; a DMatrix keeps "
         "the values as well, a QuantileDMatrix does not",
-        "the quantised copy: a bin index per value in the row layout and again in the column "
-        "layout, plus an 8-byte row offset per row; a bin index takes 1 byte when every feature "
-        "has at most 256 bins, 2 up to 65,536, else 4",
+        "the CPU's quantised copy: a bin index per value in the row layout and again in the column "
+        "layout, plus an 8-byte row offset per row (rows + 1 of them) in the row layout only; a "
+        "bin index takes 1 byte when every feature has at most 256 bins, 2 up to 65,536, else 4",
         "a DMatrix's values are compressed sparse rows: 8 bytes per value (a uint32 feature "
         "index and a float32) and an 8-byte offset per row",
         "recipe: size the bin index from max_bin; count the quantised copy (both layouts and "
@@ -173,4 +182,26 @@ def _verify_matrix_bytes(matrix_bytes: Any) -> str:
             raise ExerciseFailed(f"{shown} returned {got:,} bytes: {why}")
     return (f"{callable_name(fn)} predicts both matrices for {len(MATRIX_CASES)} shapes, 1- and "
             "2-byte bin indices")
+
+
+# --------------------------------------------------------------------------- the reveals
+
+REVEALS = {
+    "08.round_bytes": ("bytes per round = (2w-1) × Σ over depths l < max_depth of features × bins "
+                       "× 2 × 8 × nodes_l, with nodes = 1, 1, 2, 4, ... (2^(d-1) in all for a "
+                       "full tree); 0 for one worker. On GPUs NCCL's ring sends 2(w-1)·S instead"),
+    "08.matrix_bytes": ("CPU hist: QuantileDMatrix = 2 × rows × features × index bytes + (rows + 1) "
+                        "× 8; DMatrix = that + rows × features × 8 + (rows + 1) × 8. On a GPU: one "
+                        "ELLPACK page of ceil(log2(bins)) bits per value"),
+}
+"""Each exercise's closed form, printed under it once the learner's own answer passed."""
+
+
+def reveal(exercise_id: str) -> str:
+    """The closed form of ``exercise_id`` if the learner's answer passed in this kernel; until
+    then a line that says it appears here once it does (the markdown leaves it out)."""
+    if whose(exercise_id) == "your answer":
+        return f"the formula you derived: {REVEALS[exercise_id]}"
+    return ("the formula appears here once your answer passes the check (the numbers above come "
+            "from the reference answer)")
 

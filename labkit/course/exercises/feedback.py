@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 from labkit.course.exercises.registry import ExerciseError, ExerciseIncomplete, NotSolved, get
+from labkit.validate import whole
 
 EXPECT_SOLVED = "LABKIT_EXPECT_SOLVED"
 """Environment variable: "1" makes every check that does not pass raise :class:`NotSolved`
@@ -36,8 +37,8 @@ def hint(exercise_id: str, level: int | None = None) -> None:
     hints = get(exercise_id).hints
     if level is None:  # the next one: "not done yet" already showed the first
         level = min(_HINTS_SHOWN.get(exercise_id, 0) + 1, len(hints))
-    if isinstance(level, bool) or not isinstance(level, int) or not 1 <= level <= len(hints):
-        raise ValueError(f"level={level!r} is not allowed: {exercise_id} has hints 1 to {len(hints)}")
+    level = whole("level", level, low=1, high=len(hints),
+                  why=f"{exercise_id} has hints 1 to {len(hints)}")  # fmt: skip
     _HINTS_SHOWN[exercise_id] = max(level, _HINTS_SHOWN.get(exercise_id, 0))
     last = level == len(hints)
     more = (
@@ -49,7 +50,7 @@ def hint(exercise_id: str, level: int | None = None) -> None:
 
 
 
-def _sentence(text: str) -> str:
+def as_sentence(text: str) -> str:
     return text if text.endswith((".", "?", "!")) else text + "."
 
 
@@ -64,7 +65,7 @@ def report(exercise_id: str, outcome: str | ExerciseError, *, where: str = "") -
     _PASSED[exercise_id] = passed
     depends = ex.reference is not None or ex.withheld
     if passed:
-        said = _sentence(f"{outcome} ({where})" if where else outcome)
+        said = as_sentence(f"{outcome} ({where})" if where else outcome)
         print(f"✓ {exercise_id}: {said}" + (" Later cells use your answer." if depends else ""))
         return True
     later = (
@@ -76,7 +77,7 @@ def report(exercise_id: str, outcome: str | ExerciseError, *, where: str = "") -
     )
     if isinstance(outcome, ExerciseIncomplete):
         _HINTS_SHOWN[exercise_id] = max(1, _HINTS_SHOWN.get(exercise_id, 0))
-        print(f"○ {exercise_id} ({ex.title}) is not done yet. Hint: {_sentence(ex.hints[0])} "
+        print(f"○ {exercise_id} ({ex.title}) is not done yet. Hint: {as_sentence(ex.hints[0])} "
               f'More help: ex.hint("{exercise_id}"). {later}')  # fmt: skip
     else:
         text = without_failed_prefix(exercise_id, str(outcome))

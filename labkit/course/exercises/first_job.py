@@ -26,14 +26,8 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from labkit.course.exercises import (
-    ExerciseFailed,
-    _name,
-    _require_callable,
-    call,
-    exercise,
-    short_repr,
-)
+from labkit.course.exercises import ExerciseFailed, call, exercise, short_repr
+from labkit.course.exercises.learner_code import callable_name, require_callable
 
 
 def reference_ring_bytes_sent(numel: int, n_ranks: int, bytes_per_element: int = 4) -> float:
@@ -103,11 +97,11 @@ def _ring_diagnosis(numel: int, p: int, e: int, got: float) -> str:
     reference=reference_ring_bytes_sent,
 )
 def _verify_ring_bytes(ring_bytes_sent: Any) -> str:
-    fn = _require_callable(ring_bytes_sent,
+    fn = require_callable(ring_bytes_sent,
                            "ring_bytes_sent(numel, n_ranks, bytes_per_element=4) -> float")  # fmt: skip
     for numel, p, e in RING_CASES:
         got = call(fn, numel, p, e)
-        shown = f"{_name(fn)}({numel}, {p}, {e})"
+        shown = f"{callable_name(fn)}({numel}, {p}, {e})"
         if isinstance(got, bool) or not isinstance(got, numbers.Real):
             raise ExerciseFailed(f"{shown} returned {type(got).__name__} {short_repr(got)}; "
                                  "return a number of bytes (an int or a float)")  # fmt: skip
@@ -120,7 +114,7 @@ def _verify_ring_bytes(ring_bytes_sent: Any) -> str:
                 f"all-reduce of {numel:,} elements of {e} bytes over {p} "
                 f"rank{'s' if p != 1 else ''}: {_ring_diagnosis(numel, p, e, float(got))}"
             )
-    return (f"{_name(fn)}(numel, n_ranks, bytes_per_element) is 2(p−1)/p × numel × "
+    return (f"{callable_name(fn)}(numel, n_ranks, bytes_per_element) is 2(p−1)/p × numel × "
             "bytes_per_element on 1, 2, 3, 4 and 8 ranks; below, it predicts the bytes the "
             "loopback interface counts")  # fmt: skip
 
@@ -210,10 +204,10 @@ def _bucket_diagnosis(answers: dict[tuple[float, float, int, float], float]) -> 
     reference=reference_bucket_bytes,
 )
 def _verify_bucket_size(bucket_bytes: Any) -> str:
-    fn = _require_callable(bucket_bytes,
+    fn = require_callable(bucket_bytes,
                            "bucket_bytes(alpha_s, beta, n_ranks, share=0.8) -> float")  # fmt: skip
     for a, b, n, s in BUCKET_CASES:
-        shown = f"{_name(fn)}({a:g}, {b:g}, {n}, {s:g})"
+        shown = f"{callable_name(fn)}({a:g}, {b:g}, {n}, {s:g})"
         got = call(fn, a, b, n, s)
         if isinstance(got, bool) or not isinstance(got, numbers.Real):
             raise ExerciseFailed(f"{shown} returned {type(got).__name__} {short_repr(got)}; "
@@ -227,7 +221,7 @@ def _verify_bucket_size(bucket_bytes: Any) -> str:
                 f"α of {a * 1e6:g} µs and a β of {b / 1e9:g} GB/s: "
                 f"{_bucket_diagnosis(_all_answers(fn))}"
             )
-    return (f"{_name(fn)} finds the size at which a ring all-reduce reaches the share of its "
+    return (f"{callable_name(fn)} finds the size at which a ring all-reduce reaches the share of its "
             f"bandwidth limit on {len(BUCKET_CASES)} links (2 to 8 ranks, shares 50% to 90%); "
             "below, the size it gives for this machine's α and β runs for real")
 

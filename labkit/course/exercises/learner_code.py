@@ -102,7 +102,7 @@ def call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         shown = ", ".join([*map(short_repr, args),
                            *(f"{k}={short_repr(v)}" for k, v in kwargs.items())])  # fmt: skip
         raise ExerciseFailed(
-            f"{_name(fn)}({shown}) raised {type(err).__name__}: {err}{learner_frame(err)}"
+            f"{callable_name(fn)}({shown}) raised {type(err).__name__}: {err}{learner_frame(err)}"
         ) from err
 
 
@@ -121,7 +121,7 @@ def short_repr(value: Any, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _is_learners(path: str) -> bool:
+def is_learners_file(path: str) -> bool:
     """Whether a traceback frame's file is the learner's code: not labkit's, not an installed
     package's (torch...), not the standard library's (a regex's or a sleep's frames)."""
     if any(part in path for part in ("/torch/", "-packages/", "<frozen")):
@@ -133,18 +133,18 @@ def _is_learners(path: str) -> bool:
 
 def learner_frame(err: BaseException, prefix: str = "") -> str:
     """" (at <file>, line N: <code>)" for the last frame outside labkit and torch, or ""."""
-    frames = [f for f in traceback.extract_tb(err.__traceback__) if _is_learners(f.filename)]
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if is_learners_file(f.filename)]
     if not frames:
         return ""
     f = frames[-1]
     return f"{prefix} (at {Path(f.filename).name}, line {f.lineno}: {(f.line or '').strip()})"
 
 
-def _name(fn: object) -> str:
+def callable_name(fn: object) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
-def _require_callable(answer: object, signature: str) -> Callable[..., Any]:
+def require_callable(answer: object, signature: str) -> Callable[..., Any]:
     if not callable(answer):
         raise ExerciseFailed(
             f"expected the function {signature}, got {type(answer).__name__} "
@@ -153,7 +153,7 @@ def _require_callable(answer: object, signature: str) -> Callable[..., Any]:
     return answer
 
 
-def _require_int(value: object, what: str) -> int:
+def require_int(value: object, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ExerciseFailed(
             f"{what} returned {type(value).__name__} {value!r}; return an int (counts are whole "

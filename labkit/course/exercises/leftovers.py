@@ -1,6 +1,6 @@
 """The processes the learner's code starts in the kernel and leaves running: named and stopped.
 
-A check notes the kernel's child processes before the learner's code runs (:class:`_KernelWatch`)
+A check notes the kernel's child processes before the learner's code runs (:class:`KernelWatch`)
 and stops those it left behind afterwards, saying so (:class:`Leftovers`). Apart because it is
 process bookkeeping (psutil, signals), which the check runner only calls.
 """
@@ -73,7 +73,7 @@ class Leftovers:
                 f"(kill -9 {pids}) or restart the kernel.")  # fmt: skip
 
 
-class _KernelWatch:
+class KernelWatch:
     """What a check needs to know of the kernel around the learner's code: the child
     processes it had before (so that the new ones can be named and stopped after) and
     whether a SIGINT (■) arrived while the code ran."""

@@ -19,14 +19,8 @@ import dataclasses
 import functools
 from typing import Any
 
-from labkit.course.exercises import (
-    ExerciseFailed,
-    _name,
-    _require_callable,
-    call,
-    exercise,
-    short_repr,
-)
+from labkit.course.exercises import ExerciseFailed, call, exercise, short_repr
+from labkit.course.exercises.learner_code import callable_name, require_callable
 
 
 def reference_choose_layout(predictions: Any, memory_bytes: float, usable_memory: float) -> Any:
@@ -94,21 +88,21 @@ def _diagnosis(preds: Any, cap: float, usable: float, got: Any) -> str:
     reference=reference_choose_layout,
 )
 def _verify_choose_layout(choose_layout: Any) -> str:
-    fn = _require_callable(choose_layout,
+    fn = require_callable(choose_layout,
                            "choose_layout(predictions, memory_bytes, usable_memory) -> Prediction | None")  # fmt: skip
     for preds, cap, usable, what in _cases():
         got = call(fn, list(preds), cap, usable)
         want = reference_choose_layout(preds, cap, usable)
         if got is None and want is not None:
-            raise ExerciseFailed(f"{what}: {_name(fn)} returned None, but layouts fit under "
+            raise ExerciseFailed(f"{what}: {callable_name(fn)} returned None, but layouts fit under "
                                  "the reserve: usable_memory is the share a layout may fill "
                                  "(0.9: 90 %), not the share kept back")  # fmt: skip
         if not hasattr(got, "memory") or not hasattr(got, "step_s"):
-            raise ExerciseFailed(f"{what}: {_name(fn)} returned {short_repr(got)}: return one "
+            raise ExerciseFailed(f"{what}: {callable_name(fn)} returned {short_repr(got)}: return one "
                                  "of the predictions it was given (or None if none fits)")  # fmt: skip
         if got is not want and (got.memory["total"] != want.memory["total"]
                                 or got.step_s != want.step_s):  # fmt: skip
-            raise ExerciseFailed(f"{what}: {_name(fn)} chose {_describe(got)}: "
+            raise ExerciseFailed(f"{what}: {callable_name(fn)} chose {_describe(got)}: "
                                  f"{_diagnosis(preds, cap, usable, got)}")  # fmt: skip
-    return (f"{_name(fn)} picks the fastest layout that fits under a 0 %, 5 % and 10 % reserve, "
+    return (f"{callable_name(fn)} picks the fastest layout that fits under a 0 %, 5 % and 10 % reserve, "
             "with ZeRO's traffic hidden and charged (Llama 3 405B, 8,192 H100)")

@@ -36,7 +36,8 @@ from typing import Any
 import torch
 
 from labkit.config import ModelConfig
-from labkit.course.exercises import ExerciseFailed, _require_callable, call, exercise, short_repr
+from labkit.course.exercises import ExerciseFailed, call, exercise, short_repr
+from labkit.course.exercises.learner_code import require_callable
 from labkit.model import GPT
 from labkit.profiling import overlap
 from labkit.profiling.capture import profile_steps
@@ -227,7 +228,7 @@ def _annotate_failure(steps: list[Span], spans: list[Span]) -> str | None:
     reference=reference_annotated_step,
 )
 def _verify_annotate(annotated_step: Any) -> str:
-    fn = _require_callable(annotated_step, "annotated_step(model, optimizer, next_batch, dtype) -> loss")
+    fn = require_callable(annotated_step, "annotated_step(model, optimizer, next_batch, dtype) -> loss")
     steps, spans, model, before, precision = _annotate_trace(fn)
     failure = _annotate_failure(steps, spans) or precision
     if failure:
@@ -322,7 +323,7 @@ def _hidden_hint(got: float, want: float, compute: Intervals, comm: Intervals) -
     reference=overlap.hidden_fraction,
 )
 def _verify_hidden_fraction(hidden_fraction: Any) -> str:
-    fn = _require_callable(hidden_fraction, "hidden_fraction(compute, comm) -> float")
+    fn = require_callable(hidden_fraction, "hidden_fraction(compute, comm) -> float")
     cases = _hidden_cases()
     for (what, compute, comm), want in zip(cases, _hidden_expected(), strict=True):
         got = call(fn, list(compute), list(comm))
@@ -592,7 +593,7 @@ def _evidence(found: overlap.Diagnosis) -> str:
     reference=reference_diagnose,
 )
 def _verify_bottleneck(diagnose: Any) -> str:
-    fn = _require_callable(diagnose, "diagnose(trace) -> (phase, cause)")
+    fn = require_callable(diagnose, "diagnose(trace) -> (phase, cause)")
     cases = bottleneck_cases()
     with tempfile.TemporaryDirectory(prefix="labkit-06-bottleneck-") as tmp:
         for case in cases:

@@ -14,19 +14,20 @@ checks launch a job (tests replace :func:`run_in_workers` here to check the kern
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
+from labkit import validate
 from labkit.course.exercises import (
     ExerciseFailed,
     ExerciseIncomplete,
-    _name,
     explain_job_error,
     get,
     incomplete,
@@ -35,9 +36,32 @@ from labkit.course.exercises import (
     time_limit_paused,
     verify,
 )
+from labkit.course.exercises.learner_code import callable_name
 from labkit.jobs.diagnosis import is_echo
+from labkit.jobs.spec import WorkerConfig
 
 WORKER = "labkit.course.exercises.model_parallel.worker"
+CASE_KEYS = ("exercise", "path", "module", "names")
+"""What a case names (:func:`answer_spec` builds one): the exercise, and where its answer is."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CasesConfig(WorkerConfig):
+    """What one launch of ``WORKER`` checks: exercise cases, one after the other, in one job."""
+
+    WORKER: ClassVar[str] = WORKER
+    cases: tuple[dict[str, Any], ...]
+    """Each a dict of ``CASE_KEYS`` (see :func:`answer_spec`)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.cases, tuple) or not self.cases:
+            raise validate.refuse("cases", self.cases, "a list of exercise cases (see answer_spec)")
+        for case in self.cases:
+            if not isinstance(case, dict) or sorted(case) != sorted(CASE_KEYS):
+                raise validate.refuse("cases", case, f"each case a dict of {list(CASE_KEYS)}")
+
+
 NPROC = 2  # ranks the worker-run checks use
 DEVICE = "cpu"  # gloo ranks: every machine has them, and the checks are about correctness
 LAUNCH_TIMEOUT_S = 90.0  # start-up takes seconds; only a hung rank gets near it
@@ -138,7 +162,7 @@ def _source_file(obj: Any, what: str) -> tuple[str, str, str]:
 
 def answer_spec(exercise_id: str, objs: Sequence[Any]) -> dict[str, Any]:
     """The JSON the worker gets to find the learner's objects: {exercise, path, module, names}."""
-    specs = [_source_file(o, _name(o)) for o in objs]
+    specs = [_source_file(o, callable_name(o)) for o in objs]
     modules = {(m, p) for m, p, _ in specs}
     if len(modules) != 1:
         raise ExerciseFailed(
@@ -166,7 +190,7 @@ def resolve(spec: dict[str, Any]) -> list[Any]:
 
 
 def run_in_workers(exercise_id: str, objs: Sequence[Any], nproc: int = NPROC) -> str:
-    """Launch ``WORKER`` on ``nproc`` ranks to check ``objs`` there.
+    """Launch ``WORKER`` (:class:`CasesConfig`) on ``nproc`` ranks to check ``objs`` there.
 
     Returns the ranks' sentence; raises ``ExerciseIncomplete`` or ``ExerciseFailed`` as the
     ranks report, naming the first rank that failed. The one place these checks launch a job
@@ -177,7 +201,7 @@ def run_in_workers(exercise_id: str, objs: Sequence[Any], nproc: int = NPROC) ->
     spec = answer_spec(exercise_id, objs)
     try:
         with time_limit_paused():  # the job has its own limit, and ends its processes
-            job = launch.run(WORKER, nproc=nproc, device=DEVICE, config={"cases": [spec]},
+            job = launch.run(CasesConfig(cases=(spec,)), nproc=nproc, device=DEVICE,
                              timeout_s=LAUNCH_TIMEOUT_S, pg_timeout_s=PG_TIMEOUT_S,
                              stream=False)  # fmt: skip
     except (launch.JobFailed, launch.JobTimeout) as err:
@@ -239,5 +263,5 @@ def run_rank_check(
                 "message": f"your code raised {type(err).__name__}: {err}\n{where}"}  # fmt: skip
 
 
-def _close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-9) -> bool:
+def tensors_close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-9) -> bool:
     return a.shape == b.shape and torch.allclose(a, b, atol=tol, rtol=tol)

@@ -17,14 +17,8 @@ import math
 import numbers
 from typing import Any
 
-from labkit.course.exercises import (
-    ExerciseFailed,
-    _name,
-    _require_callable,
-    call,
-    exercise,
-    short_repr,
-)
+from labkit.course.exercises import ExerciseFailed, call, exercise, short_repr
+from labkit.course.exercises.learner_code import callable_name, require_callable
 
 
 def reference_checkpoint_plan(blocking_s: float, restart_s: float, mtbf_s: float) -> tuple[float, float]:
@@ -105,10 +99,10 @@ def _waste_diagnosis(tau: float, delta: float, m: float, r: float, got: float) -
     reference=reference_checkpoint_plan,
 )
 def _verify_checkpoint_plan(checkpoint_plan: Any) -> str:
-    fn = _require_callable(checkpoint_plan,
+    fn = require_callable(checkpoint_plan,
                            "checkpoint_plan(blocking_s, restart_s, mtbf_s) -> (interval_s, waste)")  # fmt: skip
     for delta, r, m in CASES:
-        shown = f"{_name(fn)}({delta:g}, {r:g}, {m:g})"
+        shown = f"{callable_name(fn)}({delta:g}, {r:g}, {m:g})"
         got = call(fn, delta, r, m)
         if (not isinstance(got, tuple | list) or len(got) != 2
                 or not all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in got)):  # fmt: skip
@@ -125,5 +119,5 @@ def _verify_checkpoint_plan(checkpoint_plan: Any) -> str:
             raise ExerciseFailed(f"{shown} gave a waste of {waste:.6g} at your interval, which "
                                  f"is not the share of the time lost with a {r:g} s restart: "
                                  f"{_waste_diagnosis(tau, delta, m, r, waste)}")  # fmt: skip
-    return (f"{_name(fn)} gives Young's √(2δM) and the waste δ/τ + (τ/2 + r)/M on four cases "
+    return (f"{callable_name(fn)} gives Young's √(2δM) and the waste δ/τ + (τ/2 + r)/M on four cases "
             "(slow and fast saves, long and no restarts); below it plans both kinds of save")

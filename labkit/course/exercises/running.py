@@ -16,8 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from labkit.course.exercises.feedback import report
-from labkit.course.exercises.learner_code import _is_learners, incomplete, is_stub, learner_frame
-from labkit.course.exercises.leftovers import Leftovers, _KernelWatch
+from labkit.course.exercises.learner_code import (
+    incomplete,
+    is_learners_file,
+    is_stub,
+    learner_frame,
+)
+from labkit.course.exercises.leftovers import KernelWatch, Leftovers
 from labkit.course.exercises.registry import (
     MODULES,
     Exercise,
@@ -83,7 +88,7 @@ def _run_in_kernel(
     the processes the learner's code started are stopped first, and the note printed.
     """
     __tracebackhide__ = True
-    watch = _KernelWatch()
+    watch = KernelWatch()
     caught: tuple[str | ExerciseError, str, bool] | None = None  # None: an error goes on up
     note = ""
     try:
@@ -98,7 +103,7 @@ def _run_in_kernel(
 
 
 def _caught(
-    ex: Exercise, run: Callable[[], tuple[str, str]], watch: _KernelWatch
+    ex: Exercise, run: Callable[[], tuple[str, str]], watch: KernelWatch
 ) -> tuple[str | ExerciseError, str, bool]:
     """``run()``'s (outcome, where), or the failed check the learner's code's way out of it
     makes, and whether the processes it started were stopped already (at the time limit: the
@@ -126,7 +131,7 @@ def _caught(
 
 def _raised_in_learners_code(err: BaseException) -> bool:
     frames = traceback.extract_tb(err.__traceback__)
-    return bool(frames) and _is_learners(frames[-1].filename)
+    return bool(frames) and is_learners_file(frames[-1].filename)
 
 
 def _report_with(exercise_id: str, outcome: str | ExerciseError, note: str, where: str = "") -> bool:

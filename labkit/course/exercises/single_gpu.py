@@ -27,14 +27,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from labkit.config import ModelConfig
-from labkit.course.exercises import (
-    ExerciseFailed,
-    _name,
-    _require_callable,
-    _require_int,
-    call,
-    exercise,
-)
+from labkit.course.exercises import ExerciseFailed, call, exercise
+from labkit.course.exercises.learner_code import callable_name, require_callable, require_int
 
 # --------------------------------------------------------------------------- references
 # What later cells use while the learner's answer is not done or wrong (only exercises that
@@ -144,9 +138,9 @@ def _param_count_diagnosis(cfg: ModelConfig, kinds: dict[str, int], got: int) ->
     ),
 )
 def _verify_param_count(count_params: Any) -> str:
-    fn = _require_callable(count_params, "count_params(cfg: ModelConfig) -> int")
+    fn = require_callable(count_params, "count_params(cfg: ModelConfig) -> int")
     for cfg in PARAM_COUNT_CONFIGS:
-        got = _require_int(call(fn, cfg), f"{_name(fn)}(cfg)")
+        got = require_int(call(fn, cfg), f"{callable_name(fn)}(cfg)")
         kinds = _gpt_breakdown(cfg)
         if got != kinds["total"]:
             raise ExerciseFailed(
@@ -258,7 +252,7 @@ TIMED_EARLIER_S = 0.020  # work already queued when timed() is called (from earl
 def _verify_timed(timed: Any) -> str:
     import torch
 
-    fn = _require_callable(timed, "timed(fn, device) -> float")
+    fn = require_callable(timed, "timed(fn, device) -> float")
     fake = _FakeAccelerator()
     device = torch.device("cuda", 0)  # a device object only: nothing touches CUDA
     fake.launch(TIMED_EARLIER_S)  # a previous cell's work, still running
@@ -343,9 +337,9 @@ messages diagnose without stating the answer (the bits-for-bytes mistake is caug
     reference=reference_adamw_state_bytes,
 )
 def _verify_adam_bytes(adamw_state_bytes: Any) -> str:
-    fn = _require_callable(adamw_state_bytes, "adamw_state_bytes(n_params: int) -> int")
+    fn = require_callable(adamw_state_bytes, "adamw_state_bytes(n_params: int) -> int")
     for n in ADAM_BYTES_CASES:
-        got = _require_int(call(fn, n), f"{_name(fn)}({n})")
+        got = require_int(call(fn, n), f"{callable_name(fn)}({n})")
         expected = 16 * n  # 4 (weights) + 4 (grads) + 4 + 4 (exp_avg, exp_avg_sq): Playbook
         if got != expected:
             per_param = got / n
@@ -472,14 +466,14 @@ def _plan_diagnosis(peaks: dict[int, int], budget: int, got: int) -> str:
     reference=reference_plan_batch,
 )
 def _verify_batch_plan(plan_batch: Any) -> str:
-    fn = _require_callable(plan_batch, "plan_batch(peaks: dict[int, int], budget: int) -> int")
+    fn = require_callable(plan_batch, "plan_batch(peaks: dict[int, int], budget: int) -> int")
     for peaks, budget, what in BATCH_PLAN_CASES:
-        shown = f"{_name(fn)}({peaks}, {budget:,})"
-        got = _require_int(call(fn, dict(peaks), budget), shown)
+        shown = f"{callable_name(fn)}({peaks}, {budget:,})"
+        got = require_int(call(fn, dict(peaks), budget), shown)
         if got != reference_plan_batch(peaks, budget):
             raise ExerciseFailed(f"for {what}, {shown} returned a batch of {got}: "
                                  f"{_plan_diagnosis(peaks, budget, got)}")  # fmt: skip
-    return (f"{_name(fn)} picks the largest batch under the budget on {len(BATCH_PLAN_CASES)} "
+    return (f"{callable_name(fn)} picks the largest batch under the budget on {len(BATCH_PLAN_CASES)} "
             "sets of measured peaks (a large fixed part, three points, nothing that fits); "
             "below, your plan runs for real")
 

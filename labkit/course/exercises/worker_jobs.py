@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from labkit.course.exercises.feedback import _sentence
-from labkit.course.exercises.learner_code import _is_learners
+from labkit.course.exercises.feedback import as_sentence
+from labkit.course.exercises.learner_code import is_learners_file
 
 
 def workspace(notebook: str) -> Path:
@@ -66,7 +66,7 @@ def explain_job_error(err: Exception, reports: dict[int, str]) -> str:
                     "never called: every rank must call the same collectives in the same order.")  # fmt: skip
         elif isinstance(err, launch.JobTimeout):
             then = " Then the other rank hung, waiting in a collective this rank never called."
-        return f"{_sentence(telling[rank])}{then} {logs}".strip()
+        return f"{as_sentence(telling[rank])}{then} {logs}".strip()
     if isinstance(err, launch.JobTimeout):
         where = "; ".join(f"rank {r} was at {w}" for r, w in sorted(err.where.items()))
         waiting = [r for r, w in err.where.items() if "(torch)" in w]
@@ -84,13 +84,13 @@ def explain_job_error(err: Exception, reports: dict[int, str]) -> str:
             likely = ("every rank waited in a collective: do they call the same collectives "
                       "in the same order?")  # fmt: skip
         reason = str(err).splitlines()[0].split(" ", 1)[-1].split(";")[0]  # "timed out after…"
-        return (f"the check did not finish ({reason}): {_sentence(likely)} "
-                f"{_sentence(where) + ' ' if where else ''}{logs}")  # fmt: skip
+        return (f"the check did not finish ({reason}): {as_sentence(likely)} "
+                f"{as_sentence(where) + ' ' if where else ''}{logs}")  # fmt: skip
     if isinstance(err, launch.JobFailed):
         what = f"{err.exc_type}: {err.exc_message}" if err.exc_type else err.exc_message
         frame = _last_code_frame(err.traceback)
         on = f"on rank {err.rank}" if err.rank is not None else "before any rank ran"
-        return f"the check job failed {on}: {_sentence(what + frame)} {logs}"
+        return f"the check job failed {on}: {as_sentence(what + frame)} {logs}"
     return f"{err}"
 
 
@@ -124,10 +124,10 @@ def ranks_apart(result: Any, reports: dict[int, str]) -> str | None:
         return _never_reached(apart, diagnosis.read_stacks(result.log_dir, result.local_ranks))
     if telling and not apart.yours:
         first = min(telling)
-        return (f"{_sentence(telling[first])} Then rank {apart.rank} waited in "
+        return (f"{as_sentence(telling[first])} Then rank {apart.rank} waited in "
                 f"{diagnosis.describe_call(apart.call, own)}, which rank {apart.other} never "
                 f"called. {SAME_ORDER}")  # fmt: skip
-    return f"the ranks' collectives went apart: {_sentence(apart.describe(own))} {SAME_ORDER}"
+    return f"the ranks' collectives went apart: {as_sentence(apart.describe(own))} {SAME_ORDER}"
 
 
 def _never_reached(apart: Any, stacks: dict[int, str]) -> str:
@@ -184,7 +184,7 @@ def _last_code_frame(tb: str) -> str:
     """" (at file.py, line N: code)" for the innermost frame of a traceback outside labkit and
     the installed packages: the learner's line that raised."""
     frames = re.findall(r'  File "([^"]+)", line (\d+), in [^\n]*\n(?:    ([^\n]*)\n)?', tb + "\n")
-    mine = [f for f in frames if _is_learners(f[0])]
+    mine = [f for f in frames if is_learners_file(f[0])]
     if not mine:
         return ""
     path, line, code = mine[-1]

@@ -44,15 +44,10 @@ from labkit.hardware.doctor.gpu import check_interconnect as check_interconnect
 from labkit.hardware.doctor.gpu import check_nccl as check_nccl
 from labkit.hardware.doctor.gpu import check_nvml as check_nvml
 from labkit.hardware.doctor.gpu import check_torch_build as check_torch_build
-from labkit.hardware.doctor.host import ALLREDUCE_NUMEL as ALLREDUCE_NUMEL
 from labkit.hardware.doctor.host import ALLREDUCE_REPEATS as ALLREDUCE_REPEATS
-from labkit.hardware.doctor.host import FULL_DISK_BYTES as FULL_DISK_BYTES
-from labkit.hardware.doctor.host import LOW_DISK_BYTES as LOW_DISK_BYTES
-from labkit.hardware.doctor.host import LOW_MEMORY_BYTES as LOW_MEMORY_BYTES
 from labkit.hardware.doctor.host import MIN_PYTHON as MIN_PYTHON
 from labkit.hardware.doctor.host import MIN_TORCH as MIN_TORCH
 from labkit.hardware.doctor.host import TESTED_JUPYTERLAB as TESTED_JUPYTERLAB
-from labkit.hardware.doctor.host import WIDGETS_EXTENSION as WIDGETS_EXTENSION
 from labkit.hardware.doctor.host import check_allreduce as check_allreduce
 from labkit.hardware.doctor.host import check_cpu as check_cpu
 from labkit.hardware.doctor.host import check_disk as check_disk
@@ -65,13 +60,10 @@ from labkit.hardware.doctor.host import check_torch as check_torch
 from labkit.hardware.doctor.host import check_widgets_extension as check_widgets_extension
 from labkit.hardware.doctor.probe import Probe as Probe
 from labkit.hardware.doctor.probe import tested_pin as tested_pin
-from labkit.hardware.doctor.report import ASCII_SYMBOLS as ASCII_SYMBOLS
-from labkit.hardware.doctor.report import SYMBOLS as SYMBOLS
 from labkit.hardware.doctor.report import VERDICTS as VERDICTS
 from labkit.hardware.doctor.report import Check as Check
 from labkit.hardware.doctor.report import Report as Report
 from labkit.hardware.doctor.report import first_line
-from labkit.hardware.nvml import nvml_session as nvml_session
 
 # ----------------------------------------------------------------------------------------------
 # Running them

@@ -231,12 +231,15 @@ def check_allreduce(probe: Probe) -> Check:
     on_gpu = probe.cuda_available and probe.usable_gpu_count >= nproc
     device = "cuda" if on_gpu else "cpu"
     numel = ALLREDUCE_NUMEL[device]
+    # Imported here, not at the top: the worker brings torch.distributed, and the doctor's
+    # other checks must still run (and say why) on a machine where that cannot import.
+    from labkit.workers.allreduce import AllReduceConfig
+
     try:
         res = launch.run(
-            "labkit.workers.allreduce",
-            nproc=nproc,
             # the doctor asks whether the ranks connect and agree: no link probe, no wire count
-            config={"numel": numel, "repeats": ALLREDUCE_REPEATS, "probe": False, "wire": False},
+            AllReduceConfig(numel=numel, repeats=ALLREDUCE_REPEATS, probe=False, wire=False),
+            nproc=nproc,
             timeout_s=probe.timeout_s,
             device="auto" if on_gpu else "cpu",
             stream=False,

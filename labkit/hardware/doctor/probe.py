@@ -19,6 +19,7 @@ import torch
 
 from labkit import hardware
 from labkit.hardware.nvml import load_nvml, nvml_session
+from labkit.validate import positive, whole
 
 # Fixes shared by several checks.
 FIX_REQUIREMENTS = "run `./course setup` (installs the tested pins from requirements.txt)"
@@ -49,10 +50,8 @@ class Probe:
         nproc: int = 2,
         timeout_s: float = 120,
     ) -> None:
-        if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 2:
-            raise ValueError(f"nproc={nproc!r}: an all-reduce needs an integer >= 2 ranks")
-        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
-            raise ValueError(f"timeout_s={timeout_s!r}: need a number of seconds > 0")
+        nproc = whole("nproc", nproc, low=2, why="ranks in the all-reduce")
+        timeout_s = positive("timeout_s", timeout_s, why="seconds")
         self.cuda = torch.cuda if cuda is None else cuda
         self._nvml_arg = nvml
         self.allreduce, self.nproc, self.timeout_s = allreduce, nproc, timeout_s

@@ -7,7 +7,8 @@ they share in one place; every name below imports from ``labkit.profiling.bottle
 
     common           Measured, BeforeAfter; phased_step and annotated_step (the step every
                      bottleneck times); fresh copies of one initialised model
-    data_loading     1. TokenizingDataset, loader variants, BatchStream, measure_data_loading
+    data_loading     1. TokenizingDataset, loader variants, BatchStream, measure_data_loading;
+                     time_batch_loading (a batch loaded in this process)
     launch_overhead  2. torch.compile against eager: measure_compile, inductor's cache
     host_sync        3. loss.item() every step against every K steps: measure_sync
 
@@ -55,10 +56,8 @@ from labkit.profiling.bottlenecks.common import (
     phased_step,
 )
 from labkit.profiling.bottlenecks.data_loading import (
-    PRETOKENIZE,
     BatchStream,
     DatasetItemError,
-    EpochSampler,
     LoaderError,
     LoaderVariant,
     TokenizingDataset,
@@ -68,10 +67,10 @@ from labkit.profiling.bottlenecks.data_loading import (
     make_loader,
     measure_data_loading,
     measure_loader,
+    time_batch_loading,
     tokenize,
 )
 from labkit.profiling.bottlenecks.host_sync import (
-    SyncResult,
     measure_sync,
 )
 from labkit.profiling.bottlenecks.launch_overhead import (
@@ -86,17 +85,14 @@ from labkit.profiling.bottlenecks.launch_overhead import (
 
 __all__ = [
     "INDUCTOR_CACHE_ENV",
-    "PRETOKENIZE",
     "BatchStream",
     "BeforeAfter",
     "CompileResult",
     "CompileUnavailable",
     "DatasetItemError",
-    "EpochSampler",
     "LoaderError",
     "LoaderVariant",
     "Measured",
-    "SyncResult",
     "TokenizingDataset",
     "annotated_step",
     "calibrate_passes",
@@ -110,6 +106,7 @@ __all__ = [
     "measure_loader",
     "measure_sync",
     "phased_step",
+    "time_batch_loading",
     "tokenize",
     "use_inductor_cache",
 ]

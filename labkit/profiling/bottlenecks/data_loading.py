@@ -38,6 +38,7 @@ from labkit.profiling.bottlenecks.common import (
     run_device,
 )
 from labkit.profiling.phases import phase
+from labkit.validate import whole
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -103,9 +104,7 @@ class TokenizingDataset(Dataset):
 
     def __init__(self, data: torch.Tensor | None = None, seq_len: int = 64, *, passes: int = 1,
                  n_items: int | None = None, fail_at: int | None = None) -> None:
-        for name, value in (("seq_len", seq_len), ("passes", passes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} is not allowed: a positive integer")
+        seq_len, passes = whole("seq_len", seq_len, low=1), whole("passes", passes, low=1)
         if data is None:
             data = load_splits().train
         if not isinstance(data, torch.Tensor) or data.dim() != 1 or data.dtype != torch.uint8:
@@ -114,9 +113,9 @@ class TokenizingDataset(Dataset):
         available = (data.numel() - 1) // seq_len if data.numel() > seq_len else 0
         if n_items is None:
             n_items = available
-        if isinstance(n_items, bool) or not isinstance(n_items, int) or not 1 <= n_items <= available:
-            raise ValueError(f"n_items={n_items!r} is not allowed: {data.numel()} tokens hold "
-                             f"{available} windows of seq_len={seq_len}; choose 1..{available}")  # fmt: skip
+        n_items = whole("n_items", n_items, low=1, high=available,
+                        why=f"{data.numel()} tokens hold {available} windows of "
+                            f"seq_len={seq_len}")  # fmt: skip
         self.seq_len, self.passes, self.n_items, self.fail_at = seq_len, passes, n_items, fail_at
         # Raw bytes, only as many as the items need: cheap to send to a worker process.
         self.raw = data[: n_items * seq_len + 1].cpu().numpy().tobytes()
@@ -175,6 +174,27 @@ def calibrate_passes(target_batch_s: float, *, batch_size: int, seq_len: int = 6
     return max(1, round((target_batch_s / batch_size - fixed) / per_pass))
 
 
+def time_batch_loading(dataset: Dataset, *, batch_size: int, batches: int = 3,
+                       clock: Callable[[], float] = time.perf_counter) -> timing.TimingResult:
+    """Seconds to load one batch of ``dataset`` in this process (no DataLoader, no worker):
+    the first ``batches`` batches, each timed by ``labkit.timing.benchmark``.
+
+    No warm-up call: each batch is new items (a warm-up would load one more batch than the
+    dataset was sized for, ``batches × batch_size`` items), and tokenising keeps no cache that a
+    first call would fill.
+    """
+    batch_size = whole("batch_size", batch_size, low=1)
+    batches = whole("batches", batches, low=1)
+    starts = iter(range(0, batches * batch_size, batch_size))
+
+    def load_one() -> None:
+        k = next(starts)
+        [dataset[i] for i in range(k, k + batch_size)]
+
+    return timing.benchmark(load_one, warmup=0, repeats=batches, name="loading a batch",
+                            clock=clock)  # fmt: skip
+
+
 
 # ---------------------------------------------------------------------------------------
 # Loaders, a stream that cleans up, the measured loop
@@ -200,8 +220,7 @@ class LoaderVariant:
 
     def __post_init__(self) -> None:
         w = self.num_workers
-        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
-            raise ValueError(f"{self.name}: num_workers={w!r} is not allowed: an integer >= 0")
+        whole("num_workers", w, low=0, why=f"loader variant {self.name!r}")
         if w == 0 and (self.prefetch_factor is not None or self.persistent_workers):
             raise ValueError(f"{self.name}: prefetch_factor and persistent_workers need worker "
                              "processes: set num_workers >= 1 or leave them unset")  # fmt: skip
@@ -377,8 +396,7 @@ def measure_loader(model: nn.Module, optimizer: torch.optim.Optimizer, loader: D
     and counts as compute. The first ``warmup`` steps (worker start-up, allocator growth) are
     run but not counted. Worker processes are shut down before this returns or raises.
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps={steps!r} is not allowed: an integer >= 1")
+    steps = whole("steps", steps, low=1)
     device = timing.as_device(device)
     non_blocking = bool(loader.pin_memory) and device.type == "cuda"
     data_s: list[float] = []
@@ -426,8 +444,7 @@ def measure_data_loading(cfg: RunConfig, dataset: Dataset, *,
     variants = tuple(variants or loader_variants(device))
     if not variants:
         raise ValueError("variants is empty: give at least one LoaderVariant")
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"rounds={rounds!r} is not allowed: an integer >= 1")
+    rounds = whole("rounds", rounds, low=1)
     runs = fresh_models(cfg, device, len(variants))
     loaders = [make_loader(dataset, v, batch_size=cfg.train.micro_batch, seed=cfg.train.seed,
                            device=device) for v in variants]  # fmt: skip

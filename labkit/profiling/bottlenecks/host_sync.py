@@ -30,6 +30,7 @@ from labkit.profiling.bottlenecks.common import (
     run_device,
     step_tokens,
 )
+from labkit.validate import whole
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,8 +66,7 @@ def measure_sync(cfg: RunConfig, *, device: torch.device | str | None = None,
     ``.item()`` waits for nothing. The result says so (``asynchronous=False``) rather than show
     an effect this device cannot have.
     """
-    if isinstance(read_every, bool) or not isinstance(read_every, int) or read_every < 1:
-        raise ValueError(f"read_every={read_every!r} is not allowed: an integer >= 1")
+    read_every = whole("read_every", read_every, low=1)
     device = run_device(cfg, device)
     (m_before, o_before), (m_after, o_after) = fresh_models(cfg, device, 2)
     train, _ = load_splits()

@@ -18,7 +18,7 @@
   at most twice the least tokens; None where the noise scale is not resolved). Checked on other
   machines' measurements (:data:`PLAN_CASES`, where each usual mistake gives a plan of its own)
   and on the notebook's (:func:`measured_here`); then the plan runs for real
-  (:func:`run_plan`): one step under the notebook's memory limit, and its step time against one
+  (:func:`.plan_run.run_plan`): one step under the notebook's memory limit, and its step time against one
   other split with :func:`labkit.verdict.compare_times`, which never fails a right plan.
 
 Each check runs the learner's code on small, fixed inputs (about a second on a laptop CPU),
@@ -44,11 +44,7 @@ Its modules:
 
 from __future__ import annotations
 
-from labkit.course.exercises.batch_size.accumulation import ACCUM_CFG as ACCUM_CFG
 from labkit.course.exercises.batch_size.accumulation import ACCUM_KS as ACCUM_KS
-from labkit.course.exercises.batch_size.accumulation import (
-    reference_accumulate as reference_accumulate,
-)
 from labkit.course.exercises.batch_size.batch_plan import PLAN_CASES as PLAN_CASES
 from labkit.course.exercises.batch_size.batch_plan import PlanInputs as PlanInputs
 from labkit.course.exercises.batch_size.batch_plan import (
@@ -69,4 +65,3 @@ from labkit.course.exercises.batch_size.noise_scale import (
 from labkit.course.exercises.batch_size.plan_run import PlanRun as PlanRun
 from labkit.course.exercises.batch_size.plan_run import forget_here as forget_here
 from labkit.course.exercises.batch_size.plan_run import measured_here as measured_here
-from labkit.course.exercises.batch_size.plan_run import run_plan as run_plan

@@ -22,12 +22,8 @@ from torch import nn
 from labkit.batching import accumulation
 from labkit.batching.noise import Batch
 from labkit.config import ModelConfig
-from labkit.course.exercises import (
-    ExerciseFailed,
-    _require_callable,
-    call,
-    exercise,
-)
+from labkit.course.exercises import ExerciseFailed, call, exercise
+from labkit.course.exercises.learner_code import require_callable
 
 # --------------------------------------------------------------------------- the reference
 # What later cells use while the learner's answer is not done or wrong.
@@ -250,7 +246,7 @@ def _accumulation_failure(fn: Callable[..., Any], k: int, with_zeros: bool) -> t
     reference=reference_accumulate,
 )
 def _verify_accumulation(accumulate: Any) -> str:
-    fn = _require_callable(accumulate, "accumulate(model, batch, k) -> None")
+    fn = require_callable(accumulate, "accumulate(model, batch, k) -> None")
     worst = 0.0
     for k, with_zeros in ACCUM_RUNS:
         failure, rel = _accumulation_failure(fn, k, with_zeros)

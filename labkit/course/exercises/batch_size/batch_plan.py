@@ -18,11 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from labkit.batching import sweep
-from labkit.course.exercises import (
-    ExerciseFailed,
-    _require_int,
-    short_repr,
-)
+from labkit.course.exercises import ExerciseFailed, short_repr
+from labkit.course.exercises.learner_code import require_int
 
 # --------------------------------------------------------------------------- 05.batch_plan
 
@@ -60,11 +57,11 @@ class PlanInputs:
                 f"b_noise {self.b_noise:.3g}")  # fmt: skip
 
 
-def _resolved(b_noise: float) -> bool:
+def noise_resolved(b_noise: float) -> bool:
     return isinstance(b_noise, numbers.Real) and math.isfinite(b_noise) and b_noise > 0
 
 
-def _candidates(target: int, ranks: int, fits: int, tokens_per_s: dict[int, float]) -> list[int]:
+def plan_candidates(target: int, ranks: int, fits: int, tokens_per_s: dict[int, float]) -> list[int]:
     """Measured micro-batches that fit one rank and divide its share of the target."""
     share = target // ranks
     return sorted(b for b in tokens_per_s if 1 <= b <= fits and share % b == 0)
@@ -84,13 +81,13 @@ def reference_plan_batch(target: int, ranks: int, fits: int, tokens_per_s: dict[
     if target % ranks:
         raise ValueError(f"target={target} is not a multiple of ranks={ranks}: every rank "
                          f"runs the same number of sequences per step")  # fmt: skip
-    candidates = _candidates(target, ranks, fits, tokens_per_s)
+    candidates = plan_candidates(target, ranks, fits, tokens_per_s)
     if not candidates:
         raise ValueError(f"no measured micro-batch in {sorted(tokens_per_s)} fits {fits} and "
                          f"divides each rank's {target // ranks} sequences")  # fmt: skip
     best = max(tokens_per_s[b] for b in candidates)
     micro = max(b for b in candidates if tokens_per_s[b] >= FLAT * best)
-    worth = (target <= b_noise) if _resolved(b_noise) else None
+    worth = (target <= b_noise) if noise_resolved(b_noise) else None
     return micro, target // ranks // micro, worth
 
 
@@ -117,15 +114,15 @@ PLAN_CASES = (
 (tests/test_exercises_batch_size.py holds them apart)."""
 
 
-def _plan_answer(got: Any, shown: str) -> tuple[int, int, bool | None]:
+def plan_answer(got: Any, shown: str) -> tuple[int, int, bool | None]:
     """The learner's plan as (micro, k, worth), or a failure naming what came back."""
     if not isinstance(got, (tuple, list)) or len(got) != 3:
         n = len(got) if isinstance(got, (tuple, list)) else None
         more = (" (did you leave out worth_it?)" if n == 2 else "")
         raise ExerciseFailed(f"{shown} returned {short_repr(got)}; return three things, "
                              f"(micro_batch, accumulation_steps, worth_it){more}")  # fmt: skip
-    micro = _require_int(got[0], f"{shown}[0] (the micro-batch)")
-    k = _require_int(got[1], f"{shown}[1] (the accumulation steps)")
+    micro = require_int(got[0], f"{shown}[0] (the micro-batch)")
+    k = require_int(got[1], f"{shown}[1] (the accumulation steps)")
     worth = got[2]
     if worth is not None and not isinstance(worth, bool):
         raise ExerciseFailed(f"{shown} returned worth_it={short_repr(worth)} "
@@ -138,11 +135,11 @@ def _worth_rule(answers: dict[int, tuple[PlanInputs, tuple[int, int, bool | None
                 rule: Callable[[PlanInputs, tuple[int, int, bool | None]], float]) -> bool:
     """Whether every worth_it the learner gave on a resolved noise scale is ``rule``'s number
     held against the noise scale (one case alone cannot tell the share from the micro-batch)."""
-    resolved = [(c, got) for c, got in answers.values() if _resolved(c.b_noise)]
+    resolved = [(c, got) for c, got in answers.values() if noise_resolved(c.b_noise)]
     return bool(resolved) and all(got[2] == (rule(c, got) <= c.b_noise) for c, got in resolved)
 
 
-def _plan_failure(case: PlanInputs, got: tuple[int, int, bool | None],
+def plan_failure(case: PlanInputs, got: tuple[int, int, bool | None],
                   answers: dict[int, tuple[PlanInputs, tuple[int, int, bool | None]]]
                   ) -> str | None:  # fmt: skip
     """What is wrong with the plan ``got`` for ``case``, naming the usual mistake, or None.
@@ -173,7 +170,7 @@ def _plan_failure(case: PlanInputs, got: tuple[int, int, bool | None],
     if micro not in tps:
         return (f"{at}: micro-batch {micro} was never measured (the sweep measured "
                 f"{sorted(tps)}): its speed is a guess. Decide among the measured sizes")  # fmt: skip
-    candidates = _candidates(T, n, F, tps)
+    candidates = plan_candidates(T, n, F, tps)
     fastest = max(candidates, key=lambda b: tps[b])
     if micro > right_m:  # the largest that fits and divides, measured slower beyond the noise
         return (f"{at}: the sweep measured micro-batch {micro} at {tps[micro]:,.0f} tokens/s, "

@@ -24,15 +24,8 @@ from torch import nn
 from labkit.batching import finder
 from labkit.batching.trials import BudgetedCPU
 from labkit.config import ModelConfig, TrainConfig
-from labkit.course.exercises import (
-    ExerciseFailed,
-    _name,
-    _require_callable,
-    _require_int,
-    call,
-    exercise,
-    short_repr,
-)
+from labkit.course.exercises import ExerciseFailed, call, exercise, short_repr
+from labkit.course.exercises.learner_code import callable_name, require_callable, require_int
 
 # --------------------------------------------------------------------------- the reference
 # What later cells use while the learner's answer is not done or wrong.
@@ -165,8 +158,8 @@ def _search_call(fn: Callable[..., Any], rec: _Recorded, start: int, max_batch: 
 def _search_failure(fn: Callable[..., Any], rec: _Recorded, answer: int, start: int,
                     max_batch: int, what: str) -> str | None:  # fmt: skip
     """Run one search; what is wrong with how it ran or what it returned, or None."""
-    got = _require_int(_search_call(fn, rec, start, max_batch),
-                       f"{_name(fn)}(trial, recover, start={start}, max_batch={max_batch})")  # fmt: skip
+    got = require_int(_search_call(fn, rec, start, max_batch),
+                       f"{callable_name(fn)}(trial, recover, start={start}, max_batch={max_batch})")  # fmt: skip
     at = f"on {what} (start={start}, max_batch={max_batch}; your trials: {rec.log()})"
     if rec.pending is not None:
         rec.unrecovered.append((rec.pending, None))
@@ -306,7 +299,7 @@ def _verify_real(fn: Callable[..., Any]) -> tuple[_RealCase, _Recorded]:
     reference=reference_largest_batch,
 )
 def _verify_max_batch(largest_batch: Any) -> str:
-    fn = _require_callable(largest_batch, "largest_batch(trial, recover, start, max_batch) -> int")
+    fn = require_callable(largest_batch, "largest_batch(trial, recover, start, max_batch) -> int")
     most = 0
     for what, fits_up_to, start, max_batch in SEARCH_CASES:
         rec = _Recorded(_synthetic(fits_up_to))

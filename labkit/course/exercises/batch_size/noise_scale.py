@@ -19,15 +19,9 @@ import torch
 
 from labkit.batching import noise
 from labkit.batching.noise import Batch
-from labkit.course.exercises import (
-    ExerciseFailed,
-    _name,
-    _require_callable,
-    call,
-    exercise,
-    short_repr,
-)
+from labkit.course.exercises import ExerciseFailed, call, exercise, short_repr
 from labkit.course.exercises.batch_size.accumulation import ACCUM_CFG
+from labkit.course.exercises.learner_code import callable_name, require_callable
 
 # --------------------------------------------------------------------------- the reference
 # What later cells use while the learner's answer is not done or wrong.
@@ -139,18 +133,18 @@ def noise_mistakes(small: Sequence[float], big: Sequence[float], bs: int,
     reference=reference_noise_scale,
 )
 def _verify_noise_scale(noise_scale: Any) -> str:
-    fn = _require_callable(noise_scale, "noise_scale(sq_small, sq_big, b_small, b_big) -> float")
+    fn = require_callable(noise_scale, "noise_scale(sq_small, sq_big, b_small, b_big) -> float")
     cases = [*NOISE_KNOWN, _real_noise_case()]
     for what, bs, bb, small, big in cases:
         got = call(fn, list(small), list(big), bs, bb)
         if isinstance(got, noise.NoiseScale):
             raise ExerciseFailed(
-                f"{_name(fn)} returned a NoiseScale (labkit's whole estimate); return the float "
+                f"{callable_name(fn)} returned a NoiseScale (labkit's whole estimate); return the float "
                 f"B_simple itself (its b_simple)"
             )
         if isinstance(got, (torch.Tensor, bool)) or not isinstance(got, numbers.Real):
             raise ExerciseFailed(
-                f"{_name(fn)}(...) returned {type(got).__name__} {short_repr(got)}; return a "
+                f"{callable_name(fn)}(...) returned {type(got).__name__} {short_repr(got)}; return a "
                 f"Python float (float(x), or x.item() for a one-element tensor)"
             )
         expected = reference_noise_scale(small, big, bs, bb)

@@ -22,24 +22,18 @@ from labkit import timing, train, verdict
 from labkit.batching import trials
 from labkit.batching.noise import Batch
 from labkit.config import TrainConfig
-from labkit.course.exercises import (
-    ExerciseFailed,
-    _name,
-    _require_callable,
-    call,
-    exercise,
-    time_limit_paused,
-)
+from labkit.course.exercises import ExerciseFailed, call, exercise, time_limit_paused
 from labkit.course.exercises.batch_size.batch_plan import (
     FLAT,
     PLAN_CASES,
     PlanInputs,
-    _candidates,
-    _plan_answer,
-    _plan_failure,
-    _resolved,
+    noise_resolved,
+    plan_answer,
+    plan_candidates,
+    plan_failure,
     reference_plan_batch,
 )
+from labkit.course.exercises.learner_code import callable_name, require_callable
 from labkit.data import get_batch
 
 # --------------------------------------------------------------------------- the plan, run
@@ -142,7 +136,7 @@ class PlanRun:
 
 
 def _worth_sentence(i: PlanInputs, worth: bool | None) -> str:
-    if worth is None or not _resolved(i.b_noise):
+    if worth is None or not noise_resolved(i.b_noise):
         return (f"worth it: cannot tell (the noise scale is not resolved: {i.b_noise!r}); "
                 f"more pairs in section 6 would resolve it")  # fmt: skip
     times = 1 + i.target / i.b_noise
@@ -210,7 +204,7 @@ def _alternative(inputs: PlanInputs, micro: int) -> int | None:
     """The other split to time the plan against: the largest measured micro-batch that fits
     and divides (what "as large as fits" would run) when the plan is not it, else the next
     smaller one (one more halving: more accumulation)."""
-    others = [b for b in _candidates(inputs.target, inputs.ranks, inputs.fits,
+    others = [b for b in plan_candidates(inputs.target, inputs.ranks, inputs.fits,
                                      inputs.tokens_per_s) if b != micro]  # fmt: skip
     return max(others) if others else None  # all others smaller: the next smaller one
 
@@ -298,20 +292,20 @@ def run_plan(here: Here, plan: tuple[int, int, bool | None]) -> PlanRun:
     reference=reference_plan_batch,
 )
 def _verify_batch_plan(plan_batch: Any) -> str:
-    fn = _require_callable(plan_batch, "plan_batch(target, ranks, fits, tokens_per_s, b_noise) "
+    fn = require_callable(plan_batch, "plan_batch(target, ranks, fits, tokens_per_s, b_noise) "
                                        "-> (micro_batch, accumulation_steps, worth_it)")  # fmt: skip
     here = _HERE
     cases = [*PLAN_CASES, *([here.inputs] if here is not None else [])]
     answers = {}
     for i, case in enumerate(cases):
-        shown = f"{_name(fn)}(target={case.target}, ranks={case.ranks}, fits={case.fits}, ...)"
-        answers[i] = (case, _plan_answer(call(fn, *case.args()), shown))
+        shown = f"{callable_name(fn)}(target={case.target}, ranks={case.ranks}, fits={case.fits}, ...)"
+        answers[i] = (case, plan_answer(call(fn, *case.args()), shown))
     for case, got in answers.values():
-        failure = _plan_failure(case, got, answers)
+        failure = plan_failure(case, got, answers)
         if failure:
             raise ExerciseFailed(failure)
     plans = [got for _, got in answers.values()]
-    said = (f"{_name(fn)} decides as the measurements say on {len(PLAN_CASES)} other machines' "
+    said = (f"{callable_name(fn)} decides as the measurements say on {len(PLAN_CASES)} other machines' "
             f"measurements (1 to 4 ranks; throughput rising, flat, and falling at the largest; "
             f"noise scales resolved and not)")  # fmt: skip
     if here is None:

@@ -40,21 +40,54 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as tdist
 
-from labkit import formulas, verdict
+from labkit import formulas, validate, verdict
+from labkit.config import SIZES
 from labkit.jobs import runtime
+from labkit.jobs.spec import WorkerConfig
 
 MODULE = "labkit.course.exercises.data_parallel.bench"
 CAP_FRACTIONS = (1 / 64, 1 / 16, 1 / 4, 1.0)  # bucket cap as a fraction of the gradient bytes
 CLASSES = ("OverlapDDP", "BucketedDDP")  # what a learner's files may replace
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BenchConfig(WorkerConfig):
+    """The 2-rank timing job (the module docstring says what it times)."""
+
+    WORKER: ClassVar[str] = MODULE
+    size: str = "lab"
+    """The preset (``labkit.config.SIZES``) whose model is timed."""
+    rounds: int = 8
+    """Timed rounds, every variant once per round."""
+    warmup: int = 2
+    """Untimed rounds first."""
+    files: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Class name (one of ``CLASSES``) -> the learner's file that defines it; a class not given
+    is labkit's reference answer."""
+    micro_batch: int | None = None
+    """Sequences per rank in the timed step (None: the size's ``train.micro_batch``)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        validate.one_of("size", self.size, SIZES)
+        validate.whole("rounds", self.rounds, low=1)
+        validate.whole("warmup", self.warmup, low=0)
+        unknown = sorted(set(self.files) - set(CLASSES))
+        if unknown:
+            raise validate.refuse("files", unknown, f"the classes are {list(CLASSES)}")
+        if self.micro_batch is not None:
+            validate.whole("micro_batch", self.micro_batch, low=1,
+                           why="sequences per rank, or None for the size's own")  # fmt: skip
 
 
 def _time_allreduce(numel: int, device: torch.device, repeats: int) -> float:
@@ -116,10 +149,9 @@ def worker(ctx: runtime.Context) -> dict[str, Any]:
     from labkit.model import GPT
     from labkit.timing import alternate
 
-    cfg = ctx.config
-    preset = config.preset(cfg.get("size", "lab"))
-    rounds, warmup = int(cfg.get("rounds", 8)), int(cfg.get("warmup", 2))
-    files = cfg.get("files") or {}
+    cfg = BenchConfig.from_dict(ctx.config)
+    preset = config.preset(cfg.size)
+    rounds, warmup, files = cfg.rounds, cfg.warmup, cfg.files
     # the learner's file where given (load_file: the module the exercise checks imported)
     overlap_cls = load_file(files["OverlapDDP"]).OverlapDDP if "OverlapDDP" in files \
         else exdp.OverlapDDP  # fmt: skip
@@ -131,7 +163,7 @@ def worker(ctx: runtime.Context) -> dict[str, Any]:
     params = [p for p in base.parameters() if p.requires_grad]
     grad_bytes = sum(p.numel() * p.element_size() for p in params)
     g = torch.Generator().manual_seed(1 + ctx.rank)  # each rank its own slice of the batch
-    b, s = int(cfg.get("micro_batch") or preset.train.micro_batch), preset.model.seq_len
+    b, s = cfg.micro_batch or preset.train.micro_batch, preset.model.seq_len
     tokens = torch.randint(0, preset.model.vocab_size, (b, s + 1), generator=g).to(device)
     x, y = tokens[:, :-1], tokens[:, 1:]
 
@@ -246,17 +278,9 @@ def run(*, size: str = "lab", rounds: int = 8, warmup: int = 2, device: str = "c
     per rank in the timed step (None: the size's ``train.micro_batch``)."""
     from labkit.jobs import launch
 
-    files = {k: str(v) for k, v in (files or {}).items()}
-    unknown = sorted(set(files) - set(CLASSES))
-    if unknown:
-        raise ValueError(f"files={unknown} is not allowed: the classes are {list(CLASSES)}")
-    if micro_batch is not None and (isinstance(micro_batch, bool)
-                                    or not isinstance(micro_batch, int) or micro_batch < 1):
-        raise ValueError(f"micro_batch={micro_batch!r} is not allowed: a positive integer "
-                         "(sequences per rank), or None for the size's own")  # fmt: skip
-    res = launch.run(MODULE, nproc=2, device=device, stream=stream, timeout_s=timeout_s,
-                     config={"size": size, "rounds": rounds, "warmup": warmup, "files": files,
-                             "micro_batch": micro_batch},
+    job = BenchConfig(size=size, rounds=rounds, warmup=warmup, micro_batch=micro_batch,
+                      files={k: str(v) for k, v in (files or {}).items()})  # fmt: skip
+    res = launch.run(job, nproc=2, device=device, stream=stream, timeout_s=timeout_s,
                      env={"OMP_NUM_THREADS": "1"} if device == "cpu" else None)  # fmt: skip
     r0 = dict(res.rank(0))
     median = {k: statistics.median(v) for k, v in r0["samples_s"].items()}

@@ -23,13 +23,13 @@ from labkit.course.exercises import (
     exercise,
 )
 from labkit.course.exercises.data_parallel.check_tools import (
-    _agree,
-    _attempt,
-    _close,
-    _group,
-    _missing_key,
-    _require_class,
-    _why_gradient_differs,
+    agree_on_problem,
+    default_group,
+    explain_missing_key,
+    require_class,
+    tensors_close,
+    try_learner_code,
+    why_gradient_differs,
 )
 from labkit.course.exercises.data_parallel.reference import (
     BUCKET_CAP_MB,
@@ -37,13 +37,13 @@ from labkit.course.exercises.data_parallel.reference import (
     STEPS,
     BucketedDDP,
     OverlapDDP,
-    _batches,
-    _model,
-    _reference_ddp,
-    _sgd_step,
-    _trainable,
+    check_model,
+    rank_batches,
+    reference_ddp,
+    sgd_step,
+    trainable_params,
 )
-from labkit.course.exercises.data_parallel.spy import _Spy
+from labkit.course.exercises.data_parallel.spy import DistSpy
 
 # --------------------------------------------------------------------------- DDP checks
 
@@ -53,15 +53,15 @@ class _DDPRun:
     """What one check of a DDP class saw: its spy per step and its model."""
 
     model: nn.Module
-    steps: list[_Spy] = field(default_factory=list)
-    init: _Spy | None = None
+    steps: list[DistSpy] = field(default_factory=list)
+    init: DistSpy | None = None
 
 
 def _local_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
     """This rank's own gradients for one batch (of a copy: the model is left alone)."""
     replica = copy.deepcopy(model)
     replica(x, y).backward()
-    return {n: p.grad.detach().clone() for n, p in _trainable(replica)}
+    return {n: p.grad.detach().clone() for n, p in trainable_params(replica)}
 
 
 def _ranks_disagree(model: nn.Module) -> str | None:
@@ -87,34 +87,34 @@ def _run_ddp_class(
 
     Every rank seeds its model differently (as separately initialised processes would): both
     must broadcast rank 0's weights. Returns what the learner's run saw, its averaged
-    gradients per step, DDP's (:func:`_reference_ddp`), this rank's local ones, and the
+    gradients per step, DDP's (:func:`reference_ddp`), this rank's local ones, and the
     reference's final model. ``explain(model)``: an explainer of the learner's exceptions
-    during backward and ``finish_gradient_sync()`` (see :func:`_attempt`).
-    Between phases the ranks agree (:func:`_agree`), so a mistake stops all of them together.
+    during backward and ``finish_gradient_sync()`` (see :func:`try_learner_code`).
+    Between phases the ranks agree (:func:`agree_on_problem`), so a mistake stops all of them together.
     """
-    rank, n, device = _group()
-    model = _model(100 + rank, device)
+    rank, n, device = default_group()
+    model = check_model(100 + rank, device)
     original = copy.deepcopy(model)  # for the reference, which runs after the learner's class
-    batches = _batches(rank, n, device)
-    params = [p for _, p in _trainable(model)]
+    batches = rank_batches(rank, n, device)
+    params = [p for _, p in trainable_params(model)]
 
     run = _DDPRun(model)
-    spy = _Spy(params)  # registered first: counts a gradient before the learner's hook sees it
+    spy = DistSpy(params)  # registered first: counts a gradient before the learner's hook sees it
     run.init = spy
     with spy.active():
-        ddp, problem = _attempt(lambda: call(cls, model, n, *args))
-    _agree(problem)
+        ddp, problem = try_learner_code(lambda: call(cls, model, n, *args))
+    agree_on_problem(problem)
     disagree = _ranks_disagree(model)
     if disagree is not None:
-        _agree(f"after {signature} the ranks hold different values of {disagree}: each rank "
+        agree_on_problem(f"after {signature} the ranks hold different values of {disagree}: each rank "
                "initialised its own model (a different seed per rank), and nothing made them "
                "equal, so the ranks would train different models. torch DDP starts every rank "
                "from rank 0's parameters and buffers")  # fmt: skip
     finish = getattr(ddp, "finish_gradient_sync", None)
     if not callable(finish):
-        _agree(f"{type(ddp).__name__} has no method finish_gradient_sync(): the training loop "
+        agree_on_problem(f"{type(ddp).__name__} has no method finish_gradient_sync(): the training loop "
                "calls it after loss.backward() and before optimizer.step()")  # fmt: skip
-    want, reference = _reference_ddp(original, batches, args[0] if args else None)
+    want, reference = reference_ddp(original, batches, args[0] if args else None)
 
     why = explain(model) if explain is not None else None
     got, local = [], []
@@ -125,22 +125,22 @@ def _run_ddp_class(
         problem = None
         with spy.active():
             spy.phase = "backward"
-            _, problem = _attempt(lambda: model(x, y).backward(), why)  # noqa: B023
+            _, problem = try_learner_code(lambda: model(x, y).backward(), why)  # noqa: B023
             if problem is None:
                 spy.phase = "finish"
-                _, problem = _attempt(lambda: call(finish), why)
+                _, problem = try_learner_code(lambda: call(finish), why)
         spy.phase = "after"
         spy.wait_all()
         run.steps.append(copy.copy(spy))
         if problem is not None:
             problem = f"in step {step + 1}: {problem}"
-        _agree(problem)
-        missing = [name for name, p in _trainable(model) if p.grad is None]
+        agree_on_problem(problem)
+        missing = [name for name, p in trainable_params(model) if p.grad is None]
         if missing:
-            _agree(f"after finish_gradient_sync() in step {step + 1}, {missing[0]}.grad is None "
+            agree_on_problem(f"after finish_gradient_sync() in step {step + 1}, {missing[0]}.grad is None "
                    f"on rank {tdist.get_rank()}: leave the averaged gradient in p.grad")  # fmt: skip
-        got.append({name: p.grad.detach().clone() for name, p in _trainable(model)})
-        _sgd_step(model)
+        got.append({name: p.grad.detach().clone() for name, p in trainable_params(model)})
+        sgd_step(model)
     spy.remove_hooks()
     return run, got, want, local, reference
 
@@ -156,16 +156,16 @@ def _compare_steps(
     too: a class that reduced everything and wrote nothing back)."""
     rank, n = tdist.get_rank(), tdist.get_world_size()
     for step, (g, w, loc) in enumerate(zip(got, want, local, strict=True)):
-        unreduced = [k for k in w if not _close(g[k], w[k]) and _close(g[k], loc[k])]
+        unreduced = [k for k in w if not tensors_close(g[k], w[k]) and tensors_close(g[k], loc[k])]
         if unreduced and extra is not None:
             message = extra(unreduced)
             if message is not None:
                 return message
         for name, target in w.items():
-            if not _close(g[name], target):
+            if not tensors_close(g[name], target):
                 return (f"in step {step + 1}, {name}.grad on rank {rank} of {n} is not "
                         f"the averaged gradient DDP computes: "
-                        f"{_why_gradient_differs(g[name], target, loc[name], n, step + 1)}")  # fmt: skip
+                        f"{why_gradient_differs(g[name], target, loc[name], n, step + 1)}")  # fmt: skip
     return None
 
 
@@ -207,8 +207,8 @@ def _frozen_untouched(model: nn.Module) -> str | None:
     reference=OverlapDDP,
 )
 def _verify_overlap_ddp(cls: Any) -> str:
-    cls = _require_class(cls, "OverlapDDP(model, world_size)")
-    rank, n, _ = _group()
+    cls = require_class(cls, "OverlapDDP(model, world_size)")
+    rank, n, _ = default_group()
     run, got, want, local, _ = _run_ddp_class(cls, (), "OverlapDDP(model, world_size)")
     n_params = len(want[0])
     for step, spy in enumerate(run.steps, start=1):
@@ -249,8 +249,8 @@ def _verify_overlap_ddp(cls: Any) -> str:
                        "gradient went out twice (a hook registered twice, or a tied weight "
                        "listed twice?)")  # fmt: skip
         if problem:
-            _agree(f"in step {step}: {problem}")
-    _agree(_frozen_untouched(run.model) or _compare_steps(got, want, local))
+            agree_on_problem(f"in step {step}: {problem}")
+    agree_on_problem(_frozen_untouched(run.model) or _compare_steps(got, want, local))
     calls = [c for c in run.steps[-1].calls if c.kind == "all_reduce"]
     before_end = sum(1 for c in calls if c.ready < n_params)
     return (
@@ -318,8 +318,8 @@ def _greedy_bucket_bytes(params: Any, cap: float) -> list[int]:
     reference=BucketedDDP,
 )
 def _verify_bucketed_ddp(cls: Any) -> str:
-    cls = _require_class(cls, "BucketedDDP(model, world_size, bucket_cap_mb)")
-    rank, n, _ = _group()
+    cls = require_class(cls, "BucketedDDP(model, world_size, bucket_cap_mb)")
+    rank, n, _ = default_group()
     cap = int(BUCKET_CAP_MB * 2**20)
 
     short: tuple[int, int] | None = None  # (bytes the buckets carried, gradient bytes)
@@ -339,9 +339,9 @@ def _verify_bucketed_ddp(cls: Any) -> str:
 
     run, got, want, local, _ = _run_ddp_class(
         cls, (BUCKET_CAP_MB,), f"BucketedDDP(model, world_size, bucket_cap_mb={BUCKET_CAP_MB})",
-        explain=_missing_key,
+        explain=explain_missing_key,
     )
-    params = dict(_trainable(run.model))
+    params = dict(trainable_params(run.model))
     n_params = len(params)
     grad_bytes = sum(p.numel() * p.element_size() for p in params.values())
     largest = max(p.numel() * p.element_size() for p in params.values())
@@ -396,14 +396,14 @@ def _verify_bucketed_ddp(cls: Any) -> str:
             short = short or (sent, grad_bytes)
             problem = None  # a bucket never sent: the values below name its parameters
         if problem:
-            _agree(f"in step {step}: {problem}")
+            agree_on_problem(f"in step {step}: {problem}")
     values = _frozen_untouched(run.model) or _compare_steps(got, want, local, never_reduced)
     if values is None and short:  # one rank: an unsent bucket has the right values anyway
         values = (f"on rank {rank} the buckets carried {short[0]} of the {short[1]} bytes of "
                   "gradients: the last gradients backward produces fill a last bucket that "
                   "never reaches the cap, and that bucket was never sent: was the last, still "
                   "open bucket ever closed?")  # fmt: skip
-    _agree(values)
+    agree_on_problem(values)
     calls = [c for c in run.steps[-1].calls if c.kind == "all_reduce"]
     before_end = sum(1 for c in calls if c.ready < n_params)
     return (

@@ -18,12 +18,12 @@ from labkit.course.exercises import (
     ExerciseFailed,
     learner_frame,
 )
-from labkit.course.exercises.data_parallel.reference import ATOL, RTOL, _trainable
+from labkit.course.exercises.data_parallel.reference import ATOL, RTOL, trainable_params
 
 # --------------------------------------------------------------------------- shared pieces
 
 
-def _group() -> tuple[int, int, torch.device]:
+def default_group() -> tuple[int, int, torch.device]:
     """(rank, world size, device) of the default process group."""
     if not (tdist.is_available() and tdist.is_initialized()):
         raise RuntimeError(
@@ -35,7 +35,7 @@ def _group() -> tuple[int, int, torch.device]:
     return tdist.get_rank(), tdist.get_world_size(), device
 
 
-def _require_class(answer: object, signature: str) -> Callable[..., Any]:
+def require_class(answer: object, signature: str) -> Callable[..., Any]:
     if not callable(answer):
         raise ExerciseFailed(
             f"expected the class {signature}, got {type(answer).__name__} {answer!r}"
@@ -43,7 +43,7 @@ def _require_class(answer: object, signature: str) -> Callable[..., Any]:
     return answer
 
 
-def _agree(problem: str | None) -> None:
+def agree_on_problem(problem: str | None) -> None:
     """Every rank learns every rank's verdict, and all raise the first problem found.
 
     A rank that found a mistake must not leave the others waiting in the next collective:
@@ -58,7 +58,7 @@ def _agree(problem: str | None) -> None:
             raise ExerciseFailed(message)
 
 
-def _attempt(
+def try_learner_code(
     fn: Callable[[], Any], explain: Callable[[Exception], str | None] | None = None
 ) -> tuple[Any, str | None]:
     """Run a piece of the learner's code; (result, None), or (None, what went wrong).
@@ -76,11 +76,11 @@ def _attempt(
         return None, f"your code raised {type(err).__name__}: {err}{learner_frame(err)}"
 
 
-def _missing_key(model: nn.Module) -> Callable[[Exception], str | None]:
-    """An explainer for :func:`_attempt`: a KeyError whose key is one of ``model``'s trainable
+def explain_missing_key(model: nn.Module) -> Callable[[Exception], str | None]:
+    """An explainer for :func:`try_learner_code`: a KeyError whose key is one of ``model``'s trainable
     parameters (the tensor or its ``id``) means the learner's lookup table has no entry for
     it, most often because the bucket holding it was never made."""
-    by_id = {id(p): name for name, p in _trainable(model)}
+    by_id = {id(p): name for name, p in trainable_params(model)}
 
     def explain(err: Exception) -> str | None:
         if not isinstance(err, KeyError) or not err.args:
@@ -97,28 +97,28 @@ def _missing_key(model: nn.Module) -> Callable[[Exception], str | None]:
     return explain
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+def tensors_close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.allclose(a, b, rtol=RTOL, atol=ATOL)
 
 
-def _why_gradient_differs(
+def why_gradient_differs(
     got: torch.Tensor, want: torch.Tensor, local: torch.Tensor, n: int, step: int = 1
 ) -> str:
     """The usual mistake a wrong averaged gradient points to (``step``: counted from 1)."""
     if not torch.isfinite(got).all():
         return "it contains inf/NaN"
-    if _close(got, local):
+    if tensors_close(got, local):
         return "it is still this rank's own gradient: it was never all-reduced with the other ranks"
-    if _close(got, n * want):
+    if tensors_close(got, n * want):
         return (f"it is {n}x the average: all_reduce sums over the {n} ranks, so divide by "
                 "world_size once the all-reduce has finished")  # fmt: skip
-    if _close(got, want / n):
+    if tensors_close(got, want / n):
         if step > 1:
             return (f"it is 1/{n} of the average: it was divided by world_size twice, only from "
                     f"step 2 on. Is something of step 1 (its handles still in the list?) "
                     "divided again?")  # fmt: skip
         return f"it is 1/{n} of the average: it was divided by world_size twice"
-    if _close(got, local / n):
+    if tensors_close(got, local / n):
         return ("it is this rank's gradient divided by world_size: the sum over ranks never "
                 "reached it (was it divided before the all-reduce finished, or was the "
                 "all-reduce started on a copy?)")  # fmt: skip

@@ -26,11 +26,11 @@ from labkit.course.exercises import (
     short_repr,
 )
 from labkit.course.exercises.data_parallel.check_tools import (
-    _agree,
-    _attempt,
-    _close,
-    _group,
-    _require_class,
+    agree_on_problem,
+    default_group,
+    require_class,
+    tensors_close,
+    try_learner_code,
 )
 from labkit.course.exercises.data_parallel.reference import (
     ATOL,
@@ -39,11 +39,11 @@ from labkit.course.exercises.data_parallel.reference import (
     STEPS,
     WEIGHT_DECAY,
     ZeRO1Optimizer,
-    _batches,
-    _model,
-    _trainable,
+    check_model,
+    rank_batches,
+    trainable_params,
 )
-from labkit.course.exercises.data_parallel.spy import _Spy
+from labkit.course.exercises.data_parallel.spy import DistSpy
 
 # --------------------------------------------------------------------------- 02.zero1_step
 
@@ -155,7 +155,7 @@ class _Update:
     reference=ZeRO1Optimizer,
 )
 def _verify_zero1_step(cls: Any) -> str:
-    cls = _require_class(cls, "ZeRO1Optimizer(params, make_optimizer, rank, world_size)")
+    cls = require_class(cls, "ZeRO1Optimizer(params, make_optimizer, rank, world_size)")
     bounds = getattr(cls, "shard_bounds", None)
     if not callable(bounds) and not inspect.isclass(cls):
         with contextlib.suppress(ExerciseFailed):
@@ -170,20 +170,20 @@ def _verify_zero1_step(cls: Any) -> str:
         for k in sizes:
             _check_bounds(bounds, numel, k)
 
-    rank, n, device = _group()
-    model = _model(7, device)  # the same weights on every rank: ZeRO-1 does not broadcast
+    rank, n, device = default_group()
+    model = check_model(7, device)  # the same weights on every rank: ZeRO-1 does not broadcast
     reference = copy.deepcopy(model)
     ref_opt = torch.optim.AdamW(
-        [p for _, p in _trainable(reference)], lr=LR, weight_decay=WEIGHT_DECAY
+        [p for _, p in trainable_params(reference)], lr=LR, weight_decay=WEIGHT_DECAY
     )
-    names = [name for name, _ in _trainable(model)]
-    params = [p for _, p in _trainable(model)]
+    names = [name for name, _ in trainable_params(model)]
+    params = [p for _, p in trainable_params(model)]
     numel = sum(p.numel() for p in params)
     start, stop = bounds(numel, rank, n)
     size = n * (stop - start)
 
     updates: list[_Update] = []
-    spy = _Spy()
+    spy = DistSpy()
     made: list[torch.optim.Optimizer] = []
 
     def make_optimizer(shard_params: Any) -> torch.optim.Optimizer:
@@ -211,23 +211,23 @@ def _verify_zero1_step(cls: Any) -> str:
 
     signature = "ZeRO1Optimizer(model.parameters(), make_optimizer, rank, world_size)"
     with spy.active():
-        zero, problem = _attempt(lambda: call(cls, model.parameters(), make_optimizer, rank, n))
-    _agree(problem)
+        zero, problem = try_learner_code(lambda: call(cls, model.parameters(), make_optimizer, rank, n))
+    agree_on_problem(problem)
     if len(made) != 1:
-        _agree(f"{signature} called make_optimizer {len(made)} times; ZeRO-1 keeps one "
+        agree_on_problem(f"{signature} called make_optimizer {len(made)} times; ZeRO-1 keeps one "
                "optimizer, for the shard this rank updates")  # fmt: skip
     held = sum(p.numel() for g in made[0].param_groups for p in g["params"])
     if held != stop - start:
-        _agree(f"on rank {rank} of {n} the optimizer was given {held} elements, but the rank "
+        agree_on_problem(f"on rank {rank} of {n} the optimizer was given {held} elements, but the rank "
                f"owns a shard of {stop - start} of the {numel} (shard_bounds({numel}, {rank}, "
                f"{n}) = ({start}, {stop})), so AdamW would keep state for more than "
                "1/world_size of the model")  # fmt: skip
 
-    batches = _batches(rank, n, device)
+    batches = rank_batches(rank, n, device)
     for step, (x, y) in enumerate(batches, start=1):
         before = _flat([p.detach() for p in params], params, size)
         # the reference: torch's AdamW on every parameter, with the averaged gradient
-        ref_params = [p for _, p in _trainable(reference)]
+        ref_params = [p for _, p in trainable_params(reference)]
         ref_opt.zero_grad(set_to_none=True)
         reference(x, y).backward()
         for p in ref_params:
@@ -249,11 +249,11 @@ def _verify_zero1_step(cls: Any) -> str:
         updates.clear()
         with spy.active():
             spy.phase = "step"
-            _, problem = _attempt(lambda: call(zero.step))
+            _, problem = try_learner_code(lambda: call(zero.step))
         spy.phase = "after"
         spy.wait_all()
-        _agree(None if problem is None else f"in step {step}: {problem}")
-        _agree(_zero1_problem(step, spy, updates, averaged, mine, before, want, params, names,
+        agree_on_problem(None if problem is None else f"in step {step}: {problem}")
+        agree_on_problem(_zero1_problem(step, spy, updates, averaged, mine, before, want, params, names,
                               (start, stop), rank, n, numel))  # fmt: skip
     shard = stop - start
     return (
@@ -267,7 +267,7 @@ def _verify_zero1_step(cls: Any) -> str:
 
 def _zero1_problem(
     step: int,
-    spy: _Spy,
+    spy: DistSpy,
     updates: list[_Update],
     averaged: torch.Tensor,
     mine: torch.Tensor,
@@ -307,17 +307,17 @@ def _zero1_problem(
     piece = slice(start, stop)
     if up.grad is None:
         return f"{where}: self.shard.grad was None when the optimizer stepped: set it first"
-    if not _close(up.param, before[piece]):
+    if not tensors_close(up.param, before[piece]):
         return (f"{where}: the parameter the optimizer updated is not this rank's slice "
                 f"[{start}, {stop}) of the flat parameters")  # fmt: skip
     g, w = up.grad, averaged[piece]
-    if not _close(g, w):
-        if _close(g, n * w):
+    if not tensors_close(g, w):
+        if tensors_close(g, n * w):
             why = (f"it is {n}x the average: reduce-scatter sums over the {n} ranks, divide by "
                    "world_size (AdamW hides most of it, weight decay and eps do not)")  # fmt: skip
-        elif _close(g, mine[piece]):
+        elif tensors_close(g, mine[piece]):
             why = "it is this rank's own gradient: it was never reduced over the ranks"
-        elif _close(g, mine[piece] / n):
+        elif tensors_close(g, mine[piece] / n):
             why = "it is this rank's own gradient divided by world_size: the sum never happened"
         else:
             why = f"it differs by up to {(g - w).abs().max().item():.3g}"

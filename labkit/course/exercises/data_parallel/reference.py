@@ -79,13 +79,13 @@ class CheckLM(nn.Module):
 FROZEN = "wpe.weight"
 
 
-def _model(seed: int, device: torch.device) -> CheckLM:
+def check_model(seed: int, device: torch.device) -> CheckLM:
     with torch.random.fork_rng(devices=[]):  # leave the caller's random state alone
         torch.manual_seed(seed)
         return CheckLM().to(device)
 
 
-def _batches(rank: int, world_size: int, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+def rank_batches(rank: int, world_size: int, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
     """This rank's (x, y) for each of STEPS steps: rows r·b … (r+1)·b − 1 of a global batch
     that every rank draws alike."""
     g = torch.Generator().manual_seed(1234)
@@ -97,7 +97,7 @@ def _batches(rank: int, world_size: int, device: torch.device) -> list[tuple[tor
     return out
 
 
-def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+def trainable_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
@@ -195,7 +195,7 @@ class ZeRO1Optimizer:
             p.grad = None
 
 
-def _reference_ddp(
+def reference_ddp(
     model: nn.Module,
     batches: list[tuple[torch.Tensor, ...]],
     bucket_cap_mb: float | None = None,
@@ -203,7 +203,7 @@ def _reference_ddp(
     use_torch_ddp: bool = False,
 ) -> tuple[list[dict[str, torch.Tensor]], nn.Module]:
     """What DDP computes on a copy of ``model``: the averaged gradients of each step (copies,
-    by name) and the model after STEPS SGD steps (:func:`_sgd_step`).
+    by name) and the model after STEPS SGD steps (:func:`sgd_step`).
 
     By hand by default: rank 0's parameters and buffers broadcast, then each step the mean over
     ranks of every gradient, which is torch's ``DistributedDataParallel`` semantics
@@ -227,15 +227,15 @@ def _reference_ddp(
         forward(x, y).backward()
         if not use_torch_ddp:
             naive.finish_gradient_sync()
-        grads.append({name: p.grad.detach().clone() for name, p in _trainable(replica)})
-        _sgd_step(replica)
+        grads.append({name: p.grad.detach().clone() for name, p in trainable_params(replica)})
+        sgd_step(replica)
     return grads, replica
 
 
 @torch.no_grad()
-def _sgd_step(model: nn.Module) -> None:
+def sgd_step(model: nn.Module) -> None:
     """p -= LR · p.grad. Not a torch optimizer: creating one imports torch._dynamo (seconds,
     in every check job); the DDP checks need the weights to move between steps, nothing more."""
-    for _, p in _trainable(model):
+    for _, p in trainable_params(model):
         p.add_(p.grad, alpha=-LR)
 

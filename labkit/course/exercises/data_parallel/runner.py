@@ -8,12 +8,14 @@ and the verdicts only as reports.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from labkit import validate
 from labkit.course.exercises import (
     ExerciseError,
     ExerciseFailed,
@@ -27,6 +29,7 @@ from labkit.course.exercises import (
     without_failed_prefix,
 )
 from labkit.jobs import diagnosis
+from labkit.jobs.spec import WorkerConfig
 
 WORKER = "labkit.course.exercises.data_parallel.worker"
 
@@ -36,6 +39,29 @@ EXERCISES: dict[str, str] = {
     "02.zero1_step": "ZeRO1Optimizer",
 }
 """Exercise id -> the class the learner's file must define."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DPChecksConfig(WorkerConfig):
+    """What one launch of ``WORKER`` checks: exercises, against one learner's file."""
+
+    WORKER: ClassVar[str] = WORKER
+    exercises: tuple[str, ...]
+    """Ids from :data:`EXERCISES`."""
+    module_dir: str
+    """The folder that holds the learner's file."""
+    module: str = "dp_exercises"
+    """The learner's module name: the file is ``<module_dir>/<module>.py``."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.exercises, tuple) or not self.exercises:
+            raise validate.refuse("exercises", self.exercises, f"a list of ids from {sorted(EXERCISES)}")
+        for exercise_id in self.exercises:
+            validate.one_of("exercises", exercise_id, tuple(EXERCISES))
+        for name in ("module_dir", "module"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise validate.refuse(name, getattr(self, name), "a non-empty string")
 
 PG_TIMEOUT_S = 15.0
 """The check job's process-group timeout: how long a rank waits in a collective another rank
@@ -177,12 +203,12 @@ def verify_file(
     learner = load_learner_module(path.stem, path.parent)
     if is_stub(getattr(learner, name, None)):
         raise incomplete(exercise_id)
-    config = {"exercises": [exercise_id], "module": path.stem, "module_dir": str(path.parent)}
+    config = DPChecksConfig(exercises=(exercise_id,), module=path.stem, module_dir=str(path.parent))
     try:
         # A rank stuck in a collective that another rank never called fails after
         # PG_TIMEOUT_S, not after gloo's 30 minutes.
         with time_limit_paused():  # the job has its own limit, and ends its processes
-            res = launch.run(WORKER, nproc=nproc, device=device, config=config,
+            res = launch.run(config, nproc=nproc, device=device,
                              timeout_s=timeout_s, stream=False, pg_timeout_s=PG_TIMEOUT_S)  # fmt: skip
     except (launch.JobTimeout, launch.JobFailed) as err:
         reports = _reports(exercise_id, err.result.ranks)

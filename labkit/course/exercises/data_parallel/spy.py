@@ -50,7 +50,7 @@ _SPIED = {
 class _Handle:
     """A collective's work handle that remembers when it was first waited on."""
 
-    def __init__(self, work: Any, record: _Call, spy: _Spy) -> None:
+    def __init__(self, work: Any, record: _Call, spy: DistSpy) -> None:
         self._work, self._record, self._spy = work, record, spy
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
@@ -64,7 +64,7 @@ class _Handle:
         return getattr(self._work, name)
 
 
-class _Spy:
+class DistSpy:
     """Records the collectives ``torch.distributed`` is asked for while active, and counts the
     gradients that are final (its own post-accumulate hooks, registered before the learner's,
     so they run first for each parameter)."""
@@ -110,7 +110,7 @@ class _Spy:
         return spied
 
     @contextlib.contextmanager
-    def active(self) -> Iterator[_Spy]:
+    def active(self) -> Iterator[DistSpy]:
         import torch.distributed.distributed_c10d as c10d
 
         saved = []

@@ -16,14 +16,8 @@ import statistics
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from labkit.course.exercises import (
-    ExerciseFailed,
-    _name,
-    _require_callable,
-    call,
-    exercise,
-    short_repr,
-)
+from labkit.course.exercises import ExerciseFailed, call, exercise, short_repr
+from labkit.course.exercises.learner_code import callable_name, require_callable
 
 # --------------------------------------------------------------------------- 02.choose_strategy
 # A decision, checked in the kernel (ex.check): no process group, no worker.
@@ -315,7 +309,7 @@ def _facts(measured: dict[str, dict[str, Any]], budget: float, got: str | None,
     reference=reference_choose_strategy,
 )
 def _verify_choose_strategy(choose_strategy: Any) -> str:
-    fn = _require_callable(choose_strategy,
+    fn = require_callable(choose_strategy,
                            "choose_strategy(measured, budget_bytes) -> str | None")  # fmt: skip
     cases = [*_NOTEBOOK_CASE[-1:], *strategy_cases()]
     answers = []
@@ -323,13 +317,13 @@ def _verify_choose_strategy(choose_strategy: Any) -> str:
         got = call(fn, copy.deepcopy(measured), budget)
         why = _wrong_type(got, list(measured))
         if why is not None:
-            raise ExerciseFailed(f"on {what}, {_name(fn)}(measured, {budget:,.0f}) {why}")
+            raise ExerciseFailed(f"on {what}, {callable_name(fn)}(measured, {budget:,.0f}) {why}")
         answers.append(got)
     wants = [reference_choose_strategy(m, b) for m, b, _ in cases]
     wrong = [i for i, (got, want) in enumerate(zip(answers, wants, strict=True)) if got != want]
     if not wrong:
         mine = f"{_NOTEBOOK_CASE[-1][2]} and " if _NOTEBOOK_CASE else ""
-        return (f"{_name(fn)} chose the fastest strategy whose measured peak fits each per-rank "
+        return (f"{callable_name(fn)} chose the fastest strategy whose measured peak fits each per-rank "
                 f"budget, or None when none does, on {mine}{len(strategy_cases())} other jobs "
                 "(2 to 8 ranks, padded shards, a peak exactly at the budget, nothing that "
                 "fits)")  # fmt: skip

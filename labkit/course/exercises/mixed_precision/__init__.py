@@ -28,21 +28,12 @@ import torch
 from torch import nn
 
 from labkit import precision, recipes
-from labkit.course.exercises import (
-    ExerciseFailed,
-    _name,
-    _require_callable,
-    _require_int,
-    call,
-    exercise,
-)
+from labkit.course.exercises import ExerciseFailed, call, exercise
+from labkit.course.exercises.learner_code import callable_name, require_callable, require_int
 from labkit.course.exercises.mixed_precision.choose_recipe import (  # 04.choose_recipe, re-exported
     PLAN_CASES as PLAN_CASES,
 )
 from labkit.course.exercises.mixed_precision.choose_recipe import checking_on as checking_on
-from labkit.course.exercises.mixed_precision.choose_recipe import (
-    reference_choose_recipe as reference_choose_recipe,
-)
 from labkit.course.exercises.mixed_precision.choose_recipe import run_plan as run_plan
 from labkit.formulas import OPTIMIZER_STATES, dtype_bytes
 
@@ -240,7 +231,7 @@ def _scaling_failure(i: int, kind: str, got: Any, state: dict[str, Any], seen: d
     reference=reference_scaled_step,
 )
 def _verify_loss_scaling(scaled_step: Any) -> str:
-    fn = _require_callable(scaled_step, "scaled_step(loss, optimizer, state) -> bool")
+    fn = require_callable(scaled_step, "scaled_step(loss, optimizer, state) -> bool")
     base = _scaling_model()
     ref, mine = _Run(base), _Run(base)
     scaler = torch.amp.GradScaler("cpu", init_scale=SCALING_INIT, growth_factor=2.0,
@@ -361,7 +352,7 @@ def _real_gradients() -> tuple[torch.Tensor, ...]:
     reference=reference_fp16_underflow_fraction,
 )
 def _verify_underflow(fp16_underflow_fraction: Any) -> str:
-    fn = _require_callable(fp16_underflow_fraction, "fp16_underflow_fraction(t) -> float")
+    fn = require_callable(fp16_underflow_fraction, "fp16_underflow_fraction(t) -> float")
     cases = [(what, torch.tensor(values)) for what, values in UNDERFLOW_KNOWN]
     cases += [(f"real gradients of the smoke GPT × {s}", t)
               for s, t in zip(("1", "2**-12", "2**-16"), _real_gradients(), strict=True)]  # fmt: skip
@@ -369,7 +360,7 @@ def _verify_underflow(fp16_underflow_fraction: Any) -> str:
         got = call(fn, t.clone())
         if isinstance(got, (torch.Tensor, bool)) or not isinstance(got, numbers.Real):
             raise ExerciseFailed(
-                f"{_name(fn)}(t) returned {type(got).__name__} {got!r}; return a Python float "
+                f"{callable_name(fn)}(t) returned {type(got).__name__} {got!r}; return a Python float "
                 "(float(x) or x.item() turns a one-element tensor into one)"
             )
         expected = reference_fp16_underflow_fraction(t)
@@ -462,7 +453,7 @@ def _bytes_result(value: object, what: str) -> int:
         return int(value)
     if isinstance(value, torch.Tensor) and value.numel() == 1 and float(value).is_integer():
         return int(value)
-    return _require_int(value, what)
+    return require_int(value, what)
 
 
 def _call_bytes(fn: Callable[[recipes.Recipe], Any], r: recipes.Recipe) -> int:
@@ -476,7 +467,7 @@ def _call_bytes(fn: Callable[[recipes.Recipe], Any], r: recipes.Recipe) -> int:
                 "(param_dtype, master_dtype, grad_buffer_dtype, optimizer, state_dtype)"
             ) from err
         raise
-    return _bytes_result(got, f"{_name(fn)}(<Recipe {r.name!r}>)")
+    return _bytes_result(got, f"{callable_name(fn)}(<Recipe {r.name!r}>)")
 
 
 def _describe(r: recipes.Recipe) -> str:
@@ -506,7 +497,7 @@ def _describe(r: recipes.Recipe) -> str:
     reference=reference_bytes_per_param,
 )
 def _verify_bytes_per_param(bytes_per_param: Any) -> str:
-    fn = _require_callable(bytes_per_param, "bytes_per_param(recipe) -> int")
+    fn = require_callable(bytes_per_param, "bytes_per_param(recipe) -> int")
     cases = _bytes_cases()
     got = [_call_bytes(fn, r) for r in cases]
     expected = []

@@ -17,7 +17,8 @@ from typing import Any
 from torch import nn
 
 from labkit import recipes
-from labkit.course.exercises import ExerciseFailed, _name, _require_callable, call, exercise
+from labkit.course.exercises import ExerciseFailed, call, exercise
+from labkit.course.exercises.learner_code import callable_name, require_callable
 
 # --------------------------------------------------------------------------- 04.choose_recipe
 # A decision from measurements: which recipe to train with, on this device, in this memory.
@@ -220,7 +221,7 @@ def _plan_answer(fn: Callable[[recipes.Situation], Any], s: recipes.Situation) -
         got = got.name  # the recipe itself: its name is as good
     if got is not None and (not isinstance(got, str) or got not in s.candidates):
         raise ExerciseFailed(
-            f"in {s.what}, {_name(fn)}(situation) returned {type(got).__name__} {got!r}: return "
+            f"in {s.what}, {callable_name(fn)}(situation) returned {type(got).__name__} {got!r}: return "
             f"the name of one of situation.candidates ({', '.join(s.candidates)}), or None if "
             "none fits"
         )
@@ -268,13 +269,13 @@ def checking_on(situation: recipes.Situation) -> Iterator[None]:
     reference=reference_choose_recipe,
 )
 def _verify_choose_recipe(choose_recipe: Any) -> str:
-    fn = _require_callable(choose_recipe, "choose_recipe(situation) -> str | None")
+    fn = require_callable(choose_recipe, "choose_recipe(situation) -> str | None")
     cases = [*_NOTEBOOK_SITUATION[-1:], *PLAN_CASES]
     got = [_plan_answer(fn, s) for s in cases]
     wrong = [i for i, (g, s) in enumerate(zip(got, cases, strict=True)) if g not in _acceptable(s)]
     if not wrong:
         mine = "this notebook's measurements and " if _NOTEBOOK_SITUATION else ""
-        return (f"{_name(fn)} chooses as the plan does on {mine}{len(PLAN_CASES)} other "
+        return (f"{callable_name(fn)} chooses as the plan does on {mine}{len(PLAN_CASES)} other "
                 "situations (no bf16, fp16 only with a scaler, a master copy that does or does "
                 "not fit, nothing that fits, a CPU whose 16-bit steps are slower); below, your "
                 "choice runs for real")  # fmt: skip

@@ -79,10 +79,10 @@ from labkit.course.exercises.model_parallel.f_and_g import tp_mlp_diagnosis as t
 from labkit.course.exercises.model_parallel.pipeline_order import order_diagnosis as order_diagnosis
 from labkit.course.exercises.rank_checks import NPROC as NPROC
 from labkit.course.exercises.rank_checks import WORKER as WORKER
+from labkit.course.exercises.rank_checks import CasesConfig as CasesConfig
 from labkit.course.exercises.rank_checks import answer_spec as answer_spec
 from labkit.course.exercises.rank_checks import load_file as load_file
 from labkit.course.exercises.rank_checks import raise_for_results as raise_for_results
-from labkit.course.exercises.rank_checks import resolve as resolve
 
 EXERCISES: dict[str, tuple[str, ...]] = {
     "03.one_f_one_b": ("one_f_one_b",),

@@ -10,14 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from labkit.course.exercises import (
-    ExerciseFailed,
-    _name,
-    _require_callable,
-    call,
-    exercise,
-    short_repr,
-)
+from labkit.course.exercises import ExerciseFailed, call, exercise, short_repr
+from labkit.course.exercises.learner_code import callable_name, require_callable
 from labkit.course.exercises.rank_checks import NPROC
 from labkit.formulas.pipeline import predicted_step as predicted_step
 
@@ -113,10 +107,10 @@ def _m_diagnosis(steps_s: dict[int, float], p: int, candidates: tuple[int, ...],
     reference=reference_choose_m,
 )
 def _verify_choose_m(choose_m: Any) -> str:
-    fn = _require_callable(choose_m, "choose_m(steps_s: dict[int, float], p: int, "
+    fn = require_callable(choose_m, "choose_m(steps_s: dict[int, float], p: int, "
                                      "candidates: list[int]) -> int")  # fmt: skip
     for steps_s, p, candidates, what in M_CASES:
-        shown = f"{_name(fn)}({{{', '.join(f'{m}: {t:.4g}' for m, t in steps_s.items())}}}, {p}, {list(candidates)})"
+        shown = f"{callable_name(fn)}({{{', '.join(f'{m}: {t:.4g}' for m, t in steps_s.items())}}}, {p}, {list(candidates)})"
         got = call(fn, dict(steps_s), p, list(candidates))
         if isinstance(got, bool) or not isinstance(got, int):
             raise ExerciseFailed(f"{shown} returned {type(got).__name__} {short_repr(got)}; "
@@ -124,7 +118,7 @@ def _verify_choose_m(choose_m: Any) -> str:
         if got != reference_choose_m(steps_s, p, candidates):
             raise ExerciseFailed(f"for {what}, {shown} chose m = {got}: "
                                  f"{_m_diagnosis(steps_s, p, candidates, got)}")  # fmt: skip
-    return (f"{_name(fn)} predicts every candidate from the measured steps and picks the "
+    return (f"{callable_name(fn)} predicts every candidate from the measured steps and picks the "
             f"fastest, on {len(M_CASES)} pipelines (2 and 4 stages, the best m measured or not); "
             "below, your choice runs for real beside its neighbours")
 

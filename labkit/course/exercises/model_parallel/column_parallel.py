@@ -12,15 +12,9 @@ from typing import Any
 
 import torch
 
-from labkit.course.exercises import (
-    ExerciseFailed,
-    _name,
-    _require_callable,
-    call,
-    exercise,
-    rank_checks,
-)
-from labkit.course.exercises.rank_checks import _close
+from labkit.course.exercises import ExerciseFailed, call, exercise, rank_checks
+from labkit.course.exercises.learner_code import callable_name, require_callable
+from labkit.course.exercises.rank_checks import tensors_close
 
 # --------------------------------------------------------------------------- 03.column_parallel
 
@@ -61,17 +55,17 @@ def column_diagnosis(
                     f"its share of the output features, {per} here (out_features divided by "
                     "world_size), for every input row")  # fmt: skip
         got = got.detach()
-        if _close(got, want):
+        if tensors_close(got, want):
             return None
         for other in range(n):
             o = slice(other * per, (other + 1) * per)
-            if other != rank and _close(got, full[..., o]):
+            if other != rank and tensors_close(got, full[..., o]):
                 return f"that is rank {other}'s slice: its rows start at another rank's"
-        if lin.bias is not None and _close(got, want - lin.bias[cols]):
+        if lin.bias is not None and tensors_close(got, want - lin.bias[cols]):
             return "the bias is missing: add this rank's slice of linear.bias"
         if in_f == out_f:  # square: a slice of the wrong dimension still has the right shape
             b = lin.bias[cols] if lin.bias is not None else 0
-            if _close(got, x @ lin.weight[:, cols] + b):
+            if tensors_close(got, x @ lin.weight[:, cols] + b):
                 return ("you sliced the input dimension of linear.weight: the shapes happen to "
                         "fit because the layer is square, but a rank's share is of the output "
                         "features")  # fmt: skip
@@ -93,7 +87,7 @@ def _column_grad_problem(
     per = lin.out_features // n
     expected = torch.zeros_like(lin.weight)
     expected[rank * per : (rank + 1) * per] = x.reshape(-1, x.shape[-1]).sum(0)  # d(Σ y)/dW
-    if not _close(lin.weight.grad, expected):
+    if not tensors_close(lin.weight.grad, expected):
         return "the gradient of linear.weight differs from that of linear(x)'s same columns"
     return None
 
@@ -102,7 +96,7 @@ def check_column(fn: Callable, rank: int, n: int, device: Any = "cpu") -> None:
     """Rank ``rank`` of ``n``: every COLUMN_CASES shard and its gradient; raises ExerciseFailed."""
     for in_f, out_f, bias in COLUMN_CASES:
         lin, x = _column_case(in_f, out_f, bias, device)
-        text = (f"{_name(fn)}(x of shape {tuple(x.shape)}, nn.Linear({in_f}, {out_f}, "
+        text = (f"{callable_name(fn)}(x of shape {tuple(x.shape)}, nn.Linear({in_f}, {out_f}, "
                 f"bias={bias}), rank={rank}, world_size={n})")  # fmt: skip
         try:
             got = call(fn, x, lin, rank, n)
@@ -128,7 +122,7 @@ def _rank_column_parallel(ctx: Any, fn: Callable) -> str:
     shard = fn(x, lin, r, n).detach().contiguous()
     parts = [torch.empty_like(shard) for _ in range(n)]
     tdist.all_gather(parts, shard)
-    if not _close(torch.cat(parts, dim=-1), lin(x).detach()):
+    if not tensors_close(torch.cat(parts, dim=-1), lin(x).detach()):
         raise ExerciseFailed("the shards of all ranks, concatenated, differ from linear(x)")
     return (f"column_parallel_linear on {n} ranks: each rank's output columns and weight "
             "gradient match nn.Linear, and the all-gathered shards equal the whole output")  # fmt: skip
@@ -150,7 +144,7 @@ def _rank_column_parallel(ctx: Any, fn: Callable) -> str:
     ),
 )
 def _verify_column_parallel(answer: Any) -> str:
-    fn = _require_callable(answer, "column_parallel_linear(x, linear, rank, world_size)")
+    fn = require_callable(answer, "column_parallel_linear(x, linear, rank, world_size)")
     for n in (2, 3, 4):  # every rank of several world sizes, here in the kernel
         for r in range(n):
             check_column(fn, r, n)

@@ -23,7 +23,7 @@ from labkit.course.exercises import (
     rank_checks,
     short_repr,
 )
-from labkit.course.exercises.rank_checks import _close
+from labkit.course.exercises.rank_checks import tensors_close
 
 # --------------------------------------------------------------------------- 03.f_and_g
 
@@ -65,24 +65,24 @@ def _mlp(case: dict[str, torch.Tensor], rows: slice, enter: Callable, leave: Cal
 def fg_diagnosis(got: dict, ref: dict, local: dict, n: int) -> str | None:
     """None if ``got`` (the learner's f and g) equals ``ref`` (the whole MLP); else the likely
     mistake. ``local`` is this rank's MLP with no communication at all (f and g identities)."""
-    if not _close(got["out"], ref["out"]):
-        if _close(got["out"], local["out"]):
+    if not tensors_close(got["out"], ref["out"]):
+        if tensors_close(got["out"], local["out"]):
             return ("the output is this rank's partial sum: g's forward must all-reduce (sum) "
                     "its input across ranks")  # fmt: skip
         return ("the output differs from the unsplit MLP's: check what each forward does "
                 "with a tensor every rank holds in full, and with one it holds a part of")  # fmt: skip
-    if _close(got["w2_grad"], n * ref["w2_grad"]):
+    if tensors_close(got["w2_grad"], n * ref["w2_grad"]):
         return (f"the weight gradients are {n}× too large: g's backward must return the gradient "
                 "unchanged (the gradient of a sum with respect to each term is the gradient "
                 "of the sum), not all-reduce it")  # fmt: skip
-    if not _close(got["x_grad"], ref["x_grad"]):
-        if _close(got["x_grad"], local["x_grad"]):
+    if not tensors_close(got["x_grad"], ref["x_grad"]):
+        if tensors_close(got["x_grad"], local["x_grad"]):
             return ("x.grad holds only this rank's part of dL/dx: f's backward must all-reduce "
                     "(sum) the gradient, since every rank's slice of the weights used x")  # fmt: skip
         return ("x.grad differs from the unsplit MLP's: check f's backward against the sum "
                 "of every rank's part of dL/dx")  # fmt: skip
     for key in ("w1_grad", "w2_grad"):
-        if not _close(got[key], ref[key]):
+        if not tensors_close(got[key], ref[key]):
             return f"{key} differs from the unsplit MLP's slice"
     return None
 

@@ -14,14 +14,8 @@ from typing import Any
 
 import torch
 
-from labkit.course.exercises import (
-    ExerciseFailed,
-    _name,
-    _require_callable,
-    call,
-    exercise,
-    rank_checks,
-)
+from labkit.course.exercises import ExerciseFailed, call, exercise, rank_checks
+from labkit.course.exercises.learner_code import callable_name, require_callable
 
 # --------------------------------------------------------------------------- 03.one_f_one_b
 
@@ -102,9 +96,9 @@ def order_diagnosis(p: int, m: int, stage: int, got: list[tuple[str, int]]) -> s
 
 def check_order(fn: Any) -> str:
     """In the kernel: ``fn(p, m, stage)`` equals the 1F1B order for every case of ORDER_CASES."""
-    fn = _require_callable(fn, "one_f_one_b(p, m, stage) -> list[tuple[str, int]]")
+    fn = require_callable(fn, "one_f_one_b(p, m, stage) -> list[tuple[str, int]]")
     for p, m, stage in ORDER_CASES:
-        call_text = f"{_name(fn)}(p={p}, m={m}, stage={stage})"
+        call_text = f"{callable_name(fn)}(p={p}, m={m}, stage={stage})"
         got = _normalise_order(call(fn, p, m, stage), call_text)
         expected = _reference_order(p, m, stage)
         if got != expected:
@@ -166,7 +160,7 @@ def _rank_one_f_one_b(ctx: Any, fn: Callable[[int, int, int], Any]) -> str:
     ref_grads = pp_train.grads_by_name(pipe.stage)
 
     try:
-        mine = _normalise_order(fn(p, m, r), f"{_name(fn)}(p={p}, m={m}, stage={r})")
+        mine = _normalise_order(fn(p, m, r), f"{callable_name(fn)}(p={p}, m={m}, stage={r})")
         why = None if mine == _reference_order(p, m, r) else order_diagnosis(p, m, r, mine)
     except NotImplementedError:
         raise  # a stub raises on every rank alike, before any collective

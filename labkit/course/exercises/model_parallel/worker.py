@@ -1,10 +1,11 @@
 """Run a learner's exercise code inside real ranks (notebooks 03, 03b and 03c) and report what
 each rank saw.
 
-    labkit.jobs.launch.run("labkit.course.exercises.model_parallel.worker", nproc=2, config={"cases": [
+    from labkit.course.exercises.rank_checks import CasesConfig
+    labkit.jobs.launch.run(CasesConfig(cases=[
         {"exercise": "03.f_and_g", "path": ".../mp_fg.py", "module": "mp_fg",
          "names": ["Enter", "Leave", "TensorParallelMLP"]},
-    ]})
+    ]), nproc=2)
 
 The notebook's checks (``labkit.course.exercises.model_parallel`` for 03, ``labkit.course.exercises.composing``
 for 03b, ``labkit.course.exercises.sequences_experts`` for 03c: the module that registered the
@@ -13,8 +14,8 @@ itself (``rank_checks.resolve``), because a process cannot import code that exis
 the notebook kernel. Several cases run one after the other in one launch (the tests use that to
 check a solution, a stub and a wrong answer at the cost of one start-up).
 
-Config:
-    cases   list of {"exercise", "path", "module", "names"} (see ``rank_checks.answer_spec``)
+Config: :class:`labkit.course.exercises.rank_checks.CasesConfig`, its ``cases`` each a dict of
+{"exercise", "path", "module", "names"} (see ``rank_checks.answer_spec``).
 
 Result per rank: {"rank", "cases": [{"exercise", "status", "message"}, ...]}, status "ok",
 "incomplete" (the stub) or "failed" (with the likely mistake). A learner's mistake is a result,
@@ -33,11 +34,7 @@ from labkit.jobs import runtime
 
 @runtime.entrypoint
 def main(ctx: runtime.Context) -> dict[str, Any]:
-    cases = ctx.config.get("cases")
-    if not isinstance(cases, list) or not cases:
-        raise ValueError(
-            f"config cases={cases!r}: need a list of exercise specs (see the docstring)"
-        )
+    cases = rank_checks.CasesConfig.from_dict(ctx.config).cases
     results = []
     with collective_ledger(ctx):  # which rank called which collective, for a check that hangs
         for i, spec in enumerate(cases):

@@ -25,9 +25,10 @@ Exercises (``EXERCISES``: id -> the names the learner's file defines):
 * ``03c.sequence_plan`` (in the kernel, ``ex.check``): ``plan_sequence(seq_len, budget_bytes,
   measured)``, which of section 1's layouts ("tp", "sp_keep_gathered", "sp") to run a longer
   sequence with, from their measured saved activations and traffic, or "cp" when none fits.
-  Checked on what the notebook measures for its model at two sizes (:func:`sequence_measurements`)
-  in seven cases; a learner whose answers all follow one usual wrong rule (``WRONG_RULES``) gets
-  that rule named. The notebook then runs the three layouts at the new length for real.
+  Checked on what the notebook measures for its model at two sizes
+  (:func:`.sequence_plan.sequence_measurements`) in seven cases; a learner whose answers all
+  follow one usual wrong rule (``WRONG_RULES``) gets that rule named. The
+  notebook then runs the three layouts at the new length for real.
 
 Importing this module registers the exercises and has no other effect. Each exercise's check
 lives in a module of its own (:mod:`.ring_loop`, :mod:`.moe_dispatch`,
@@ -47,9 +48,6 @@ from labkit.course.exercises.sequences_experts import ring_loop as se_ring_loop
 from labkit.course.exercises.sequences_experts.sequence_plan import SEQ_ANSWERS as SEQ_ANSWERS
 from labkit.course.exercises.sequences_experts.sequence_plan import (
     reference_plan_sequence as reference_plan_sequence,
-)
-from labkit.course.exercises.sequences_experts.sequence_plan import (
-    sequence_measurements as sequence_measurements,
 )
 
 EXERCISES: dict[str, tuple[str, ...]] = {

@@ -13,14 +13,8 @@ from typing import Any
 
 import torch
 
-from labkit.course.exercises import (
-    ExerciseFailed,
-    _require_callable,
-    call,
-    exercise,
-    rank_checks,
-    short_repr,
-)
+from labkit.course.exercises import ExerciseFailed, call, exercise, rank_checks, short_repr
+from labkit.course.exercises.learner_code import require_callable
 
 NPROC = 2
 """Ranks the rank-side check runs on."""
@@ -140,7 +134,7 @@ def _rank_moe_dispatch(ctx: Any, fn: Callable[..., Any]) -> str:
     ),
 )
 def _verify_moe_dispatch(answer: Any) -> str:
-    _require_callable(answer, "dispatch")
+    require_callable(answer, "dispatch")
     return rank_checks.run_in_workers("03c.moe_dispatch", [answer], nproc=NPROC)
 
 

@@ -20,14 +20,8 @@ from typing import Any
 
 import torch
 
-from labkit.course.exercises import (
-    ExerciseFailed,
-    _require_callable,
-    call,
-    exercise,
-    rank_checks,
-    short_repr,
-)
+from labkit.course.exercises import ExerciseFailed, call, exercise, rank_checks, short_repr
+from labkit.course.exercises.learner_code import require_callable
 
 NPROC = 2
 """Ranks the rank-side check runs on."""
@@ -404,7 +398,7 @@ def _merge_order(trace: _Trace) -> list[int]:
 
 def check_ring_loop(fn: Any) -> str:
     """Every rank of each of ``RING_CASES``, in the kernel: the first mistake, named."""
-    _require_callable(fn, "ring_loop(q, k, v, ring, *, causal)")
+    require_callable(fn, "ring_loop(q, k, v, ring, *, causal)")
     for n, tl, causal in RING_CASES:
         case = _ring_case(n, tl, causal)
         for r in reversed(range(n)):  # the last rank first: it handles the most blocks

@@ -13,13 +13,8 @@ import copy
 import functools
 from typing import Any
 
-from labkit.course.exercises import (
-    ExerciseFailed,
-    _require_callable,
-    call,
-    exercise,
-    short_repr,
-)
+from labkit.course.exercises import ExerciseFailed, call, exercise, short_repr
+from labkit.course.exercises.learner_code import require_callable
 
 # --------------------------------------------------------------------------- 03c.sequence_plan
 #
@@ -150,7 +145,7 @@ def plan_diagnosis(measured: dict[str, Any], seq_len: int, budget: float, got: s
     reference=reference_plan_sequence,
 )
 def _verify_sequence_plan(answer: Any) -> str:
-    fn = _require_callable(answer, "plan_sequence(seq_len, budget_bytes, measured) -> str")
+    fn = require_callable(answer, "plan_sequence(seq_len, budget_bytes, measured) -> str")
     cases = _sequence_cases()
     gots = []
     for measured, seq_len, budget, what in cases:
