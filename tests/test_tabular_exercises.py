@@ -82,7 +82,9 @@ def _matrix(index_of=lambda b: 1 if b <= 256 else 2, layouts=2, offsets=True, va
 
 @pytest.mark.parametrize(("wrong", "named"), [
     (_matrix(layouts=1), "column layout"),
-    (_matrix(offsets=False), "8-byte offset per row"),
+    (_matrix(offsets=False), "row layout needs an 8-byte offset per row"),
+    ((lambda r, f, b, q: 2 * r * f * (1 if b <= 256 else 2) + 2 * (r + 1) * 8
+      + (0 if q else r * f * 8 + (r + 1) * 8)), "counted twice"),
     (_matrix(index_of=lambda b: 4), "not a float32"),
     (_matrix(index_of=lambda b: 2 if b <= 256 else 4), "one size too large"),
     (_matrix(values=False), "keeps its stored values"),
@@ -90,3 +92,12 @@ def _matrix(index_of=lambda b: 1 if b <= 256 else 2, layouts=2, offsets=True, va
 ])  # fmt: skip
 def test_matrix_bytes_names_each_mistake(wrong, named):
     _fails("08.matrix_bytes", wrong, named)
+
+
+def test_the_reveal_waits_for_the_learners_answer(capsys):
+    from labkit.course.exercises import data_science
+
+    ex.check("08.round_bytes", lambda f, b, d, w: 0.0)  # wrong: the reference is used
+    assert "appears here once your answer passes" in data_science.reveal("08.round_bytes")
+    ex.check("08.round_bytes", data_science.reference_round_bytes)
+    assert "(2w-1)" in data_science.reveal("08.round_bytes")

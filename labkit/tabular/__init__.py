@@ -7,7 +7,9 @@ Its modules:
               a dead worker or a taken port reported with the fix
     data      a seeded synthetic data set with a known structure, generated on the workers
     training  XGBoost across workers, timed per round, with the bytes each round puts on the
-              wire; one worker against two, with a verdict
+              wire, predicted (bins read from the matrix) and counted on ``lo``
+    scaling   one worker against two: whole calls and rounds, the two-worker round predicted,
+              a verdict for each; a cluster of one worker says why it cannot compare
     memory    DMatrix against QuantileDMatrix: bytes predicted, resident memory measured in a
               fresh process
     gpu       the GPU tier's code paths: LocalCUDACluster, the RMM pool, UCX, cuML, MIG's limits
@@ -19,7 +21,7 @@ tabular``).
 
 import importlib
 
-SUBMODULES = ("cluster", "data", "gpu", "memory", "training")
+SUBMODULES = ("cluster", "data", "gpu", "memory", "scaling", "training")
 
 
 def __getattr__(name: str):

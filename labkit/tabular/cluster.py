@@ -264,9 +264,16 @@ class TaskStream:
             busy = self.compute_s[w] / self.wall_s if self.wall_s else 0.0
             lines.append(f"  {w}: {self.tasks[w]} tasks, computing {self.compute_s[w]:.3f} s "
                          f"({busy:.0%} of the window), receiving data {self.transfer_s[w]:.3f} s")
-        idle = self.wall_s - max(self.compute_s.values(), default=0.0)
-        lines.append(f"  the busiest worker was idle {max(idle, 0.0):.2f} s: scheduling, "
-                     "waiting for its inputs, and the time between the calls")
+        received = sum(self.transfer_s.values())
+        lines.append("  no worker received data: each computed on what it held" if received == 0
+                     else f"  the workers received data for {received:.3f} s in all: a task ran "
+                     "where its inputs were not")  # fmt: skip
+        busiest = max(self.compute_s, key=lambda w: self.compute_s[w], default=None)
+        if busiest is not None:
+            idle = self.wall_s - self.compute_s[busiest] - self.transfer_s[busiest]
+            lines.append(f"  the busiest worker neither computed nor received for {max(idle, 0.0):.2f} s "
+                         "of the window: waiting for the scheduler or for the tasks its own depend "
+                         "on (the stream does not say which)")
         return "\n".join(lines)
 
 

@@ -9,9 +9,13 @@
   stable/quickstart/). MIG instances are named by their ``MIG-…`` UUIDs the same way.
 * **The RMM pool** (``rmm_pool_size``): each worker reserves one large block of GPU memory up front
   and serves allocations from it, instead of a ``cudaMalloc``/``cudaFree`` pair each (RAPIDS
-  Memory Manager, https://docs.rapids.ai/api/rmm/stable/). :func:`rmm_allocation_times` times both.
+  Memory Manager, https://docs.rapids.ai/api/rmm/stable/). :func:`rmm_allocation_times` times
+  both on one worker, with resources of its own, so the worker's pool is left as it was.
 * **UCX** (``protocol="ucx"``): Dask's transfers between workers over NVLink or InfiniBand instead
-  of TCP through host memory (https://docs.rapids.ai/api/dask-cuda/stable/examples/ucx/).
+  of TCP through host memory. Dask-CUDA prefers automatic configuration, the protocol alone, and
+  keeps the ``enable_nvlink``/``enable_infiniband`` flags for transport-specific benchmarking
+  (https://docs.rapids.ai/api/dask-cuda/stable/examples/ucx/); it needs the UCXX backend,
+  ``distributed-ucxx``, which the ``rapids`` extra installs (CUDA 12 wheels).
 * **XGBoost on GPUs**: the same ``xgboost.dask.train`` with ``device="cuda"``; the histograms are
   all-reduced by NCCL (https://xgboost.readthedocs.io/en/stable/gpu/index.html).
 * **cuML's multi-GPU estimators**: ``cuml.dask`` (KMeans, random forest...), one process per GPU
@@ -32,11 +36,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from labkit import verdict
 from labkit.tabular.cluster import RAPIDS_INSTALL, MissingExtra
 from labkit.validate import one_of, whole
 
-RAPIDS_MODULES = ("dask_cuda", "rmm", "cuml")
+RAPIDS_MODULES = ("dask_cuda", "rmm", "cuml", "cupy")
 """The GPU stack the ``rapids`` extra installs (pyproject.toml), by import name."""
+UCX_MODULE = "distributed_ucxx"
+"""Dask's UCX backend (``distributed-ucxx``): needed only with ``protocol="ucx"``."""
 PROTOCOLS = ("tcp", "ucx")
 RECORDED: dict[str, Any] = {}
 """GPU figures recorded for this notebook (none yet: a GPU run fills them, labelled)."""
@@ -50,8 +57,10 @@ MIG_LIMITS = (
     "each instance has its own slice of memory and compute; instances on one GPU share no memory "
     "and cannot be pooled into one larger device (NVIDIA MIG User Guide, 'Concepts', "
     "https://docs.nvidia.com/datacenter/tesla/mig-user-guide/)",
-    "NVML reports no utilisation for a MIG instance on some drivers (NotSupported): monitor "
-    "memory per instance instead (NVML API reference, https://docs.nvidia.com/deploy/nvml-api/)",
+    "NVML's utilisation query is not supported on MIG-enabled GPUs (nvmlDeviceGetUtilizationRates, "
+    "https://docs.nvidia.com/deploy/nvml-api/): watch each instance's activity with DCGM's "
+    "profiling metrics (DCGM_FI_PROF_GR_ENGINE_ACTIVE, DCGM_FI_PROF_SM_ACTIVE) per GPU instance, "
+    "and its memory with NVML (NVIDIA MIG User Guide, 'Monitoring MIG Devices')",
 )
 
 
@@ -103,8 +112,8 @@ class GpuPlan:
                                   "protocol": self.protocol}  # fmt: skip
         if self.rmm_pool_size:
             kwargs["rmm_pool_size"] = self.rmm_pool_size
-        if self.protocol == "ucx":
-            kwargs.update(enable_nvlink=not self.mig, enable_infiniband=True)
+        # UCX: the protocol alone, and UCX picks the transports (Dask-CUDA's automatic
+        # configuration); the enable_* flags are for benchmarking one transport
         return kwargs
 
     def xgboost_params(self) -> dict[str, Any]:
@@ -113,7 +122,8 @@ class GpuPlan:
     def describe(self) -> str:
         if not self.gpus:
             return ("CPU tier: no CUDA GPU here, so none of the GPU paths runs. It cannot show the "
-                    "GPU's speed, the RMM pool's effect, UCX against TCP, NCCL's all-reduce or cuML; "
+                    "GPU's speed, the RMM pool's effect, UCX against TCP, NCCL's all-reduce, the "
+                    "GPU's matrix memory (one ELLPACK page, predicted in section 4) or cuML; "
                     "the prose and the code below say what each does. No GPU run of this notebook "
                     "has been recorded yet, so no GPU figure is shown.")
         lines = [f"GPU tier: {self.workers} GPU(s) -> {self.workers} Dask worker(s), one per GPU"]
@@ -131,47 +141,73 @@ def plan(gpus: Sequence[Any], *, rmm_pool_size: str | None = "1GB", protocol: st
          absent: Sequence[str] | None = None) -> GpuPlan:
     """The GPU tier's plan for ``gpus`` (``labkit.hardware.gpu_info()``)."""
     one_of("protocol", protocol, PROTOCOLS)
+    wanted = RAPIDS_MODULES + ((UCX_MODULE,) if protocol == "ucx" else ())
     return GpuPlan(gpus=tuple(gpus), rmm_pool_size=rmm_pool_size, protocol=protocol,
-                   absent=tuple(missing() if absent is None else absent))  # fmt: skip
+                   absent=tuple(missing(wanted) if absent is None else absent))  # fmt: skip
 
 
 @dataclass(frozen=True)
 class AllocationTimes:
-    """Seconds per allocate-and-free of one buffer size, without and with the RMM pool."""
+    """Seconds per allocate-and-free of one buffer size, without and with an RMM pool, measured
+    on one worker: one sample per batch of calls."""
 
     nbytes: int
-    plain_s: float
-    pool_s: float
+    worker: str
+    plain_s: list[float]
+    pool_s: list[float]
+
+    @property
+    def comparison(self) -> verdict.Comparison:
+        return verdict.compare_times(self.plain_s, self.pool_s, names=("cudaMalloc", "RMM pool"))
 
     def describe(self) -> str:
-        return (f"{self.nbytes / 2**20:.0f} MiB buffers, allocate and free (measured): cudaMalloc "
-                f"{self.plain_s * 1e6:.1f} µs, RMM pool {self.pool_s * 1e6:.1f} µs")
+        return (f"{self.nbytes / 2**20:.0f} MiB buffers, allocate and free, on worker {self.worker}"
+                f" (measured, seconds per call):\n{self.comparison}")
 
 
-def rmm_allocation_times(nbytes: int, repeats: int = 200, *, rmm: Any = None,
-                         pool_bytes: int | None = None) -> AllocationTimes:
-    """Time ``rmm.DeviceBuffer(size=nbytes)`` with RMM's default (cudaMalloc) resource, then
-    with a pool, ``repeats`` times each; the last call leaves the pool in place."""
+def allocation_samples(nbytes: int, repeats: int, batches: int, pool_bytes: int, *,
+                       rmm: Any = None) -> dict[str, list[float]]:
+    """Run where the GPU is (a worker): seconds per allocate-and-free of ``nbytes``, one sample
+    per batch of ``repeats`` calls, through a plain ``cudaMalloc`` resource and through a pool
+    on top of it. Both resources are this function's own (``rmm.mr``), so the process's current
+    resource (the worker's ``rmm_pool_size`` pool) is not touched."""
+    rmm = rmm or require("rmm")
+    plain = rmm.mr.CudaMemoryResource()
+    pool = rmm.mr.PoolMemoryResource(plain, initial_pool_size=pool_bytes)
+    out: dict[str, list[float]] = {}
+    for name, mr in (("plain", plain), ("pool", pool)):
+        mr.deallocate(mr.allocate(nbytes), nbytes)  # the first call sets the resource up: untimed
+        out[name] = []
+        for _ in range(batches):
+            start = time.perf_counter()
+            for _ in range(repeats):
+                mr.deallocate(mr.allocate(nbytes), nbytes)
+            out[name].append((time.perf_counter() - start) / repeats)
+    return out
+
+
+def rmm_allocation_times(workers: Any, nbytes: int, repeats: int = 50, batches: int = 7, *,
+                         pool_bytes: int | None = None, rmm: Any = None) -> AllocationTimes:
+    """Time allocations with and without a pool on the first worker of ``workers`` (its GPU,
+    its process: ``client.run(..., workers=[address])``), not in this notebook's kernel, which
+    would otherwise create a CUDA context on that worker's GPU. ``rmm``: the module, sent to
+    the worker (tests send a fake); None imports it there."""
     whole("nbytes", nbytes, low=1)
     whole("repeats", repeats, low=1)
-    rmm = rmm or require("rmm")
-
-    def per_call() -> float:
-        rmm.DeviceBuffer(size=nbytes)  # the first allocation of a resource sets it up: untimed
-        start = time.perf_counter()
-        for _ in range(repeats):
-            rmm.DeviceBuffer(size=nbytes)  # freed at once: nothing holds it
-        return (time.perf_counter() - start) / repeats
-
-    rmm.reinitialize(pool_allocator=False)
-    plain = per_call()
-    rmm.reinitialize(pool_allocator=True, initial_pool_size=pool_bytes or 4 * nbytes)
-    return AllocationTimes(nbytes=nbytes, plain_s=plain, pool_s=per_call())
+    whole("batches", batches, low=1)
+    address = workers.addresses[0]
+    got = workers.client.run(allocation_samples, nbytes, repeats, batches,
+                             pool_bytes or 4 * nbytes, rmm=rmm, workers=[address])[address]  # fmt: skip
+    return AllocationTimes(nbytes=nbytes, worker=address, plain_s=got["plain"], pool_s=got["pool"])
 
 
-def cuml_kmeans(client: Any, x: Any, k: int, *, kmeans_cls: Any = None) -> Any:
-    """cuML's multi-GPU KMeans on the Dask array ``x`` (one partition per GPU worker)."""
+def cuml_kmeans(client: Any, x: Any, k: int, *, kmeans_cls: Any = None,
+                to_device: Any = None) -> Any:
+    """cuML's multi-GPU KMeans on the Dask array ``x`` (one partition per GPU worker). cuML's
+    Dask estimators take CuPy- or cuDF-backed collections: each NumPy partition is copied to
+    its worker's GPU first (``to_device``, CuPy's ``asarray`` by default), where it lies."""
     whole("k", k, low=1)
     kmeans_cls = kmeans_cls or require("cuml.dask.cluster").KMeans
+    to_device = to_device or require("cupy").asarray
     model = kmeans_cls(n_clusters=k, client=client)
-    return model.fit(x)
+    return model.fit(x.map_blocks(to_device, dtype=x.dtype))

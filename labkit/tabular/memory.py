@@ -1,4 +1,6 @@
-"""DMatrix against QuantileDMatrix: the bytes each holds, predicted, and measured in a fresh process.
+"""DMatrix against QuantileDMatrix on the CPU: the bytes each holds, predicted, and measured in a
+fresh process. (On a GPU the quantised copy is one ELLPACK page in device memory:
+:func:`labkit.formulas.boosting.ellpack_bytes` predicts it, and nothing here measures it.)
 
     reading = matrix_memory(rows=400_000, features=16, max_bin=64)
     print(reading.describe())
@@ -110,6 +112,10 @@ class MemoryReading:
         lines.append(f"DMatrix - QuantileDMatrix after a round: predicted "
                      f"{self.predicted_saving / mib:.1f} MiB, measured {self.measured_saving / mib:.1f} MiB")
         lines.append(self.sentence())
+        lines.append(f"on a GPU (device='cuda') the quantised copy is one ELLPACK page of "
+                     f"{boosting.ellpack_bytes(self.rows, self.features, self.max_bin) / mib:.1f} "
+                     "MiB of device memory (predicted; this probe reads host RSS and does not "
+                     "measure it)")
         return "\n".join(lines)
 
 

@@ -15,8 +15,13 @@ counter's step from one round to the next is what that round put on the wire, pl
 used ``lo`` in that moment (Dask's heartbeats, the kernel's own sockets), which the median over
 rounds sets aside.
 
-:func:`compare_workers` trains the same data on one worker and on two, alternately, and lets
-:func:`labkit.verdict.compare_times` choose the sentence.
+The bins are read from the quantised matrix itself (:func:`cut_bins`: XGBoost's
+``get_quantile_cut``), not assumed to be ``max_bin``. The count is held to the payload plus the
+TCP/IP headers it must carry (:func:`labkit.formulas.boosting.tcp_header_bytes`), widened by the
+count's own spread over the rounds. With ``device="cuda"`` the histograms go through NCCL, whose
+bytes never touch ``lo``: the reading then says that they are not counted on this tier.
+
+One worker against two: :mod:`labkit.tabular.scaling`.
 """
 
 from __future__ import annotations
@@ -26,7 +31,6 @@ import json
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,20 +38,20 @@ from typing import Any
 import xgboost
 import xgboost.collective
 
-from labkit import verdict
 from labkit.formulas import boosting
 from labkit.metrics import net
 from labkit.tabular.cluster import ClusterError, Workers
-from labkit.tabular.data import Synthetic, informative, place
-from labkit.timing import alternate, format_seconds
+from labkit.tabular.data import informative
+from labkit.timing import format_seconds, quartiles
 from labkit.validate import whole
 
 COLLECTIVE_TIMEOUT_S = 60
 """XGBoost's collective gives up after this long: a worker that died mid-round ends the job with
 an error instead of leaving the other waiting for ever (``CollConfig(timeout=...)``)."""
-AGREE = 0.05
-"""Counted within 5% of predicted counts as agreement: TCP/IP headers and ACKs add about 0.1-1%
-on loopback (64 KiB segments), and the round's other collectives are a few dozen bytes."""
+ROOT_SUM_BYTES = 16
+"""The round's small all-reduce besides the histograms: the root's gradient and hessian sums, two
+float64 (``src/tree/updater_quantile_hist.cc``, ``InitRoot``: ``collective::GlobalSum``),
+through the same ring."""
 
 
 def params(*, max_depth: int = 6, max_bin: int = 64, eta: float = 0.3, device: str = "cpu",
@@ -137,9 +141,9 @@ class Fit:
                  f"in all (measured), of which the rounds {format_seconds(self.rounds_s)} "
                  f"(median {format_seconds(med)} per round) and the rest "
                  f"{format_seconds(self.fixed_s)} (tracker, quantised matrices, scheduling)"]
-        if self.round_bytes:
+        if self.round_bytes:  # the first round also carries the start of training: left out
             lines.append(f"  bytes on lo per round (counted): median "
-                         f"{statistics.median(self.round_bytes):,.0f}")
+                         f"{statistics.median(self.round_bytes[1:] or self.round_bytes):,.0f}")
         found = "found" if informative(self.importance()) else "did NOT find"
         lines.append(f"  the trees {found} the informative features 0-3 as the top four by gain")
         return "\n".join(lines)
@@ -176,133 +180,164 @@ def train(workers: Workers, x: Any, y: Any, *, params: dict[str, Any], rounds: i
 
 @dataclass
 class WireReading:
-    """Bytes per round: predicted from the formula, counted on ``lo``, reconciled."""
+    """Bytes per round: predicted from the formula, counted on ``lo`` (where it can see them),
+    reconciled."""
 
     workers: int
+    device: str
     total_bins: int
+    bins_read: bool
+    """True when the bins were read from the matrix's cuts; False: assumed features × max_bin."""
     nodes_per_level: list[int]
     predicted_full: float
-    """A full tree: 2^(d-1) node histograms, through XGBoost's ring."""
+    """A full tree: 2^(d-1) node histograms, through the tier's collective."""
     predicted_trees: float
-    """The trees that were grown: their split counts per level."""
+    """The trees that were grown: their split counts per level, and the root's sums."""
     textbook: float
-    """The same histograms through the textbook ring, 2(w-1)·S."""
-    counted: list[int]
+    """The same histograms through the textbook ring, 2(w-1)·S (NCCL's ring on GPUs)."""
+    headers: float
+    """TCP/IP headers of the data segments that carry ``predicted_trees`` on ``lo``; ACKs add
+    from nothing up to as much again."""
+    counted: list[int] | None
+    """``lo``'s step per round; None when this tier's bytes do not go through ``lo``."""
+    not_counted: str = ""
+    """Why nothing was counted (empty when counted)."""
+
+    @property
+    def collective(self) -> str:
+        return ("NCCL's ring, 2(w-1)·S" if self.device.startswith("cuda")
+                else "XGBoost's CPU ring over TCP, (2w-1)·S")  # fmt: skip
 
     @property
     def counted_median(self) -> float:
-        return statistics.median(self.counted)
+        return statistics.median(self.counted) if self.counted else float("nan")
+
+    @property
+    def spread(self) -> float:
+        """Half the middle half of the counts: how far a round's count wanders."""
+        if not self.counted:
+            return float("nan")
+        q1, q3 = quartiles([float(c) for c in self.counted])
+        return (q3 - q1) / 2
+
+    @property
+    def residual(self) -> float:
+        """Counted less the predicted payload: what headers, ACKs and other traffic added."""
+        return self.counted_median - self.predicted_trees
+
+    @property
+    def band(self) -> tuple[float, float]:
+        """The residual the model expects: the headers, up to twice that with one ACK per data
+        segment, widened by the count's spread."""
+        return self.headers - self.spread, 2 * self.headers + self.spread
 
     @property
     def ratio(self) -> float:
         return self.counted_median / self.predicted_trees if self.predicted_trees else float("nan")
 
+    def counted_summary(self) -> str:
+        """The count in a few words: the median, or why there is none."""
+        if self.counted is None:
+            return "not counted on this tier"
+        return f"{self.counted_median:,.0f} (median of {len(self.counted)} rounds)"
+
     def sentence(self) -> str:
+        if self.counted is None:
+            return (f"not counted on this tier: {self.not_counted}; the prediction stands alone "
+                    "(no measurement checks it here)")
         if not self.predicted_trees:
             return ("one worker all-reduces nothing: the counter saw only other traffic on lo "
                     f"(median {self.counted_median:,.0f} bytes per round)")
-        off = self.ratio - 1
-        if abs(off) <= AGREE:
-            return (f"counted and predicted agree within {AGREE:.0%} (counted/predicted = "
-                    f"{self.ratio:.3f}); the rest is TCP/IP headers and ACKs, the round's small "
-                    "all-reduces and other traffic on lo")
-        if off > 0:
-            return (f"counted is {off:.0%} above the prediction: other traffic shared lo during "
-                    "the rounds (the count is an upper bound on the job's bytes); rerun on a "
-                    "quieter machine")
-        return (f"counted is {-off:.0%} below the prediction: the formula counts bytes this run "
-                "did not send (fewer bins or nodes than assumed)")
+        low, high = self.band
+        said = (f"counted - predicted = {self.residual:,.0f} bytes against the "
+                f"{max(low, 0):,.0f} to {high:,.0f} that headers and ACKs explain")
+        if low <= self.residual <= high:
+            return (f"counted and predicted agree: {said} (counted/predicted = {self.ratio:.4f});"
+                    " the model accounts for every byte lo carried")
+        if self.residual > high:
+            return (f"counted is above the prediction: {said}: other traffic shared lo during the "
+                    "rounds, or the model leaves out a collective; rerun on a quieter machine, and "
+                    "if it stays, look for the missing bytes")
+        return (f"counted is below the prediction: {said}: the formula counts bytes this run did "
+                "not send (fewer bins or nodes than assumed)")
 
     def describe(self) -> str:
-        q = sorted(self.counted)
-        lo_q, hi_q = q[len(q) // 4], q[(3 * len(q)) // 4]
-        return "\n".join([
-            f"histograms of {self.total_bins:,} bins × 16 bytes; node histograms per level "
-            f"{self.nodes_per_level} (the trees grown)",
-            f"  predicted, a full tree, XGBoost's ring ((2w-1)·S):  {self.predicted_full:12,.0f} bytes/round",
-            f"  predicted, the trees grown, XGBoost's ring:          {self.predicted_trees:12,.0f} bytes/round",
-            f"  predicted, the trees grown, textbook ring (2(w-1)·S): {self.textbook:11,.0f} bytes/round",
-            f"  counted on lo (measured): median {self.counted_median:,.0f}, middle half "
-            f"{lo_q:,.0f} to {hi_q:,.0f}, {len(q)} rounds",
-            f"  {self.sentence()}",
-        ])  # fmt: skip
-
-
-def read_wire(fit: Fit, *, features: int, distinct: int | None = None) -> WireReading:
-    """The bytes ``fit`` should have put on the wire per round, held against what ``lo`` counted."""
-    if fit.round_bytes is None:
-        raise RuntimeError(f"no byte counts: {net.unavailable('lo')}")
-    depth, max_bin = fit.params["max_depth"], fit.params["max_bin"]
-    bins = features * boosting.bins_per_feature(max_bin, distinct)
-    splits = [round(s) for s in fit.splits_per_level()]
-    nodes = boosting.hist_nodes_per_level(depth, splits)
-    per_level = boosting.hist_allreduce_bytes(bins, nodes)
-    grown = sum(boosting.ring_wire_bytes(s, fit.workers) for s in per_level)
-    textbook = sum(boosting.ring_wire_bytes(s, fit.workers, xgboost_allgather=False)
-                   for s in per_level)  # fmt: skip
-    full = boosting.hist_round_wire_bytes(features, max_bin, depth, fit.workers, distinct=distinct)
-    # the first round also carries the start of training (the booster's configuration, the
-    # base score's all-reduce): it is left out of the count
-    return WireReading(workers=fit.workers, total_bins=bins, nodes_per_level=nodes,
-                       predicted_full=full, predicted_trees=grown, textbook=textbook,
-                       counted=list(fit.round_bytes[1:] or fit.round_bytes))  # fmt: skip
-
-
-@dataclass
-class WorkerComparison:
-    """One worker against two on the same data, run alternately, with the verdict."""
-
-    seconds: dict[str, list[float]]
-    round_s: dict[str, list[float]]
-    fits: dict[str, Fit]
-    comparison: verdict.Comparison
-
-    def describe(self) -> str:
-        lines = [str(self.comparison)]
-        for name, fit in self.fits.items():
-            lines.append(f"  {name}: per round median {format_seconds(statistics.median(self.round_s[name]))}, "
-                         f"outside the rounds {format_seconds(fit.fixed_s)} (last run)")
+        source = "read from the matrix's cuts" if self.bins_read else "assumed: features × max_bin"
+        lines = [
+            f"histograms of {self.total_bins:,} bins ({source}) × 16 bytes; node histograms per "
+            f"level {self.nodes_per_level} (the trees grown); the collective: {self.collective}",
+            f"  predicted, a full tree:                 {self.predicted_full:12,.0f} bytes/round",
+            f"  predicted, the trees grown:             {self.predicted_trees:12,.0f} bytes/round",
+            f"  predicted, the same through the textbook ring 2(w-1)·S: {self.textbook:,.0f}",
+        ]
+        if self.counted:
+            q = sorted(self.counted)
+            lines.append(f"  predicted TCP/IP headers on lo:         {self.headers:12,.0f} bytes/round"
+                         " (ACKs: up to as much again)")
+            lines.append(f"  counted on lo (measured): median {self.counted_median:,.0f}, middle "
+                         f"half {q[len(q) // 4]:,.0f} to {q[(3 * len(q)) // 4]:,.0f}, {len(q)} rounds")
+        lines.append(f"  {self.sentence()}")
         return "\n".join(lines)
 
-    def plot(self, ax: Any = None) -> Any:
-        import matplotlib.pyplot as plt
 
-        ax = ax or plt.subplots(figsize=(6, 3))[1]
-        names = list(self.seconds)
-        ax.boxplot([self.seconds[n] for n in names], tick_labels=names)
-        ax.set_ylabel("seconds per train call (measured)")
-        ax.set_title("xgboost.dask.train: one worker against two")
-        return ax
+def cut_bins(client: Any, x: Any, max_bin: int) -> list[int]:
+    """Bins per feature of the quantised matrix, read from XGBoost's cuts
+    (``QuantileDMatrix.get_quantile_cut``), built on the worker that holds ``x``'s first
+    partition, from that partition. ``get_quantile_cut`` puts each numeric feature's minimum
+    in front of its cut points (``src/c_api/c_api.cc``, ``GetCutImpl``), so a feature has one
+    bin fewer than it has values there. On continuous features the distributed sketch keeps as
+    many (``min(distinct, max_bin)``) as one partition does."""
+    import dask
+
+    whole("max_bin", max_bin, low=2)
+    first = x.to_delayed().ravel()[0]
+    return list(client.compute(dask.delayed(_cut_bins)(first, max_bin)).result())
 
 
-def compare_workers(workers: Workers, data: Synthetic, *, params: dict[str, Any], rounds: int,
-                    repeats: int, progress: Callable[[str], None] | None = print) -> WorkerComparison:
-    """Train ``data`` on the first worker alone and on the first two, alternately, ``repeats``
-    times each after one warm-up of each; compare the whole calls' seconds."""
-    if len(workers.addresses) < 2:
-        raise ValueError(f"compare_workers needs a cluster of 2 workers; this one has "
-                         f"{len(workers.addresses)}: start it with local_workers(2)")
-    placed = {"one worker": place(workers.client, data, workers.addresses[:1]),
-              "two workers": place(workers.client, data, workers.addresses[:2])}
-    fits: dict[str, Fit] = {}
-    round_s: dict[str, list[float]] = {n: [] for n in placed}
+def _cut_bins(part: Any, max_bin: int) -> list[int]:
+    import numpy as np
 
-    def run(name: str) -> Callable[[], float]:
-        def once() -> float:
-            fits[name] = train(workers, *placed[name], params=params, rounds=rounds)
-            round_s[name].extend(fits[name].round_s)
-            return fits[name].total_s
-        return once
+    indptr, _ = xgboost.QuantileDMatrix(part, max_bin=max_bin, nthread=1).get_quantile_cut()
+    return [int(n) - 1 for n in np.diff(indptr)]
 
-    def report(r: int, got: dict[str, float]) -> None:
-        if progress is not None:
-            shown = ", ".join(f"{n} {format_seconds(s)}" for n, s in got.items())
-            progress(f"  {'warm-up' if r < 0 else f'round {r + 1}/{repeats}'}: {shown}")
 
-    samples = alternate({n: run(n) for n in placed}, rounds=repeats, warmup=1, on_round=report)
-    comparison = verdict.compare_times(samples["one worker"], samples["two workers"],
-                                       names=("one worker", "two workers"))  # fmt: skip
-    return WorkerComparison(seconds=samples, round_s=round_s, fits=fits, comparison=comparison)
+def read_wire(fit: Fit, *, features: int, bins: list[int] | None = None,
+              distinct: int | None = None) -> WireReading:
+    """The bytes ``fit`` should have put on the wire per round, held against what ``lo`` counted.
+    ``bins``: each feature's bins (:func:`cut_bins`); None assumes ``features × max_bin``."""
+    depth, max_bin = fit.params["max_depth"], fit.params["max_bin"]
+    device = str(fit.params.get("device", "cpu"))
+    gpu = device.startswith("cuda")
+    if bins is not None and len(bins) != features:
+        raise ValueError(f"bins has {len(bins)} entries for features={features}: one per feature")
+    total = sum(bins) if bins is not None else features * boosting.bins_per_feature(max_bin, distinct)
+    splits = [round(s) for s in fit.splits_per_level()]
+    nodes = boosting.hist_nodes_per_level(depth, splits)
+    per_level = [*boosting.hist_allreduce_bytes(total, nodes), ROOT_SUM_BYTES]
+
+    def wire(messages: list[int], *, ring: bool) -> float:
+        return sum(boosting.ring_wire_bytes(m, fit.workers, xgboost_allgather=ring)
+                   for m in messages)  # fmt: skip
+
+    full_levels = boosting.hist_allreduce_bytes(total, boosting.hist_nodes_per_level(depth))
+    headers = sum(boosting.tcp_header_bytes(m, fit.workers) for m in per_level)
+    counted: list[int] | None = None
+    why = ""
+    if gpu:
+        why = ("with device='cuda' NCCL all-reduces the histograms over NVLink, PCIe or the "
+               "network, and none of its bytes goes through lo")
+    elif fit.round_bytes is None:
+        why = f"lo's counter cannot be read here ({net.unavailable('lo')})"
+    else:
+        # the first round also carries the start of training (the booster's configuration, the
+        # base score's all-reduce): it is left out of the count
+        counted = list(fit.round_bytes[1:] or fit.round_bytes)
+    return WireReading(workers=fit.workers, device=device, total_bins=total,
+                       bins_read=bins is not None, nodes_per_level=nodes,
+                       predicted_full=wire([*full_levels, ROOT_SUM_BYTES], ring=not gpu),
+                       predicted_trees=wire(per_level, ring=not gpu),
+                       textbook=wire(per_level, ring=False), headers=float(headers),
+                       counted=counted, not_counted=why)  # fmt: skip
 
 
 def check_device(device: str, tier: str) -> None:
@@ -310,5 +345,6 @@ def check_device(device: str, tier: str) -> None:
     if device.startswith("cuda") and tier == "cpu":
         raise ClusterError(
             f"device={device!r} needs a CUDA GPU, and this machine's tier is 'cpu': use "
-            "device='cpu' here; on a GPU machine install the `xgboost` wheel (the CUDA build, "
-            "same version as xgboost-cpu) and the `rapids` extra")
+            "device='cpu' here; on a GPU machine replace the CPU-only wheel with the CUDA one "
+            "(`pip uninstall -y xgboost-cpu && pip install xgboost==<the same version>`: both "
+            "wheels own the `xgboost` package) and install the `rapids` extra")
