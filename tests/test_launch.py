@@ -849,6 +849,7 @@ def test_cpu_ranks_are_bounded_by_the_cores_unless_oversubscribed(monkeypatch):
 _HOLD_EVERY_PORT = """
 import socket, sys
 from labkit.jobs import launch
+from labkit.workers._faults import FaultsConfig as Faults
 low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
 held = []
 for port in range(low, high + 1):  # take every port of the (narrowed) ephemeral range
