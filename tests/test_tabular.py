@@ -302,6 +302,29 @@ def test_the_task_stream_reads_per_worker_time():
     assert "2 tasks" in s.describe()
 
 
+def test_a_second_cluster_on_the_machine_takes_no_fixed_port():
+    """dask's default HTTP port (8787) held, as by another learner's cluster on a shared server:
+    the cluster still starts, and says nothing about it under the cell."""
+    import warnings
+
+    from labkit.tabular import cluster
+
+    holder = socket.socket()
+    try:
+        holder.bind(("127.0.0.1", 8787))
+        holder.listen()
+    except OSError:
+        pass  # held already: the case this test is about
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with cluster.local_workers(1):
+                pass
+    finally:
+        holder.close()
+    assert not [w for w in seen if "8787" in str(w.message)]
+
+
 def test_a_killed_worker_is_reported_with_the_fix_and_nothing_survives():
     workers = cluster.open_workers(2)
     try:

@@ -133,11 +133,17 @@ def _port_message(port: int) -> str:
             f"process that holds it with `ss -ltnp 'sport = :{port}'` and stop it")
 
 
+# The scheduler's HTTP server (its /health and /metrics, and the dashboard where bokeh is
+# installed): None does not switch it off but takes dask's default, port 8787, which a second
+# learner on a shared server already holds (a warning under the cell); ":0" lets the system pick.
+HTTP_ADDRESS = ":0"
+
+
 def _cpu_cluster(n: int, threads_per_worker: int, port: int, memory_limit: str | int) -> Any:
     from distributed import LocalCluster
 
     return LocalCluster(n_workers=n, threads_per_worker=threads_per_worker, processes=True,
-                        scheduler_port=port, dashboard_address=None, memory_limit=memory_limit,
+                        scheduler_port=port, dashboard_address=HTTP_ADDRESS, memory_limit=memory_limit,
                         host="127.0.0.1", worker_dashboard_address=None)  # fmt: skip
 
 
@@ -148,7 +154,7 @@ def _cuda_cluster(n: int, port: int, cuda_kwargs: dict[str, Any]) -> Any:
         raise MissingExtra(f"device='cuda' starts a dask_cuda.LocalCUDACluster, and dask-cuda is "
                            f"not installed ({err}): install the GPU stack with "
                            f"`{RAPIDS_INSTALL}`") from None  # fmt: skip
-    return LocalCUDACluster(n_workers=n, scheduler_port=port, dashboard_address=None,
+    return LocalCUDACluster(n_workers=n, scheduler_port=port, dashboard_address=HTTP_ADDRESS,
                             **cuda_kwargs)  # fmt: skip
 
 
