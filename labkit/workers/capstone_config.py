@@ -35,7 +35,8 @@ KNOBS: dict[str, Any] = {
 }  # fmt: skip
 """Every knob and its healthy value (the worker's module docstring says what each does)."""
 SIZES: dict[str, Any] = {"steps": 8, "epoch_steps": 4, "loader_passes": 200, "profile_steps": 2,
-                         "eval_batches": 4, "seed": 0, "lr": 1e-3, "model": SMOKE_MODEL}  # fmt: skip
+                         "checkpoint_every": 8, "eval_batches": 4, "seed": 0, "lr": 1e-3,
+                         "model": SMOKE_MODEL}  # fmt: skip
 """The job's size and recipe, which name no fault: the spec may show them."""
 DEFAULTS: dict[str, Any] = {**KNOBS, **SIZES}
 """The worker's whole config, flat, with the healthy job's values."""
@@ -54,6 +55,9 @@ class CapstoneConfig(WorkerConfig):
     """The cost of tokenising one item (passes over its text)."""
     profile_steps: int = SIZES["profile_steps"]
     """Steps traced by the profiler after the timed ones."""
+    checkpoint_every: int = SIZES["checkpoint_every"]
+    """Rank 0 saves a checkpoint after every this many steps (0: never), as a DDP job does:
+    one rank writes while the others go on to the next all-reduce and wait for it there."""
     eval_batches: int = SIZES["eval_batches"]
     """Batches per validation."""
     seed: int = SIZES["seed"]
@@ -78,7 +82,7 @@ class CapstoneConfig(WorkerConfig):
             raise validate.refuse("model", self.model, "a ModelConfig, or a dict of its fields")
         for name in ("steps", "epoch_steps", "eval_batches"):
             validate.whole(name, getattr(self, name), low=1)
-        for name in ("loader_passes", "profile_steps", "seed"):
+        for name in ("loader_passes", "profile_steps", "checkpoint_every", "seed"):
             validate.whole(name, getattr(self, name), low=0)
         validate.positive("lr", self.lr)
 

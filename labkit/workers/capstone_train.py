@@ -14,6 +14,8 @@ would show (the tools of notebooks 00–06), raw:
   the step spends outside them is the learner's to explain), the loss, the gradient norm,
   the memory, the all-reduce calls and bytes each micro-batch's backward issued, the host
   syncs in forward and in backward (a GPU only);
+* a checkpoint every ``checkpoint_every`` steps, written by rank 0 alone (its time falls
+  outside the phases: a healthy job's slow step);
 * a profiler trace of the last ``profile_steps`` steps (not timed), with those phases as
   ``record_function``/NVTX ranges, written into the job directory;
 * facts: threads and cores, the environment's thread and NCCL variables, a few runtime flags,
@@ -44,7 +46,7 @@ healthy job; every field below but the last line's is a knob, in ``settings`` or
     optimizer      AdamW's implementation: "default", "for_loop", "foreach", "fused"
     pin_memory     on a GPU: pinned batches and non_blocking copies (True)
     vocab_size     the model's vocabulary (320: the tokeniser's 257 padded to 64s)
-    steps, epoch_steps, loader_passes, profile_steps, eval_batches, seed, lr
+    steps, epoch_steps, loader_passes, profile_steps, checkpoint_every, eval_batches, seed, lr
 """
 
 from __future__ import annotations
@@ -164,6 +166,19 @@ class Recording(Sampler[int]):
             yield i
 
 
+def _save(path: Path, state: dict[str, Any]) -> int:
+    """Write ``state`` to ``path`` durably (a temporary file, fsync, rename: a crash mid-write
+    leaves the last checkpoint whole) and return its bytes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".part")
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+    return path.stat().st_size
+
+
 def _rss_mb() -> float:
     """This process's resident memory in MiB (Linux's /proc; 0 where there is none)."""
     try:
@@ -264,6 +279,8 @@ def main(ctx: runtime.Context) -> dict[str, Any]:
         "step_s", "data_s", "forward_s", "backward_s", "optimizer_s", "losses", "grad_norm",
         "memory_mb", "allreduce_calls", "allreduce_bytes", "host_syncs", "val_losses")}  # fmt: skip
     state = {"epoch": 0, "batches": iter(())}
+    checkpoints = Path(ctx.job_dir or Path.cwd()) / "checkpoint"
+    saved: list[tuple[int, int]] = []  # (after step, bytes) of each checkpoint rank 0 wrote
     if uses_set_epoch:
         inner.set_epoch(0)
 
@@ -319,6 +336,11 @@ def main(ctx: runtime.Context) -> dict[str, Any]:
         end = clock.mark()
         if cfg["eval_every_steps"] and (step + 1) % cfg["eval_every_steps"] == 0:
             rec["val_losses"].append((step + 1, evaluate()))
+        if rank == 0 and cfg["checkpoint_every"] and (step + 1) % cfg["checkpoint_every"] == 0:
+            # Rank 0 alone writes, as DDP's tutorial does; the others wait for it at the next
+            # collective. A slow step of a healthy job, in rank 0's time outside the phases.
+            saved.append((step + 1, _save(checkpoints / "latest.pt", {
+                "step": step + 1, "model": model.state_dict(), "optimizer": opt.state_dict()})))
         synchronize(device)  # once per step: no other wait a slow setting could hide behind
         t_end = time.perf_counter()
         counter.end_step()
@@ -388,6 +410,9 @@ def main(ctx: runtime.Context) -> dict[str, Any]:
         "model": {**dataclasses.asdict(gpt), "parameters": params,
                   "gradient_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
                   "tensors": len(list(model.parameters()))},
+        "checkpoint": {"every_steps": cfg["checkpoint_every"], "writer": "rank 0",
+                       "after_steps": [s for s, _ in saved],
+                       "bytes": saved[-1][1] if saved else 0},
         "indices": epochs, "checksum": checksum, "dtype": dtype,
         "trace": str(trace) if trace is not None else None,
         "steps_timed": timed,

@@ -26,7 +26,8 @@ Each field, its unit and where it comes from (the worker, :mod:`labkit.workers.c
     host_syncs     [rank][step] host-device syncs, in forward and in backward (CUDA's sync
                    debug mode; 0 on a CPU)
     facts          per rank: threads, cores, environment (thread and NCCL variables), runtime
-                   flags, the loader, the optimizer, the model
+                   flags, the loader, the optimizer, the model, the checkpoints it wrote
+                   (rank 0 writes one every few steps: a slow step of a healthy job)
     samples        [rank][epoch] the dataset indices each rank's sampler handed out
     traces         [rank] a profiler trace (Chrome JSON) of the steps after the timed ones
 """
@@ -138,7 +139,8 @@ class Evidence:
                 "device": r["device"], "backend": r["backend"], "env": r["env"],
                 "runtime": r["runtime"], "loader": r["loader"], "optimizer": r["optimizer"],
                 "model": r["model"], "global_batch": r["global_batch"],
-                "micro_batch": r["micro_batch"], "grad_accum": r["grad_accum"]}  # fmt: skip
+                "micro_batch": r["micro_batch"], "grad_accum": r["grad_accum"],
+                "checkpoint": r.get("checkpoint", {})}  # fmt: skip
 
     # ---------------------------------------------------------------- the traces
     @property
@@ -284,6 +286,7 @@ class Evidence:
         f = self.facts(0)
         lines += [f"  runtime: {f['runtime']}", f"  loader: {_rounded(f['loader'])}",
                   f"  optimizer: {f['optimizer']}", f"  model: {f['model']}",
+                  f"  checkpoint: {f['checkpoint'] or 'none'}",
                   f"  batch: global {f['global_batch']} sequences; micro-batch "
                   f"{f['micro_batch']} × {f['grad_accum']} accumulation steps per rank"]  # fmt: skip
         return "\n".join(lines)

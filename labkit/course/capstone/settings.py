@@ -25,7 +25,10 @@ PREPARE = ("once", "per_item")
 SAMPLERS = ("distributed", "random")
 DTYPES = ("bfloat16", "float16", "float32")
 OPTIMIZERS = ("default", "for_loop", "foreach", "fused")
-STRAGGLER_DELAY_S = 0.1  # the planted slow node loses this much per step
+STRAGGLER_DELAY_S = 0.015
+"""Seconds the planted slow node loses per step: about twice the forward of the CPU tier's
+job and under the single-step spikes of a busy machine, so a look at one step or at the step
+time does not find it; its forward long in nearly every step, and the other rank's wait, do."""
 TOKENS = 257
 """The tokeniser's vocabulary: the 256 byte values and an end-of-document token. The model's
 vocabulary is this, padded up to a multiple of ``Settings.vocab_multiple``."""
