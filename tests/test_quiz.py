@@ -147,6 +147,23 @@ def test_the_heading_can_hide_the_sub_topic():
     assert quiz.DOMAINS[0] not in quiz.question_heading(q, 1, tag=False).value
 
 
+def test_a_course_item_shows_course_not_an_exam_sub_topic():
+    """N08-17: an item on the course's own machinery is asked in its notebook, never by an
+    exam, so its tag says "course" in the widget, the text and the static page."""
+    mine = quiz.Question(**{**good_question(), "tags": ["course"]})
+    exam = quiz.Question(**good_question())
+    assert (mine.label, exam.label) == ("course", quiz.DOMAINS[0])
+    assert "[course]" in quiz.question_heading(mine, 1).value
+    assert quiz.DOMAINS[0] not in quiz.question_heading(mine, 1).value
+    bank = quiz.load("08")
+    course = [n for n, q in enumerate(bank.questions, start=1) if q.course]
+    assert course, "bank 08 holds a course item (08.ring_count)"
+    text, page = quiz.as_text(bank), quiz.as_html(bank)
+    for n in course:
+        assert f"{n}. {bank.questions[n - 1].question}  [course]" in text
+    assert page.count("[course]") == len(course)
+
+
 def test_a_question_without_per_choice_feedback_is_rejected(tmp_path):
     q = good_question()
     del q["why_wrong"]

@@ -120,6 +120,12 @@ class Question:
         """True for a check on the course's own machinery, left out of the mock exam."""
         return "course" in self.tags
 
+    @property
+    def label(self) -> str:
+        """The tag shown beside the question: its exam sub-topic, or ``course`` for a check on
+        the course's own machinery, which no exam asks."""
+        return "course" if self.course else self.domain
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "choices", tuple(self.choices))
         if not (isinstance(self.id, str) and _ID.match(self.id)):
@@ -343,7 +349,7 @@ def as_text(bank: Bank | str | int) -> str:
     bank = _bank(bank)
     lines = [f"Quiz {bank.notebook}: {bank.title}", ""]
     for n, q in enumerate(bank.questions, start=1):
-        lines.append(f"{n}. {q.question}  [{q.domain}]")
+        lines.append(f"{n}. {q.question}  [{q.label}]")
         lines += [f"   {LETTERS[i]}) {c}" for i, c in enumerate(q.choices)]
         lines.append("")
     lines += ["Answers", "-------"]
@@ -369,7 +375,7 @@ def as_html(bank: Bank | str | int) -> str:
         wrong = "".join(f"<li>Not {LETTERS[i]}): {_html(why)}</li>"
                         for i, why in enumerate(q.why_wrong) if why is not None)  # fmt: skip
         parts.append(
-            f'<li><p>{_html(q.question)} <small>[{html.escape(q.domain)}]</small></p>'
+            f'<li><p>{_html(q.question)} <small>[{html.escape(q.label)}]</small></p>'
             f'<ol type="a">{choices}</ol>'
             f"<details><summary>Answer</summary>{reveal(q)}<ul>{wrong}</ul></details></li>"
         )
@@ -381,7 +387,7 @@ def question_heading(question: Question, number: int, *, tag: bool = True) -> An
     sub-topic (the mock exam hides it while it runs, as a certification exam does)."""
     import ipywidgets as w
 
-    topic = (f' <small style="color:#57606a">[{html.escape(question.domain)}]</small>'
+    topic = (f' <small style="color:#57606a">[{html.escape(question.label)}]</small>'
              if tag else "")  # fmt: skip
     return w.HTML(f"<p><b>{number}.</b> {_html(question.question)}{topic}</p>")
 
