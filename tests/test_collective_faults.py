@@ -147,7 +147,9 @@ def test_bad_config_is_refused_naming_the_fix(cfg, world, says):
 
 
 def test_run_refuses_a_config_that_cannot_plant_its_bug_before_any_launch(monkeypatch):
-    monkeypatch.setattr(cf.launch, "run", lambda *a, **k: pytest.fail("launched"))
+    from labkit.jobs import launch
+
+    monkeypatch.setattr(launch, "run", lambda *a, **k: pytest.fail("launched"))
     with pytest.raises(ValueError, match="fault_rank < nproc"):
         cf.run(cf.CollectiveFaultsConfig(fault="shape", fault_rank=3), nproc=2)
 

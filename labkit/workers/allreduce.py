@@ -58,15 +58,18 @@ import signal
 import socket
 import statistics
 import time
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as tdist
 
 from labkit import formulas, validate
-from labkit.jobs import launch, runtime
+from labkit.jobs import runtime
 from labkit.jobs.spec import WorkerConfig
 from labkit.metrics import net
+
+if TYPE_CHECKING:
+    from labkit.jobs import launch
 
 OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX}
 FAIL_HOWS = ("raise", "kill")
@@ -133,6 +136,7 @@ def preset(size: str, device: str, **fields: Any) -> AllReduceConfig:
 
 def run(config: AllReduceConfig, *, nproc: int = 2, **launch_options: Any) -> launch.JobResult:
     """Launch ``config`` on ``nproc`` ranks; ``launch_options`` go to ``launch.run``."""
+    from labkit.jobs import launch  # the caller's side: a rank never imports the launcher
     return launch.run(config, nproc=nproc, **launch_options)
 
 

@@ -20,15 +20,18 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as tdist
 
 from labkit import validate
-from labkit.jobs import launch, runtime
+from labkit.jobs import runtime
 from labkit.jobs.spec import WorkerConfig
 from labkit.workers.job_config import counts
+
+if TYPE_CHECKING:
+    from labkit.jobs import launch
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -52,6 +55,7 @@ class AllReduceSizesConfig(WorkerConfig):
 
 def run(config: AllReduceSizesConfig, *, nproc: int = 2, **launch_options: Any) -> launch.JobResult:
     """Launch ``config`` on ``nproc`` ranks; ``launch_options`` go to ``launch.run``."""
+    from labkit.jobs import launch  # the caller's side: a rank never imports the launcher
     return launch.run(config, nproc=nproc, **launch_options)
 
 

@@ -59,7 +59,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as tdist
@@ -72,7 +72,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from labkit import data
 from labkit.config import TrainConfig
-from labkit.jobs import launch, runtime
+from labkit.jobs import runtime
 from labkit.model import GPT
 from labkit.parallel import comm
 from labkit.profiling.bottlenecks import TokenizingDataset
@@ -82,6 +82,9 @@ from labkit.timing import synchronize
 from labkit.train import autocast, make_optimizer
 from labkit.workers.capstone_config import DEFAULTS as DEFAULTS
 from labkit.workers.capstone_config import CapstoneConfig
+
+if TYPE_CHECKING:
+    from labkit.jobs import launch
 
 PHASES = ("data", "forward", "backward", "optimizer")
 ENV_SHOWN = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
@@ -422,6 +425,7 @@ def main(ctx: runtime.Context) -> dict[str, Any]:
 def run(config: CapstoneConfig, *, nproc: int = 2, **launch_options: Any) -> launch.JobResult:
     """Launch ``config`` on ``nproc`` ranks (refused first if they cannot split its batch);
     ``launch_options`` go to ``launch.run``."""
+    from labkit.jobs import launch  # the caller's side: a rank never imports the launcher
     config.split(nproc)
     return launch.run(config, nproc=nproc, **launch_options)
 

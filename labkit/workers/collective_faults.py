@@ -37,15 +37,18 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as tdist
 
-from labkit.jobs import launch, runtime
+from labkit.jobs import runtime
 from labkit.workers.collective_faults_config import FAULTS as FAULTS
 from labkit.workers.collective_faults_config import CollectiveFaultsConfig as CollectiveFaultsConfig
 from labkit.workers.collective_faults_config import planned as planned
+
+if TYPE_CHECKING:
+    from labkit.jobs import launch
 
 _FOREVER_S = 3600.0
 
@@ -53,6 +56,7 @@ _FOREVER_S = 3600.0
 def run(config: CollectiveFaultsConfig, *, nproc: int = 2, **launch_options: Any) -> launch.JobResult:
     """Launch ``config`` on ``nproc`` ranks (refused first if it cannot plant its bug there);
     ``launch_options`` go to ``launch.run``."""
+    from labkit.jobs import launch  # the caller's side: a rank never imports the launcher
     config.check_ranks(nproc)
     return launch.run(config, nproc=nproc, **launch_options)
 

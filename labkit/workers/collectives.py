@@ -26,16 +26,19 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as tdist
 
 from labkit import formulas, validate
-from labkit.jobs import launch, runtime
+from labkit.jobs import runtime
 from labkit.jobs.spec import WorkerConfig
 from labkit.parallel import comm
 from labkit.workers.job_config import counts
+
+if TYPE_CHECKING:
+    from labkit.jobs import launch
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 DEFAULT_SIZES = tuple(8 * 4**k for k in range(12))  # 8 B, 32 B, ..., 32 MiB
@@ -66,6 +69,7 @@ class CollectivesConfig(WorkerConfig):
 
 def run(config: CollectivesConfig, *, nproc: int = 2, **launch_options: Any) -> launch.JobResult:
     """Launch ``config`` on ``nproc`` ranks; ``launch_options`` go to ``launch.run``."""
+    from labkit.jobs import launch  # the caller's side: a rank never imports the launcher
     return launch.run(config, nproc=nproc, **launch_options)
 
 

@@ -31,7 +31,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist_c
@@ -40,10 +40,13 @@ import torch.nn.functional as F
 from labkit import memory
 from labkit import validate as checks  # `validate` is this module's own, older name
 from labkit.batching.trials import LiveTensorBytes
-from labkit.jobs import launch, runtime
+from labkit.jobs import runtime
 from labkit.jobs.spec import WorkerConfig
 from labkit.parallel import context
 from labkit.workers.job_config import some_of
+
+if TYPE_CHECKING:
+    from labkit.jobs import launch
 
 PARTS = ("parity", "grad", "memory", "time", "torch")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -97,6 +100,7 @@ def validate(conf: dict[str, Any] | CPAttentionConfig, world_size: int) -> dict[
 def run(config: CPAttentionConfig, *, nproc: int = 2, **launch_options: Any) -> launch.JobResult:
     """Launch ``config`` on ``nproc`` ranks (refused first unless they split its sequence);
     ``launch_options`` go to ``launch.run``."""
+    from labkit.jobs import launch  # the caller's side: a rank never imports the launcher
     validate(config, nproc)
     return launch.run(config, nproc=nproc, **launch_options)
 

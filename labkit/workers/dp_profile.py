@@ -39,7 +39,7 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch.profiler import profile, schedule
@@ -47,7 +47,7 @@ from torch.profiler import profile, schedule
 from labkit import config as lk_config
 from labkit import data, train, validate
 from labkit.config import ModelConfig
-from labkit.jobs import launch, runtime
+from labkit.jobs import runtime
 from labkit.jobs.spec import WorkerConfig
 from labkit.model import GPT
 from labkit.parallel.ddp import TorchDDP
@@ -56,6 +56,9 @@ from labkit.profiling.capture import activities, quiet_kineto
 from labkit.profiling.nsight import NsysCommand, NsysTorchrunCommand, cuda_profiler_capture
 from labkit.profiling.phases import COMMUNICATION, phase
 from labkit.validate import InvalidValue
+
+if TYPE_CHECKING:
+    from labkit.jobs import launch
 
 MODULE = "labkit.workers.dp_profile"
 STRATEGIES = ("naive", "ddp")
@@ -281,6 +284,7 @@ def nsys_command(config: DPProfileConfig, *, nproc: int, out_dir: str | Path,
 def run(config: DPProfileConfig, *, nproc: int = 2, **launch_kwargs: Any) -> launch.JobResult:
     """Check ``config`` against ``nproc`` ranks (ValueError before anything starts), then launch
     the job."""
+    from labkit.jobs import launch  # the caller's side: a rank never imports the launcher
     return launch.run(_checked(config, nproc), nproc=nproc, **launch_kwargs)
 
 

@@ -29,14 +29,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as tdist
 from torch import nn
 
 from labkit import formulas, validate
-from labkit.jobs import launch, runtime
+from labkit.jobs import runtime
 from labkit.memory import storage_bytes
 from labkit.metrics import net
 from labkit.model import GPT
@@ -51,6 +51,9 @@ from labkit.parallel.dp_config import (
     optimizer_factory,
 )
 from labkit.train import Batch, make_scaler, train_step
+
+if TYPE_CHECKING:
+    from labkit.jobs import launch
 
 MODULE = "labkit.workers.dp_train"
 # What gloo cannot do on GPU tensors that this worker does (runtime.require_gpu_backend).
@@ -536,6 +539,7 @@ def run(
 ) -> launch.JobResult:
     """Check ``config`` against ``nproc`` ranks and the backend (ValueError before anything
     starts), then launch."""
+    from labkit.jobs import launch  # the caller's side: a rank never imports the launcher
     if not isinstance(config, DPTrainConfig):
         raise validate.refuse("config", config, "a DPTrainConfig (DPTrainConfig(**fields) "
                               "builds one from a dict of its fields)")  # fmt: skip

@@ -39,14 +39,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as tdist
 
 from labkit import data, timing
 from labkit.config import ModelConfig
-from labkit.jobs import launch, runtime
+from labkit.jobs import runtime
 from labkit.memory import optimizer_state_tensors, storage_bytes
 from labkit.model import GPT
 from labkit.parallel import compose, mesh, tensor
@@ -54,6 +54,9 @@ from labkit.parallel.dp_config import local
 from labkit.train import make_optimizer
 from labkit.validate import InvalidValue
 from labkit.workers.job_config import GPTTrainingConfig, some_of
+
+if TYPE_CHECKING:
+    from labkit.jobs import launch
 
 DEFAULT_MODEL = {"seq_len": 32, "n_layer": 2, "n_head": 4, "d_model": 64}
 PARTS = ("groups", "fsdp_tp", "hsdp")
@@ -146,6 +149,7 @@ def validate(conf: MeshTrainConfig | dict[str, Any], world_size: int) -> dict[st
 def run(config: MeshTrainConfig, *, nproc: int = 4, **launch_options: Any) -> launch.JobResult:
     """Launch ``config`` on ``nproc`` ranks (refused first unless every mesh has one cell per
     rank); ``launch_options`` go to ``launch.run``."""
+    from labkit.jobs import launch  # the caller's side: a rank never imports the launcher
     validate(config, nproc)
     return launch.run(config, nproc=nproc, **launch_options)
 

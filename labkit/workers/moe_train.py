@@ -28,17 +28,20 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as torch_dist
 
 from labkit import data, timing, validate
 from labkit.config import ModelConfig
-from labkit.jobs import launch, runtime
+from labkit.jobs import runtime
 from labkit.model import GPT
 from labkit.parallel import expert
 from labkit.workers.job_config import GPTJobConfig
+
+if TYPE_CHECKING:
+    from labkit.jobs import launch
 
 DEFAULT_MODEL = {"seq_len": 32, "n_layer": 1, "n_head": 4, "d_model": 64}
 IMPLS = ("ours", "torch")
@@ -78,6 +81,7 @@ class MoETrainConfig(GPTJobConfig):
 def run(config: MoETrainConfig, *, nproc: int = 2, **launch_options: Any) -> launch.JobResult:
     """Launch ``config`` on ``nproc`` ranks (refused first if they cannot split its experts);
     ``launch_options`` go to ``launch.run``."""
+    from labkit.jobs import launch  # the caller's side: a rank never imports the launcher
     expert.validate_moe(config.n_experts, config.top_k, nproc)
     return launch.run(config, nproc=nproc, **launch_options)
 

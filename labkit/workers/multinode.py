@@ -26,7 +26,7 @@ import dataclasses
 import os
 import socket
 import time
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as tdist
@@ -34,8 +34,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from labkit import validate
-from labkit.jobs import launch, runtime
+from labkit.jobs import runtime
 from labkit.jobs.spec import WorkerConfig
+
+if TYPE_CHECKING:
+    from labkit.jobs import launch
 
 IN, HIDDEN = 8, 4
 
@@ -69,6 +72,7 @@ class MultinodeConfig(WorkerConfig):
 def run(config: MultinodeConfig, *, nproc: int = 2, **launch_options: Any) -> launch.JobResult:
     """Launch ``config`` on ``nproc`` ranks (per node, with ``nodes=``); ``launch_options`` go to
     ``launch.run``."""
+    from labkit.jobs import launch  # the caller's side: a rank never imports the launcher
     return launch.run(config, nproc=nproc, **launch_options)
 
 

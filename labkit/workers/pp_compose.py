@@ -55,14 +55,14 @@ import dataclasses
 import functools
 import statistics
 import time
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as tdist
 
 from labkit import validate
 from labkit.config import ModelConfig, TrainConfig
-from labkit.jobs import launch, runtime
+from labkit.jobs import runtime
 from labkit.memory import optimizer_state_tensors, storage_bytes
 from labkit.parallel import comm, pipeline, schedules
 from labkit.parallel.timeline import bubble_from_events, common_t0
@@ -71,6 +71,9 @@ from labkit.timing import synchronize
 from labkit.train import make_optimizer
 from labkit.workers.job_config import GPTJobConfig, some_of
 from labkit.workers.pp_train import DEFAULT_MODEL, build_model, make_batch
+
+if TYPE_CHECKING:
+    from labkit.jobs import launch
 
 PARTS = ("dp_pp", "schedules", "layouts")
 
@@ -145,6 +148,7 @@ def run(config: PPComposeConfig, *, nproc: int, **launch_options: Any) -> launch
     """Launch ``config`` on ``nproc`` ranks (refused first if its part cannot run on them);
     ``launch_options`` go to ``launch.run``. No default ``nproc``: each part wants its own
     (dp_pp pp × dp, schedules 2, layouts 4)."""
+    from labkit.jobs import launch  # the caller's side: a rank never imports the launcher
     config.check_ranks(nproc)
     return launch.run(config, nproc=nproc, **launch_options)
 

@@ -29,19 +29,22 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as tdist
 
 from labkit import data, formulas, validate
 from labkit.config import ModelConfig
-from labkit.jobs import launch, runtime
+from labkit.jobs import runtime
 from labkit.model import GPT
 from labkit.parallel import pipeline
 from labkit.parallel.timeline import bubble_from_events, common_t0
 from labkit.workers import job_config
 from labkit.workers.job_config import GPTJobConfig, some_of
+
+if TYPE_CHECKING:
+    from labkit.jobs import launch
 
 DEFAULT_MODEL = {"seq_len": 32, "n_layer": 4, "n_head": 2, "d_model": 64}
 PARTITIONS = ("params", "time")
@@ -83,6 +86,7 @@ class PPTrainConfig(GPTJobConfig):
 
 def run(config: PPTrainConfig, *, nproc: int = 2, **launch_options: Any) -> launch.JobResult:
     """Launch ``config`` on ``nproc`` ranks; ``launch_options`` go to ``launch.run``."""
+    from labkit.jobs import launch  # the caller's side: a rank never imports the launcher
     return launch.run(config, nproc=nproc, **launch_options)
 
 

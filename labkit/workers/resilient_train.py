@@ -39,7 +39,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as tdist
@@ -48,11 +48,14 @@ from labkit import validate
 from labkit.config import ModelConfig, TrainConfig
 from labkit.data import fixed_batches
 from labkit.formulas.checkpoints import predicted_lost_steps as predicted_lost_steps
-from labkit.jobs import checkpoint, launch, runtime
+from labkit.jobs import checkpoint, runtime
 from labkit.jobs.spec import WorkerConfig
 from labkit.model import GPT
 from labkit.train import lr_at, make_optimizer, set_lr, train_step
 from labkit.validate import InvalidValue
+
+if TYPE_CHECKING:
+    from labkit.jobs import launch
 
 _IMPORTED = time.time()
 MODULE = "labkit.workers.resilient_train"
@@ -315,6 +318,7 @@ def run(config: ResilientTrainConfig, *, nproc: int = 2, max_restarts: int = 1,
     launch with torchrun allowed ``max_restarts`` restarts (the launcher gives each attempt
     its own rendezvous store).
     """
+    from labkit.jobs import launch  # the caller's side: a rank never imports the launcher
     if not isinstance(config, ResilientTrainConfig):
         raise validate.refuse("config", config, "a ResilientTrainConfig (ResilientTrainConfig(**fields) "
                               "builds one from a dict of its fields)")  # fmt: skip

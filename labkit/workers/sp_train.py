@@ -33,17 +33,20 @@ import copy
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from labkit import data, validate
 from labkit.config import ModelConfig, TrainConfig
-from labkit.jobs import launch, runtime
+from labkit.jobs import runtime
 from labkit.model import GPT
 from labkit.parallel import comm, sequence, tensor
 from labkit.train import make_optimizer
 from labkit.workers.job_config import GPTTrainingConfig, some_of
+
+if TYPE_CHECKING:
+    from labkit.jobs import launch
 
 DEFAULT_MODEL = {"seq_len": 32, "n_layer": 2, "n_head": 4, "d_model": 64}
 PARTS = ("tp", "ours", "dtensor")
@@ -69,6 +72,7 @@ class SPTrainConfig(GPTTrainingConfig):
 
 def run(config: SPTrainConfig, *, nproc: int = 2, **launch_options: Any) -> launch.JobResult:
     """Launch ``config`` on ``nproc`` ranks; ``launch_options`` go to ``launch.run``."""
+    from labkit.jobs import launch  # the caller's side: a rank never imports the launcher
     return launch.run(config, nproc=nproc, **launch_options)
 
 

@@ -32,17 +32,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from labkit import data, timing
 from labkit.config import ModelConfig, TrainConfig
-from labkit.jobs import launch, runtime
+from labkit.jobs import runtime
 from labkit.model import GPT
 from labkit.parallel import tensor
 from labkit.train import make_optimizer
 from labkit.workers.job_config import GPTTrainingConfig, some_of
+
+if TYPE_CHECKING:
+    from labkit.jobs import launch
 
 DEFAULT_MODEL = {"seq_len": 32, "n_layer": 2, "n_head": 4, "d_model": 64}
 PARTS = ("linear", "gpt", "dtensor")
@@ -64,6 +67,7 @@ class TPTrainConfig(GPTTrainingConfig):
 
 def run(config: TPTrainConfig, *, nproc: int = 2, **launch_options: Any) -> launch.JobResult:
     """Launch ``config`` on ``nproc`` ranks; ``launch_options`` go to ``launch.run``."""
+    from labkit.jobs import launch  # the caller's side: a rank never imports the launcher
     return launch.run(config, nproc=nproc, **launch_options)
 LINEAR_SHAPE = (16, 24)  # in_features, out_features of the layer the linear part splits
 LINEAR_INPUT = (3, 5, 16)  # (B, T, in_features)
