@@ -62,8 +62,9 @@ def lagging_rank(e: Evidence) -> tuple[int, int, float, int] | None:
     in how many steps the slow rank's forward is the longer) when one rank's forward is longer
     than another's by more than half that other's forward in at least 4 steps of 5, and the
     other waits for it in backward (its backward longer by half that gap); else None. Noise
-    comes and goes between identical ranks (measured on 2 busy cores: the gap exceeded in 4
-    steps of 5 is under 0 ms), a slow rank does not."""
+    comes and goes between identical ranks, a slow rank does not: measured at lab size, the gap
+    exceeded in 4 steps of 5 is -0.1 ms between healthy ranks (0.0 on 2 busy cores) and 15.3 ms
+    with the planted 15 ms (13.3 on busy cores)."""
     fwd, bwd = e.phase_ms("forward"), e.phase_ms("backward")
     slow = max(range(e.world_size), key=lambda r: median(fwd[r]))
     for r in range(e.world_size):
